@@ -1,0 +1,116 @@
+"""Length-prefixed msgpack frames: a 4-byte big-endian unsigned length, then one msgpack map.
+
+Why length prefixes rather than newline-delimited JSON: request and response bodies travel as raw
+bytes (so the front can forward the worker's JSON byte for byte), and a reader can check the size
+before it allocates anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Any, BinaryIO
+
+import msgpack
+
+HEADER = struct.Struct(">I")
+# Large enough for an 8 MiB request body plus envelope; every limit flag is checked against it.
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+
+class FrameError(Exception):
+    """The byte stream does not hold a valid frame; the channel cannot be trusted any more."""
+
+
+class FrameTruncated(FrameError):
+    """The stream ended inside a frame (after part of its header or payload)."""
+
+
+class FrameTooLarge(FrameError):
+    """The announced length is above the maximum; nothing was allocated for it."""
+
+
+class FrameDecodeError(FrameError):
+    """The payload is not one msgpack map."""
+
+
+def encode_frame(message: dict[str, Any], max_size: int = MAX_FRAME_BYTES) -> bytes:
+    """Serialise one message as header + payload."""
+    payload = msgpack.packb(message, use_bin_type=True)
+    if len(payload) > max_size:
+        raise FrameTooLarge(f"frame of {len(payload)} bytes exceeds the maximum of {max_size}")
+    return HEADER.pack(len(payload)) + payload
+
+
+def decode_payload(payload: bytes) -> dict[str, Any]:
+    """Decode a frame's payload, insisting on a single map with a string `kind`."""
+    try:
+        message = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated exception types
+        raise FrameDecodeError(f"undecodable frame payload: {exc}") from exc
+    if not isinstance(message, dict):
+        raise FrameDecodeError(f"frame payload is a {type(message).__name__}, not a map")
+    if not isinstance(message.get("kind"), str):
+        raise FrameDecodeError("frame payload has no string 'kind'")
+    return message
+
+
+def _check_length(header: bytes, max_size: int) -> int:
+    (length,) = HEADER.unpack(header)
+    if length > max_size:
+        raise FrameTooLarge(f"announced frame of {length} bytes exceeds the maximum of {max_size}")
+    return length
+
+
+async def read_frame(
+    reader: asyncio.StreamReader, max_size: int = MAX_FRAME_BYTES
+) -> dict[str, Any] | None:
+    """Read one frame from an asyncio stream; None on a clean end of stream between frames."""
+    try:
+        header = await reader.readexactly(HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise FrameTruncated(f"stream ended after {len(exc.partial)} header bytes") from exc
+    length = _check_length(header, max_size)
+    try:
+        payload = await reader.readexactly(length)
+    except asyncio.IncompleteReadError as exc:
+        raise FrameTruncated(
+            f"stream ended after {len(exc.partial)} of {length} payload bytes"
+        ) from exc
+    return decode_payload(payload)
+
+
+def _read_exactly(stream: BinaryIO, size: int) -> bytes:
+    chunks: list[bytes] = []
+    remaining = size
+    while remaining:
+        chunk = stream.read(remaining)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame_blocking(
+    stream: BinaryIO, max_size: int = MAX_FRAME_BYTES
+) -> dict[str, Any] | None:
+    """Read one frame from a blocking binary stream; None on a clean end of stream."""
+    header = _read_exactly(stream, HEADER.size)
+    if not header:
+        return None
+    if len(header) < HEADER.size:
+        raise FrameTruncated(f"stream ended after {len(header)} header bytes")
+    length = _check_length(header, max_size)
+    payload = _read_exactly(stream, length)
+    if len(payload) < length:
+        raise FrameTruncated(f"stream ended after {len(payload)} of {length} payload bytes")
+    return decode_payload(payload)
+
+
+def write_frame_blocking(stream: BinaryIO, message: dict[str, Any]) -> None:
+    """Write one frame and flush it, so the peer sees it at once."""
+    stream.write(encode_frame(message))
+    stream.flush()

@@ -1,0 +1,94 @@
+"""Model and request-limit flags, defined once and shared by `clef-serve` and `clef_worker`.
+
+The front parses them, then hands the same values to the worker command line via `worker_argv`,
+so a flag added here reaches both processes without a second definition.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+VARIANTS = ("clef-flash", "clef")
+DEVICES_HELP = "auto, cpu, cuda or cuda:N"
+DTYPES = ("auto", "bfloat16", "float32")
+GDN_PATHS = ("auto", "fla", "torch")
+EXECUTORS = ("native", "release")
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Caps a request must respect before it may reach the model."""
+
+    max_length: int = 16384
+    max_questions: int = 64
+    max_choice_options: int = 255
+    max_score_levels: int = 10
+
+
+def _device(value: str) -> str:
+    if value in ("auto", "cpu", "cuda"):
+        return value
+    if value.startswith("cuda:") and value[5:].isdigit():
+        return value
+    raise argparse.ArgumentTypeError(f"invalid device {value!r}: expected {DEVICES_HELP}")
+
+
+def _positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags that choose and shape the model; the worker receives all of them."""
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", default="demo",
+                       help="snapshot directory, or 'demo' for the built-in tiny random snapshot")
+    group.add_argument("--variant", choices=VARIANTS, default="clef-flash",
+                       help="which release the snapshot must be (checked against its shapes)")
+    group.add_argument("--device", type=_device, default="auto", help=DEVICES_HELP)
+    group.add_argument("--dtype", choices=DTYPES, default="auto",
+                       help="auto: bfloat16 on CUDA, float32 on CPU")
+    group.add_argument("--gdn-prefill", choices=GDN_PATHS, default="auto",
+                       help="Gated DeltaNet prefill kernel: fla (CUDA only) or torch")
+    group.add_argument("--executor", choices=EXECUTORS, default="native",
+                       help="native (this project's code) or release (runs the snapshot's own "
+                            "joint_schema_model.py: only for snapshots you trust)")
+    limits = parser.add_argument_group("request limits")
+    limits.add_argument("--max-length", type=_positive, default=RequestLimits.max_length,
+                        help="token budget per request (state is cut to fit)")
+    limits.add_argument("--max-questions", type=_positive, default=RequestLimits.max_questions)
+    limits.add_argument("--max-options", type=_positive, default=RequestLimits.max_choice_options,
+                        help="options per choice question")
+    limits.add_argument("--max-levels", type=_positive, default=RequestLimits.max_score_levels,
+                        help="levels per score question")
+
+
+def limits_from(args: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(
+        max_length=args.max_length,
+        max_questions=args.max_questions,
+        max_choice_options=args.max_options,
+        max_score_levels=args.max_levels,
+    )
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """The model and limit flags as worker command-line arguments."""
+    return [
+        "--model", str(args.model),
+        "--variant", args.variant,
+        "--device", args.device,
+        "--dtype", args.dtype,
+        "--gdn-prefill", args.gdn_prefill,
+        "--executor", args.executor,
+        "--max-length", str(args.max_length),
+        "--max-questions", str(args.max_questions),
+        "--max-options", str(args.max_options),
+        "--max-levels", str(args.max_levels),
+    ]

@@ -1,0 +1,53 @@
+"""The executor interface: what the worker loop needs from a model implementation.
+
+The loop (clef_worker.main) knows nothing about Clef: it loads an executor, warms it up, then
+feeds it request bodies. Swapping the native executor for the release's own code, or a test
+double, changes nothing else in the worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class StartupError(Exception):
+    """The executor cannot start (missing file, wrong shapes, missing kernel...).
+
+    The message is sent to the front in a `fatal` frame and shown to the operator verbatim, so it
+    must name what is wrong (the file, the tensor, the flag).
+    """
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    """What the `ready` frame and `/health` report about the loaded model."""
+
+    model: str
+    variant: str
+    device: str
+    dtype: str
+    gdn_path: str
+    versions: dict[str, str] = field(default_factory=dict)
+    demo: bool = False
+    snapshot: str = ""
+
+
+class Executor(Protocol):
+    """A loaded model that answers `/v1/systemone` bodies, one at a time, on the calling thread."""
+
+    def describe(self) -> ExecutorInfo:
+        """Identify the model and how it runs."""
+        ...
+
+    def warm_up(self) -> None:
+        """Run representative forwards so the first real request pays no first-touch cost."""
+        ...
+
+    def answer(self, body: bytes) -> bytes:
+        """Answer one raw request body with the final response JSON bytes.
+
+        Raise `clef_protocol.validation.RequestInvalid` for a request the model must refuse (the
+        worker answers 422 with its message); any other exception becomes a 500.
+        """
+        ...
