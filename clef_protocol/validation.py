@@ -1,6 +1,10 @@
-"""Request validation (contract row 12 -> 422), shared by the front and the worker.
+"""Request validation (http-contract row 12 -> 422), shared by the front and the worker.
 
-(being written; interface fixed)
+The first three of the reference's checks keep its exact messages and order (clef-model.md §2).
+The fourth (the token budget) needs the tokenizer and lives in the worker's encoder. Everything
+the reference leaves unchecked, and crashes or misbehaves on, gets a clear message here instead,
+so no request that could crash the model is ever admitted. The front runs this before admission;
+the worker runs it again before encoding (it must never trust its input).
 """
 
 from __future__ import annotations
@@ -9,11 +13,66 @@ from typing import Any
 
 from clef_protocol.options import RequestLimits
 
+QUESTION_TYPES = ("noul", "choice", "score")
+
+MODEL_AND_STATE = "model and state are required"
+AT_LEAST_ONE_QUESTION = "at least one question is required"
+MEDIA_UNSUPPORTED = "images and videos are not supported yet"
+
 
 class RequestInvalid(ValueError):
     """The request is well-formed JSON but cannot be answered; str(exc) is the 422 detail."""
 
 
+def _check_question(qid: str, question: Any, limits: RequestLimits) -> None:
+    if not isinstance(question, dict):
+        raise RequestInvalid(f"{qid}: question must be an object")
+    qtype = question.get("type")
+    if not isinstance(qtype, str) or qtype not in QUESTION_TYPES:
+        raise RequestInvalid(f"{qid}: type must be noul, choice, or score")
+    criteria = question.get("criteria")
+    if qtype != "noul" and not criteria:
+        raise RequestInvalid(f"{qid}: criteria must not be empty")
+    if qtype == "choice":
+        if not isinstance(criteria, dict):
+            raise RequestInvalid(
+                f"{qid}: choice criteria must be an object mapping option ids to descriptions"
+            )
+        if len(criteria) > limits.max_choice_options:
+            raise RequestInvalid(
+                f"{qid}: {len(criteria)} options; maximum is {limits.max_choice_options}"
+            )
+    elif qtype == "score":
+        if not isinstance(criteria, list):
+            raise RequestInvalid(
+                f"{qid}: score criteria must be an array of level descriptions, low to high"
+            )
+        if len(criteria) > limits.max_score_levels:
+            raise RequestInvalid(
+                f"{qid}: {len(criteria)} levels; maximum is {limits.max_score_levels}"
+            )
+    elif criteria and not isinstance(criteria, dict):
+        # A falsy value (null, {}, [], "") means "no override", as in the reference.
+        raise RequestInvalid(
+            f"{qid}: noul criteria must be an object overriding the true and false descriptions"
+        )
+    if qid == "" and not question.get("instructions"):
+        # The instruction would be the empty id: an empty span whose mean is NaN.
+        raise RequestInvalid("an empty question id needs non-empty instructions")
+
+
 def validate_request(request: dict[str, Any], limits: RequestLimits) -> None:
-    """Raise RequestInvalid with the first failing rule's message."""
-    raise NotImplementedError
+    """Raise RequestInvalid with the first failing rule's message; return None if valid."""
+    if not isinstance(request.get("model"), str) or "state" not in request:
+        raise RequestInvalid(MODEL_AND_STATE)
+    questions = request.get("questions")
+    if not isinstance(questions, dict) or not questions:
+        raise RequestInvalid(AT_LEAST_ONE_QUESTION)
+    if len(questions) > limits.max_questions:
+        raise RequestInvalid(
+            f"{len(questions)} questions; maximum is {limits.max_questions}"
+        )
+    for qid, question in questions.items():
+        _check_question(qid, question, limits)
+    if request.get("images") or request.get("videos"):
+        raise RequestInvalid(MEDIA_UNSUPPORTED)
