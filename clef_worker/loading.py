@@ -1,0 +1,44 @@
+"""Choose and load the executor named by the worker's flags.
+
+Heavy imports (torch, transformers) happen inside the chosen executor's module, after the stdio
+channel is claimed and the gdn-prefill guard has had its chance to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from clef_protocol.options import limits_from
+from clef_worker.executor import Executor, StartupError
+
+
+def resolve_snapshot(model: str) -> tuple[Path, bool]:
+    """Map `--model` to a snapshot directory; `demo` generates the built-in one on first use."""
+    if model == "demo":
+        from clef_worker.demo import ensure_demo_snapshot
+
+        return ensure_demo_snapshot(), True
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise StartupError(f"--model {model}: no such snapshot directory")
+    return path.resolve(), False
+
+
+def load_executor(args: argparse.Namespace) -> Executor:
+    """Load the executor the flags ask for; StartupError names what is wrong."""
+    snapshot, demo = resolve_snapshot(args.model)
+    limits = limits_from(args)
+    if args.executor == "release":
+        from clef_worker.release import ReleaseExecutor
+
+        return ReleaseExecutor.load(
+            snapshot, variant=args.variant, device=args.device, dtype=args.dtype,
+            gdn_prefill=args.gdn_prefill, limits=limits,
+        )
+    from clef_worker.native import NativeExecutor
+
+    return NativeExecutor.load(
+        snapshot, variant=args.variant, device=args.device, dtype=args.dtype,
+        gdn_prefill=args.gdn_prefill, limits=limits, demo=demo,
+    )

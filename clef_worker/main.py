@@ -1,0 +1,122 @@
+"""The worker process: claim the channel, load, warm up, report `ready`, then serve forever.
+
+Everything runs on the main thread, the thread that initialised CUDA: the whole point of the
+worker is that the per-thread CUDA first-touch cost is paid once, at start-up, not per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import BinaryIO
+
+from clef_protocol import messages
+from clef_protocol.body import BadRequestBody
+from clef_protocol.frames import FrameError, read_frame_blocking, write_frame_blocking
+from clef_protocol.options import add_model_arguments
+from clef_protocol.validation import RequestInvalid
+from clef_worker.executor import Executor, StartupError
+
+log = logging.getLogger("clef_worker")
+
+INFERENCE_FAILED = "inference failed"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m clef_worker",
+        description="clef-serve worker: speaks length-prefixed msgpack frames on stdin/stdout.",
+    )
+    add_model_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def _elapsed_ms(start: float) -> float:
+    return round((time.perf_counter() - start) * 1000.0, 3)
+
+
+def handle_request(executor: Executor, message: dict) -> dict:
+    """Answer one `request` frame; every outcome is a reply frame, never an exception."""
+    request_id = message.get("id")
+    body = message.get("body")
+    start = time.perf_counter()
+    if not isinstance(body, bytes):
+        return messages.error(request_id, 400, "request frame has no body", _elapsed_ms(start))
+    try:
+        answer = executor.answer(body)
+    except RequestInvalid as exc:
+        return messages.error(request_id, 422, str(exc), _elapsed_ms(start))
+    except BadRequestBody as exc:
+        return messages.error(request_id, 400, str(exc), _elapsed_ms(start))
+    except Exception:
+        # The cause goes to the log, never to the client (http-contract row 13).
+        log.error("request %s failed:\n%s", request_id, traceback.format_exc())
+        return messages.error(request_id, 500, INFERENCE_FAILED, _elapsed_ms(start))
+    return messages.response(request_id, answer, _elapsed_ms(start))
+
+
+def serve(executor: Executor, channel_in: BinaryIO, channel_out: BinaryIO) -> int:
+    """Read request frames until EOF or `shutdown`; one reply frame per request."""
+    while True:
+        try:
+            message = read_frame_blocking(channel_in)
+        except FrameError as exc:
+            log.error("unreadable frame from the front, exiting: %s", exc)
+            return 2
+        if message is None or message["kind"] == messages.SHUTDOWN:
+            log.info("shutting down")
+            return 0
+        if message["kind"] != messages.REQUEST:
+            log.error("unexpected %r frame from the front, exiting", message["kind"])
+            return 2
+        write_frame_blocking(channel_out, handle_request(executor, message))
+
+
+def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:
+    """Load and warm up; send `ready`, or `fatal` with a reason the operator can act on."""
+    from clef_worker.loading import load_executor
+
+    try:
+        executor = load_executor(args)
+        started = time.perf_counter()
+        executor.warm_up()
+        warmup_ms = _elapsed_ms(started)
+    except StartupError as exc:
+        reason = str(exc)
+    except Exception as exc:
+        log.error("start-up failed:\n%s", traceback.format_exc())
+        reason = f"{type(exc).__name__}: {exc}"
+    else:
+        info = executor.describe()
+        write_frame_blocking(channel_out, messages.ready(
+            pid=os.getpid(), thread=threading.current_thread().name, model=info.model,
+            variant=info.variant, device=info.device, dtype=info.dtype, gdn_path=info.gdn_path,
+            warmup_ms=warmup_ms, versions=info.versions, demo=info.demo, snapshot=info.snapshot,
+        ))
+        return executor
+    log.error("cannot start: %s", reason)
+    write_frame_blocking(channel_out, messages.fatal(reason))
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from clef_worker.stdio import claim_channel
+
+    channel_in, channel_out = claim_channel()
+    # Ctrl-C reaches the whole process group; the front decides how the worker stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO,
+        format="%(asctime)s clef-worker[%(process)d] %(levelname)s %(message)s",
+    )
+    args = parse_args(argv)
+    executor = start(args, channel_out)
+    if executor is None:
+        return 1
+    return serve(executor, channel_in, channel_out)

@@ -1,0 +1,117 @@
+"""The frame codec: round trips, and every way a stream can be broken."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import struct
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from clef_protocol import messages
+from clef_protocol.frames import (
+    FrameDecodeError,
+    FrameTooLarge,
+    FrameTruncated,
+    encode_frame,
+    read_frame,
+    read_frame_blocking,
+    write_frame_blocking,
+)
+
+
+def _read_async(data: bytes, max_size: int | None = None) -> dict | None:
+    async def go() -> dict | None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        if max_size is None:
+            return await read_frame(reader)
+        return await read_frame(reader, max_size)
+
+    return asyncio.run(go())
+
+
+def _read_both(data: bytes, max_size: int = 1 << 20) -> list[dict | None]:
+    return [read_frame_blocking(io.BytesIO(data), max_size), _read_async(data, max_size)]
+
+
+values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False)
+    | st.text() | st.binary(),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(st.dictionaries(st.text(max_size=8), values, max_size=5))
+def test_round_trip_any_map(payload: dict) -> None:
+    message = {**payload, "kind": "x"}
+    assert _read_both(encode_frame(message)) == [message, message]
+
+
+def test_header_is_big_endian_length() -> None:
+    frame = encode_frame(messages.shutdown())
+    (length,) = struct.unpack(">I", frame[:4])
+    assert length == len(frame) - 4
+
+
+def test_request_body_bytes_survive_unchanged() -> None:
+    body = b'{"model":"m","state":"\xc3\xa9"}'
+    out = io.BytesIO()
+    write_frame_blocking(out, messages.request(7, body))
+    got = read_frame_blocking(io.BytesIO(out.getvalue()))
+    assert got == {"kind": "request", "id": 7, "body": body}
+
+
+def test_clean_eof_between_frames_is_none() -> None:
+    assert _read_both(b"") == [None, None]
+    stream = io.BytesIO(encode_frame(messages.shutdown()))
+    assert read_frame_blocking(stream) == {"kind": "shutdown"}
+    assert read_frame_blocking(stream) is None
+
+
+@pytest.mark.parametrize("cut", [1, 3, 4, 6])
+def test_eof_inside_a_frame_is_truncated(cut: int) -> None:
+    data = encode_frame({"kind": "ready", "pid": 1, "pad": "x" * 10})[:cut]
+    with pytest.raises(FrameTruncated):
+        read_frame_blocking(io.BytesIO(data))
+    with pytest.raises(FrameTruncated):
+        _read_async(data)
+
+
+def test_oversize_is_refused_from_the_header_alone() -> None:
+    # Only the header is present: a reader that tried to allocate or read the payload first
+    # would report truncation instead.
+    header = struct.pack(">I", (1 << 20) + 1)
+    with pytest.raises(FrameTooLarge):
+        read_frame_blocking(io.BytesIO(header), max_size=1 << 20)
+    with pytest.raises(FrameTooLarge):
+        _read_async(header, max_size=1 << 20)
+
+
+def test_encoder_refuses_oversize() -> None:
+    with pytest.raises(FrameTooLarge):
+        encode_frame({"kind": "x", "blob": b"0" * 100}, max_size=50)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\xc1",  # never-used msgpack byte
+        msgpack.packb([1, 2, 3]),  # not a map
+        msgpack.packb({"no": "kind"}),
+        msgpack.packb({"kind": 5}),
+        msgpack.packb({"kind": "x"}) + b"\x00",  # trailing bytes
+    ],
+)
+def test_undecodable_payload(payload: bytes) -> None:
+    data = struct.pack(">I", len(payload)) + payload
+    with pytest.raises(FrameDecodeError):
+        read_frame_blocking(io.BytesIO(data))
+    with pytest.raises(FrameDecodeError):
+        _read_async(data)
