@@ -1,0 +1,303 @@
+"""Opt-in upstream executor (`--executor release`): answer with the snapshot's own Python code.
+
+Why it exists: operators who want byte-for-byte the answers of Cloudflare's reference can have
+them, and the native executor can be compared against the reference on real weights, without
+this project copying or restating the release's `joint_schema_model.py`.
+
+TRUST: this imports and runs `<snapshot>/joint_schema_model.py`, a file that came with the
+downloaded snapshot, inside the worker process. Anyone who can write to that snapshot directory
+(or who published it) can run arbitrary code with the server user's rights: read its files and
+environment, open network connections, alter answers. Use it only with a snapshot from a source
+you trust, verified against a pinned revision, in a directory only trusted users can write. The
+default (`--executor native`) never executes anything from the snapshot.
+
+Assumed upstream interface. We do not have the release's file, so the adapter is written against
+the smallest interface that public code calling the release relies on, and probes for it:
+
+  A. module-level `load_release_model(snapshot_dir, device=..., dtype=...)` returning
+     `(model, processor)`, and module-level `systemone(model, processor, request) -> dict`;
+  B. (fallback) module-level `load(snapshot_dir, device=..., dtype=...)` returning an object with
+     a `systemone(request) -> dict` method.
+
+`snapshot_dir` is a `pathlib.Path`, `device` a string such as "cpu" or "cuda:0", `dtype` a
+`torch.dtype`. If the `systemone` callable names a `max_length` parameter, `--max-length` is passed
+to it. The request given to it is the parsed JSON object, already checked by this project's
+validation (so an invalid request never reaches upstream code); a `ValueError` it raises is the
+reference refusing the request and becomes a 422 with its message (the budget check, spec §2
+check 4, lives there); any other exception is a 500. The returned dict is serialised once, here.
+A snapshot whose module offers neither form fails start-up with a message saying what was looked
+for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import importlib.util
+import inspect
+import itertools
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from clef_protocol.body import parse_body
+from clef_protocol.options import RequestLimits
+from clef_protocol.validation import RequestInvalid, validate_request
+from clef_worker.executor import ExecutorInfo, StartupError
+
+log = logging.getLogger(__name__)
+
+RELEASE_FILE = "joint_schema_model.py"
+_MODELLING_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
+_module_counter = itertools.count()
+
+# The warm-up request: every question type, a short state, like a typical small request.
+_WARM_UP_REQUEST: dict[str, Any] = {
+    "model": "warm-up",
+    "state": {"message": "The order arrived two days late and the box was damaged."},
+    "questions": {
+        "late": {"type": "noul", "instructions": "Was the delivery late?"},
+        "topic": {"type": "choice",
+                  "criteria": {"delivery": "Shipping and delivery", "billing": "Payments",
+                               "other": None}},
+        "severity": {"type": "score", "criteria": ["minor", "moderate", "severe"]},
+    },
+}
+
+Answerer = Callable[[dict[str, Any]], Any]
+
+
+class ReleaseExecutor:
+    """The Executor protocol around the release's own `systemone` (see the module docstring)."""
+
+    def __init__(self, answerer: Answerer, info: ExecutorInfo, limits: RequestLimits,
+                 module: ModuleType) -> None:
+        self._answerer = answerer
+        self._info = info
+        self._limits = limits
+        self._module = module
+
+    @property
+    def upstream_module(self) -> ModuleType:
+        """The imported release module (for comparisons that need its other helpers)."""
+        return self._module
+
+    @classmethod
+    def load(
+        cls,
+        snapshot: Path,
+        *,
+        variant: str,
+        device: str,
+        dtype: str,
+        gdn_prefill: str,
+        limits: RequestLimits,
+    ) -> ReleaseExecutor:
+        """Import the snapshot's module, load the model through it, return a ready executor."""
+        snapshot = Path(snapshot)
+        source = snapshot / RELEASE_FILE
+        if not source.is_file():
+            raise StartupError(
+                f"--executor release: {source} not found; this snapshot does not ship the "
+                f"release's {RELEASE_FILE} (use --executor native)"
+            )
+        device_name = _resolve_device(device)
+        torch_dtype = _resolve_dtype(dtype, device_name)
+        gdn_path = _guard_gdn_prefill(gdn_prefill, device_name)
+        log.warning(
+            "--executor release: running %s from the snapshot; it executes with this server's "
+            "rights, use only a snapshot you trust", source,
+        )
+        module = _import_release_module(source)
+        answerer = _bind_interface(module, source, snapshot, device_name, torch_dtype, limits)
+        info = ExecutorInfo(
+            model=variant,
+            variant=variant,
+            device=device_name,
+            dtype=str(torch_dtype).removeprefix("torch."),
+            gdn_path=gdn_path,
+            versions={**_versions(), RELEASE_FILE: _sha256(source)[:16]},
+            demo=False,
+            snapshot=str(snapshot),
+        )
+        return cls(answerer, info, limits, module)
+
+    def describe(self) -> ExecutorInfo:
+        return self._info
+
+    def warm_up(self) -> None:
+        """One representative request through the upstream code, so its first-touch costs
+        (allocations, kernel selection) are paid before `ready`."""
+        self._call(dict(_WARM_UP_REQUEST))
+        _synchronize(self._info.device)
+
+    def answer(self, body: bytes) -> bytes:
+        """Parse and validate here, let upstream score, serialise its dict once."""
+        request = parse_body(body)
+        validate_request(request, self._limits)
+        try:
+            response = self._call(request)
+        except RequestInvalid:
+            raise
+        except ValueError as exc:
+            raise RequestInvalid(str(exc)) from exc
+        if not isinstance(response, dict):
+            raise TypeError(f"{RELEASE_FILE} systemone returned {type(response).__name__}, "
+                            "not a dict")
+        return json.dumps(response, ensure_ascii=False, separators=(",", ":"),
+                          allow_nan=False).encode("utf-8")
+
+    def _call(self, request: dict[str, Any]) -> Any:
+        import torch
+
+        with torch.inference_mode():
+            return self._answerer(request)
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise StartupError(f"--device {device}: CUDA is not available on this machine")
+    return device
+
+
+def _resolve_dtype(dtype: str, device: str) -> Any:
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+
+
+def _fla_importable() -> bool:
+    try:
+        importlib.import_module("fla.ops")
+    except Exception:  # any failure (missing, no Triton, no driver) means no usable fla
+        return False
+    return True
+
+
+def _guard_gdn_prefill(gdn_prefill: str, device: str) -> str:
+    """Decide the Gated DeltaNet prefill path before the release's import binds it (spec §1).
+
+    transformers binds fla or torch once, when its Qwen3.5 modelling module is first imported,
+    and the release module imports transformers: so the choice must be made here, first.
+    """
+    on_cuda = device.startswith("cuda")
+    already_bound = _MODELLING_MODULE in sys.modules
+    if gdn_prefill == "fla":
+        if not on_cuda:
+            raise StartupError("--gdn-prefill fla needs a CUDA device")
+        if not _fla_importable():
+            raise StartupError("--gdn-prefill fla: fla.ops (flash-linear-attention) does not "
+                               "import; install fla-core or use --gdn-prefill torch")
+        return "fla"
+    if gdn_prefill == "auto" and on_cuda and _fla_importable():
+        return "fla"
+    if already_bound and sys.modules.get("fla") is not None:
+        log.warning("the Qwen3.5 modelling module was imported before the gdn-prefill guard; "
+                    "the kernel it bound is kept")
+    sys.modules["fla"] = None  # type: ignore[assignment] - blocks the import: torch path
+    return "torch"
+
+
+def _import_release_module(source: Path) -> ModuleType:
+    """Import the file under a unique name, registered in sys.modules before it runs (so that
+    dataclasses and pickling inside it can find their module), unregistered if it fails."""
+    name = f"_clef_release_{next(_module_counter)}_{_sha256(source)[:12]}"
+    spec = importlib.util.spec_from_file_location(name, source)
+    if spec is None or spec.loader is None:
+        raise StartupError(f"--executor release: cannot import {source}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(name, None)
+        raise StartupError(
+            f"--executor release: importing {source} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    return module
+
+
+def _bind_interface(
+    module: ModuleType,
+    source: Path,
+    snapshot: Path,
+    device: str,
+    dtype: Any,
+    limits: RequestLimits,
+) -> Answerer:
+    """Find one of the assumed interface forms and load the model through it."""
+    load_release_model = getattr(module, "load_release_model", None)
+    systemone = getattr(module, "systemone", None)
+    if callable(load_release_model) and callable(systemone):
+        loaded = _load_through(load_release_model, "load_release_model", source, snapshot,
+                               device, dtype)
+        if not (isinstance(loaded, tuple) and len(loaded) == 2):
+            raise StartupError(f"--executor release: {source}: load_release_model returned "
+                               f"{type(loaded).__name__}, expected (model, processor)")
+        model, processor = loaded
+        extra = _max_length_kwargs(systemone, limits)
+        return lambda request: systemone(model, processor, request, **extra)
+
+    load = getattr(module, "load", None)
+    if callable(load):
+        loaded = _load_through(load, "load", source, snapshot, device, dtype)
+        method = getattr(loaded, "systemone", None)
+        if not callable(method):
+            raise StartupError(f"--executor release: {source}: load() returned "
+                               f"{type(loaded).__name__} without a systemone method")
+        extra = _max_length_kwargs(method, limits)
+        return lambda request: method(request, **extra)
+
+    raise StartupError(
+        f"--executor release: {source} has neither load_release_model() with systemone() nor "
+        "load() returning an object with systemone(); see clef_worker/release.py for the "
+        "interface this server expects"
+    )
+
+
+def _load_through(loader: Callable[..., Any], what: str, source: Path, snapshot: Path,
+                  device: str, dtype: Any) -> Any:
+    try:
+        return loader(snapshot, device=device, dtype=dtype)
+    except Exception as exc:
+        raise StartupError(
+            f"--executor release: {source}: {what}() failed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _max_length_kwargs(function: Callable[..., Any], limits: RequestLimits) -> dict[str, int]:
+    """Pass `--max-length` only where upstream names the parameter (else it uses its default)."""
+    with contextlib.suppress(TypeError, ValueError):
+        if "max_length" in inspect.signature(function).parameters:
+            return {"max_length": limits.max_length}
+    return {}
+
+
+def _synchronize(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _versions() -> dict[str, str]:
+    versions = {}
+    for name in ("torch", "transformers", "tokenizers"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[name] = importlib.metadata.version(name)
+    return versions

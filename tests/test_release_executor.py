@@ -1,0 +1,220 @@
+"""`--executor release`: the adapter around a snapshot's own joint_schema_model.py.
+
+The real upstream file is not available (and must not be copied), so each test writes a fake
+module into a temporary snapshot that implements the assumed interface and records its calls.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clef_protocol.body import BadRequestBody
+from clef_protocol.options import RequestLimits
+from clef_protocol.validation import RequestInvalid
+from clef_worker.executor import StartupError
+from clef_worker.release import RELEASE_FILE, ReleaseExecutor
+
+# Interface form A: load_release_model(...) -> (model, processor); systemone(model, processor,
+# request). The dataclass needs the module registered in sys.modules while it is executed.
+FORM_A = '''
+from dataclasses import dataclass
+
+CALLS = []
+LOADED = {}
+
+
+@dataclass
+class Model:
+    snapshot: object
+    device: object
+    dtype: object
+
+
+def load_release_model(snapshot_dir, device=None, dtype=None):
+    LOADED.update(snapshot=snapshot_dir, device=device, dtype=dtype)
+    return Model(snapshot_dir, device, dtype), "processor"
+
+
+def systemone(model, processor, request, max_length=16384):
+    CALLS.append((request, max_length))
+    if request.get("state") == "refuse":
+        raise ValueError("schema requires 99 tokens before state; maximum is 10")
+    if request.get("state") == "crash":
+        raise RuntimeError("boom")
+    answers = {qid: {"type": q["type"], "noul": 0.25} for qid, q in request["questions"].items()}
+    return {"model": request["model"], "answers": answers,
+            "usage": {"input_tokens": 7, "output_tokens": 0}, "note": "é"}
+'''
+
+# Interface form B: load(...) -> object with a systemone(request) method.
+FORM_B = '''
+CALLS = []
+
+
+class Scorer:
+    def systemone(self, request):
+        CALLS.append(request)
+        return {"model": request["model"], "answers": {}, "usage": {"input_tokens": 1,
+                                                                  "output_tokens": 0}}
+
+
+def load(snapshot_dir, device=None, dtype=None):
+    return Scorer()
+'''
+
+VALID = {"model": "m", "state": "hello", "questions": {"q": {"type": "noul"}}}
+
+
+def _snapshot(tmp_path: Path, source: str | None) -> Path:
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    if source is not None:
+        (snapshot / RELEASE_FILE).write_text(textwrap.dedent(source))
+    return snapshot
+
+
+def _load(snapshot: Path, limits: RequestLimits | None = None) -> ReleaseExecutor:
+    return ReleaseExecutor.load(
+        snapshot, variant="clef-flash", device="cpu", dtype="float32", gdn_prefill="torch",
+        limits=limits or RequestLimits(),
+    )
+
+
+def _module(executor: ReleaseExecutor) -> Any:
+    return executor.upstream_module
+
+
+def _body(request: object) -> bytes:
+    return json.dumps(request).encode()
+
+
+def test_missing_file_fails_startup(tmp_path: Path) -> None:
+    with pytest.raises(StartupError, match=RELEASE_FILE):
+        _load(_snapshot(tmp_path, None))
+
+
+def test_form_a_answers_and_serialises_once(tmp_path: Path) -> None:
+    import torch
+
+    snapshot = _snapshot(tmp_path, FORM_A)
+    executor = _load(snapshot, RequestLimits(max_length=4096))
+    module = _module(executor)
+    assert module.LOADED["snapshot"] == snapshot
+    assert (module.LOADED["device"], module.LOADED["dtype"]) == ("cpu", torch.float32)
+
+    body = executor.answer(_body(VALID))
+    assert isinstance(body, bytes)
+    assert json.loads(body) == {"model": "m", "answers": {"q": {"type": "noul", "noul": 0.25}},
+                                "usage": {"input_tokens": 7, "output_tokens": 0}, "note": "é"}
+    assert "é" in body.decode("utf-8")  # UTF-8, not \\u escapes
+    assert module.CALLS[-1] == (VALID, 4096)  # --max-length reaches upstream
+
+    info = executor.describe()
+    assert (info.device, info.dtype, info.gdn_path, info.demo) == ("cpu", "float32", "torch",
+                                                                   False)
+    assert info.snapshot == str(snapshot)
+    assert RELEASE_FILE in info.versions
+
+
+def test_warm_up_goes_through_upstream(tmp_path: Path) -> None:
+    executor = _load(_snapshot(tmp_path, FORM_A))
+    module = _module(executor)
+    executor.warm_up()
+    assert len(module.CALLS) == 1
+    assert set(module.CALLS[0][0]["questions"]) == {"late", "topic", "severity"}
+
+
+@pytest.mark.parametrize("request_", [
+    {"state": "x", "questions": {"q": {"type": "noul"}}},
+    {"model": "m", "state": "x", "questions": {}},
+    {"model": "m", "state": "x", "questions": {"q": {"type": "maybe"}}},
+    {"model": "m", "state": "x", "questions": {"q": "not an object"}},
+    {"model": "m", "state": "x", "questions": {"q": {"type": "choice", "criteria": ["a"]}}},
+    {"model": "m", "state": "x", "questions": {"q": {"type": "noul"}}, "images": ["x.png"]},
+])
+def test_invalid_requests_never_reach_upstream(tmp_path: Path, request_: dict) -> None:
+    executor = _load(_snapshot(tmp_path, FORM_A))
+    module = _module(executor)
+    with pytest.raises(RequestInvalid):
+        executor.answer(_body(request_))
+    assert module.CALLS == []
+
+
+def test_unparsable_body_is_a_bad_request(tmp_path: Path) -> None:
+    executor = _load(_snapshot(tmp_path, FORM_A))
+    with pytest.raises(BadRequestBody):
+        executor.answer(b'{"model": "m", "model": "n"}')
+    assert _module(executor).CALLS == []
+
+
+def test_upstream_value_error_is_a_422_with_its_message(tmp_path: Path) -> None:
+    executor = _load(_snapshot(tmp_path, FORM_A))
+    with pytest.raises(RequestInvalid) as caught:
+        executor.answer(_body({**VALID, "state": "refuse"}))
+    assert str(caught.value) == "schema requires 99 tokens before state; maximum is 10"
+
+
+def test_other_upstream_errors_are_not_422(tmp_path: Path) -> None:
+    executor = _load(_snapshot(tmp_path, FORM_A))
+    with pytest.raises(RuntimeError, match="boom"):
+        executor.answer(_body({**VALID, "state": "crash"}))
+
+
+def test_form_b(tmp_path: Path) -> None:
+    executor = _load(_snapshot(tmp_path, FORM_B))
+    assert json.loads(executor.answer(_body(VALID)))["model"] == "m"
+    assert _module(executor).CALLS == [VALID]
+
+
+def test_unknown_interface_fails_startup(tmp_path: Path) -> None:
+    with pytest.raises(StartupError, match="load_release_model"):
+        _load(_snapshot(tmp_path, "def score(request):\n    return {}\n"))
+
+
+def test_import_error_fails_startup_and_unregisters(tmp_path: Path) -> None:
+    before = set(sys.modules)
+    with pytest.raises(StartupError, match="ZeroDivisionError"):
+        _load(_snapshot(tmp_path, "x = 1 / 0\n"))
+    assert not {n for n in set(sys.modules) - before if n.startswith("_clef_release_")}
+
+
+def test_failing_load_fails_startup(tmp_path: Path) -> None:
+    source = FORM_A.replace("    LOADED.update(",
+                            "    raise OSError('no weights')\n    LOADED.update(")
+    with pytest.raises(StartupError, match="no weights"):
+        _load(_snapshot(tmp_path, source))
+
+
+def test_two_snapshots_do_not_share_a_module(tmp_path: Path) -> None:
+    first = _load(_snapshot(tmp_path / "a", FORM_A))
+    first_module = _module(first)
+    second = _load(_snapshot(tmp_path / "b", FORM_A))
+    second_module = _module(second)
+    assert first_module is not second_module
+    second.answer(_body(VALID))
+    assert first_module.CALLS == []
+    assert len(second_module.CALLS) == 1
+
+
+def test_fla_is_blocked_before_the_release_module_imports(tmp_path: Path) -> None:
+    # transformers binds its Gated DeltaNet kernel when the release imports it: the guard must
+    # already be in place at that moment on CPU.
+    source = "import sys\nFLA_AT_IMPORT = sys.modules.get('fla', 'absent')\n" + FORM_A
+    executor = _load(_snapshot(tmp_path, source))
+    assert _module(executor).FLA_AT_IMPORT is None
+    assert executor.describe().gdn_path == "torch"
+
+
+def test_fla_prefill_needs_cuda(tmp_path: Path) -> None:
+    with pytest.raises(StartupError, match="gdn-prefill fla"):
+        ReleaseExecutor.load(
+            _snapshot(tmp_path, FORM_A), variant="clef-flash", device="cpu", dtype="float32",
+            gdn_prefill="fla", limits=RequestLimits(),
+        )
