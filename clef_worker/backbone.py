@@ -1,0 +1,376 @@
+"""The Qwen3.5 text stack: choosing the Gated DeltaNet kernel, building, loading, running.
+
+Why the kernel choice happens here, first: transformers (5.x) binds the Gated DeltaNet prefill
+kernel once, when `transformers.models.qwen3_5.modeling_qwen3_5` is first imported. Its
+`@use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")` decorator runs
+`importlib.import_module("fla")` and then resolves `fla.ops.gated_delta_rule
+.chunk_gated_delta_rule`; any exception there binds the plain-torch chunked function instead. It
+never looks at the device, so on a machine with fla and Triton but no GPU the fla kernel is bound
+and the first forward fails. `choose_gdn_path` therefore runs before that import and, for the
+torch path, puts `None` in `sys.modules` for `fla` and every `fla.*` (an import of them then raises
+ImportError at once), and `bound_gdn_path` reads back what the decorator actually bound. On CPU the
+same is done for `causal_conv1d` (a CUDA-only package transformers binds the same way).
+
+Loading: the text stack is built on the meta device from `config.json`'s `text_config`, then
+its tensors (`model.language_model.*`, never `model.visual.*`) are read from the safetensors files
+straight onto the target device and cast to the target dtype, and assigned (`strict=True`). The
+18.8 GB release is thus read once, without random initialisation and without the vision tower.
+`lm_head.weight` is loaded alone as the lexical table; no vocabulary projection ever runs.
+
+Warm-up buckets (fla only): of the kernels fla runs for `chunk_gated_delta_rule`, all autotune
+on head counts and dimensions except the q/k L2-norm kernel, whose key includes
+`NB = cdiv(rows, R)` with rows = tokens x heads; R is 65,536 from fla-core 0.5 on (2,048 before,
+where the kernel is also recompiled for every distinct length, which no warm-up can cover).
+So one forward per multiple of `R / heads` tokens up to `--max-length` meets every bucket; only
+one Gated DeltaNet layer needs to run (all layers have the same shapes, hence the same keys).
+Triton keeps the autotune results on disk (`cache_results`), so later starts are quick.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from clef_worker.executor import StartupError
+from clef_worker.snapshot import LEXICAL_TABLE, TEXT_PREFIX, Snapshot, tensor_shapes
+
+log = logging.getLogger(__name__)
+
+MODELING_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
+FLA_KERNEL_MODULE = "fla.ops.gated_delta_rule"
+# Submodules blocked besides whatever fla.* is already imported, so that a transformers version
+# importing a submodule directly also fails fast.
+FLA_BLOCKED = ("fla", "fla.ops", "fla.ops.gated_delta_rule", "fla.modules", "fla.layers")
+CPU_BLOCKED = ("causal_conv1d",)
+
+
+# ---------------------------------------------------------------------------------------------
+# Device, dtype and kernel choice (before transformers' Qwen3.5 module is imported)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """`auto` is CUDA when available, else CPU; an explicit CUDA device must exist."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise StartupError(f"--device {spec}: no CUDA device is available to this process")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise StartupError(
+                f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) visible"
+            )
+    elif device.type != "cpu":
+        raise StartupError(f"--device {spec}: expected auto, cpu, cuda or cuda:N")
+    return device
+
+
+def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on CUDA (the release's precision) and float32 on CPU."""
+    if spec == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    if spec not in dtypes:
+        raise StartupError(f"--dtype {spec}: expected auto, bfloat16 or float32")
+    return dtypes[spec]
+
+
+def block_modules(names: tuple[str, ...]) -> None:
+    """Make every import of these packages (and their already-imported submodules) fail."""
+    for root in names:
+        for name in [n for n in sys.modules if n == root or n.startswith(root + ".")]:
+            sys.modules[name] = None  # type: ignore[assignment]
+        sys.modules[root] = None  # type: ignore[assignment]
+
+
+def block_fla() -> None:
+    """Force transformers onto the plain-torch Gated DeltaNet path."""
+    block_modules(FLA_BLOCKED)
+
+
+def fla_import_error() -> str | None:
+    """Why `fla.ops`'s chunk_gated_delta_rule cannot be used here, or None when it imports."""
+    if sys.modules.get("fla", ...) is None:
+        return "fla is blocked in this process"
+    try:
+        module = importlib.import_module(FLA_KERNEL_MODULE)
+        if not callable(getattr(module, "chunk_gated_delta_rule", None)):
+            return f"{FLA_KERNEL_MODULE} has no chunk_gated_delta_rule"
+    except Exception as exc:  # an install can fail with ImportError, Triton errors, ...
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def choose_gdn_path(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Decide `fla` or `torch` for `--gdn-prefill` and enforce it before transformers binds.
+
+    auto: fla on CUDA in bfloat16 when `fla.ops` imports, torch otherwise. fla: refuse to start
+    unless all of that holds. torch and every CPU run: block fla.
+    """
+    if requested not in ("auto", "fla", "torch"):
+        raise StartupError(f"--gdn-prefill {requested}: expected auto, fla or torch")
+    if device.type != "cuda":
+        if requested == "fla":
+            raise StartupError(
+                f"--gdn-prefill fla needs a CUDA device, but this worker runs on {device}"
+            )
+        block_fla()
+        block_modules(CPU_BLOCKED)
+        return "torch"
+    if requested == "torch":
+        block_fla()
+        return "torch"
+    if dtype == torch.float32:
+        if requested == "fla":
+            raise StartupError("--gdn-prefill fla needs --dtype bfloat16 (fla has no float32 path)")
+        log.info("float32 on CUDA: using the torch Gated DeltaNet path (fla needs bfloat16)")
+        block_fla()
+        return "torch"
+    error = fla_import_error()
+    if error is None:
+        return "fla"
+    if requested == "fla":
+        raise StartupError(
+            f"--gdn-prefill fla: cannot import {FLA_KERNEL_MODULE} ({error}); install fla-core "
+            "(pip install 'clef-serve[cuda]') or use --gdn-prefill torch"
+        )
+    log.warning("fla is not usable (%s): using the torch Gated DeltaNet path", error)
+    block_fla()
+    return "torch"
+
+
+def bound_gdn_path() -> str:
+    """Which kernel transformers' Qwen3.5 module bound: `fla`, `torch`, or `unknown`.
+
+    Reads the `implementation` the fallback decorator closed over; `unknown` if a transformers
+    version wraps it differently.
+    """
+    module = importlib.import_module(MODELING_MODULE)
+    function = getattr(module, "torch_chunk_gated_delta_rule", None)
+    try:
+        implementation = inspect.getclosurevars(function).nonlocals.get("implementation")
+    except TypeError:
+        implementation = None
+    if implementation is None:
+        return "unknown"
+    root = (getattr(implementation, "__module__", None) or "").split(".")[0]
+    return "fla" if root == "fla" else "torch"
+
+
+def bind_gdn_path(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Choose, import transformers' Qwen3.5 module, and check it bound what was chosen."""
+    already = MODELING_MODULE in sys.modules
+    chosen = choose_gdn_path(requested, device, dtype)
+    bound = bound_gdn_path()
+    if bound == "unknown":
+        log.warning("cannot tell which Gated DeltaNet kernel transformers bound; assuming %s",
+                    chosen)
+        bound = chosen
+    if bound != chosen:
+        why = (" (it was imported before the fla guard ran)" if already else "")
+        raise StartupError(
+            f"transformers bound the {bound} Gated DeltaNet kernel but {chosen} was chosen"
+            f"{why}; start the worker in a fresh process"
+        )
+    log.info("Gated DeltaNet prefill path: %s (--gdn-prefill %s, device %s)", bound, requested,
+             device)
+    return bound
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and loading the text stack
+
+
+@dataclass
+class Backbone:
+    """The loaded text stack and lexical table, on one device in one dtype."""
+
+    model: nn.Module
+    lexical_table: Tensor
+    device: torch.device
+    dtype: torch.dtype
+    gdn_path: str
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    def hidden_states(self, input_ids: Tensor) -> Tensor:
+        """Last hidden state (after the final norm) of one sequence: [T] ids -> [T, H]."""
+        output = self.model(input_ids=input_ids.unsqueeze(0), use_cache=False)
+        return output.last_hidden_state[0]
+
+    def gdn_layer(self) -> nn.Module | None:
+        """The first Gated DeltaNet mixer, for kernel warm-up."""
+        for layer in self.model.layers:
+            mixer = getattr(layer, "linear_attn", None)
+            if mixer is not None:
+                return mixer
+        return None
+
+    def warm_gdn(self, lengths: list[int]) -> None:
+        """Run one Gated DeltaNet layer at each length so fla autotunes every bucket now."""
+        mixer = self.gdn_layer()
+        if mixer is None:
+            return
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        for length in lengths:
+            noise = torch.randn(1, length, self.hidden_size, generator=generator)
+            mixer(noise.to(self.device, self.dtype))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def fla_rows_per_bucket() -> int:
+    """The row count per autotune bucket of fla's q/k L2-norm kernel (see the module docs)."""
+    try:
+        version = importlib.import_module("fla").__version__
+        major, minor = (int(part) for part in str(version).split(".")[:2])
+    except Exception:
+        return 2048 * 32
+    if (major, minor) < (0, 5):
+        log.warning(
+            "fla %s recompiles its L2-norm kernel for every sequence length; warm-up cannot "
+            "cover them all (fla-core >= 0.5 buckets lengths)", version,
+        )
+        return 2048
+    return 2048 * 32
+
+
+def gdn_warmup_lengths(max_length: int, heads: int, rows_per_bucket: int) -> list[int]:
+    """The largest length of every L2-norm autotune bucket up to `max_length`.
+
+    `heads` is the larger of the key and value head counts, so the lengths also cover the
+    buckets of a transformers version that repeats q/k to the value heads.
+    """
+    step = max(1, rows_per_bucket // max(1, heads))
+    lengths = list(range(step, max_length + 1, step))
+    if not lengths or lengths[-1] != max_length:
+        lengths.append(max_length)
+    return lengths
+
+
+def load_backbone(
+    snapshot: Snapshot, device: torch.device, dtype: torch.dtype, gdn_path: str
+) -> Backbone:
+    """Build the text stack on meta, check and load its tensors, load the lexical table."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
+
+    try:
+        text_config = Qwen3_5Config.from_dict(snapshot.config).text_config
+        with torch.device("meta"):
+            model = Qwen3_5TextModel(text_config)
+    except Exception as exc:
+        raise StartupError(f"{snapshot.root / 'config.json'}: cannot build the text stack: "
+                           f"{exc}") from exc
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    files = snapshot.text_tensors()
+    _check_backbone_tensors(snapshot, expected, files)
+    lexical_shape = (int(snapshot.text_config["vocab_size"]), snapshot.hidden_size)
+    lexical_file = snapshot.weights[LEXICAL_TABLE]
+    found = tensor_shapes(lexical_file, [LEXICAL_TABLE]).get(LEXICAL_TABLE)
+    if found != lexical_shape:
+        raise StartupError(
+            f"{lexical_file}: tensor {LEXICAL_TABLE} has shape {list(found or ())}, expected "
+            f"{list(lexical_shape)} (text_config vocab_size x hidden_size)"
+        )
+
+    state = _read_tensors(
+        {name: files[name] for name in expected}, device, dtype, prefix=TEXT_PREFIX
+    )
+    model.load_state_dict(state, strict=True, assign=True)
+    del state
+    lexical = _read_tensors({LEXICAL_TABLE: lexical_file}, device, dtype)[LEXICAL_TABLE]
+    _materialise_buffers(model, device)
+    model.eval()
+    model.requires_grad_(False)
+    return Backbone(model=model, lexical_table=lexical, device=device, dtype=dtype,
+                    gdn_path=gdn_path)
+
+
+def _check_backbone_tensors(
+    snapshot: Snapshot, expected: dict[str, tuple[int, ...]], files: dict[str, Path]
+) -> None:
+    missing = [name for name in expected if name not in files]
+    if missing:
+        raise StartupError(
+            f"snapshot {snapshot.root}: the backbone weights lack tensor {TEXT_PREFIX}"
+            f"{missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + " required by config.json"
+        )
+    extra = sorted(set(files) - set(expected))
+    if extra:
+        log.warning("ignoring %d text tensors the model does not use (e.g. %s%s)", len(extra),
+                    TEXT_PREFIX, extra[0])
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name in expected:
+        by_file[files[name]].append(name)
+    for path, names in by_file.items():
+        shapes = tensor_shapes(path, [TEXT_PREFIX + name for name in names])
+        for name in names:
+            shape = shapes.get(TEXT_PREFIX + name)
+            if shape is None:
+                raise StartupError(f"{path}: missing tensor {TEXT_PREFIX}{name} (listed in the "
+                                   "shard index)")
+            if shape != expected[name]:
+                raise StartupError(
+                    f"{path}: tensor {TEXT_PREFIX}{name} has shape {list(shape)}, expected "
+                    f"{list(expected[name])} from config.json"
+                )
+
+
+def _read_tensors(
+    files: dict[str, Path], device: torch.device, dtype: torch.dtype, prefix: str = ""
+) -> dict[str, Tensor]:
+    """Read named tensors (file key = prefix + name) straight onto the device, cast to dtype."""
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name, path in files.items():
+        by_file[path].append(name)
+    target = str(device) if device.type == "cuda" else "cpu"
+    tensors: dict[str, Tensor] = {}
+    for path, names in by_file.items():
+        try:
+            with safe_open(str(path), framework="pt", device=target) as handle:
+                for name in names:
+                    tensors[name] = handle.get_tensor(prefix + name).to(dtype)
+        except StartupError:
+            raise
+        except Exception as exc:
+            raise StartupError(f"{path}: cannot read tensors: {exc}") from exc
+    return tensors
+
+
+def _materialise_buffers(model: nn.Module, device: torch.device) -> None:
+    """Recreate the non-persistent buffers (rotary frequencies) that meta construction left empty.
+
+    They are computed from the config in float32, as `from_pretrained` would, whatever the
+    weights' dtype.
+    """
+    rotary = getattr(model, "rotary_emb", None)
+    if rotary is not None:
+        model.rotary_emb = type(rotary)(model.config).to(device)
+    leftover = [name for name, b in model.named_buffers() if b.is_meta]
+    leftover += [name for name, p in model.named_parameters() if p.is_meta]
+    if leftover:
+        raise StartupError(f"internal: tensors left unloaded after loading: {leftover[:3]}")
+
+
+def describe_kernel_lengths(backbone: Backbone, max_length: int) -> list[int]:
+    """The warm-up lengths for this backbone's fla path (empty on the torch path)."""
+    if backbone.gdn_path != "fla":
+        return []
+    config: Any = backbone.model.config
+    heads = max(int(config.linear_num_key_heads), int(config.linear_num_value_heads))
+    return gdn_warmup_lengths(max_length, heads, fla_rows_per_bucket())
+
