@@ -27,7 +27,8 @@ match what a loader expects by construction. One subtlety: importing transformer
 modelling module binds the Gated DeltaNet kernel (fla or torch) for the life of the process, and
 the native executor wants to make that choice itself (`--gdn-prefill`). So the backbone's layout
 is read in-process only when that import cannot change anything (the module is already imported,
-or fla is absent or blocked); otherwise a short-lived child process reads it with fla blocked.
+or fla and causal_conv1d are absent or blocked); otherwise a short-lived child process reads it
+with them blocked.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ CACHE_ENV = "CLEF_SERVE_CACHE"
 
 _STALE_TEMP_SECONDS = 3600.0
 _MODELLING_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
+_KERNEL_PACKAGES = ("fla", "causal_conv1d")
 
 # Special tokens of the Qwen3.5 tokenizer that a Clef prompt or a media record may contain, in the
 # order they are appended after the trained vocabulary. (special, text)
@@ -467,13 +469,21 @@ def _backbone_layout(config_text: str) -> Layout:
 
 
 def _modelling_import_is_harmless() -> bool:
-    """True when importing the Qwen3.5 modelling module now binds what any guard would bind."""
+    """True when importing the Qwen3.5 modelling module now binds what any guard would bind.
+
+    That is: it is already imported, or each optional kernel package it binds at import (fla, and
+    causal_conv1d, which the native executor blocks on CPU) is either blocked or not installed.
+    """
     if _MODELLING_MODULE in sys.modules:
         return True
-    if "fla" in sys.modules:
-        return sys.modules["fla"] is None
+    return all(_blocked_or_absent(package) for package in _KERNEL_PACKAGES)
+
+
+def _blocked_or_absent(package: str) -> bool:
+    if package in sys.modules:
+        return sys.modules[package] is None
     try:
-        return importlib.util.find_spec("fla") is None
+        return importlib.util.find_spec(package) is None
     except (ImportError, ValueError):
         return False
 
@@ -484,7 +494,8 @@ def _layout_in_child(config_text: str) -> Layout:
         out_path = Path(work) / "layout.json"
         config_path.write_text(config_text, encoding="utf-8")
         code = (
-            'import sys; sys.modules["fla"] = None\n'
+            'import sys\n'
+            f"for name in {_KERNEL_PACKAGES!r}: sys.modules[name] = None\n"
             "import importlib.util, pathlib, json\n"
             f"spec = importlib.util.spec_from_file_location('_clef_demo', {str(__file__)!r})\n"
             "module = importlib.util.module_from_spec(spec)\n"

@@ -218,3 +218,18 @@ def test_native_executor_serves_the_demo(demo_snapshot: Path) -> None:
     assert abs(sum(probabilities) - 1.0) < 1e-3
     assert max(probabilities) - min(probabilities) > 1e-3  # random, but not degenerate
     assert response["usage"]["input_tokens"] > 0
+
+
+def test_an_importable_fla_sends_the_layout_to_a_child(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # With an unblocked fla on the path, importing the modelling module here would bind its
+    # kernel before the executor's guard: the generator must not do it in-process.
+    (tmp_path / "fla").mkdir()
+    (tmp_path / "fla" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "fla", raising=False)
+    assert not demo._blocked_or_absent("fla")
+    monkeypatch.setitem(sys.modules, "fla", None)
+    assert demo._blocked_or_absent("fla")
+    monkeypatch.delitem(sys.modules, "causal_conv1d", raising=False)
+    assert demo._blocked_or_absent("causal_conv1d")  # not installed here
