@@ -63,7 +63,7 @@ def encode_order(question: Mapping[str, Any]) -> list[tuple[str, Any]]:
     if kind == "noul":
         overrides = criteria if isinstance(criteria, Mapping) else {}
         return [
-            (option, overrides[option] if option in overrides else default)
+            (option, overrides.get(option, default))
             for option, default in NOUL_DEFAULTS
         ]
     if kind == "choice":

@@ -1,0 +1,257 @@
+"""The native executor: this project's implementation of the Clef release (spec §§1-5).
+
+`NativeExecutor.load` checks the snapshot, chooses and enforces the Gated DeltaNet kernel before
+transformers binds it, loads the text stack, lexical table, tokenizer and head onto one device;
+`answer` turns a raw body into the final response bytes; `score` exposes the intermediate values
+(token ids, spans, logits, probabilities) for tests, benchmarks and comparisons. Everything runs
+on the calling thread under `torch.inference_mode()`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from safetensors import safe_open
+
+from clef_protocol.body import BadRequestBody, parse_body
+from clef_protocol.options import RequestLimits
+from clef_protocol.validation import RequestInvalid, validate_request
+from clef_worker.answers import build_response, serialize
+from clef_worker.backbone import (
+    Backbone,
+    bind_gdn_path,
+    describe_kernel_lengths,
+    load_backbone,
+    resolve_device,
+    resolve_dtype,
+)
+from clef_worker.encoding import Encoder, Encoding
+from clef_worker.executor import ExecutorInfo, StartupError
+from clef_worker.head import HeadIndex, JointSchemaHead
+from clef_worker.snapshot import Snapshot, open_snapshot
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+# A representative request (~250 tokens, the three question types) for the warm-up forward.
+WARMUP_REQUEST: dict[str, Any] = {
+    "model": "warm-up",
+    "state": (
+        "Ticket 5521: the customer paid invoice #4411 ($12,400) twice by card on 2026-09-30; "
+        "the second charge is still pending and the customer asks for a refund of the "
+        "duplicate. Earlier messages mention a delayed delivery and a damaged box. "
+    ) * 2,
+    "questions": {
+        "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+        "topic": {
+            "type": "choice",
+            "instructions": "What is the ticket about?",
+            "criteria": {
+                "billing": "Payments, invoices and refunds",
+                "delivery": "Shipping and delivery problems",
+                "product": "Defects or questions about a product",
+                "other": None,
+            },
+        },
+        "urgency": {
+            "type": "score",
+            "instructions": "How urgent is the ticket?",
+            "criteria": ["none", "low", "medium", "high", "critical"],
+        },
+    },
+}
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One request's intermediate values; logits and probabilities are per option, in question
+    order then encode order (float32 values as Python floats)."""
+
+    request: dict[str, Any]
+    encoding: Encoding
+    logits: list[float]
+    probabilities: list[float]
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def response(self) -> dict[str, Any]:
+        """The response object for this request."""
+        return build_response(self.request, self.encoding, self.probabilities)
+
+
+class NativeExecutor:
+    """Implements `clef_worker.executor.Executor` with this project's code."""
+
+    def __init__(
+        self,
+        *,
+        snapshot: Snapshot,
+        encoder: Encoder,
+        backbone: Backbone,
+        head: JointSchemaHead,
+        limits: RequestLimits,
+    ):
+        self.snapshot = snapshot
+        self.encoder = encoder
+        self.backbone = backbone
+        self.head = head
+        self.limits = limits
+        self.device = backbone.device
+        self.warmup_ms = 0.0
+
+    @classmethod
+    def load(
+        cls,
+        snapshot_dir: Path | str,
+        *,
+        variant: str = "clef-flash",
+        device: str = "auto",
+        dtype: str = "auto",
+        gdn_prefill: str = "auto",
+        limits: RequestLimits | None = None,
+        demo: bool = False,
+    ) -> NativeExecutor:
+        """Check and load a snapshot; StartupError says what is wrong (file, tensor, flag).
+
+        Must run before anything imports transformers' Qwen3.5 modelling module in this process
+        (that import binds the Gated DeltaNet kernel; see clef_worker.backbone).
+        """
+        started = time.perf_counter()
+        limits = limits or RequestLimits()
+        snapshot = open_snapshot(snapshot_dir, variant=variant, demo=demo)
+        target = resolve_device(device)
+        weights_dtype = resolve_dtype(dtype, target)
+        gdn_path = bind_gdn_path(gdn_prefill, target, weights_dtype)
+        try:
+            encoder = Encoder.from_file(snapshot.tokenizer_file)
+        except Exception as exc:
+            raise StartupError(f"{snapshot.tokenizer_file}: cannot load the tokenizer: {exc}") \
+                from exc
+        backbone = load_backbone(snapshot, target, weights_dtype, gdn_path)
+        # The release runs the head in the backbone dtype on GPU; on CPU it runs in float32.
+        head_dtype = weights_dtype if target.type == "cuda" else torch.float32
+        head = load_head(snapshot, target, head_dtype)
+        executor = cls(snapshot=snapshot, encoder=encoder, backbone=backbone, head=head,
+                       limits=limits)
+        log.info(
+            "loaded %s from %s on %s (%s backbone, %s head, gdn %s) in %.1f s",
+            variant, snapshot.root, target, DTYPE_NAMES[weights_dtype],
+            DTYPE_NAMES[head_dtype], gdn_path, time.perf_counter() - started,
+        )
+        return executor
+
+    # -- Executor protocol -------------------------------------------------------------------
+
+    def describe(self) -> ExecutorInfo:
+        versions = {name: _version(name) for name in ("torch", "transformers", "tokenizers",
+                                                       "safetensors")}
+        if self.backbone.gdn_path == "fla":
+            versions["fla"] = _version("fla-core")
+        return ExecutorInfo(
+            model=self.snapshot.variant,
+            variant=self.snapshot.variant,
+            device=str(self.device),
+            dtype=DTYPE_NAMES[self.backbone.dtype],
+            gdn_path=self.backbone.gdn_path,
+            versions=versions,
+            demo=self.snapshot.random,
+            snapshot=str(self.snapshot.root),
+        )
+
+    def warm_up(self) -> None:
+        """A representative forward; on the fla path, also one Gated DeltaNet layer per
+        autotune length bucket up to --max-length (see clef_worker.backbone)."""
+        started = time.perf_counter()
+        self.score(WARMUP_REQUEST)
+        lengths = describe_kernel_lengths(self.backbone, self.limits.max_length)
+        if lengths:
+            log.info("warming fla kernels for %d length buckets: %s", len(lengths), lengths)
+            with torch.inference_mode():
+                self.backbone.warm_gdn(lengths)
+            self.score(WARMUP_REQUEST)
+        self.warmup_ms = (time.perf_counter() - started) * 1000
+        log.info("warm-up done in %.0f ms", self.warmup_ms)
+
+    def answer(self, body: bytes) -> bytes:
+        """Raw body -> final response bytes; RequestInvalid (422) for a refused request."""
+        try:
+            request = parse_body(body)
+        except BadRequestBody as exc:
+            raise RequestInvalid(str(exc)) from exc
+        return serialize(self.score(request).response())
+
+    # -- Inspectable pipeline -------------------------------------------------------------
+
+    def encode(self, request: dict[str, Any]) -> Encoding:
+        """Validate and encode (the budget check raises RequestInvalid)."""
+        validate_request(request, self.limits)
+        return self.encoder.encode(request, self.limits.max_length)
+
+    def score(self, request: dict[str, Any], *, profile: bool = False) -> Scored:
+        """Validate, encode, run backbone and head; with `profile`, time each stage (syncing
+        the device between stages, which costs a little)."""
+        timings: dict[str, float] = {}
+        encoding = self._timed(timings, "encode", profile, lambda: self.encode(request))
+        with torch.inference_mode():
+            ids = torch.tensor(encoding.input_ids, dtype=torch.long).to(self.device)
+            index = HeadIndex.build(
+                [q.question_span for q in encoding.questions],
+                [q.option_spans for q in encoding.questions],
+                [q.type_id for q in encoding.questions],
+                device=self.device,
+            )
+            hidden = self._timed(timings, "backbone", profile,
+                                 lambda: self.backbone.hidden_states(ids))
+            output = self._timed(timings, "head", profile, lambda: self.head(
+                hidden, ids, self.backbone.lexical_table, index))
+            logits, probabilities = torch.stack([output.logits, output.probabilities]).cpu()
+        return Scored(
+            request=request,
+            encoding=encoding,
+            logits=logits.tolist(),
+            probabilities=probabilities.tolist(),
+            timings_ms=timings,
+        )
+
+    def _timed(self, timings: dict[str, float], name: str, profile: bool,
+               step: Callable[[], T]) -> T:
+        if not profile:
+            return step()
+        started = time.perf_counter()
+        result = step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        timings[name] = (time.perf_counter() - started) * 1000
+        return result
+
+
+def load_head(snapshot: Snapshot, device: torch.device, dtype: torch.dtype) -> JointSchemaHead:
+    """Build the head on meta and assign the release tensors (strict: every name, no extra)."""
+    with torch.device("meta"):
+        head = JointSchemaHead(snapshot.head_config)
+    target = str(device) if device.type == "cuda" else "cpu"
+    try:
+        with safe_open(str(snapshot.head_file), framework="pt", device=target) as handle:
+            state = {name: handle.get_tensor(name).to(dtype) for name in handle.keys()}  # noqa: SIM118 (not a dict)
+        head.load_state_dict(state, strict=True, assign=True)
+    except Exception as exc:
+        raise StartupError(f"{snapshot.head_file}: cannot load the head: {exc}") from exc
+    head.eval()
+    head.requires_grad_(False)
+    return head
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
