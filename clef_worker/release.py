@@ -37,7 +37,6 @@ import importlib.metadata
 import importlib.util
 import inspect
 import itertools
-import json
 import logging
 import sys
 from collections.abc import Callable
@@ -48,12 +47,21 @@ from typing import Any
 from clef_protocol.body import parse_body
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import RequestInvalid, validate_request
+from clef_worker.answers import serialize
+from clef_worker.backbone import (
+    MODELING_MODULE,
+    bound_gdn_path,
+    choose_gdn_path,
+    resolve_device,
+    resolve_dtype,
+)
 from clef_worker.executor import ExecutorInfo, StartupError
+from clef_worker.native import DTYPE_NAMES
+from clef_worker.snapshot import open_snapshot
 
 log = logging.getLogger(__name__)
 
 RELEASE_FILE = "joint_schema_model.py"
-_MODELLING_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
 _module_counter = itertools.count()
 
 # The warm-up request: every question type, a short state, like a typical small request.
@@ -106,23 +114,30 @@ class ReleaseExecutor:
                 f"--executor release: {source} not found; this snapshot does not ship the "
                 f"release's {RELEASE_FILE} (use --executor native)"
             )
-        device_name = _resolve_device(device)
-        torch_dtype = _resolve_dtype(dtype, device_name)
-        gdn_path = _guard_gdn_prefill(gdn_prefill, device_name)
+        # The same up-front checks as the native executor (files, head shapes, --variant), so a
+        # broken snapshot fails with a clear message before any of its code runs.
+        checked = open_snapshot(snapshot, variant=variant)
+        target = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, target)
+        device_name = str(target)
+        # transformers binds the Gated DeltaNet kernel when the release module imports it: the
+        # choice (and the fla block on CPU / --gdn-prefill torch) must be in place first.
+        gdn_path = choose_gdn_path(gdn_prefill, target, torch_dtype)
         log.warning(
             "--executor release: running %s from the snapshot; it executes with this server's "
             "rights, use only a snapshot you trust", source,
         )
         module = _import_release_module(source)
         answerer = _bind_interface(module, source, snapshot, device_name, torch_dtype, limits)
+        gdn_path = _check_bound_path(gdn_path)
         info = ExecutorInfo(
-            model=variant,
-            variant=variant,
+            model=checked.variant,
+            variant=checked.variant,
             device=device_name,
-            dtype=str(torch_dtype).removeprefix("torch."),
+            dtype=DTYPE_NAMES[torch_dtype],
             gdn_path=gdn_path,
             versions={**_versions(), RELEASE_FILE: _sha256(source)[:16]},
-            demo=False,
+            demo=checked.random,
             snapshot=str(snapshot),
         )
         return cls(answerer, info, limits, module)
@@ -149,8 +164,7 @@ class ReleaseExecutor:
         if not isinstance(response, dict):
             raise TypeError(f"{RELEASE_FILE} systemone returned {type(response).__name__}, "
                             "not a dict")
-        return json.dumps(response, ensure_ascii=False, separators=(",", ":"),
-                          allow_nan=False).encode("utf-8")
+        return serialize(response)
 
     def _call(self, request: dict[str, Any]) -> Any:
         import torch
@@ -159,54 +173,21 @@ class ReleaseExecutor:
             return self._answerer(request)
 
 
-def _resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise StartupError(f"--device {device}: CUDA is not available on this machine")
-    return device
-
-
-def _resolve_dtype(dtype: str, device: str) -> Any:
-    import torch
-
-    if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-
-
-def _fla_importable() -> bool:
-    try:
-        importlib.import_module("fla.ops")
-    except Exception:  # any failure (missing, no Triton, no driver) means no usable fla
-        return False
-    return True
-
-
-def _guard_gdn_prefill(gdn_prefill: str, device: str) -> str:
-    """Decide the Gated DeltaNet prefill path before the release's import binds it (spec §1).
-
-    transformers binds fla or torch once, when its Qwen3.5 modelling module is first imported,
-    and the release module imports transformers: so the choice must be made here, first.
-    """
-    on_cuda = device.startswith("cuda")
-    already_bound = _MODELLING_MODULE in sys.modules
-    if gdn_prefill == "fla":
-        if not on_cuda:
-            raise StartupError("--gdn-prefill fla needs a CUDA device")
-        if not _fla_importable():
-            raise StartupError("--gdn-prefill fla: fla.ops (flash-linear-attention) does not "
-                               "import; install fla-core or use --gdn-prefill torch")
-        return "fla"
-    if gdn_prefill == "auto" and on_cuda and _fla_importable():
-        return "fla"
-    if already_bound and sys.modules.get("fla") is not None:
-        log.warning("the Qwen3.5 modelling module was imported before the gdn-prefill guard; "
-                    "the kernel it bound is kept")
-    sys.modules["fla"] = None  # type: ignore[assignment] - blocks the import: torch path
-    return "torch"
+def _check_bound_path(chosen: str) -> str:
+    """After the release imported transformers: did it bind the kernel that was chosen?"""
+    if MODELING_MODULE not in sys.modules:
+        return chosen  # the release did not use transformers' Qwen3.5 module (yet)
+    bound = bound_gdn_path()
+    if bound == "unknown":
+        return chosen
+    if bound != chosen:
+        raise StartupError(
+            f"transformers bound the {bound} Gated DeltaNet kernel but {chosen} was chosen "
+            "(its Qwen3.5 module was imported before the guard ran); start the worker in a "
+            "fresh process"
+        )
+    log.info("Gated DeltaNet prefill path: %s", bound)
+    return bound
 
 
 def _import_release_module(source: Path) -> ModuleType:

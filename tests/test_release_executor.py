@@ -7,8 +7,10 @@ module into a temporary snapshot that implements the assumed interface and recor
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ import pytest
 from clef_protocol.body import BadRequestBody
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import RequestInvalid
+from clef_worker import demo
 from clef_worker.executor import StartupError
 from clef_worker.release import RELEASE_FILE, ReleaseExecutor
 
@@ -68,16 +71,27 @@ def load(snapshot_dir, device=None, dtype=None):
     return Scorer()
 '''
 
+MakeSnapshot = Callable[..., Path]
+
 VALID = {"model": "m", "state": "hello", "questions": {"q": {"type": "noul"}}}
 
 
-def _snapshot(tmp_path: Path, source: str | None) -> Path:
-    snapshot = tmp_path / "snapshot"
-    snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text("{}")
-    if source is not None:
-        (snapshot / RELEASE_FILE).write_text(textwrap.dedent(source))
-    return snapshot
+@pytest.fixture(scope="module")
+def base_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A complete (random) snapshot; each test copies it and adds its own upstream module."""
+    return demo.generate_snapshot(tmp_path_factory.mktemp("release-base") / "snapshot")
+
+
+@pytest.fixture
+def make_snapshot(base_snapshot: Path, tmp_path: Path) -> MakeSnapshot:
+    def make(source: str | None, name: str = "snapshot") -> Path:
+        snapshot = tmp_path / name
+        shutil.copytree(base_snapshot, snapshot)
+        if source is not None:
+            (snapshot / RELEASE_FILE).write_text(textwrap.dedent(source))
+        return snapshot
+
+    return make
 
 
 def _load(snapshot: Path, limits: RequestLimits | None = None) -> ReleaseExecutor:
@@ -95,15 +109,15 @@ def _body(request: object) -> bytes:
     return json.dumps(request).encode()
 
 
-def test_missing_file_fails_startup(tmp_path: Path) -> None:
+def test_missing_file_fails_startup(make_snapshot: MakeSnapshot) -> None:
     with pytest.raises(StartupError, match=RELEASE_FILE):
-        _load(_snapshot(tmp_path, None))
+        _load(make_snapshot(None))
 
 
-def test_form_a_answers_and_serialises_once(tmp_path: Path) -> None:
+def test_form_a_answers_and_serialises_once(make_snapshot: MakeSnapshot) -> None:
     import torch
 
-    snapshot = _snapshot(tmp_path, FORM_A)
+    snapshot = make_snapshot(FORM_A)
     executor = _load(snapshot, RequestLimits(max_length=4096))
     module = _module(executor)
     assert module.LOADED["snapshot"] == snapshot
@@ -117,14 +131,14 @@ def test_form_a_answers_and_serialises_once(tmp_path: Path) -> None:
     assert module.CALLS[-1] == (VALID, 4096)  # --max-length reaches upstream
 
     info = executor.describe()
-    assert (info.device, info.dtype, info.gdn_path, info.demo) == ("cpu", "float32", "torch",
-                                                                   False)
+    assert (info.device, info.dtype, info.gdn_path) == ("cpu", "float32", "torch")
     assert info.snapshot == str(snapshot)
     assert RELEASE_FILE in info.versions
+    assert info.demo is True  # the base snapshot carries the random-model marker
 
 
-def test_warm_up_goes_through_upstream(tmp_path: Path) -> None:
-    executor = _load(_snapshot(tmp_path, FORM_A))
+def test_warm_up_goes_through_upstream(make_snapshot: MakeSnapshot) -> None:
+    executor = _load(make_snapshot(FORM_A))
     module = _module(executor)
     executor.warm_up()
     assert len(module.CALLS) == 1
@@ -139,63 +153,63 @@ def test_warm_up_goes_through_upstream(tmp_path: Path) -> None:
     {"model": "m", "state": "x", "questions": {"q": {"type": "choice", "criteria": ["a"]}}},
     {"model": "m", "state": "x", "questions": {"q": {"type": "noul"}}, "images": ["x.png"]},
 ])
-def test_invalid_requests_never_reach_upstream(tmp_path: Path, request_: dict) -> None:
-    executor = _load(_snapshot(tmp_path, FORM_A))
+def test_invalid_requests_never_reach_upstream(make_snapshot: MakeSnapshot, request_: dict) -> None:
+    executor = _load(make_snapshot(FORM_A))
     module = _module(executor)
     with pytest.raises(RequestInvalid):
         executor.answer(_body(request_))
     assert module.CALLS == []
 
 
-def test_unparsable_body_is_a_bad_request(tmp_path: Path) -> None:
-    executor = _load(_snapshot(tmp_path, FORM_A))
+def test_unparsable_body_is_a_bad_request(make_snapshot: MakeSnapshot) -> None:
+    executor = _load(make_snapshot(FORM_A))
     with pytest.raises(BadRequestBody):
         executor.answer(b'{"model": "m", "model": "n"}')
     assert _module(executor).CALLS == []
 
 
-def test_upstream_value_error_is_a_422_with_its_message(tmp_path: Path) -> None:
-    executor = _load(_snapshot(tmp_path, FORM_A))
+def test_upstream_value_error_is_a_422_with_its_message(make_snapshot: MakeSnapshot) -> None:
+    executor = _load(make_snapshot(FORM_A))
     with pytest.raises(RequestInvalid) as caught:
         executor.answer(_body({**VALID, "state": "refuse"}))
     assert str(caught.value) == "schema requires 99 tokens before state; maximum is 10"
 
 
-def test_other_upstream_errors_are_not_422(tmp_path: Path) -> None:
-    executor = _load(_snapshot(tmp_path, FORM_A))
+def test_other_upstream_errors_are_not_422(make_snapshot: MakeSnapshot) -> None:
+    executor = _load(make_snapshot(FORM_A))
     with pytest.raises(RuntimeError, match="boom"):
         executor.answer(_body({**VALID, "state": "crash"}))
 
 
-def test_form_b(tmp_path: Path) -> None:
-    executor = _load(_snapshot(tmp_path, FORM_B))
+def test_form_b(make_snapshot: MakeSnapshot) -> None:
+    executor = _load(make_snapshot(FORM_B))
     assert json.loads(executor.answer(_body(VALID)))["model"] == "m"
     assert _module(executor).CALLS == [VALID]
 
 
-def test_unknown_interface_fails_startup(tmp_path: Path) -> None:
+def test_unknown_interface_fails_startup(make_snapshot: MakeSnapshot) -> None:
     with pytest.raises(StartupError, match="load_release_model"):
-        _load(_snapshot(tmp_path, "def score(request):\n    return {}\n"))
+        _load(make_snapshot("def score(request):\n    return {}\n"))
 
 
-def test_import_error_fails_startup_and_unregisters(tmp_path: Path) -> None:
+def test_import_error_fails_startup_and_unregisters(make_snapshot: MakeSnapshot) -> None:
     before = set(sys.modules)
     with pytest.raises(StartupError, match="ZeroDivisionError"):
-        _load(_snapshot(tmp_path, "x = 1 / 0\n"))
+        _load(make_snapshot("x = 1 / 0\n"))
     assert not {n for n in set(sys.modules) - before if n.startswith("_clef_release_")}
 
 
-def test_failing_load_fails_startup(tmp_path: Path) -> None:
+def test_failing_load_fails_startup(make_snapshot: MakeSnapshot) -> None:
     source = FORM_A.replace("    LOADED.update(",
                             "    raise OSError('no weights')\n    LOADED.update(")
     with pytest.raises(StartupError, match="no weights"):
-        _load(_snapshot(tmp_path, source))
+        _load(make_snapshot(source))
 
 
-def test_two_snapshots_do_not_share_a_module(tmp_path: Path) -> None:
-    first = _load(_snapshot(tmp_path / "a", FORM_A))
+def test_two_snapshots_do_not_share_a_module(make_snapshot: MakeSnapshot) -> None:
+    first = _load(make_snapshot(FORM_A, "a"))
     first_module = _module(first)
-    second = _load(_snapshot(tmp_path / "b", FORM_A))
+    second = _load(make_snapshot(FORM_A, "b"))
     second_module = _module(second)
     assert first_module is not second_module
     second.answer(_body(VALID))
@@ -203,18 +217,25 @@ def test_two_snapshots_do_not_share_a_module(tmp_path: Path) -> None:
     assert len(second_module.CALLS) == 1
 
 
-def test_fla_is_blocked_before_the_release_module_imports(tmp_path: Path) -> None:
+def test_fla_is_blocked_before_the_release_module_imports(make_snapshot: MakeSnapshot) -> None:
     # transformers binds its Gated DeltaNet kernel when the release imports it: the guard must
     # already be in place at that moment on CPU.
     source = "import sys\nFLA_AT_IMPORT = sys.modules.get('fla', 'absent')\n" + FORM_A
-    executor = _load(_snapshot(tmp_path, source))
+    executor = _load(make_snapshot(source))
     assert _module(executor).FLA_AT_IMPORT is None
     assert executor.describe().gdn_path == "torch"
 
 
-def test_fla_prefill_needs_cuda(tmp_path: Path) -> None:
+def test_fla_prefill_needs_cuda(make_snapshot: MakeSnapshot) -> None:
     with pytest.raises(StartupError, match="gdn-prefill fla"):
         ReleaseExecutor.load(
-            _snapshot(tmp_path, FORM_A), variant="clef-flash", device="cpu", dtype="float32",
+            make_snapshot(FORM_A), variant="clef-flash", device="cpu", dtype="float32",
             gdn_prefill="fla", limits=RequestLimits(),
         )
+
+
+def test_snapshot_is_checked_before_its_code_runs(make_snapshot: MakeSnapshot) -> None:
+    snapshot = make_snapshot("raise SystemExit('upstream code ran')\n")
+    (snapshot / "tokenizer.json").unlink()
+    with pytest.raises(StartupError, match=r"tokenizer\.json"):
+        _load(snapshot)
