@@ -149,6 +149,11 @@ class NativeExecutor:
         )
         return executor
 
+    def with_limits(self, limits: RequestLimits) -> NativeExecutor:
+        """The same loaded model under other request limits (tests, benchmarks)."""
+        return type(self)(snapshot=self.snapshot, encoder=self.encoder, backbone=self.backbone,
+                          head=self.head, limits=limits)
+
     # -- Executor protocol -------------------------------------------------------------------
 
     def describe(self) -> ExecutorInfo:

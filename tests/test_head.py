@@ -1,0 +1,201 @@
+"""The batched joint head against a straightforward per-question, per-option computation of
+spec §4.2, for random shapes and random weights (float64, so only the indexing can differ)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.nn import functional as F
+
+from clef_worker.head import HeadConfig, HeadIndex, JointSchemaHead
+
+
+def randomised_head(config: HeadConfig, seed: int) -> JointSchemaHead:
+    """A head whose every parameter (LayerNorm affines and the clamped scalars included) is
+    random, so no term can hide behind an identity initialisation."""
+    generator = torch.Generator().manual_seed(seed)
+    head = JointSchemaHead(config).double().eval()
+    with torch.no_grad():
+        for name, parameter in head.named_parameters():
+            if parameter.dim() == 0:
+                # Straddle ln(100) ~ 4.6 so the clamp is exercised.
+                value = torch.rand((), generator=generator, dtype=torch.float64) * 7 - 1
+                parameter.copy_(value)
+            else:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator,
+                                            dtype=torch.float64) * 0.5)
+            assert name  # every parameter is touched
+    return head
+
+
+def reference_logits(
+    head: JointSchemaHead,
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    table: torch.Tensor,
+    question_spans: list[tuple[int, int]],
+    option_spans: list[list[tuple[int, int]]],
+    types: list[int],
+) -> tuple[list[float], list[float]]:
+    """Spec §4.2 written as loops over questions and options."""
+    width = head.config.width
+    h = head.hidden_norm(hidden)
+    memory = head.memory_projection(h)
+    final = h[-1]
+    questions = [h[s:e].mean(0) for s, e in question_spans]
+    routed: list[list[torch.Tensor]] = []
+    lexical: list[list[torch.Tensor]] = []
+    for k, spans in enumerate(option_spans):
+        routed.append([])
+        lexical.append([])
+        for s, e in spans:
+            context = h[s:e].mean(0)
+            lex = table[ids[s:e]].mean(0)
+            u = (head.option_context_projection(context) + head.option_lexical_projection(lex)
+                 + head.option_question_projection(questions[k]))
+            for layer in head.evidence_layers:
+                keys = layer.memory_norm(memory).unsqueeze(0)
+                query = layer.query_norm(u).view(1, 1, -1)
+                attended = layer.attention(query, keys, keys, need_weights=False)[0]
+                u = u + attended.view(-1)
+                u = u + layer.feedforward(layer.feedforward_norm(u))
+            routed[k].append(u)
+            lexical[k].append(lex)
+    fields = []
+    for k in range(len(question_spans)):
+        base = head.question_projection(questions[k])
+        scores = torch.stack([(r * base).sum() / math.sqrt(width) for r in routed[k]])
+        weights = torch.softmax(scores, 0)
+        summary = sum(w * r for w, r in zip(weights, routed[k], strict=True))
+        fields.append(base + head.option_summary_norm(summary) + head.global_projection(final)
+                      + head.type_embedding.weight[types[k]])
+    x = torch.stack(fields).unsqueeze(0)
+    for layer in head.layers:
+        x = layer(x, memory.unsqueeze(0))
+    field_vectors = head.field_norm(x.squeeze(0))
+    prior_scale = math.exp(min(head.prior_logit_scale.item(), math.log(100)))
+    joint_scale = math.exp(min(head.joint_logit_scale.item(), math.log(100)))
+    gate = 1 / (1 + math.exp(-head.residual_gate.item()))
+    logits: list[float] = []
+    probabilities: list[float] = []
+    for k in range(len(question_spans)):
+        anchor = F.normalize(questions[k] + final, dim=0, eps=1e-12)
+        fk = field_vectors[k]
+        row = []
+        for r, lex in zip(routed[k], lexical[k], strict=True):
+            prior = prior_scale * (F.normalize(lex, dim=0, eps=1e-12) * anchor).sum()
+            v = head.option_norm(r)
+            cosine = F.cosine_similarity(fk, v, dim=0, eps=1e-8)
+            residual = head.residual_scorer(torch.cat([fk, v, fk * v, (fk - v).abs()]))[0]
+            row.append(prior + gate * (joint_scale * cosine + residual))
+        stacked = torch.stack(row)
+        logits += stacked.tolist()
+        probabilities += torch.softmax(stacked, 0).tolist()
+    return logits, probabilities
+
+
+@st.composite
+def records(draw: st.DrawFn) -> dict:
+    heads = draw(st.sampled_from([1, 2, 4]))
+    config = HeadConfig(
+        hidden_size=draw(st.sampled_from([4, 8, 12])),
+        width=heads * draw(st.sampled_from([2, 4])),
+        routing_layers=draw(st.integers(0, 2)),
+        layers=draw(st.integers(0, 2)),
+        heads=heads,
+        feedforward=draw(st.sampled_from([4, 8])),
+    )
+    counts = draw(st.lists(st.integers(1, 5), min_size=1, max_size=5))
+    cursor = draw(st.integers(0, 3))
+    question_spans, option_spans = [], []
+    for count in counts:
+        length = draw(st.integers(1, 4))
+        question_spans.append((cursor, cursor + length))
+        cursor += length + draw(st.integers(0, 3))
+        spans = []
+        for _ in range(count):
+            length = draw(st.integers(1, 4))
+            spans.append((cursor, cursor + length))
+            cursor += length + draw(st.integers(0, 2))
+        option_spans.append(spans)
+    return {
+        "config": config,
+        "tokens": cursor + 1 + draw(st.integers(0, 3)),
+        "question_spans": question_spans,
+        "option_spans": option_spans,
+        "types": [draw(st.integers(0, 2)) for _ in counts],
+        "seed": draw(st.integers(0, 2**31 - 1)),
+    }
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(records())
+def test_batched_head_equals_loop(record: dict) -> None:
+    config: HeadConfig = record["config"]
+    head = randomised_head(config, record["seed"])
+    generator = torch.Generator().manual_seed(record["seed"] + 1)
+    vocab = 17
+    hidden = torch.randn(record["tokens"], config.hidden_size, generator=generator,
+                         dtype=torch.float64)
+    ids = torch.randint(0, vocab, (record["tokens"],), generator=generator)
+    table = torch.randn(vocab, config.hidden_size, generator=generator, dtype=torch.float64)
+    index = HeadIndex.build(record["question_spans"], record["option_spans"], record["types"])
+    with torch.inference_mode():
+        output = head(hidden, ids, table, index)
+        want_logits, want_probabilities = reference_logits(
+            head, hidden, ids, table, record["question_spans"], record["option_spans"],
+            record["types"],
+        )
+    assert output.logits.dtype == torch.float32  # the head hands back float32, like the release
+    assert output.logits.tolist() == pytest.approx(want_logits, abs=1e-5, rel=1e-5)
+    assert output.probabilities.tolist() == pytest.approx(want_probabilities, abs=1e-6)
+
+
+def test_index_layout() -> None:
+    index = HeadIndex.build([(0, 2), (9, 10)], [[(3, 5), (6, 7)], [(11, 14)]], [1, 0])
+    assert index.question_tokens.tolist() == [0, 1, 9]
+    assert index.question_lengths.tolist() == [2, 1]
+    assert index.option_tokens.tolist() == [3, 4, 6, 11, 12, 13]
+    assert index.option_lengths.tolist() == [2, 1, 3]
+    assert index.option_question.tolist() == [0, 0, 1]
+    assert index.grid.tolist() == [[0, 1], [2, 3]]  # 3 = the empty slot
+    assert index.grid_mask.tolist() == [[True, True], [True, False]]
+    assert index.option_slot.tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("spans", [[(3, 3)], []])
+def test_index_refuses_empty_spans_and_optionless_questions(spans: list) -> None:
+    with pytest.raises(ValueError):
+        HeadIndex.build([(0, 2)], [spans], [1])
+
+
+def test_many_questions_cost_one_pass() -> None:
+    """64 questions x 255 options go through the same few batched calls as one question: the
+    head's module calls do not grow with the number of questions or options."""
+    config = HeadConfig(hidden_size=8, width=8, routing_layers=2, layers=2, heads=2,
+                        feedforward=8)
+    head = randomised_head(config, 0).float()
+    calls = {"count": 0}
+
+    def count(*_: object) -> None:
+        calls["count"] += 1
+
+    for module in head.modules():
+        module.register_forward_hook(count)
+
+    def run(questions: int, options: int) -> int:
+        calls["count"] = 0
+        tokens = 64  # spans may share tokens: the index does not require disjoint spans
+        question_spans = [(q % 60, q % 60 + 2) for q in range(questions)]
+        option_spans = [[(j % 60, j % 60 + 3) for j in range(options)] for _ in range(questions)]
+        index = HeadIndex.build(question_spans, option_spans, [1] * questions)
+        with torch.inference_mode():
+            head(torch.randn(tokens, 8), torch.zeros(tokens, dtype=torch.long),
+                 torch.randn(3, 8), index)
+        return calls["count"]
+
+    assert run(64, 255) == run(1, 1)
