@@ -1,0 +1,141 @@
+"""`clef-serve` / `python -m clef_frontend`: flags -> ServerConfig -> run.
+
+Model and request-limit flags come from `clef_protocol.options`, the single definition shared
+with the worker, and are handed to the worker command unchanged by `worker_argv`; this module
+adds only what the front itself uses (address, HTTP limits and timeouts, queue, supervision).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import sys
+
+from clef_frontend import logs
+from clef_frontend.config import ServerConfig
+from clef_frontend.server import serve
+from clef_protocol.options import add_model_arguments, limits_from, worker_argv
+
+DEFAULTS = ServerConfig(worker_argv=("clef_worker",))
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def _port(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {value!r}") from None
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"{number} is not a TCP port (0 picks a free one)")
+    return number
+
+
+def _seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
+    if not number >= 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds, got {value!r}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="clef-serve",
+        description="Serve Clef over HTTP: an h11 front and one persistent model worker.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_model_arguments(parser)
+    d = DEFAULTS
+    net = parser.add_argument_group("listening")
+    net.add_argument("--host", default=d.host, help="address to bind")
+    net.add_argument("--port", type=_port, default=d.port, help="TCP port; 0 picks a free one")
+    http = parser.add_argument_group("HTTP limits")
+    http.add_argument("--body-limit", type=_positive_int, default=d.body_limit,
+                      help="largest accepted request body in bytes (413 above)")
+    http.add_argument("--header-limit", type=_positive_int, default=d.header_limit,
+                      help="largest request head in bytes (431 above)")
+    http.add_argument("--header-timeout", type=_seconds, default=d.header_timeout,
+                      help="seconds for a whole request head once it has begun")
+    http.add_argument("--body-timeout", type=_seconds, default=d.body_timeout,
+                      help="seconds without a body byte before 408")
+    http.add_argument("--keepalive-timeout", type=_seconds, default=d.keepalive_timeout,
+                      help="seconds an idle connection is kept open")
+    http.add_argument("--send-timeout", type=_seconds, default=d.send_timeout,
+                      help="seconds a client may take to accept a response")
+    queue = parser.add_argument_group("admission")
+    queue.add_argument("--queue-size", type=_positive_int, default=d.queue_size,
+                       help="requests that may wait for the worker (503 when full)")
+    queue.add_argument("--retry-after", type=int, default=d.retry_after,
+                       help="Retry-After seconds on 503 answers")
+    queue.add_argument("--drain-timeout", type=_seconds, default=d.drain_timeout,
+                       help="seconds to finish queued work after SIGTERM before answering 503")
+    worker = parser.add_argument_group("worker supervision")
+    worker.add_argument("--worker-command", default=None,
+                        help="command replacing 'python -m clef_worker' (shell-split); the model "
+                             "flags are appended")
+    worker.add_argument("--startup-timeout", type=_seconds, default=d.startup_timeout,
+                        help="seconds a worker may take to load and warm up")
+    worker.add_argument("--shutdown-grace", type=_seconds, default=d.shutdown_grace,
+                        help="seconds a worker may take to exit after 'shutdown' before SIGKILL")
+    worker.add_argument("--restart-backoff", type=_seconds, default=d.restart_backoff,
+                        help="delay before the first restart; doubles per consecutive failure")
+    worker.add_argument("--restart-backoff-max", type=_seconds, default=d.restart_backoff_max,
+                        help="cap on the restart delay")
+    worker.add_argument("--restart-reset-after", type=_seconds, default=d.restart_reset_after,
+                        help="a worker up this long resets the backoff")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return parser
+
+
+def config_from(args: argparse.Namespace) -> ServerConfig:
+    """Build the config; ValueError names the flag that is wrong."""
+    if args.worker_command is None:
+        command = [sys.executable, "-m", "clef_worker"]
+    else:
+        command = shlex.split(args.worker_command)
+        if not command:
+            raise ValueError("--worker-command is empty")
+    return ServerConfig(
+        worker_argv=(*command, *worker_argv(args)),
+        limits=limits_from(args),
+        host=args.host,
+        port=args.port,
+        body_limit=args.body_limit,
+        header_limit=args.header_limit,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        keepalive_timeout=args.keepalive_timeout,
+        send_timeout=args.send_timeout,
+        queue_size=args.queue_size,
+        retry_after=args.retry_after,
+        drain_timeout=args.drain_timeout,
+        startup_timeout=args.startup_timeout,
+        shutdown_grace=args.shutdown_grace,
+        restart_backoff=args.restart_backoff,
+        restart_backoff_max=args.restart_backoff_max,
+        restart_reset_after=args.restart_reset_after,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logs.configure(args.log_level)
+    return asyncio.run(serve(config))

@@ -1,0 +1,63 @@
+"""Server settings, fixed once at start-up.
+
+One frozen dataclass so every component reads the same values and nothing can change them while
+requests are in flight. `cli.py` builds it from flags; tests can build it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from clef_protocol.frames import MAX_FRAME_BYTES
+from clef_protocol.options import RequestLimits
+
+# Bytes a `request` frame adds around the body (msgpack map, kind, id); generous on purpose.
+FRAME_ENVELOPE_HEADROOM = 64 * 1024
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the front needs to know; see `cli.py` for the meaning of each flag."""
+
+    worker_argv: tuple[str, ...]
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    body_limit: int = 8 * 1024 * 1024
+    header_limit: int = 16 * 1024
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keepalive_timeout: float = 5.0
+    send_timeout: float = 30.0
+    queue_size: int = 64
+    retry_after: int = 1
+    drain_timeout: float = 30.0
+    startup_timeout: float = 900.0
+    shutdown_grace: float = 10.0
+    restart_backoff: float = 0.5
+    restart_backoff_max: float = 30.0
+    restart_reset_after: float = 60.0
+
+    def __post_init__(self) -> None:
+        # A body that fits the HTTP limit must also fit one frame, or the worker channel would
+        # refuse a request the front already accepted.
+        if self.body_limit + FRAME_ENVELOPE_HEADROOM > MAX_FRAME_BYTES:
+            raise ValueError(
+                f"--body-limit {self.body_limit} does not fit a worker frame: the maximum is "
+                f"{MAX_FRAME_BYTES - FRAME_ENVELOPE_HEADROOM} bytes"
+            )
+        if not self.worker_argv:
+            raise ValueError("the worker command is empty")
+        for name in ("body_limit", "header_limit", "queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be at least 1")
+        for name in (
+            "header_timeout", "body_timeout", "keepalive_timeout", "send_timeout",
+            "startup_timeout", "shutdown_grace", "restart_backoff_max", "restart_reset_after",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.drain_timeout < 0 or self.restart_backoff < 0 or self.retry_after < 0:
+            raise ValueError("--drain-timeout, --restart-backoff and --retry-after must be >= 0")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port {self.port} is not a TCP port")

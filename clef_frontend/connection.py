@@ -1,0 +1,331 @@
+"""One client connection: the h11 loop, one request at a time, in order.
+
+The loop is the shortest correct one, after h11's example server: read until h11 yields a
+request head, answer it completely, then start the next cycle or close. Because the next head is
+not parsed before the current answer is written, pipelined requests are answered in order, and
+HTTP/1.0 and `Connection: close` end the connection as h11 decides.
+
+What the loop adds to h11, and why:
+- timeouts: idle keep-alive (no byte of a next request yet) and a stalled head close silently;
+  a stalled body gets 408 (contract row 6);
+- the raw bytes of each head are kept, because contract rows 1-3 judge framing headers as sent,
+  which h11 normalises (see framing.py);
+- while a request waits for the worker the socket is still read, so a client that disconnects
+  is noticed and its ticket leaves the queue; bytes that arrive meanwhile (pipelining) are handed
+  to h11, which buffers them for the next cycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from http import HTTPStatus
+
+import h11
+
+from clef_frontend import logs, responses
+from clef_frontend.admission import Admission, Refused, Ticket
+from clef_frontend.config import ServerConfig
+from clef_frontend.framing import FramingHeaders, reparse_without_framing, scan_framing
+from clef_frontend.health import Health
+from clef_frontend.responses import Reply
+from clef_frontend.routes import Route, check_body, check_post_head, route
+
+log = logging.getLogger("clef_frontend.connection")
+
+READ_SIZE = 256 * 1024
+# Bodies above this are parsed and validated in a thread, so a large JSON document does not
+# stall the event loop (and every other client) for the length of its parse.
+INLINE_CHECK_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class RequestHead:
+    """A parsed head, its raw framing headers and its size on the wire.
+
+    `body_readable` is False when h11 refused the framing headers: the head was re-parsed
+    without them, so the body's length is unknown and the answer must close the connection.
+    """
+
+    request: h11.Request
+    framing: FramingHeaders
+    size: int
+    body_readable: bool = True
+
+
+@dataclass
+class Exchange:
+    """What the access log needs about one request."""
+
+    method: bytes
+    target: bytes
+    bytes_in: int = 0
+    ticket: Ticket | None = None
+
+
+class HttpConnection:
+    """Serves every request of one client socket; `run()` returns when the socket is done."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        config: ServerConfig,
+        admission: Admission,
+        health: Health,
+    ) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._config = config
+        self._admission = admission
+        self._health = health
+        self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=config.header_limit)
+        self._idle = False
+        peer = writer.get_extra_info("peername")
+        self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+
+    async def run(self) -> None:
+        try:
+            while await self._serve_one():
+                pass
+        except (OSError, TimeoutError) as exc:
+            log.debug("connection %s ended: %r", self._client, exc)
+        except Exception:
+            log.exception("connection %s failed", self._client)
+            if self._conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                with contextlib.suppress(Exception):
+                    await self._send(responses.error(500, "internal server error", close=True),
+                                     method=b"")
+        finally:
+            self._writer.close()
+
+    def close_if_idle(self) -> None:
+        """Draining: a connection waiting for its next request is closed now."""
+        if self._idle:
+            self._writer.close()
+
+    # -- one request ---------------------------------------------------------------------
+
+    async def _serve_one(self) -> bool:
+        """Read one request and answer it; True if the connection may carry another."""
+        head = await self._read_head()
+        if head is None:
+            return False
+        if isinstance(head, Reply):  # a malformed head: h11's status hint, then close
+            await self._send(head, method=b"")
+            logs.request_line(method=b"-", target=b"-", status=head.status, queue_ms=None,
+                              worker_ms=None, bytes_in=0, bytes_out=len(head.body),
+                              client=self._client)
+            return False
+        exchange = Exchange(head.request.method, head.request.target)
+        reply = await self._answer(head, exchange)
+        ticket = exchange.ticket
+        if reply is None:  # the client left while its request was queued or in flight
+            logs.request_line(method=exchange.method, target=exchange.target, status=499,
+                              queue_ms=ticket.queue_ms if ticket else None, worker_ms=None,
+                              bytes_in=exchange.bytes_in, bytes_out=0, client=self._client)
+            return False
+        await self._send(reply, method=exchange.method)
+        logs.request_line(
+            method=exchange.method, target=exchange.target, status=reply.status,
+            queue_ms=ticket.queue_ms if ticket else None,
+            worker_ms=ticket.worker_ms if ticket else None,
+            bytes_in=exchange.bytes_in, bytes_out=len(reply.body), client=self._client,
+        )
+        if self._conn.our_state is h11.DONE and self._conn.their_state is h11.DONE:
+            self._conn.start_next_cycle()
+            return True
+        return False
+
+    async def _answer(self, head: RequestHead, exchange: Exchange) -> Reply | None:
+        """Route, then the POST checks of http-contract.md in order; None if the client left."""
+        request = head.request
+        if head.size > self._config.header_limit:
+            return responses.error(431, "request header block too large", close=True)
+        found = route(request.method, request.target)
+        if found is not Route.SYSTEMONE:
+            self._finish_empty_body()
+            return found if isinstance(found, Reply) else self._health.reply()
+        # Rows 1-5, from the head alone.
+        length = check_post_head(head.framing, _header(request, b"content-type"),
+                                 self._config.body_limit)
+        if isinstance(length, Reply):
+            return length
+        if not head.body_readable:  # unreachable by construction (see framing.py); be safe
+            return responses.error(400, "invalid Content-Length", close=True)
+        # Rows 6-7: read the whole body before anything else happens to it.
+        body = await self._read_body()
+        if isinstance(body, Reply):
+            return body
+        exchange.bytes_in = len(body)
+        # Rows 8-12: parse and validate before admission, so a bad request never waits.
+        if len(body) > INLINE_CHECK_BYTES:
+            refusal = await asyncio.to_thread(check_body, body, self._config.limits)
+        else:
+            refusal = check_body(body, self._config.limits)
+        if refusal is not None:
+            return refusal
+        # Row 14 (refusal) or the worker's answer (200, 422, row 13's 500).
+        try:
+            exchange.ticket = self._admission.submit(body)
+        except Refused as refused:
+            return refused.reply
+        return await self._await_answer(exchange.ticket)
+
+    # -- reading -------------------------------------------------------------------------
+
+    async def _read_head(self) -> RequestHead | Reply | None:
+        """Wait for the next head; None means close without a word (EOF, idle, stalled)."""
+        loop = asyncio.get_running_loop()
+        raw = bytearray(self._conn.trailing_data[0])  # pipelined bytes already received
+        deadline = loop.time() + self._config.header_timeout if raw else None
+        while True:
+            try:
+                event = self._conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                return self._refused_head(bytes(raw), exc)
+            if isinstance(event, h11.Request):
+                size = len(raw) - len(self._conn.trailing_data[0])
+                return RequestHead(event, scan_framing(bytes(raw[:size])), size)
+            if event is not h11.NEED_DATA:
+                return None
+            # Before the first byte the connection is idle (keep-alive timeout, and a drain may
+            # close it); after it, the whole head must arrive within the header timeout.
+            self._idle = deadline is None
+            timeout = (self._config.keepalive_timeout if deadline is None
+                       else max(deadline - loop.time(), 0.0))
+            try:
+                data = await asyncio.wait_for(self._reader.read(READ_SIZE), timeout)
+            except TimeoutError:
+                return None
+            finally:
+                self._idle = False
+            if not data:
+                return None
+            if deadline is None:
+                deadline = loop.time() + self._config.header_timeout
+            raw += data
+            self._conn.receive_data(data)
+
+    def _refused_head(self, raw: bytes, exc: h11.RemoteProtocolError) -> RequestHead | Reply:
+        """h11 refused a head: rescue it if only its framing headers were at fault."""
+        size = len(raw) - len(self._conn.trailing_data[0])
+        rescued = reparse_without_framing(raw[:size]) if size > 0 else None
+        if rescued is not None:
+            self._conn, request = rescued
+            return RequestHead(request, scan_framing(raw[:size]), size, body_readable=False)
+        status = exc.error_status_hint
+        if status == 431:
+            return responses.error(431, "request header block too large", close=True)
+        return responses.error(status, f"malformed request: {str(exc)[:200]}", close=True)
+
+    async def _read_body(self) -> bytes | Reply:
+        """The whole body (h11 counts Content-Length), or 408 on inactivity, 400 on EOF."""
+        if self._conn.they_are_waiting_for_100_continue:
+            self._writer.write(self._conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+        chunks: list[bytes] = []
+        while True:
+            try:
+                event = self._conn.next_event()
+            except h11.RemoteProtocolError:  # EOF before Content-Length bytes
+                return responses.error(400, "incomplete body", close=True)
+            if isinstance(event, h11.Data):
+                chunks.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                return b"".join(chunks)
+            else:
+                try:
+                    data = await asyncio.wait_for(self._reader.read(READ_SIZE),
+                                                  self._config.body_timeout)
+                except TimeoutError:
+                    return responses.error(408, "request body timed out", close=True)
+                except ConnectionError:
+                    data = b""
+                self._conn.receive_data(data)
+
+    def _finish_empty_body(self) -> None:
+        """Consume the end of a bodyless request, so keep-alive continues.
+
+        Bodies of other routes are never read; if one was sent, the reply closes the connection
+        (h11 then still expects body bytes, and `_send` sees that).
+        """
+        if self._conn.their_state is h11.SEND_BODY:
+            with contextlib.suppress(h11.RemoteProtocolError):
+                self._conn.next_event()
+
+    async def _await_answer(self, ticket: Ticket) -> Reply | None:
+        """Wait for the ticket's reply while watching the socket for the client leaving."""
+        watcher: asyncio.Task[bytes] | None = None
+        buffered_cap = self._config.header_limit + self._config.body_limit
+        try:
+            while not ticket.outcome.done():
+                if watcher is None and len(self._conn.trailing_data[0]) < buffered_cap:
+                    watcher = asyncio.ensure_future(self._reader.read(READ_SIZE))
+                pending: set[asyncio.Future[object]] = {ticket.outcome}  # type: ignore[arg-type]
+                if watcher is not None:
+                    pending.add(watcher)  # type: ignore[arg-type]
+                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if watcher is not None and watcher.done():
+                    data, watcher = _result_or_eof(watcher), None
+                    if not data:
+                        self._admission.abandon(ticket)
+                        return None
+                    self._conn.receive_data(data)  # the next pipelined request(s)
+            return ticket.outcome.result()
+        finally:
+            if watcher is not None:
+                # Let the cancelled read unwind before anyone reads the stream again (a
+                # StreamReader allows one waiter); keep its bytes if it had already finished.
+                watcher.cancel()
+                await asyncio.wait({watcher})
+                data = _result_or_eof(watcher)
+                if data:
+                    self._conn.receive_data(data)
+
+    # -- writing -------------------------------------------------------------------------
+
+    async def _send(self, reply: Reply, *, method: bytes) -> None:
+        """Frame the reply with h11 and write it; `Connection: close` if we must close."""
+        close = reply.close or self._conn.their_state is not h11.DONE or self._health.draining
+        try:
+            data = self._conn.send(h11.Response(
+                status_code=reply.status,
+                headers=reply.headers(close=close),
+                reason=_reason(reply.status),
+            ))
+            if method != b"HEAD" and reply.body:
+                data += self._conn.send(h11.Data(data=reply.body))
+            data += self._conn.send(h11.EndOfMessage())
+        except h11.LocalProtocolError as exc:
+            log.debug("cannot answer %s: %s", self._client, exc)
+            return
+        self._writer.write(data)
+        await asyncio.wait_for(self._writer.drain(), self._config.send_timeout)
+
+
+def _header(request: h11.Request, name: bytes) -> bytes | None:
+    """The first value of a header (h11 lower-cases names)."""
+    for key, value in request.headers:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode("ascii")
+    except ValueError:
+        return b""
+
+
+def _result_or_eof(task: asyncio.Task[bytes]) -> bytes:
+    """A finished read: its bytes, or b"" if the socket failed."""
+    if task.cancelled():
+        return b""
+    exc = task.exception()
+    if exc is not None:
+        return b""
+    return task.result()

@@ -1,0 +1,73 @@
+"""What goes back on the wire: a status, a JSON body and the few headers the contract requires.
+
+Every error body is built here and only here, serialised exactly as http-contract.md says
+(`json.dumps({"detail": d}, ensure_ascii=False, allow_nan=False)`, default separators), so the
+operators' clients keep seeing the same bytes as from the server they replace.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+JSON = "application/json"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One HTTP response before h11 frames it.
+
+    `close` asks for `Connection: close` (the request body was not fully read, or the server is
+    draining); `retry_after` adds `Retry-After` to a 503.
+    """
+
+    status: int
+    body: bytes
+    retry_after: int | None = None
+    close: bool = False
+    allow: str | None = None
+
+    def headers(self, *, close: bool) -> list[tuple[str, str]]:
+        """Response headers; Content-Length always, since h11 would otherwise chunk or close."""
+        headers = [("Content-Type", JSON), ("Content-Length", str(len(self.body)))]
+        if self.allow is not None:
+            headers.append(("Allow", self.allow))
+        if self.retry_after is not None:
+            headers.append(("Retry-After", str(self.retry_after)))
+        if close or self.close:
+            headers.append(("Connection", "close"))
+        return headers
+
+
+def json_bytes(value: Any) -> bytes:
+    """The contract's serialisation: UTF-8, non-ASCII kept, default separators, no NaN."""
+    return json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def error(
+    status: int,
+    detail: str,
+    *,
+    close: bool = False,
+    retry_after: int | None = None,
+    allow: str | None = None,
+) -> Reply:
+    """`{"detail": ...}` with the given status."""
+    return Reply(status, json_bytes({"detail": detail}), retry_after=retry_after, close=close,
+                 allow=allow)
+
+
+def unavailable(detail: str, retry_after: int) -> Reply:
+    """Contract row 14: a 503 that tells the client when to come back."""
+    return error(503, detail, retry_after=retry_after)
+
+
+def forwarded(status: int, body: bytes) -> Reply:
+    """The worker's JSON answer, byte for byte."""
+    return Reply(status, body)
+
+
+def document(status: int, value: dict[str, Any], *, retry_after: int | None = None) -> Reply:
+    """A JSON object built by the front itself (the `/health` answer)."""
+    return Reply(status, json_bytes(value), retry_after=retry_after)

@@ -1,0 +1,156 @@
+"""The server's life: start the worker, bind only once it is ready, serve, drain, stop.
+
+Order matters and is the point of this module:
+1. the worker is started and its `ready` awaited before the port is bound, so a load balancer
+   never sees an open port that cannot answer, and a failed start exits non-zero unbound;
+2. SIGTERM/SIGINT close the listener first, then let what is in flight and queued finish
+   (bounded by the drain timeout; a second signal cuts it short), then ask the worker to shut
+   down, reap it, and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from clef_frontend.admission import Admission
+from clef_frontend.config import ServerConfig
+from clef_frontend.connection import READ_SIZE, HttpConnection
+from clef_frontend.health import Health
+from clef_frontend.supervisor import StartupFailed, Supervisor
+
+log = logging.getLogger("clef_frontend.server")
+
+# After the worker has stopped, how long connections get to write their last replies.
+FINAL_WRITE_SECONDS = 5.0
+
+
+class FrontServer:
+    """Wires supervisor, admission, health and connections together for one run."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self._config = config
+        self._supervisor = Supervisor(config, on_worker_lost=self._worker_lost)
+        self._admission = Admission(
+            capacity=config.queue_size,
+            retry_after=config.retry_after,
+            forward=self._supervisor.forward,
+            unavailable_reason=self._supervisor.unavailable_reason,
+        )
+        self._health = Health(self._supervisor, self._admission, config.retry_after)
+        self._connections: dict[HttpConnection, asyncio.Task[None]] = {}
+        self._stop_requested = asyncio.Event()
+        self._force_stop = asyncio.Event()
+
+    async def run(self) -> int:
+        """Serve until a stop signal; the process exit status."""
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._on_signal, signum)
+        try:
+            if not await self._start_worker():
+                return 1 if not self._stop_requested.is_set() else 0
+            try:
+                server = await asyncio.start_server(
+                    self._serve_client, self._config.host, self._config.port, limit=READ_SIZE
+                )
+            except OSError as exc:
+                log.error("cannot listen on %s:%d: %s", self._config.host, self._config.port, exc)
+                return 1
+            for sock in server.sockets:
+                host, port = sock.getsockname()[:2]
+                shown = f"[{host}]" if ":" in host else host
+                log.info("listening on http://%s:%d", shown, port)
+            background = [
+                asyncio.create_task(self._admission.run(), name="dispatcher"),
+                asyncio.create_task(self._supervisor.watch(), name="supervisor"),
+            ]
+            await self._stop_requested.wait()
+            await self._drain(server, background)
+            log.info("stopped")
+            return 0
+        finally:
+            await self._supervisor.stop()
+
+    async def _start_worker(self) -> bool:
+        """First start, abandoned if a stop signal arrives meanwhile."""
+        starting = asyncio.create_task(self._supervisor.start())
+        stopping = asyncio.create_task(self._stop_requested.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not starting.done():
+            starting.cancel()
+            await asyncio.wait({starting})
+            log.info("stopped during worker start-up")
+            return False
+        try:
+            starting.result()
+        except StartupFailed as exc:
+            log.error("worker failed to start, not listening: %s", exc)
+            return False
+        return True
+
+    async def _drain(self, server: asyncio.Server, background: list[asyncio.Task[None]]) -> None:
+        server.close()
+        self._health.draining = True
+        self._admission.start_draining()
+        for connection in list(self._connections):
+            connection.close_if_idle()
+        log.info("draining: %d queued, %d in flight (up to %gs)", self._admission.depth,
+                 self._admission.in_flight, self._config.drain_timeout)
+        idle = asyncio.create_task(self._admission.wait_idle())
+        forced = asyncio.create_task(self._force_stop.wait())
+        await asyncio.wait({idle, forced}, timeout=self._config.drain_timeout,
+                           return_when=asyncio.FIRST_COMPLETED)
+        forced.cancel()
+        idle.cancel()
+        if self._admission.depth or self._admission.in_flight:
+            log.warning("drain cut short: %d queued requests get 503", self._admission.depth)
+            self._admission.refuse_waiting("server is draining")
+        dispatcher, watcher = background
+        watcher.cancel()
+        await asyncio.wait({watcher})
+        # The worker answers what it holds before it reads `shutdown`, so an in-flight request
+        # still gets its reply (or a 500 if the worker must be killed after the grace period).
+        await self._supervisor.stop()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._admission.wait_idle(), FINAL_WRITE_SECONDS)
+        dispatcher.cancel()
+        tasks = set(self._connections.values())
+        if tasks:
+            await asyncio.wait(tasks, timeout=FINAL_WRITE_SECONDS)
+        for task in tasks:
+            task.cancel()
+
+    async def _serve_client(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        connection = HttpConnection(
+            reader, writer, config=self._config, admission=self._admission, health=self._health
+        )
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections[connection] = task
+        try:
+            await connection.run()
+        finally:
+            del self._connections[connection]
+
+    def _worker_lost(self) -> None:
+        self._admission.refuse_waiting("worker is restarting")
+
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self._stop_requested.is_set():
+            log.warning("%s again: not waiting for queued requests", name)
+            self._force_stop.set()
+        else:
+            log.info("%s received: stopping", name)
+            self._stop_requested.set()
+
+
+async def serve(config: ServerConfig) -> int:
+    """Run one server to completion; the exit status."""
+    return await FrontServer(config).run()

@@ -1,0 +1,131 @@
+"""A stand-in for `python -m clef_worker` that speaks the same frame protocol, without a model.
+
+Run by the front through `--worker-command "python tests/fake_worker.py [switches]"`; the front
+appends its model flags, which are accepted and ignored. Each answer reports which process and
+thread produced it and when, so tests can check serialisation, ordering and restarts.
+
+Start-up switches: --ready-delay S, --fatal REASON, --exit-code N (exit before ready),
+--garbage-at-start. Per request: --delay S (or "sleep": S in the body). Markers in the request
+body (the front validates first, so bodies are valid Clef requests plus these keys):
+  "crash": true     os._exit(3) before answering (only once per --crash-once-file PATH if given)
+  "garbage": true   write non-frame bytes on the protocol channel
+  "oversize": true  write a frame header announcing 2 GiB
+  "print": true     print to stdout and write to fd 1 (must not reach the channel)
+  "error": "text"   answer an `error` frame, status 422 (or "error_status")
+--log-file PATH appends each received request's `tag` (one per line) before answering.
+"""
+
+# Keep the protocol channel on a private duplicate of fd 1 and point fd 1 (and sys.stdout) at
+# stderr before anything else runs, as the real worker does: stray prints cannot corrupt frames.
+import os
+import sys
+
+_CHANNEL_FD = os.dup(1)
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import signal  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from clef_protocol import messages  # noqa: E402
+from clef_protocol.frames import read_frame_blocking, write_frame_blocking  # noqa: E402
+from clef_protocol.options import add_model_arguments  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="fake_worker")
+    add_model_arguments(parser)
+    parser.add_argument("--ready-delay", type=float, default=0.0)
+    parser.add_argument("--fatal", default=None)
+    parser.add_argument("--exit-code", type=int, default=None)
+    parser.add_argument("--garbage-at-start", action="store_true")
+    parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--crash-once-file", default=None)
+    parser.add_argument("--log-file", default=None)
+    parser.add_argument("--demo", action="store_true")
+    return parser.parse_args()
+
+
+def answer(args: argparse.Namespace, out, message: dict) -> None:
+    request_id = message["id"]
+    start_ns = time.monotonic_ns()
+    request = json.loads(message["body"])
+    if args.log_file:
+        with open(args.log_file, "a", encoding="utf-8") as log:
+            log.write(f"{request.get('tag')}\n")
+    if request.get("crash"):
+        marker = args.crash_once_file
+        if marker is None or not os.path.exists(marker):
+            if marker is not None:
+                Path(marker).touch()
+            os._exit(3)
+    if request.get("garbage"):
+        out.write(b"this is not a frame\n" * 4)
+        out.flush()
+        return
+    if request.get("oversize"):
+        out.write((2**31).to_bytes(4, "big") + b"\x81")
+        out.flush()
+        return
+    if request.get("print"):
+        print("library chatter on stdout")
+        sys.stdout.flush()
+        os.write(1, b"C library chatter on fd 1\n")
+    time.sleep(float(request.get("sleep", args.delay)))
+    worker_ms = (time.monotonic_ns() - start_ns) / 1e6
+    if "error" in request:
+        status = int(request.get("error_status", 422))
+        write_frame_blocking(out, messages.error(request_id, status, str(request["error"]),
+                                                 worker_ms))
+        return
+    body = {
+        "model": request.get("model"),
+        "tag": request.get("tag"),
+        "pid": os.getpid(),
+        "thread": threading.current_thread().name,
+        "request_id": request_id,
+        "bytes": len(message["body"]),
+        "start_ns": start_ns,
+        "end_ns": time.monotonic_ns(),
+    }
+    payload = json.dumps(body).encode()
+    write_frame_blocking(out, messages.response(request_id, payload, worker_ms))
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    args = parse_args()
+    out = os.fdopen(_CHANNEL_FD, "wb")
+    inp = sys.stdin.buffer
+    time.sleep(args.ready_delay)
+    if args.exit_code is not None:
+        print(f"fake worker: exiting with {args.exit_code} before ready", file=sys.stderr)
+        return args.exit_code
+    if args.fatal is not None:
+        write_frame_blocking(out, messages.fatal(args.fatal))
+        return 1
+    if args.garbage_at_start:
+        out.write(b"Loading checkpoint shards: 100%\n")
+        out.flush()
+        time.sleep(60)  # a confused worker that does not exit: the front must not wait for it
+        return 0
+    write_frame_blocking(out, messages.ready(
+        pid=os.getpid(), thread=threading.current_thread().name, model="fake",
+        variant=args.variant, device="cpu", dtype="float32", gdn_path="none", warmup_ms=0.0,
+        versions={"fake_worker": "1"}, demo=args.demo, snapshot="",
+    ))
+    while True:
+        message = read_frame_blocking(inp)
+        if message is None or message["kind"] == messages.SHUTDOWN:
+            return 0
+        answer(args, out, message)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

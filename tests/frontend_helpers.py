@@ -1,0 +1,310 @@
+"""Run the real `clef-serve` in a subprocess against tests/fake_worker.py and talk raw HTTP to it.
+
+Synchronisation is by events, never by sleeping: the server's stderr is read by a thread and
+tests wait (with a bound) for a log line; sockets are read with timeouts; state changes are
+awaited by polling `/health` with a deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+FAKE_WORKER = Path(__file__).resolve().parent / "fake_worker.py"
+LISTENING = re.compile(r"listening on http://(?P<host>[^\s:]+):(?P<port>\d+)")
+WAIT = 10.0  # upper bound for anything that should happen "promptly"
+
+
+def clef_request(**extra: Any) -> dict[str, Any]:
+    """A minimal valid Clef request; extra keys (tags, fake-worker markers) are ignored by Clef."""
+    return {"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}, **extra}
+
+
+def clef_body(**extra: Any) -> bytes:
+    return json.dumps(clef_request(**extra)).encode()
+
+
+class Serve:
+    """One `python -m clef_frontend` process with the fake worker."""
+
+    def __init__(
+        self,
+        *worker_switches: str,
+        front_args: tuple[str, ...] = (),
+        port: int = 0,
+        wait_listening: bool = True,
+    ) -> None:
+        worker = " ".join([sys.executable, str(FAKE_WORKER), *worker_switches])
+        argv = [
+            sys.executable, "-m", "clef_frontend", "--port", str(port),
+            "--worker-command", worker, "--restart-backoff", "0.05",
+            "--shutdown-grace", "5", *front_args,
+        ]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.process = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True, errors="replace",
+        )
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._reader.start()
+        self.port = 0
+        if wait_listening:
+            match = self.wait_for(LISTENING)
+            self.port = int(match["port"])
+
+    def _read_stderr(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    @property
+    def stderr(self) -> str:
+        with self._changed:
+            return "\n".join(self.lines)
+
+    def wait_for(self, pattern: re.Pattern[str] | str, timeout: float = WAIT) -> re.Match[str]:
+        """The first stderr line matching `pattern`, waiting for it if needed."""
+        regex = re.compile(pattern) if isinstance(pattern, str) else pattern
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._changed:
+            while True:
+                for line in self.lines[seen:]:
+                    match = regex.search(line)
+                    if match:
+                        return match
+                seen = len(self.lines)
+                left = deadline - time.monotonic()
+                if left <= 0 or (not self._reader.is_alive() and seen == len(self.lines)):
+                    raise AssertionError(f"no stderr line matching {regex.pattern!r}; "
+                                         f"stderr so far:\n{chr(10).join(self.lines)}")
+                self._changed.wait(min(left, 0.5))
+
+    def wait_exit(self, timeout: float = WAIT) -> int:
+        code = self.process.wait(timeout)
+        self._reader.join(timeout)
+        return code
+
+    def terminate(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+
+    def close(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL) so no test leaks processes."""
+        if self.process.poll() is None:
+            self.terminate()
+            try:
+                self.process.wait(WAIT)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(WAIT)
+        self._reader.join(WAIT)
+
+    def __enter__(self) -> Serve:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- HTTP -----------------------------------------------------------------------------
+
+    def connect(self, timeout: float = WAIT) -> Client:
+        return Client(socket.create_connection(("127.0.0.1", self.port), timeout=timeout))
+
+    def request(self, method: str, path: str, body: bytes = b"", **kwargs: Any) -> Response:
+        with self.connect() as client:
+            client.send(method, path, body, **kwargs)
+            return client.read_response()
+
+    def post(self, body: bytes, **kwargs: Any) -> Response:
+        return self.request("POST", "/v1/systemone", body, **kwargs)
+
+    def health(self) -> Response:
+        return self.request("GET", "/health")
+
+    def wait_health(self, predicate: Callable[[dict[str, Any]], bool],
+                    timeout: float = WAIT) -> dict[str, Any]:
+        """Poll /health until `predicate(document)` holds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            document = self.health().json()
+            if predicate(document):
+                return document
+            if time.monotonic() > deadline:
+                raise AssertionError(f"/health never satisfied the condition; last: {document}")
+            time.sleep(0.01)  # polling interval, not a synchronisation guess
+
+
+@dataclass
+class Response:
+    status: int
+    reason: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    version: str = "HTTP/1.1"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def header(self, name: str) -> str | None:
+        values = [v for k, v in self.headers if k.lower() == name.lower()]
+        return values[0] if values else None
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def detail(self) -> str:
+        return self.json()["detail"]
+
+
+class Client:
+    """A raw HTTP/1.1 client over one socket: write any bytes, read responses in order."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._file = sock.makefile("rb")
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._file.close()
+            self.sock.close()
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def send(
+        self,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        *,
+        headers: list[tuple[str, str]] | None = None,
+        content_type: str | None = "application/json",
+        content_length: bool = True,
+        version: str = "HTTP/1.1",
+    ) -> None:
+        self.send_raw(build_request(method, path, body, headers=headers,
+                                    content_type=content_type, content_length=content_length,
+                                    version=version))
+
+    def read_response(self, *, head: bool = False) -> Response:
+        """The next response; `head=True` for the answer to a HEAD request (no body)."""
+        status_line = self._file.readline()
+        if not status_line:
+            raise ConnectionError("server closed the connection without a response")
+        version, status, reason = status_line.decode("latin-1").rstrip("\r\n").split(" ", 2)
+        headers: list[tuple[str, str]] = []
+        while True:
+            line = self._file.readline().decode("latin-1").rstrip("\r\n")
+            if not line:
+                break
+            name, _, value = line.partition(":")
+            headers.append((name, value.strip()))
+        response = Response(int(status), reason, headers, b"", version)
+        length = response.header("Content-Length")
+        if length is not None and int(status) >= 200 and not head:
+            response.body = self._file.read(int(length))
+        if int(status) < 200:  # an informational response: the real one follows
+            return self.read_response(head=head)
+        return response
+
+    def at_eof(self, timeout: float = WAIT) -> bool:
+        """True once the server has closed its side (waits up to `timeout`)."""
+        self.sock.settimeout(timeout)
+        try:
+            return self._file.read(1) == b""
+        except (TimeoutError, ConnectionResetError):
+            return False
+
+    def has_data(self, timeout: float) -> bool:
+        """Whether the server sent anything (or closed) within `timeout`.
+
+        Only meaningful before any response was read on this client (the file buffer is empty).
+        """
+        readable, _, _ = select.select([self.sock], [], [], timeout)
+        return bool(readable)
+
+
+def build_request(
+    method: str,
+    path: str,
+    body: bytes = b"",
+    *,
+    headers: list[tuple[str, str]] | None = None,
+    content_type: str | None = "application/json",
+    content_length: bool = True,
+    version: str = "HTTP/1.1",
+) -> bytes:
+    lines = [f"{method} {path} {version}", "Host: test"]
+    if content_type is not None and method == "POST":
+        lines.append(f"Content-Type: {content_type}")
+    if content_length and method == "POST":
+        lines.append(f"Content-Length: {len(body)}")
+    for name, value in headers or []:
+        lines.append(f"{name}: {value}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+def free_port() -> int:
+    """A port nobody listens on right now (bound to 0, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def port_is_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return True
+    except ConnectionRefusedError:
+        return False
+
+
+@contextlib.contextmanager
+def background(fn: Callable[[], Any]) -> Iterator[Callable[[float], Any]]:
+    """Run `fn` in a thread; yields `result(timeout)` that joins it and returns/raises."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:  # handed to the test thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+
+    def result(timeout: float = WAIT) -> Any:
+        thread.join(timeout)
+        if thread.is_alive():
+            raise AssertionError("background call did not finish in time")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    yield result
+    thread.join(WAIT)
