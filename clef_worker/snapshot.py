@@ -92,14 +92,13 @@ def open_snapshot(root: Path | str, *, variant: str, demo: bool = False) -> Snap
     tokenizer_file = _required(root, TOKENIZER, "the Qwen3.5 tokenizer")
     head_config = _read_head_config(root)
     head_file = _required(root, HEAD_WEIGHTS, "the joint schema head's weights")
-    check_head_tensors(head_file, head_config)
-
     hidden = int(config["text_config"]["hidden_size"])
     if head_config.hidden_size != hidden:
         raise StartupError(
             f"{root / HEAD_CONFIG}: hidden_size {head_config.hidden_size} does not match the "
             f"backbone's hidden size {hidden} ({CONFIG} text_config.hidden_size)"
         )
+    check_head_tensors(head_file, head_config)
     random = demo or (root / RANDOM_MARKER).exists()
     expected = KNOWN_HIDDEN_SIZES[variant]
     if random:

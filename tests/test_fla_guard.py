@@ -1,0 +1,118 @@
+"""The fla guard: with an importable (fake) fla on the path and no GPU, the worker still binds
+the torch Gated DeltaNet path and answers correctly.
+
+The fake's kernels raise if called, like the real ones do on a machine without a GPU ("0 active
+drivers"). Each check runs in a fresh interpreter so no sys.modules state leaks between them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from clef_protocol import messages
+from clef_protocol.frames import read_frame_blocking, write_frame_blocking
+from tests.conftest import GOLDEN, REPO
+
+FAKE_KERNEL = '''
+def chunk_gated_delta_rule(*args, **kwargs):
+    raise RuntimeError("fake fla kernel called: 0 active drivers")
+
+
+def fused_recurrent_gated_delta_rule(*args, **kwargs):
+    raise RuntimeError("fake fla kernel called: 0 active drivers")
+'''
+
+
+@pytest.fixture
+def fake_fla(tmp_path: Path) -> Path:
+    """A directory holding an importable package `fla` with fla.ops.gated_delta_rule."""
+    root = tmp_path / "fake-site"
+    package = root / "fla" / "ops" / "gated_delta_rule"
+    package.mkdir(parents=True)
+    (root / "fla" / "__init__.py").write_text('__version__ = "0.6.0"\n')
+    (root / "fla" / "ops" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text(FAKE_KERNEL)
+    return root
+
+
+def _env(fake: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(fake), str(REPO), env.get("PYTHONPATH", "")])
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU, even on a machine that has one
+    return env
+
+
+def _python(fake: Path, code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=_env(fake), cwd=REPO,
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+
+
+def _invoice() -> dict:
+    for line in GOLDEN.read_text(encoding="utf-8").splitlines():
+        case = json.loads(line)
+        if case["name"] == "invoice":
+            return case
+    raise AssertionError("golden case 'invoice' missing")
+
+
+def test_fla_refused_on_cpu_and_premise(fake_fla: Path, tiny_snapshot: Path) -> None:
+    """--gdn-prefill fla on CPU is refused before anything binds; and the premise of the guard:
+    without it, transformers binds whatever `fla` imports, without looking at the device."""
+    result = _python(fake_fla, f"""
+        import importlib.util
+        assert importlib.util.find_spec("fla") is not None, "the fake fla must be importable"
+        from clef_worker.backbone import bound_gdn_path
+        from clef_worker.executor import StartupError
+        from clef_worker.native import NativeExecutor
+        try:
+            NativeExecutor.load({str(tiny_snapshot)!r}, device="cpu", gdn_prefill="fla")
+        except StartupError as exc:
+            print(exc)
+        else:
+            raise SystemExit("started")
+        print("bound:", bound_gdn_path())
+    """)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert "--gdn-prefill fla needs a CUDA device" in lines[0]
+    assert lines[-1] == "bound: fla"
+
+
+def test_worker_process_answers_on_torch_path(fake_fla: Path, tiny_snapshot: Path) -> None:
+    """The real worker entry point, fake fla importable: ready says torch, answers match."""
+    case = _invoice()
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "clef_worker", "--model", str(tiny_snapshot), "--device", "cpu",
+         "--gdn-prefill", "auto"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=_env(fake_fla), cwd=REPO,
+    )
+    try:
+        assert worker.stdin is not None and worker.stdout is not None
+        ready = read_frame_blocking(worker.stdout)
+        assert ready is not None and ready["kind"] == messages.READY, ready
+        assert ready["gdn_path"] == "torch"
+        assert ready["device"] == "cpu" and ready["dtype"] == "float32"
+        write_frame_blocking(worker.stdin, messages.request(7, json.dumps(case["request"])
+                                                            .encode("utf-8")))
+        reply = read_frame_blocking(worker.stdout)
+        assert reply is not None and reply["kind"] == messages.RESPONSE, reply
+        assert reply["id"] == 7
+        assert json.loads(reply["body"]) == case["response"]
+        write_frame_blocking(worker.stdin, messages.shutdown())
+        assert worker.wait(timeout=60) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        stderr = worker.stderr.read().decode() if worker.stderr else ""
+    assert "Gated DeltaNet prefill path: torch" in stderr
