@@ -1,0 +1,171 @@
+"""Prompt encoding (spec §3): render, option order, pieces, spans, budget, state truncation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from clef_protocol.validation import RequestInvalid
+from clef_worker.encoding import (
+    PREFIX,
+    SCHEMA_HEADER,
+    SUFFIX,
+    Encoder,
+    encode_order,
+    option_semantics,
+    render,
+)
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_snapshot: Path) -> Encoder:
+    return Encoder.from_file(tiny_snapshot / "tokenizer.json")
+
+
+def _request(state: object = "s", **questions: dict) -> dict:
+    return {"model": "m", "state": state, "questions": questions or {"a": {"type": "noul"}}}
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        ("as is {\"x\": 1}", "as is {\"x\": 1}"),
+        ("", ""),
+        ({"b": 1, "a": [1, 2.5, None]}, '{"a":[1,2.5,null],"b":1}'),
+        ({"name": "Zoë"}, '{"name":"Zoë"}'),
+        (123456789012345678901234567890, "123456789012345678901234567890"),
+        (1e16, "1e+16"),
+        (1e-05, "1e-05"),
+        (-0.0, "-0.0"),
+        (True, "true"),
+        (None, "null"),
+        ([], "[]"),
+    ],
+)
+def test_render(value: object, text: str) -> None:
+    assert render(value) == text
+
+
+def test_semantics_sorts_description_first() -> None:
+    assert option_semantics("b", "two") == '{"description":"two","option_id":"b"}'
+    assert option_semantics("b", None) == '{"option_id":"b"}'
+    assert option_semantics("0", {"z": 1, "a": 2}) == (
+        '{"description":{"a":2,"z":1},"option_id":"0"}'
+    )
+
+
+def test_option_orders() -> None:
+    noul = encode_order({"type": "noul"})
+    assert [option for option, _ in noul] == ["true", "false"]
+    assert noul[0][1].startswith("The proposition is true")
+    partial = encode_order({"type": "noul", "criteria": {"true": "yes", "other": "ignored"}})
+    assert partial == [("true", "yes"), ("false", noul[1][1])]
+    dropped = encode_order({"type": "noul", "criteria": {"false": None}})
+    assert dropped == [("true", noul[0][1]), ("false", None)]
+    assert encode_order({"type": "noul", "criteria": None}) == noul
+    choice = encode_order({"type": "choice", "criteria": {"b": 1, "B": 2, "10": 3, "2": 4}})
+    assert [option for option, _ in choice] == ["10", "2", "B", "b"]
+    score = encode_order({"type": "score", "criteria": ["low", None, {"x": 1}]})
+    assert score == [("0", "low"), ("1", None), ("2", {"x": 1})]
+
+
+def test_fixed_pieces_are_cached(encoder: Encoder) -> None:
+    tokenizer = encoder.tokenizer
+    assert list(encoder.prefix_ids) == tokenizer.encode(PREFIX, add_special_tokens=False).ids
+    assert list(encoder.suffix_ids) == tokenizer.encode(SUFFIX, add_special_tokens=False).ids
+    assert encoder.fixed_overhead == (
+        len(encoder.prefix_ids) + len(tokenizer.encode(SCHEMA_HEADER).ids)
+        + len(encoder.suffix_ids)
+    )
+
+
+def test_layout_of_one_question(encoder: Encoder) -> None:
+    tokenizer = encoder.tokenizer
+    request = _request("hello", q={"type": "choice", "instructions": {"k": 1},
+                                   "criteria": {"y": None, "x": "first"}})
+    encoding = encoder.encode(request, 16384)
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    expected = (ids(PREFIX) + ids("hello") + ids(SCHEMA_HEADER)
+                + ids("\nFIELD 1\nID: q\nTYPE: choice\nINSTRUCTION: ") + ids('{"k":1}')
+                + ids("\nALLOWED OPTIONS:\n")
+                + ids("OPTION 1: ") + ids('{"description":"first","option_id":"x"}') + ids("\n")
+                + ids("OPTION 2: ") + ids('{"option_id":"y"}') + ids("\n")
+                + ids("END FIELD\n") + ids(SUFFIX))
+    assert encoding.input_ids == expected
+    question = encoding.questions[0]
+    assert question.option_ids == ("x", "y")
+    assert question.type_id == 1
+    start, end = question.question_span
+    assert tokenizer.decode(encoding.input_ids[start:end]) == '{"k":1}'
+    start, end = question.option_spans[1]
+    assert tokenizer.decode(encoding.input_ids[start:end]) == '{"option_id":"y"}'
+    assert encoding.state_tokens == len(ids("hello")) and not encoding.state_truncated
+
+
+@pytest.mark.parametrize("instructions", [None, "", 0, False, [], {}])
+def test_falsy_instructions_fall_back_to_the_id(encoder: Encoder, instructions: object) -> None:
+    request = _request(q_id={"type": "noul", "instructions": instructions})
+    encoding = encoder.encode(request, 16384)
+    start, end = encoding.questions[0].question_span
+    assert encoder.tokenizer.decode(encoding.input_ids[start:end]) == "q_id"
+
+
+def test_budget_error_and_truncation(encoder: Encoder) -> None:
+    request = _request("word " * 500)
+    fixed = len(encoder.encode(_request(""), 16384).input_ids)
+    with pytest.raises(RequestInvalid) as refused:
+        encoder.encode(request, fixed - 1)
+    assert str(refused.value) == (
+        f"schema requires {fixed} tokens before state; maximum is {fixed - 1}"
+    )
+    exact = encoder.encode(request, fixed)
+    assert exact.length == fixed and exact.state_tokens == 0 and exact.state_truncated
+    cut = encoder.encode(request, fixed + 10)
+    assert cut.length == fixed + 10 and cut.state_tokens == 10
+    full_state = encoder.tokenizer.encode("word " * 500, add_special_tokens=False).ids
+    assert cut.input_ids[len(encoder.prefix_ids):len(encoder.prefix_ids) + 10] == full_state[:10]
+
+
+def test_media_hook_counts_in_budget_and_shifts_spans(encoder: Encoder) -> None:
+    request = _request("state")
+    plain = encoder.encode(request, 16384)
+    media = [529, 529, 529]
+    with_media = encoder.encode(request, 16384, media_ids=media)
+    assert with_media.length == plain.length + 3
+    position = len(encoder.prefix_ids)
+    assert with_media.input_ids[position:position + 3] == media
+    shifted = tuple(s + 3 for s in plain.questions[0].question_span)
+    assert with_media.questions[0].question_span == shifted
+    with pytest.raises(RequestInvalid, match=r"schema requires \d+ tokens"):
+        encoder.encode(request, plain.length - plain.state_tokens + 2, media_ids=media)
+
+
+TEXT = st.lists(
+    st.sampled_from(["a", "b", "ab", " ", "é", "1", "22", ".", "\n", "\t", "'s", "-", "  ",
+                     "\n\n", "<|im_end|>", "<think>", "word", " word", "\r\n"]),
+    max_size=200,
+).map("".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=TEXT, budget=st.integers(0, 60))
+def test_windowed_state_truncation_equals_whole_text(encoder: Encoder, text: str,
+                                                     budget: int) -> None:
+    """The long-state shortcut keeps exactly the tokens whole-text encoding would keep."""
+    small = Encoder(encoder.tokenizer, state_window=1, state_slack=3)
+    whole = encoder.tokenizer.encode(text, add_special_tokens=False).ids
+    ids, truncated = small._state_ids(text, budget)
+    assert ids == whole[:budget]
+    assert truncated == (len(whole) > budget)
+
+
+def test_huge_state_is_cut_quickly(encoder: Encoder) -> None:
+    state = "invoice payment overdue " * 400_000  # ~9.6 MB
+    encoding = encoder.encode(_request(state), 512)
+    assert encoding.length == 512 and encoding.state_truncated
