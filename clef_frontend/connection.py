@@ -225,7 +225,8 @@ class HttpConnection:
     async def _read_body(self) -> bytes | Reply:
         """The whole body (h11 counts Content-Length), or 408 on inactivity, 400 on EOF."""
         if self._conn.they_are_waiting_for_100_continue:
-            self._writer.write(self._conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+            go_on = h11.InformationalResponse(status_code=100, headers=[])
+            self._writer.write(self._conn.send(go_on))
         chunks: list[bytes] = []
         while True:
             try:

@@ -5,8 +5,9 @@ appends its model flags, which are accepted and ignored. Each answer reports whi
 thread produced it and when, so tests can check serialisation, ordering and restarts.
 
 Start-up switches: --ready-delay S, --fatal REASON, --exit-code N (exit before ready),
---garbage-at-start. Per request: --delay S (or "sleep": S in the body). Markers in the request
-body (the front validates first, so bodies are valid Clef requests plus these keys):
+--garbage-at-start, --demo. Per request: --delay S (or "sleep": S in the body), spent before
+the markers act. Markers in the request body (the front validates first, so bodies are valid
+Clef requests plus these keys):
   "crash": true     os._exit(3) before answering (only once per --crash-once-file PATH if given)
   "garbage": true   write non-frame bytes on the protocol channel
   "oversize": true  write a frame header announcing 2 GiB
@@ -59,6 +60,7 @@ def answer(args: argparse.Namespace, out, message: dict) -> None:
     if args.log_file:
         with open(args.log_file, "a", encoding="utf-8") as log:
             log.write(f"{request.get('tag')}\n")
+    time.sleep(float(request.get("sleep", args.delay)))
     if request.get("crash"):
         marker = args.crash_once_file
         if marker is None or not os.path.exists(marker):
@@ -77,7 +79,6 @@ def answer(args: argparse.Namespace, out, message: dict) -> None:
         print("library chatter on stdout")
         sys.stdout.flush()
         os.write(1, b"C library chatter on fd 1\n")
-    time.sleep(float(request.get("sleep", args.delay)))
     worker_ms = (time.monotonic_ns() - start_ns) / 1e6
     if "error" in request:
         status = int(request.get("error_status", 422))

@@ -12,13 +12,14 @@ import json
 import os
 import re
 import select
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ class Serve:
         port: int = 0,
         wait_listening: bool = True,
     ) -> None:
-        worker = " ".join([sys.executable, str(FAKE_WORKER), *worker_switches])
+        worker = shlex.join([sys.executable, str(FAKE_WORKER), *worker_switches])
         argv = [
             sys.executable, "-m", "clef_frontend", "--port", str(port),
             "--worker-command", worker, "--restart-backoff", "0.05",
@@ -284,27 +285,24 @@ def port_is_open(port: int) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def background(fn: Callable[[], Any]) -> Iterator[Callable[[float], Any]]:
-    """Run `fn` in a thread; yields `result(timeout)` that joins it and returns/raises."""
-    outcome: dict[str, Any] = {}
+class background:
+    """Run `fn` in a thread now; `result(timeout)` joins it and returns (or raises) its outcome."""
 
-    def target() -> None:
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._outcome: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
         try:
-            outcome["value"] = fn()
+            self._outcome["value"] = fn()
         except BaseException as exc:  # handed to the test thread
-            outcome["error"] = exc
+            self._outcome["error"] = exc
 
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-
-    def result(timeout: float = WAIT) -> Any:
-        thread.join(timeout)
-        if thread.is_alive():
+    def result(self, timeout: float = WAIT) -> Any:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
             raise AssertionError("background call did not finish in time")
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["value"]
-
-    yield result
-    thread.join(WAIT)
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+        return self._outcome["value"]

@@ -1,0 +1,160 @@
+"""The front's pure parts, without processes: framing scan, route table, checks, backoff, bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import h11
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from clef_frontend import responses
+from clef_frontend.admission import Admission, Refused, reply_from_worker
+from clef_frontend.config import ServerConfig
+from clef_frontend.framing import reparse_without_framing, scan_framing
+from clef_frontend.responses import Reply
+from clef_frontend.routes import Route, check_post_head, media_type, route
+from clef_frontend.supervisor import Backoff
+from clef_frontend.worker_channel import WorkerReply
+
+LIMIT = 8 * 1024 * 1024
+
+
+def head(*lines: str) -> bytes:
+    return ("\r\n".join(["POST /v1/systemone HTTP/1.1", "Host: x", *lines]) + "\r\n\r\n").encode()
+
+
+def test_scan_framing_keeps_every_line_as_sent() -> None:
+    framing = scan_framing(head("Content-Length: 5", "content-length:5 ", "Transfer-Encoding: x"))
+    assert framing.content_lengths == (b"5", b"5")
+    assert framing.transfer_encodings == (b"x",)
+
+
+def test_scan_framing_accepts_bare_lf_like_h11() -> None:
+    framing = scan_framing(b"POST / HTTP/1.1\nHost: x\nContent-Length: 7\n\n")
+    assert framing.content_lengths == (b"7",)
+
+
+@given(st.text(alphabet="0123456789+-abc ,.", max_size=12))
+def test_content_length_rule_matches_the_contract(value: str) -> None:
+    framing = scan_framing(head("Content-Length: " + value))
+    outcome = check_post_head(framing, b"application/json", LIMIT)
+    stripped = value.strip(" ")
+    if not re.fullmatch(r"[0-9]+", stripped):
+        assert isinstance(outcome, Reply) and outcome.status == 400
+    elif int(stripped) > LIMIT:
+        assert isinstance(outcome, Reply) and outcome.status == 413
+    else:
+        assert outcome == int(stripped)
+
+
+def test_checks_run_in_contract_order() -> None:
+    def status(*lines: str, content_type: bytes | None = b"application/json") -> int:
+        outcome = check_post_head(scan_framing(head(*lines)), content_type, LIMIT)
+        return outcome.status if isinstance(outcome, Reply) else 0
+
+    assert status("Transfer-Encoding: chunked", content_type=None) == 411
+    assert status("Content-Length: 1", "Content-Length: x") == 411
+    assert status("Content-Length: x", content_type=None) == 400
+    assert status(f"Content-Length: {LIMIT + 1}", content_type=None) == 413
+    assert status(f"Content-Length: {LIMIT}", content_type=None) == 415
+    assert status(f"Content-Length: {LIMIT}") == 0
+
+
+def test_media_type() -> None:
+    assert media_type(b"Application/JSON ; charset=UTF-8") == "application/json"
+    assert media_type(None) is None
+    assert media_type(b"") == ""
+
+
+def test_route_table() -> None:
+    assert route(b"GET", b"/health") is Route.HEALTH
+    assert route(b"POST", b"/v1/systemone") is Route.SYSTEMONE
+    refused = route(b"POST", b"/health")
+    assert isinstance(refused, Reply) and (refused.status, refused.allow) == (405, "GET")
+    missing = route(b"GET", b"/health?x=1")
+    assert isinstance(missing, Reply) and missing.status == 404
+
+
+def test_rescue_parses_a_head_h11_refused_for_its_framing_only() -> None:
+    raw = head("Content-Length: abc", "Content-Type: application/json")
+    with pytest.raises(h11.RemoteProtocolError):
+        connection = h11.Connection(h11.SERVER)
+        connection.receive_data(raw)
+        connection.next_event()
+    rescued = reparse_without_framing(raw)
+    assert rescued is not None
+    _, request = rescued
+    assert (request.method, request.target) == (b"POST", b"/v1/systemone")
+    assert (b"content-type", b"application/json") in list(request.headers)
+
+
+def test_rescue_refuses_heads_that_are_malformed_anyway() -> None:
+    assert reparse_without_framing(b"GARBAGE\r\nContent-Length: x\r\n\r\n") is None
+    assert reparse_without_framing(head("Content-Length: x", "Bad Header")) is None
+    assert reparse_without_framing(head("Content-Length: x", " folded")) is None
+    assert reparse_without_framing(head("X-Other: 1")) is None  # nothing to remove
+
+
+def test_error_bodies_are_serialised_as_the_contract_says() -> None:
+    reply = responses.error(422, "é: type must be noul, choice, or score")
+    assert reply.body == '{"detail": "é: type must be noul, choice, or score"}'.encode()
+    headers = dict(reply.headers(close=True))
+    assert headers["Content-Type"] == "application/json"
+    assert headers["Content-Length"] == str(len(reply.body))
+    assert headers["Connection"] == "close"
+    unavailable = responses.unavailable("queue is full", 2)
+    assert dict(unavailable.headers(close=False))["Retry-After"] == "2"
+
+
+def test_worker_500_never_leaks_its_cause() -> None:
+    reply = reply_from_worker(WorkerReply(500, None, "Traceback: secret path", 1.0))
+    assert json.loads(reply.body) == {"detail": "inference failed"}
+    ok = reply_from_worker(WorkerReply(200, b'{"b":1,"a":2}', None, 1.0))
+    assert ok.body == b'{"b":1,"a":2}'
+
+
+def test_backoff_doubles_caps_and_resets() -> None:
+    backoff = Backoff(initial=0.5, cap=4.0, reset_after=60.0)
+    assert [backoff.after_failure(1.0) for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    assert backoff.after_failure(61.0) == 0.5  # the last worker served a while
+    assert backoff.after_failure(0.0) == 1.0
+
+
+def test_config_refuses_a_body_limit_beyond_one_frame() -> None:
+    with pytest.raises(ValueError, match="does not fit a worker frame"):
+        ServerConfig(worker_argv=("w",), body_limit=64 * 1024 * 1024)
+    ServerConfig(worker_argv=("w",), body_limit=8 * 1024 * 1024)
+
+
+def test_admission_is_fifo_and_drops_abandoned_tickets() -> None:
+    async def scenario() -> list[int]:
+        seen: list[int] = []
+        gate = asyncio.Event()
+
+        async def forward(request_id: int, body: bytes) -> WorkerReply:
+            await gate.wait()
+            seen.append(int(body))
+            return WorkerReply(200, body, None, 0.0)
+
+        admission = Admission(capacity=3, retry_after=1, forward=forward,
+                              unavailable_reason=lambda: None)
+        dispatcher = asyncio.create_task(admission.run())
+        tickets = [admission.submit(b"1")]
+        await asyncio.sleep(0)  # let the dispatcher take ticket 1
+        tickets += [admission.submit(str(i).encode()) for i in (2, 3, 4)]
+        with pytest.raises(Refused) as refused:
+            admission.submit(b"5")
+        assert json.loads(refused.value.reply.body) == {"detail": "queue is full"}
+        admission.abandon(tickets[2])  # "3" leaves while queued
+        gate.set()
+        for ticket in (tickets[0], tickets[1], tickets[3]):
+            await ticket.outcome
+        await admission.wait_idle()
+        dispatcher.cancel()
+        return seen
+
+    assert asyncio.run(scenario()) == [1, 2, 4]

@@ -1,0 +1,128 @@
+"""The front and its worker: one process, one thread, strict order, failures and restarts."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from tests.frontend_helpers import WAIT, Serve, background, clef_body
+
+
+def test_concurrent_posts_are_answered_by_one_pid_on_its_main_thread() -> None:
+    with Serve() as serve:
+        worker_pid = serve.health().json()["worker"]["pid"]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            responses = list(pool.map(lambda i: serve.post(clef_body(tag=f"c{i}")), range(24)))
+    assert [r.status for r in responses] == [200] * 24
+    answers = [r.json() for r in responses]
+    assert {a["pid"] for a in answers} == {worker_pid}
+    assert {a["thread"] for a in answers} == {"MainThread"}
+    assert sorted(a["tag"] for a in answers) == sorted(f"c{i}" for i in range(24))
+
+
+def test_worker_intervals_never_overlap_and_follow_admission_order() -> None:
+    with Serve("--delay", "0.15", front_args=("--queue-size", "8")) as serve:
+        # Admit one request at a time, each only once the previous one is visibly admitted, so
+        # the admission order is known: t0 in flight, then t1..t4 queued in that order.
+        pending = [background(lambda: serve.post(clef_body(tag="t0")))]
+        serve.wait_health(lambda h: h["in_flight"] == 1)
+        for i in range(1, 5):
+            pending.append(background(lambda i=i: serve.post(clef_body(tag=f"t{i}"))))
+            serve.wait_health(lambda h, i=i: h["queue_depth"] == i)
+        answers = [p.result().json() for p in pending]
+    assert [a["tag"] for a in answers] == [f"t{i}" for i in range(5)]
+    ordered = sorted(answers, key=lambda a: a["start_ns"])
+    assert [a["tag"] for a in ordered] == [f"t{i}" for i in range(5)]
+    assert [a["request_id"] for a in ordered] == sorted(a["request_id"] for a in answers)
+    for earlier, later in itertools.pairwise(ordered):
+        assert earlier["end_ns"] <= later["start_ns"], (earlier, later)
+
+
+def test_unordered_burst_is_still_serialised() -> None:
+    with Serve("--delay", "0.02") as serve, ThreadPoolExecutor(max_workers=6) as pool:
+        answers = [r.json() for r in pool.map(lambda i: serve.post(clef_body(tag=str(i))),
+                                              range(12))]
+    by_id = sorted(answers, key=lambda a: a["request_id"])
+    # Completion order is admission order (ids are assigned at admission, in order).
+    assert [a["start_ns"] for a in by_id] == sorted(a["start_ns"] for a in by_id)
+    for earlier, later in itertools.pairwise(by_id):
+        assert earlier["end_ns"] <= later["start_ns"]
+
+
+def test_library_print_in_the_worker_does_not_break_the_protocol() -> None:
+    with Serve() as serve:
+        response = serve.post(clef_body(tag="noisy", print=True))
+        assert response.status == 200 and response.json()["tag"] == "noisy"
+        serve.wait_for("library chatter on stdout")
+        serve.wait_for("C library chatter on fd 1")
+        assert serve.post(clef_body(tag="after")).json()["tag"] == "after"
+        assert serve.health().json()["restarts"] == 0
+
+
+def test_worker_crash_mid_request_fails_it_then_service_resumes(tmp_path) -> None:
+    marker = tmp_path / "crashed"
+    with Serve("--ready-delay", "0.7", "--crash-once-file", str(marker)) as serve:
+        old_pid = serve.health().json()["worker"]["pid"]
+        started = time.monotonic()
+        doomed_call = background(lambda: serve.post(clef_body(tag="doomed", crash=True,
+                                                              sleep=0.3)))
+        serve.wait_health(lambda h: h["in_flight"] == 1)
+        queued = serve.connect()
+        queued.send("POST", "/v1/systemone", clef_body(tag="queued"))
+        serve.wait_health(lambda h: h["queue_depth"] == 1)
+        doomed = doomed_call.result()
+        assert doomed.status == 500
+        assert doomed.detail == "inference failed"
+        assert time.monotonic() - started < WAIT
+        behind = queued.read_response()
+        queued.close()
+        assert behind.status == 503 and behind.header("Retry-After") is not None
+        assert behind.detail == "worker is restarting"
+        # The replacement needs 0.7 s to become ready: /health says so meanwhile.
+        during = serve.health()
+        assert during.status == 503 and during.json()["status"] == "restarting"
+        assert during.header("Retry-After") is not None
+        refused = serve.post(clef_body(tag="too early"))
+        assert refused.status == 503 and refused.detail == "worker is restarting"
+        after = serve.wait_health(lambda h: h["status"] == "ready")
+        assert after["restarts"] == 1 and after["worker"]["pid"] != old_pid
+        answer = serve.post(clef_body(tag="next"))
+        assert answer.status == 200
+        assert answer.json()["pid"] == after["worker"]["pid"] != old_pid
+        serve.wait_for(rf"worker pid={old_pid} failed")
+
+
+def test_garbage_from_the_worker_is_a_worker_failure() -> None:
+    with Serve() as serve:
+        old_pid = serve.health().json()["worker"]["pid"]
+        response = serve.post(clef_body(garbage=True))
+        assert (response.status, response.detail) == (500, "inference failed")
+        serve.wait_for(r"invalid frame from worker")
+        after = serve.wait_health(lambda h: h["status"] == "ready")
+        assert after["worker"]["pid"] != old_pid
+        assert serve.post(clef_body(tag="ok")).status == 200
+
+
+def test_oversize_frame_from_the_worker_is_a_worker_failure() -> None:
+    with Serve() as serve:
+        old_pid = serve.health().json()["worker"]["pid"]
+        response = serve.post(clef_body(oversize=True))
+        assert (response.status, response.detail) == (500, "inference failed")
+        serve.wait_for(r"exceeds the maximum")
+        after = serve.wait_health(lambda h: h["status"] == "ready")
+        assert after["worker"]["pid"] != old_pid
+        assert serve.post(clef_body(tag="ok")).status == 200
+
+
+def test_repeated_crashes_back_off() -> None:
+    # Every replacement crashes on its own request; the delays logged must grow.
+    with Serve(front_args=("--restart-backoff", "0.05", "--restart-backoff-max", "0.4")) as serve:
+        for _ in range(3):
+            serve.wait_health(lambda h: h["status"] == "ready")
+            assert serve.post(clef_body(crash=True)).status == 500
+        serve.wait_health(lambda h: h["status"] == "ready" and h["restarts"] == 3)
+        delays = [float(m) for m in re.findall(r"starting a new worker in ([0-9.]+)s",
+                                                serve.stderr)]
+        assert delays[:3] == [0.05, 0.1, 0.2]
