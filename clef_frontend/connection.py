@@ -36,6 +36,9 @@ from clef_frontend.routes import Route, check_body, check_post_head, route
 log = logging.getLogger("clef_frontend.connection")
 
 READ_SIZE = 256 * 1024
+# After an answer sent before the request was fully read (413, 415, 408, a malformed head), how
+# long the client's remaining bytes are read and discarded before the socket is closed.
+LINGER_SECONDS = 2.0
 # Bodies above this are parsed and validated in a thread, so a large JSON document does not
 # stall the event loop (and every other client) for the length of its parse.
 INLINE_CHECK_BYTES = 64 * 1024
@@ -84,6 +87,7 @@ class HttpConnection:
         self._health = health
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=config.header_limit)
         self._idle = False
+        self._linger = False
         peer = writer.get_extra_info("peername")
         self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
 
@@ -100,7 +104,7 @@ class HttpConnection:
                     await self._send(responses.error(500, "internal server error", close=True),
                                      method=b"")
         finally:
-            self._writer.close()
+            await self._close()
 
     def close_if_idle(self) -> None:
         """Draining: a connection waiting for its next request is closed now."""
@@ -304,7 +308,26 @@ class HttpConnection:
             log.debug("cannot answer %s: %s", self._client, exc)
             return
         self._writer.write(data)
+        self._linger = self._conn.their_state not in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
         await asyncio.wait_for(self._writer.drain(), self._config.send_timeout)
+
+    async def _close(self) -> None:
+        """Close the socket, lingering if the client may still be sending.
+
+        Closing a TCP socket with unread input makes the kernel send a reset, and a reset can
+        destroy the answer we just wrote before the client reads it (the classic lost 413). So
+        when the request was not read to its end, half-close first (the client sees our answer
+        and EOF) and discard its bytes for a moment, as Apache's and nginx's lingering close do.
+        """
+        if self._linger and self._writer.can_write_eof() and not self._writer.is_closing():
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + LINGER_SECONDS
+            with contextlib.suppress(OSError, TimeoutError):
+                self._writer.write_eof()
+                while (left := deadline - loop.time()) > 0:
+                    if not await asyncio.wait_for(self._reader.read(READ_SIZE), left):
+                        break
+        self._writer.close()
 
 
 def _header(request: h11.Request, name: bytes) -> bytes | None:

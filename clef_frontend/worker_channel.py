@@ -25,6 +25,16 @@ class WorkerFailure(Exception):
     """The worker went away or broke the protocol; str() is the reason for the log."""
 
 
+class WorkerExited(WorkerFailure):
+    """The worker closed its output: it has exited (or is exiting) on its own."""
+
+
+# How long a worker that closed its output gets to finish exiting before SIGKILL. Waiting for
+# the exit, rather than killing at once, reports its true exit status: asyncio's kill() polls
+# the child first and can reap it behind the child watcher's back (the status is then lost).
+EXIT_GRACE_SECONDS = 1.0
+
+
 @dataclass(frozen=True)
 class ReadyInfo:
     """What the worker's `ready` frame says about itself (shown in logs and `/health`)."""
@@ -174,9 +184,13 @@ class WorkerChannel:
         return code
 
     async def kill(self) -> int | None:
-        """Kill the process (if still running) and reap it, so no zombie is left behind."""
+        """Kill the process (if still running) and reap it, so no zombie is left behind.
+
+        A worker that has already closed its output is given a moment to exit by itself.
+        """
+        exiting = self._broken.done() and isinstance(self._broken.result(), WorkerExited)
         self._fail(WorkerFailure("worker killed"))
-        return await self._exit_code(grace=0.0)
+        return await self._exit_code(grace=EXIT_GRACE_SECONDS if exiting else 0.0)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -193,7 +207,7 @@ class WorkerChannel:
             while True:
                 message = await self._read()
                 if message is None:
-                    raise WorkerFailure("worker closed its output")
+                    raise WorkerExited("worker closed its output")
                 self._deliver(message)
         except WorkerFailure as failure:
             self._fail(failure)

@@ -5,9 +5,9 @@ appends its model flags, which are accepted and ignored. Each answer reports whi
 thread produced it and when, so tests can check serialisation, ordering and restarts.
 
 Start-up switches: --ready-delay S, --fatal REASON, --exit-code N (exit before ready),
---garbage-at-start, --demo. Per request: --delay S (or "sleep": S in the body), spent before
-the markers act. Markers in the request body (the front validates first, so bodies are valid
-Clef requests plus these keys):
+--fatal-once-file PATH (fatal if PATH exists, removing it), --garbage-at-start, --demo.
+Per request: --delay S (or "sleep": S in the body), spent before the markers act. Markers in
+the request body (the front validates first, so bodies are valid Clef requests plus these keys):
   "crash": true     os._exit(3) before answering (only once per --crash-once-file PATH if given)
   "garbage": true   write non-frame bytes on the protocol channel
   "oversize": true  write a frame header announcing 2 GiB
@@ -45,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ready-delay", type=float, default=0.0)
     parser.add_argument("--fatal", default=None)
     parser.add_argument("--exit-code", type=int, default=None)
+    parser.add_argument("--fatal-once-file", default=None)
     parser.add_argument("--garbage-at-start", action="store_true")
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--crash-once-file", default=None)
@@ -110,6 +111,10 @@ def main() -> int:
         return args.exit_code
     if args.fatal is not None:
         write_frame_blocking(out, messages.fatal(args.fatal))
+        return 1
+    if args.fatal_once_file is not None and os.path.exists(args.fatal_once_file):
+        os.unlink(args.fatal_once_file)
+        write_frame_blocking(out, messages.fatal("GPU still held by the previous worker"))
         return 1
     if args.garbage_at_start:
         out.write(b"Loading checkpoint shards: 100%\n")

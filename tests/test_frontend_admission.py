@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 from tests.frontend_helpers import Serve, background, build_request, clef_body
@@ -125,3 +126,14 @@ def test_new_requests_during_drain_are_refused() -> None:
         assert running.result().status == 200
         assert serve.wait_exit() == 0
         late.close()
+
+
+def test_sigint_stops_like_sigterm() -> None:
+    with Serve("--delay", "0.3") as serve:
+        running = background(lambda: serve.post(clef_body(tag="running")))
+        serve.wait_health(lambda h: h["in_flight"] == 1)
+        serve.process.send_signal(signal.SIGINT)
+        assert running.result().status == 200
+        assert serve.wait_exit() == 0
+        serve.wait_for(r"SIGINT received")
+        serve.wait_for(r"worker pid=\d+ stopped \(exit code 0\)")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 
 import pytest
 
-from tests.frontend_helpers import Serve, build_request, clef_body
+from tests.frontend_helpers import Client, Serve, background, build_request, clef_body
 
 BODY_LIMIT = 8 * 1024 * 1024
 
@@ -139,6 +140,22 @@ def test_row4_over_the_body_limit_is_413_without_reading_the_body(serve: Serve) 
     status, body, closed = raw_post(
         serve, ["Content-Type: application/json", f"Content-Length: {BODY_LIMIT + 1}"])
     assert (status, body, closed) == (413, exact_error("request exceeds body limit"), True)
+
+
+def test_row4_413_reaches_a_client_that_sends_the_body_anyway(serve: Serve) -> None:
+    # The server answers without reading and closes; a plain close with unread input would
+    # reset the connection, which can destroy the 413 before the client reads it.
+    body = b"x" * (BODY_LIMIT + 1)
+    with serve.connect() as client:
+        sending = background(lambda: _send_ignoring_reset(client, body))
+        response = client.read_response()
+        assert response.status == 413
+        sending.result()
+
+
+def _send_ignoring_reset(client: Client, body: bytes) -> None:
+    with contextlib.suppress(OSError):
+        client.send("POST", "/v1/systemone", body)
 
 
 def test_row4_huge_content_length_is_413(serve: Serve) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import os
 import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -92,6 +94,7 @@ def test_worker_crash_mid_request_fails_it_then_service_resumes(tmp_path) -> Non
         assert answer.status == 200
         assert answer.json()["pid"] == after["worker"]["pid"] != old_pid
         serve.wait_for(rf"worker pid={old_pid} failed")
+        assert not _alive_or_zombie(old_pid)
 
 
 def test_garbage_from_the_worker_is_a_worker_failure() -> None:
@@ -126,3 +129,33 @@ def test_repeated_crashes_back_off() -> None:
         delays = [float(m) for m in re.findall(r"starting a new worker in ([0-9.]+)s",
                                                 serve.stderr)]
         assert delays[:3] == [0.05, 0.1, 0.2]
+
+
+def test_worker_killed_while_idle_is_replaced_and_reaped() -> None:
+    with Serve("--ready-delay", "0.3") as serve:
+        old_pid = serve.health().json()["worker"]["pid"]
+        os.kill(old_pid, signal.SIGKILL)
+        serve.wait_for(rf"worker pid={old_pid} failed .*exit code -9")
+        assert not _alive_or_zombie(old_pid)  # reaped before the restart begins
+        after = serve.wait_health(lambda h: h["status"] == "ready")
+        assert after["restarts"] == 1 and after["worker"]["pid"] != old_pid
+        assert serve.post(clef_body(tag="again")).json()["pid"] == after["worker"]["pid"]
+
+
+def _alive_or_zombie(pid: int) -> bool:
+    # A process table entry exists while the child runs and while it is an unreaped zombie.
+    return os.path.exists(f"/proc/{pid}")
+
+
+def test_replacement_that_sends_fatal_is_retried(tmp_path) -> None:
+    poison = tmp_path / "poison"
+    with Serve("--fatal-once-file", str(poison)) as serve:
+        old_pid = serve.health().json()["worker"]["pid"]
+        poison.touch()  # the next worker to start refuses once
+        os.kill(old_pid, signal.SIGKILL)
+        serve.wait_for(r"replacement worker failed to start: worker could not start: "
+                       r"GPU still held by the previous worker")
+        after = serve.wait_health(lambda h: h["status"] == "ready")
+        assert after["restarts"] == 1 and after["worker"]["pid"] != old_pid
+        assert not poison.exists()
+        assert serve.post(clef_body()).status == 200
