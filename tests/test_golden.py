@@ -43,13 +43,23 @@ def _for_case(executor: NativeExecutor, case: dict[str, Any]) -> NativeExecutor:
                                                     max_length=case["max_length"]))
 
 
+_SCORED: dict[str, Scored] = {}
+
+
+def _scored(executor: NativeExecutor, case: dict[str, Any]) -> Scored:
+    """Each case is scored once per module and shared by the tests that inspect it."""
+    if case["name"] not in _SCORED:
+        _SCORED[case["name"]] = _for_case(executor, case).score(case["request"])
+    return _SCORED[case["name"]]
+
+
 def test_golden_file_present() -> None:
     assert len(CASES) == 24, f"expected 24 golden cases in {GOLDEN}"
 
 
 @pytest.mark.parametrize("case", SUCCESS, ids=[case["name"] for case in SUCCESS])
 def test_tokens_spans_and_logits(executor: NativeExecutor, case: dict[str, Any]) -> None:
-    scored = _for_case(executor, case).score(case["request"])
+    scored = _scored(executor, case)
     assert scored.encoding.input_ids == case["input_ids"]
     assert len(scored.encoding.questions) == len(case["questions"])
     offset = 0
@@ -71,8 +81,7 @@ def test_tokens_spans_and_logits(executor: NativeExecutor, case: dict[str, Any])
 def test_response_body(executor: NativeExecutor, case: dict[str, Any]) -> None:
     case_executor = _for_case(executor, case)
     body = case_executor.answer(json.dumps(case["request"]).encode("utf-8"))
-    scored = case_executor.score(case["request"])
-    assert_response_matches(json.loads(body), case["response"], _unrounded(scored))
+    assert_response_matches(json.loads(body), case["response"], _unrounded(_scored(executor, case)))
 
 
 @pytest.mark.parametrize("case", ERRORS, ids=[case["name"] for case in ERRORS])
