@@ -107,7 +107,7 @@ class HttpConnection:
             await self._close()
 
     def close_if_idle(self) -> None:
-        """Draining: a connection waiting for its next request is closed now."""
+        """End of a drain: a connection waiting for its next request is closed now."""
         if self._idle:
             self._writer.close()
 

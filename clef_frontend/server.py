@@ -4,8 +4,9 @@ Order matters and is the point of this module:
 1. the worker is started and its `ready` awaited before the port is bound, so a load balancer
    never sees an open port that cannot answer, and a failed start exits non-zero unbound;
 2. SIGTERM/SIGINT close the listener first, then let what is in flight and queued finish
-   (bounded by the drain timeout; a second signal cuts it short), then ask the worker to shut
-   down, reap it, and exit 0.
+   (bounded by the drain timeout; a second signal cuts it short) while existing connections
+   are answered with `Connection: close` (`/health` says `draining`, new POSTs get 503), then
+   ask the worker to shut down, reap it, close idle connections, and exit 0.
 """
 
 from __future__ import annotations
@@ -96,8 +97,6 @@ class FrontServer:
         server.close()
         self._health.draining = True
         self._admission.start_draining()
-        for connection in list(self._connections):
-            connection.close_if_idle()
         log.info("draining: %d queued, %d in flight (up to %gs)", self._admission.depth,
                  self._admission.in_flight, self._config.drain_timeout)
         idle = asyncio.create_task(self._admission.wait_idle())
@@ -118,6 +117,10 @@ class FrontServer:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._admission.wait_idle(), FINAL_WRITE_SECONDS)
         dispatcher.cancel()
+        # Idle keep-alive connections stayed open during the drain, so probes on them could see
+        # `draining` (every answer meanwhile said `Connection: close`); now they are closed.
+        for connection in list(self._connections):
+            connection.close_if_idle()
         tasks = set(self._connections.values())
         if tasks:
             await asyncio.wait(tasks, timeout=FINAL_WRITE_SECONDS)

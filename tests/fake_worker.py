@@ -6,7 +6,8 @@ thread produced it and when, so tests can check serialisation, ordering and rest
 
 Start-up switches: --ready-delay S, --fatal REASON, --exit-code N (exit before ready),
 --fatal-once-file PATH (fatal if PATH exists, removing it), --garbage-at-start, --demo.
-Per request: --delay S (or "sleep": S in the body), spent before the markers act. Markers in
+Per request: --delay S (or "sleep": S in the body; "hold_until": PATH waits for that file to
+exist), spent before the markers act. Markers in
 the request body (the front validates first, so bodies are valid Clef requests plus these keys):
   "crash": true     os._exit(3) before answering (only once per --crash-once-file PATH if given)
   "garbage": true   write non-frame bytes on the protocol channel
@@ -62,6 +63,8 @@ def answer(args: argparse.Namespace, out, message: dict) -> None:
         with open(args.log_file, "a", encoding="utf-8") as log:
             log.write(f"{request.get('tag')}\n")
     time.sleep(float(request.get("sleep", args.delay)))
+    while request.get("hold_until") and not os.path.exists(request["hold_until"]):
+        time.sleep(0.01)  # held in flight until the test creates the file
     if request.get("crash"):
         marker = args.crash_once_file
         if marker is None or not os.path.exists(marker):

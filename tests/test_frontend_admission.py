@@ -8,9 +8,10 @@ from pathlib import Path
 from tests.frontend_helpers import Serve, background, build_request, clef_body
 
 
-def test_full_queue_is_503_with_retry_after() -> None:
-    with Serve("--delay", "0.6", front_args=("--queue-size", "1", "--retry-after", "3")) as serve:
-        running = background(lambda: serve.post(clef_body(tag="running")))
+def test_full_queue_is_503_with_retry_after(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    with Serve(front_args=("--queue-size", "1", "--retry-after", "3")) as serve:
+        running = background(lambda: serve.post(clef_body(tag="running", hold_until=str(gate))))
         serve.wait_health(lambda h: h["in_flight"] == 1)
         waiting = background(lambda: serve.post(clef_body(tag="waiting")))
         serve.wait_health(lambda h: h["queue_depth"] == 1)
@@ -20,14 +21,15 @@ def test_full_queue_is_503_with_retry_after() -> None:
         assert refused.header("Retry-After") == "3"
         # Health is answered at once, from front state, while the queue is full.
         assert serve.health().json()["status"] == "ready"
+        gate.touch()
         assert running.result().json()["tag"] == "running"
         assert waiting.result().json()["tag"] == "waiting"
 
 
 def test_client_that_leaves_while_queued_never_reaches_the_worker(tmp_path: Path) -> None:
-    seen = tmp_path / "seen.txt"
-    with Serve("--delay", "0.5", "--log-file", str(seen)) as serve:
-        running = background(lambda: serve.post(clef_body(tag="running")))
+    seen, gate = tmp_path / "seen.txt", tmp_path / "gate"
+    with Serve("--log-file", str(seen)) as serve:
+        running = background(lambda: serve.post(clef_body(tag="running", hold_until=str(gate))))
         serve.wait_health(lambda h: h["in_flight"] == 1)
         leaver = serve.connect()
         leaver.send("POST", "/v1/systemone", clef_body(tag="gone"))
@@ -37,25 +39,28 @@ def test_client_that_leaves_while_queued_never_reaches_the_worker(tmp_path: Path
         state = serve.wait_health(lambda h: h["queue_depth"] == 0)
         assert state["in_flight"] == 1
         serve.wait_for(r"dropped from the queue: client gone")
+        gate.touch()
         assert running.result().status == 200
         assert serve.post(clef_body(tag="after")).json()["tag"] == "after"
     assert seen.read_text().split() == ["running", "after"]
 
 
-def test_client_that_leaves_in_flight_does_not_desync_the_channel() -> None:
-    with Serve("--delay", "0.3") as serve:
+def test_client_that_leaves_in_flight_does_not_desync_the_channel(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    with Serve() as serve:
         leaver = serve.connect()
-        leaver.send("POST", "/v1/systemone", clef_body(tag="left"))
+        leaver.send("POST", "/v1/systemone", clef_body(tag="left", hold_until=str(gate)))
         serve.wait_health(lambda h: h["in_flight"] == 1)
         leaver.close()
+        serve.wait_for(r"status=499")
+        gate.touch()
         # Its reply is still read; the next request gets its own answer, not the orphan's.
         answer = serve.post(clef_body(tag="mine"))
         assert answer.json()["tag"] == "mine"
-        serve.wait_for(r"status=499")
 
 
 def test_stalled_body_does_not_delay_other_clients() -> None:
-    with Serve(front_args=("--body-timeout", "1.5")) as serve:
+    with Serve(front_args=("--body-timeout", "2")) as serve:
         body = clef_body(tag="slow")
         stalled = serve.connect()
         stalled.send_raw(build_request("POST", "/v1/systemone", body)[: -len(body) // 2])
@@ -69,51 +74,62 @@ def test_stalled_body_does_not_delay_other_clients() -> None:
         stalled.close()
 
 
-def test_sigterm_finishes_in_flight_and_queued_requests_then_exits_0() -> None:
-    with Serve("--delay", "0.3") as serve:
-        calls = []
-        for i in range(4):
+def test_sigterm_finishes_in_flight_and_queued_requests_then_exits_0(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    with Serve() as serve:
+        probe, idle = serve.connect(), serve.connect()
+        for client in (probe, idle):  # accepted, answered, now idle keep-alive connections
+            client.send("GET", "/health")
+            assert client.read_response().status == 200
+        calls = [background(lambda: serve.post(clef_body(tag="d0", hold_until=str(gate))))]
+        serve.wait_health(lambda h: h["in_flight"] == 1)
+        for i in range(1, 4):
             calls.append(background(lambda i=i: serve.post(clef_body(tag=f"d{i}"))))
-            serve.wait_health(lambda h, i=i: h["in_flight"] + h["queue_depth"] == i + 1)
-        idle = serve.connect()
-        idle.send("GET", "/health")
-        assert idle.read_response().status == 200
-        half = serve.connect()
-        half.send_raw(b"GET /health HTTP/1.1\r\n")  # a request under way when the signal comes
+            serve.wait_health(lambda h, i=i: h["queue_depth"] == i)
         serve.terminate()
         serve.wait_for(r"SIGTERM received")
-        assert idle.at_eof()  # idle keep-alive connections are closed at once
-        half.send_raw(b"Host: x\r\n\r\n")
-        draining = half.read_response()
+        # The drain is held open by d0: existing connections still get answers, with close.
+        probe.send("GET", "/health")
+        draining = probe.read_response()
         assert draining.status == 503 and draining.json()["status"] == "draining"
+        assert draining.json()["queue_depth"] == 3
         assert draining.header("Retry-After") is not None
+        assert draining.header("Connection") == "close" and probe.at_eof()
+        gate.touch()
         answers = [call.result() for call in calls]
         assert [a.status for a in answers] == [200] * 4
         assert [a.json()["tag"] for a in answers] == [f"d{i}" for i in range(4)]
+        assert idle.at_eof()  # idle keep-alive connections are closed once drained
         assert serve.wait_exit() == 0
         serve.wait_for(r"worker pid=\d+ stopped \(exit code 0\)")
+        probe.close()
         idle.close()
-        half.close()
 
 
-def test_drain_timeout_answers_the_rest_503() -> None:
-    with Serve("--delay", "0.6", front_args=("--drain-timeout", "0.2")) as serve:
-        calls = []
-        for i in range(3):
+def test_drain_timeout_answers_the_rest_503(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    with Serve(front_args=("--drain-timeout", "0.2")) as serve:
+        calls = [background(lambda: serve.post(clef_body(tag="d0", hold_until=str(gate))))]
+        serve.wait_health(lambda h: h["in_flight"] == 1)
+        for i in range(1, 3):
             calls.append(background(lambda i=i: serve.post(clef_body(tag=f"d{i}"))))
-            serve.wait_health(lambda h, i=i: h["in_flight"] + h["queue_depth"] == i + 1)
+            serve.wait_health(lambda h, i=i: h["queue_depth"] == i)
         serve.terminate()
-        answers = [call.result() for call in calls]
-        assert answers[0].status == 200  # in flight: its reply is still read and forwarded
-        assert [(a.status, a.detail) for a in answers[1:]] == [(503, "server is draining")] * 2
+        refused = [call.result() for call in calls[1:]]
+        assert [(a.status, a.detail) for a in refused] == [(503, "server is draining")] * 2
+        gate.touch()
+        assert calls[0].result().status == 200  # in flight: its reply is still forwarded
         assert serve.wait_exit() == 0
 
 
-def test_new_requests_during_drain_are_refused() -> None:
-    with Serve("--delay", "0.5") as serve:
-        running = background(lambda: serve.post(clef_body(tag="running")))
-        serve.wait_health(lambda h: h["in_flight"] == 1)
+def test_new_requests_during_drain_are_refused(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    with Serve() as serve:
         late = serve.connect()
+        late.send("GET", "/health")
+        assert late.read_response().status == 200
+        running = background(lambda: serve.post(clef_body(tag="running", hold_until=str(gate))))
+        serve.wait_health(lambda h: h["in_flight"] == 1)
         body = clef_body(tag="late")
         head = build_request("POST", "/v1/systemone", body)
         late.send_raw(head[: -len(body)])  # headers before the signal, body after it
@@ -123,17 +139,20 @@ def test_new_requests_during_drain_are_refused() -> None:
         refused = late.read_response()
         assert (refused.status, refused.detail) == (503, "server is draining")
         assert refused.header("Connection") == "close"
+        gate.touch()
         assert running.result().status == 200
         assert serve.wait_exit() == 0
         late.close()
 
 
-def test_sigint_stops_like_sigterm() -> None:
-    with Serve("--delay", "0.3") as serve:
-        running = background(lambda: serve.post(clef_body(tag="running")))
+def test_sigint_stops_like_sigterm(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    with Serve() as serve:
+        running = background(lambda: serve.post(clef_body(tag="running", hold_until=str(gate))))
         serve.wait_health(lambda h: h["in_flight"] == 1)
         serve.process.send_signal(signal.SIGINT)
+        serve.wait_for(r"SIGINT received")
+        gate.touch()
         assert running.result().status == 200
         assert serve.wait_exit() == 0
-        serve.wait_for(r"SIGINT received")
         serve.wait_for(r"worker pid=\d+ stopped \(exit code 0\)")

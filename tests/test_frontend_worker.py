@@ -8,6 +8,7 @@ import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from tests.frontend_helpers import WAIT, Serve, background, clef_body
 
@@ -24,15 +25,17 @@ def test_concurrent_posts_are_answered_by_one_pid_on_its_main_thread() -> None:
     assert sorted(a["tag"] for a in answers) == sorted(f"c{i}" for i in range(24))
 
 
-def test_worker_intervals_never_overlap_and_follow_admission_order() -> None:
-    with Serve("--delay", "0.15", front_args=("--queue-size", "8")) as serve:
+def test_worker_intervals_never_overlap_and_follow_admission_order(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    with Serve("--delay", "0.1", front_args=("--queue-size", "8")) as serve:
         # Admit one request at a time, each only once the previous one is visibly admitted, so
-        # the admission order is known: t0 in flight, then t1..t4 queued in that order.
-        pending = [background(lambda: serve.post(clef_body(tag="t0")))]
+        # the admission order is known: t0 held in flight, then t1..t4 queued in that order.
+        pending = [background(lambda: serve.post(clef_body(tag="t0", hold_until=str(gate))))]
         serve.wait_health(lambda h: h["in_flight"] == 1)
         for i in range(1, 5):
             pending.append(background(lambda i=i: serve.post(clef_body(tag=f"t{i}"))))
             serve.wait_health(lambda h, i=i: h["queue_depth"] == i)
+        gate.touch()
         answers = [p.result().json() for p in pending]
     assert [a["tag"] for a in answers] == [f"t{i}" for i in range(5)]
     ordered = sorted(answers, key=lambda a: a["start_ns"])
@@ -68,12 +71,14 @@ def test_worker_crash_mid_request_fails_it_then_service_resumes(tmp_path) -> Non
     with Serve("--ready-delay", "0.7", "--crash-once-file", str(marker)) as serve:
         old_pid = serve.health().json()["worker"]["pid"]
         started = time.monotonic()
+        gate = tmp_path / "gate"
         doomed_call = background(lambda: serve.post(clef_body(tag="doomed", crash=True,
-                                                              sleep=0.3)))
+                                                              hold_until=str(gate))))
         serve.wait_health(lambda h: h["in_flight"] == 1)
         queued = serve.connect()
         queued.send("POST", "/v1/systemone", clef_body(tag="queued"))
         serve.wait_health(lambda h: h["queue_depth"] == 1)
+        gate.touch()
         doomed = doomed_call.result()
         assert doomed.status == 500
         assert doomed.detail == "inference failed"
