@@ -120,29 +120,29 @@ class HttpConnection:
             return False
         if isinstance(head, Reply):  # a malformed head: h11's status hint, then close
             await self._send(head, method=b"")
-            logs.request_line(method=b"-", target=b"-", status=head.status, queue_ms=None,
-                              worker_ms=None, bytes_in=0, bytes_out=len(head.body),
-                              client=self._client)
+            self._log(Exchange(b"-", b"-"), head.status, len(head.body))
             return False
         exchange = Exchange(head.request.method, head.request.target)
         reply = await self._answer(head, exchange)
-        ticket = exchange.ticket
         if reply is None:  # the client left while its request was queued or in flight
-            logs.request_line(method=exchange.method, target=exchange.target, status=499,
-                              queue_ms=ticket.queue_ms if ticket else None, worker_ms=None,
-                              bytes_in=exchange.bytes_in, bytes_out=0, client=self._client)
+            self._log(exchange, 499, 0)
             return False
-        await self._send(reply, method=exchange.method)
-        logs.request_line(
-            method=exchange.method, target=exchange.target, status=reply.status,
-            queue_ms=ticket.queue_ms if ticket else None,
-            worker_ms=ticket.worker_ms if ticket else None,
-            bytes_in=exchange.bytes_in, bytes_out=len(reply.body), client=self._client,
-        )
+        # A head whose framing h11 refused has a body of unknown length: never read past it.
+        await self._send(reply, method=exchange.method, close=not head.body_readable)
+        self._log(exchange, reply.status, len(reply.body))
         if self._conn.our_state is h11.DONE and self._conn.their_state is h11.DONE:
             self._conn.start_next_cycle()
             return True
         return False
+
+    def _log(self, exchange: Exchange, status: int, bytes_out: int) -> None:
+        ticket = exchange.ticket
+        logs.request_line(
+            method=exchange.method, target=exchange.target, status=status,
+            queue_ms=ticket.queue_ms if ticket else None,
+            worker_ms=ticket.worker_ms if ticket else None,
+            bytes_in=exchange.bytes_in, bytes_out=bytes_out, client=self._client,
+        )
 
     async def _answer(self, head: RequestHead, exchange: Exchange) -> Reply | None:
         """Route, then the POST checks of http-contract.md in order; None if the client left."""
@@ -158,7 +158,7 @@ class HttpConnection:
                                  self._config.body_limit)
         if isinstance(length, Reply):
             return length
-        if not head.body_readable:  # unreachable by construction (see framing.py); be safe
+        if not head.body_readable:  # unreachable: rows 1-4 refuse every such head (framing.py)
             return responses.error(400, "invalid Content-Length", close=True)
         # Rows 6-7: read the whole body before anything else happens to it.
         body = await self._read_body()
@@ -292,9 +292,13 @@ class HttpConnection:
 
     # -- writing -------------------------------------------------------------------------
 
-    async def _send(self, reply: Reply, *, method: bytes) -> None:
-        """Frame the reply with h11 and write it; `Connection: close` if we must close."""
-        close = reply.close or self._conn.their_state is not h11.DONE or self._health.draining
+    async def _send(self, reply: Reply, *, method: bytes, close: bool = False) -> None:
+        """Frame the reply with h11 and write it; `Connection: close` if we must close.
+
+        We close when asked, when the request was not read to its end, and while draining.
+        """
+        close = (close or reply.close or self._conn.their_state is not h11.DONE
+                 or self._health.draining)
         try:
             data = self._conn.send(h11.Response(
                 status_code=reply.status,

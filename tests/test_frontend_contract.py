@@ -379,6 +379,20 @@ def test_expect_100_continue(serve: Serve) -> None:
         assert client.read_response().json()["tag"] == "expect"
 
 
+@pytest.mark.parametrize("framing", ["Content-Length: abc", "Transfer-Encoding: gzip",
+                                     "Content-Length: 1\r\nContent-Length: 2"])
+def test_other_routes_with_unreadable_framing_close_after_answering(
+    serve: Serve, framing: str
+) -> None:
+    smuggled = build_request("GET", "/v1/systemone")
+    with serve.connect() as client:
+        client.send_raw(f"GET /health HTTP/1.1\r\nHost: x\r\n{framing}\r\n\r\n".encode()
+                        + smuggled)
+        response = client.read_response()
+        assert response.status == 200 and response.header("Connection") == "close"
+        assert client.at_eof()  # the bytes after the head were never taken as a request
+
+
 def test_get_with_body_is_answered_and_closed(serve: Serve) -> None:
     with serve.connect() as client:
         client.send_raw(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
