@@ -85,3 +85,14 @@ def test_the_front_never_imports_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                             text=True, timeout=60, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_missing_worker_command_exits_non_zero() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "clef_frontend", "--port", "0",
+         "--worker-command", "/nonexistent/clef-worker --flag"],
+        cwd=REPO, capture_output=True, text=True, timeout=30,
+    )
+    assert result.returncode == 1
+    assert "cannot run worker command '/nonexistent/clef-worker'" in result.stderr
+    assert "listening on" not in result.stderr
