@@ -1,0 +1,136 @@
+"""End-to-end latency through `clef-serve`: HTTP, validation, admission, frames, worker, model.
+
+Not a test. Starts the server as a subprocess on a free loopback port with the given flags,
+waits for it to listen, sends `--requests` requests over one keep-alive connection (sequential:
+the per-request cost), then the same number spread over `--clients` concurrent connections
+(FIFO admission: throughput stays that of one worker, latency grows with the queue), and prints
+percentiles as JSON.
+
+    python bench/bench_http.py -- --model demo --device cpu
+    python bench/bench_http.py --requests 200 -- --model demo --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+REQUEST = {
+    "model": "clef-flash",
+    "state": "Invoice #4411 from Acme for $12,400 was due on 2026-09-30 and is still unpaid. "
+             "The customer says the payment was sent last week from a new bank account.",
+    "questions": {
+        "status": {"type": "choice", "instructions": "What is the payment status?",
+                   "criteria": {"paid": "settled", "pending": "not yet due",
+                                "overdue": "past due"}},
+        "large": {"type": "noul", "instructions": "Is the amount above $10,000?"},
+        "risk": {"type": "score", "instructions": "How risky is this account?",
+                 "criteria": ["low", "medium", "high"]},
+    },
+}
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+
+    def at(q: float) -> float:
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+    return {"n": len(samples), "p50_ms": round(statistics.median(samples), 2), "p95_ms": at(0.95),
+            "p99_ms": at(0.99), "max_ms": round(ordered[-1], 2)}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def post(conn: http.client.HTTPConnection, body: bytes) -> float:
+    started = time.perf_counter()
+    conn.request("POST", "/v1/systemone", body, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    response.read()
+    if response.status != 200:
+        raise RuntimeError(f"status {response.status}")
+    return (time.perf_counter() - started) * 1000
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=100)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("server_args", nargs="*", help="flags for clef-serve (after --)")
+    args = parser.parse_args()
+    port = free_port()
+    command = [sys.executable, "-m", "clef_frontend", "--port", str(port), *args.server_args]
+    server = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    assert server.stderr is not None
+    log_lines: list[str] = []
+    listening = threading.Event()
+
+    def pump() -> None:
+        assert server.stderr is not None
+        for line in server.stderr:
+            log_lines.append(line)
+            sys.stderr.write(line) if "request method=" not in line else None
+            if re.search(r"listening on http://", line):
+                listening.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    results: dict[str, Any] = {"command": command}
+    try:
+        if not listening.wait(args.startup_timeout):
+            raise SystemExit("server did not start listening")
+        body = json.dumps(REQUEST).encode()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        for _ in range(5):
+            post(conn, body)
+        results["sequential"] = percentiles([post(conn, body) for _ in range(args.requests)])
+        conn.close()
+        samples: list[float] = []
+        lock = threading.Lock()
+        per_client = max(1, args.requests // args.clients)
+
+        def client() -> None:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            mine = [post(c, body) for _ in range(per_client)]
+            c.close()
+            with lock:
+                samples.extend(mine)
+
+        started = time.perf_counter()
+        threads = [threading.Thread(target=client) for _ in range(args.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - started
+        results["concurrent"] = {**percentiles(samples), "clients": args.clients,
+                                 "throughput_rps": round(len(samples) / elapsed, 1)}
+        worker_ms = [float(m.group(1)) for line in log_lines
+                     if (m := re.search(r"worker_ms=([\d.]+)", line))]
+        if worker_ms:
+            results["worker_ms"] = percentiles(worker_ms)
+    finally:
+        server.terminate()
+        server.wait(60)
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
