@@ -22,6 +22,7 @@ import contextlib
 import logging
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Any
 
 import h11
 
@@ -269,9 +270,9 @@ class HttpConnection:
             while not ticket.outcome.done():
                 if watcher is None and len(self._conn.trailing_data[0]) < buffered_cap:
                     watcher = asyncio.ensure_future(self._reader.read(READ_SIZE))
-                pending: set[asyncio.Future[object]] = {ticket.outcome}  # type: ignore[arg-type]
+                pending: set[asyncio.Future[Any]] = {ticket.outcome}
                 if watcher is not None:
-                    pending.add(watcher)  # type: ignore[arg-type]
+                    pending.add(watcher)
                 await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if watcher is not None and watcher.done():
                     data, watcher = _result_or_eof(watcher), None

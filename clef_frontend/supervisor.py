@@ -52,7 +52,7 @@ class Backoff:
         """The delay before the next start, given how long the failed worker was up."""
         if uptime >= self.reset_after:
             self.failures = 0
-        delay = min(self.cap, self.initial * 2 ** min(self.failures, 32))
+        delay = min(self.cap, self.initial * float(2 ** min(self.failures, 32)))
         self.failures += 1
         return delay
 

@@ -177,8 +177,8 @@ class WorkerChannel:
         """Ask the worker to finish and exit (`shutdown`, then EOF); kill it after `grace`."""
         if not self._broken.done():
             await self._send(messages.shutdown())
-        with contextlib.suppress(Exception):
-            self._process.stdin.close()  # type: ignore[union-attr]
+        if self._process.stdin is not None:
+            self._process.stdin.close()
         code = await self._exit_code(grace)
         self._fail(WorkerFailure("worker stopped"))
         return code

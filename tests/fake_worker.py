@@ -32,6 +32,7 @@ import signal  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any, BinaryIO  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -55,7 +56,7 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def answer(args: argparse.Namespace, out, message: dict) -> None:
+def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any]) -> None:
     request_id = message["id"]
     start_ns = time.monotonic_ns()
     request = json.loads(message["body"])
