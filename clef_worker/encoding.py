@@ -220,6 +220,11 @@ class Encoder:
         def span(segment_index: int) -> tuple[int, int]:
             return (offset + starts[segment_index], offset + starts[segment_index + 1])
 
+        for question_id, _, span_segment, _, _ in layout:
+            if starts[span_segment] == starts[span_segment + 1]:
+                # The head averages over this span; an empty one would make the answer NaN.
+                raise RequestInvalid(f"{question_id}: the instruction encodes to no tokens")
+
         questions = tuple(
             EncodedQuestion(
                 id=question_id,

@@ -169,3 +169,10 @@ def test_huge_state_is_cut_quickly(encoder: Encoder) -> None:
     state = "invoice payment overdue " * 400_000  # ~9.6 MB
     encoding = encoder.encode(_request(state), 512)
     assert encoding.length == 512 and encoding.state_truncated
+
+
+def test_empty_instruction_span_is_refused(encoder: Encoder) -> None:
+    """Validation refuses an empty id without instructions; the encoder never lets an empty
+    span through either (the reference answers NaN there)."""
+    with pytest.raises(RequestInvalid, match="encodes to no tokens"):
+        encoder.encode(_request(**{"": {"type": "noul"}}), 16384)
