@@ -217,9 +217,12 @@ def test_two_snapshots_do_not_share_a_module(make_snapshot: MakeSnapshot) -> Non
     assert len(second_module.CALLS) == 1
 
 
-def test_fla_is_blocked_before_the_release_module_imports(make_snapshot: MakeSnapshot) -> None:
+def test_fla_is_blocked_before_the_release_module_imports(
+    make_snapshot: MakeSnapshot, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # transformers binds its Gated DeltaNet kernel when the release imports it: the guard must
     # already be in place at that moment on CPU.
+    monkeypatch.delitem(sys.modules, "fla", raising=False)  # undo earlier tests' block
     source = "import sys\nFLA_AT_IMPORT = sys.modules.get('fla', 'absent')\n" + FORM_A
     executor = _load(make_snapshot(source))
     assert _module(executor).FLA_AT_IMPORT is None
