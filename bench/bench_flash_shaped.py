@@ -212,7 +212,7 @@ def main() -> int:
     fresh: list[float] = []
     for _ in range(min(args.repeat, 10)):
         box: list[float] = []
-        thread = threading.Thread(target=lambda: box.append(timed_answer(executor, body)))
+        thread = threading.Thread(target=lambda out=box: out.append(timed_answer(executor, body)))
         thread.start()
         thread.join()
         fresh.append(box[0])

@@ -15,5 +15,6 @@ GOLDEN = SHARED / "fixtures" / "clef-tiny.golden.jsonl"
 @pytest.fixture(scope="session")
 def tiny_snapshot() -> Path:
     if not TINY_SNAPSHOT.is_dir():
-        pytest.fail(f"reference fixture missing: {TINY_SNAPSHOT} (../shared must sit beside the repo)")
+        pytest.fail(f"reference fixture missing: {TINY_SNAPSHOT} (../shared must sit beside "
+                    "the repository)")
     return TINY_SNAPSHOT
