@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 import torch
 from safetensors import safe_open
 
-from clef_protocol.body import BadRequestBody, parse_body
+from clef_protocol.body import parse_body
 from clef_protocol.options import RequestLimits
-from clef_protocol.validation import RequestInvalid, validate_request
+from clef_protocol.validation import validate_request
 from clef_worker.answers import build_response, serialize
 from clef_worker.backbone import (
     Backbone,
@@ -187,12 +187,13 @@ class NativeExecutor:
         log.info("warm-up done in %.0f ms", self.warmup_ms)
 
     def answer(self, body: bytes) -> bytes:
-        """Raw body -> final response bytes; RequestInvalid (422) for a refused request."""
-        try:
-            request = parse_body(body)
-        except BadRequestBody as exc:
-            raise RequestInvalid(str(exc)) from exc
-        return serialize(self.score(request).response())
+        """Raw body -> final response bytes.
+
+        Raises `BadRequestBody` (400) for a body that is not an acceptable JSON object and
+        `RequestInvalid` (422) for a request the model must refuse; the front has run both
+        checks already, the worker repeats them because it trusts no input.
+        """
+        return serialize(self.score(parse_body(body)).response())
 
     # -- Inspectable pipeline -------------------------------------------------------------
 
