@@ -135,3 +135,13 @@ def assert_response_matches(got: Any, want: Any, unrounded: list[float]) -> None
         assert is_probability and isinstance(g, float) and isinstance(w, float), (path, g, w)
         assert abs(g - w) <= 1e-4 + 1e-12, (path, g, w)
         assert _near_boundary(unrounded, g), (path, g, w, "not on a rounding boundary")
+
+
+def test_malformed_body_is_refused_before_the_model(executor: NativeExecutor) -> None:
+    from clef_protocol.body import BadRequestBody
+
+    with pytest.raises(BadRequestBody):
+        executor.answer(b'{"model": "m", "state": ')
+    with pytest.raises(RequestInvalid, match="not supported"):
+        executor.answer(json.dumps({"model": "m", "state": "s", "images": ["x"],
+                                    "questions": {"a": {"type": "noul"}}}).encode())
