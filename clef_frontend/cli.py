@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "flags are appended")
     worker.add_argument("--startup-timeout", type=_seconds, default=d.startup_timeout,
                         help="seconds a worker may take to load and warm up")
+    worker.add_argument("--request-timeout", type=_seconds, default=d.request_timeout,
+                        help="seconds the worker may take to answer one request; past it the "
+                             "worker counts as hung: it is killed and replaced, and the request "
+                             "gets 500")
     worker.add_argument("--shutdown-grace", type=_seconds, default=d.shutdown_grace,
                         help="seconds a worker may take to exit after 'shutdown' before SIGKILL")
     worker.add_argument("--restart-backoff", type=_seconds, default=d.restart_backoff,
@@ -123,6 +127,7 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         retry_after=args.retry_after,
         drain_timeout=args.drain_timeout,
         startup_timeout=args.startup_timeout,
+        request_timeout=args.request_timeout,
         shutdown_grace=args.shutdown_grace,
         restart_backoff=args.restart_backoff,
         restart_backoff_max=args.restart_backoff_max,

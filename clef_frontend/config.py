@@ -33,6 +33,7 @@ class ServerConfig:
     retry_after: int = 1
     drain_timeout: float = 30.0
     startup_timeout: float = 900.0
+    request_timeout: float = 300.0
     shutdown_grace: float = 10.0
     restart_backoff: float = 0.5
     restart_backoff_max: float = 30.0
@@ -53,7 +54,8 @@ class ServerConfig:
                 raise ValueError(f"{name.replace('_', '-')} must be at least 1")
         for name in (
             "header_timeout", "body_timeout", "keepalive_timeout", "send_timeout",
-            "startup_timeout", "shutdown_grace", "restart_backoff_max", "restart_reset_after",
+            "startup_timeout", "request_timeout", "shutdown_grace", "restart_backoff_max",
+            "restart_reset_after",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")

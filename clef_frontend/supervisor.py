@@ -103,7 +103,7 @@ class Supervisor:
         if reason is not None:
             raise WorkerUnavailable(reason)
         assert self._channel is not None
-        return await self._channel.call(request_id, body)
+        return await self._channel.call(request_id, body, self._config.request_timeout)
 
     async def watch(self) -> None:
         """Run until cancelled: each time the worker fails, replace it (with backoff)."""

@@ -154,8 +154,13 @@ class WorkerChannel:
         self._reader_task = asyncio.create_task(self._read_replies(), name=f"worker-{self.pid}")
         return info
 
-    async def call(self, request_id: int, body: bytes) -> WorkerReply:
-        """Send one request and wait for its reply (one at a time; admission guarantees it)."""
+    async def call(self, request_id: int, body: bytes, timeout: float) -> WorkerReply:
+        """Send one request and wait for its reply (one at a time; admission guarantees it).
+
+        A worker that does not answer within `timeout` is taken as hung (a deadlocked kernel, a
+        stuck driver call): the channel breaks, so the supervisor kills and replaces it, rather
+        than letting one request hold the queue forever.
+        """
         if self._broken.done():
             raise self._broken.result()
         if self._pending is not None:
@@ -165,7 +170,11 @@ class WorkerChannel:
         try:
             if not await self._send(messages.request(request_id, body)):
                 self._fail(WorkerFailure("worker closed its input"))
-            return await reply
+            try:
+                return await asyncio.wait_for(asyncio.shield(reply), timeout)
+            except TimeoutError:
+                self._fail(WorkerFailure(f"no reply to request {request_id} within {timeout:g}s"))
+                return await reply
         finally:
             self._pending = None
 

@@ -68,7 +68,9 @@ def test_library_print_in_the_worker_does_not_break_the_protocol() -> None:
 
 def test_worker_crash_mid_request_fails_it_then_service_resumes(tmp_path) -> None:
     marker = tmp_path / "crashed"
-    with Serve("--ready-delay", "0.7", "--crash-once-file", str(marker)) as serve:
+    ready_gate = tmp_path / "replacement may start"
+    with Serve("--crash-once-file", str(marker), "--replacement-ready-gate", str(ready_gate)) \
+            as serve:
         old_pid = serve.health().json()["worker"]["pid"]
         started = time.monotonic()
         gate = tmp_path / "gate"
@@ -87,12 +89,13 @@ def test_worker_crash_mid_request_fails_it_then_service_resumes(tmp_path) -> Non
         queued.close()
         assert behind.status == 503 and behind.header("Retry-After") is not None
         assert behind.detail == "worker is restarting"
-        # The replacement needs 0.7 s to become ready: /health says so meanwhile.
+        # The replacement is held before `ready`: /health says so meanwhile.
         during = serve.health()
         assert during.status == 503 and during.json()["status"] == "restarting"
         assert during.header("Retry-After") is not None
         refused = serve.post(clef_body(tag="too early"))
         assert refused.status == 503 and refused.detail == "worker is restarting"
+        ready_gate.touch()
         after = serve.wait_health(lambda h: h["status"] == "ready")
         assert after["restarts"] == 1 and after["worker"]["pid"] != old_pid
         answer = serve.post(clef_body(tag="next"))
@@ -164,3 +167,18 @@ def test_replacement_that_sends_fatal_is_retried(tmp_path) -> None:
         assert after["restarts"] == 1 and after["worker"]["pid"] != old_pid
         assert not poison.exists()
         assert serve.post(clef_body()).status == 200
+
+
+def test_a_hung_worker_is_replaced_after_the_request_timeout(tmp_path: Path) -> None:
+    never = tmp_path / "never created"
+    with Serve(front_args=("--request-timeout", "0.5")) as serve:
+        old_pid = serve.health().json()["worker"]["pid"]
+        started = time.monotonic()
+        stuck = serve.post(clef_body(tag="stuck", hold_until=str(never)))
+        assert stuck.status == 500 and stuck.detail == "inference failed"
+        assert time.monotonic() - started < WAIT
+        serve.wait_for(rf"worker pid={old_pid} failed after .*no reply to request \d+ within 0.5s")
+        after = serve.wait_health(lambda h: h["status"] == "ready")
+        assert after["restarts"] == 1 and after["worker"]["pid"] != old_pid
+        assert serve.post(clef_body(tag="next")).json()["pid"] == after["worker"]["pid"]
+        assert not _alive_or_zombie(old_pid)
