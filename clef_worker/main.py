@@ -109,8 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     from clef_worker.stdio import claim_channel
 
     channel_in, channel_out = claim_channel()
-    # Ctrl-C reaches the whole process group; the front decides how the worker stops.
+    # The front decides when the worker stops: after draining it sends `shutdown` (or closes
+    # stdin), and it SIGKILLs a worker that does not exit. Ctrl-C on a terminal, or a service
+    # manager signalling every process of the service, must not kill the request in flight.
+    # The worker cannot outlive the front: the front's exit closes stdin, which ends the loop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO,
         format="%(asctime)s clef-worker[%(process)d] %(levelname)s %(message)s",

@@ -40,7 +40,8 @@ def clef_body(**extra: Any) -> bytes:
 
 
 class Serve:
-    """One `python -m clef_frontend` process with the fake worker."""
+    """One `python -m clef_frontend` process with the fake worker (or, with `real_worker`, the
+    real `python -m clef_worker`; then pass the model flags in `front_args`)."""
 
     def __init__(
         self,
@@ -48,12 +49,14 @@ class Serve:
         front_args: tuple[str, ...] = (),
         port: int = 0,
         wait_listening: bool = True,
+        real_worker: bool = False,
+        startup_wait: float = WAIT,
     ) -> None:
         worker = shlex.join([sys.executable, str(FAKE_WORKER), *worker_switches])
         argv = [
             sys.executable, "-m", "clef_frontend", "--port", str(port),
-            "--worker-command", worker, "--restart-backoff", "0.05",
-            "--shutdown-grace", "5", *front_args,
+            *(() if real_worker else ("--worker-command", worker)),
+            "--restart-backoff", "0.05", "--shutdown-grace", "5", *front_args,
         ]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(
@@ -66,7 +69,7 @@ class Serve:
         self._reader.start()
         self.port = 0
         if wait_listening:
-            match = self.wait_for(LISTENING)
+            match = self.wait_for(LISTENING, timeout=startup_wait)
             self.port = int(match["port"])
 
     def _read_stderr(self) -> None:

@@ -1,0 +1,93 @@
+"""The whole server with the real worker on the shared tiny snapshot: HTTP in, golden out."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import GOLDEN, TINY_SNAPSHOT
+from tests.frontend_helpers import Response, Serve
+
+CASES = {case["name"]: case for case in map(json.loads, GOLDEN.read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def serve() -> Iterator[Serve]:
+    with Serve(
+        real_worker=True, startup_wait=240,
+        front_args=("--model", str(TINY_SNAPSHOT), "--device", "cpu"),
+    ) as server:
+        yield server
+
+
+def _post(serve: Serve, request: dict[str, Any]) -> Response:
+    return serve.post(json.dumps(request).encode())
+
+
+def _assert_golden_body(got: dict[str, Any], expected: dict[str, Any], path: str = "") -> None:
+    """Equal after json.loads; a probability may differ by one unit in the 4th decimal."""
+    if isinstance(expected, dict):
+        assert isinstance(got, dict) and list(got) == list(expected), path
+        for key in expected:
+            _assert_golden_body(got[key], expected[key], f"{path}.{key}")
+    elif isinstance(expected, float) and not isinstance(got, bool):
+        assert abs(got - expected) <= 1e-4 + 1e-12, path
+    else:
+        assert got == expected, path
+
+
+def test_health_reports_the_real_worker(serve: Serve) -> None:
+    health = serve.health()
+    assert health.status == 200
+    worker = health.json()["worker"]
+    assert worker["thread"] == "MainThread"
+    assert (worker["device"], worker["dtype"], worker["gdn_path"]) == ("cpu", "float32", "torch")
+    assert worker["demo"] is True  # the fixture is marked as a tiny random model
+
+
+@pytest.mark.parametrize("name", ["invoice", "unicode_ids", "choice_sort_order", "object_state",
+                                  "score_object_levels", "twelve_questions"])
+def test_golden_answers_over_http(serve: Serve, name: str) -> None:
+    case = CASES[name]
+    response = _post(serve, case["request"])
+    assert response.status == 200, response.body
+    assert response.header("Content-Type") == "application/json"
+    _assert_golden_body(response.json(), case["response"])
+    # The worker's compact bytes, not a re-serialisation by the front.
+    assert response.body == json.dumps(response.json(), ensure_ascii=False,
+                                       separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize("name", ["bad_type", "empty_criteria", "missing_model", "no_questions"])
+def test_golden_refusals_over_http(serve: Serve, name: str) -> None:
+    response = _post(serve, CASES[name]["request"])
+    assert response.status == 422
+    assert response.detail == CASES[name]["error"]["message"]
+
+
+def test_token_budget_refusal_comes_from_the_worker(serve: Serve) -> None:
+    options = {f"option_{i:03d}": f"a long description of option number {i}" for i in range(200)}
+    questions = {f"q{k}": {"type": "choice", "criteria": options} for k in range(20)}
+    response = _post(serve, {"model": "m", "state": "s", "questions": questions})
+    assert response.status == 422
+    assert re.fullmatch(r"schema requires \d+ tokens before state; maximum is 16384",
+                        response.detail)
+    serve.wait_for(r"status=422 queue_ms=[\d.]+ worker_ms=[\d.]+")  # it did reach the worker
+
+
+def test_worker_ignores_sigterm_and_sigint(serve: Serve) -> None:
+    """Only the front decides when the worker stops (shutdown frame after draining)."""
+    pid = serve.health().json()["worker"]["pid"]
+    os.kill(pid, signal.SIGTERM)
+    os.kill(pid, signal.SIGINT)
+    response = _post(serve, CASES["null_state"]["request"])
+    assert response.status == 200
+    _assert_golden_body(response.json(), CASES["null_state"]["response"])
+    health = serve.health().json()
+    assert health["worker"]["pid"] == pid and health["restarts"] == 0
