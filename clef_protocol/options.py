@@ -62,7 +62,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     limits = parser.add_argument_group("request limits")
     limits.add_argument("--max-length", type=_positive, default=RequestLimits.max_length,
                         help="token budget per request (state is cut to fit)")
-    limits.add_argument("--max-questions", type=_positive, default=RequestLimits.max_questions)
+    limits.add_argument("--max-questions", type=_positive, default=RequestLimits.max_questions,
+                        help="questions per request")
     limits.add_argument("--max-options", type=_positive, default=RequestLimits.max_choice_options,
                         help="options per choice question")
     limits.add_argument("--max-levels", type=_positive, default=RequestLimits.max_score_levels,
