@@ -152,7 +152,8 @@ def test_batched_head_equals_loop(record: dict) -> None:
         )
     assert output.logits.dtype == torch.float32  # the head hands back float32, like the release
     assert output.logits.tolist() == pytest.approx(want_logits, abs=1e-5, rel=1e-5)
-    assert output.probabilities.tolist() == pytest.approx(want_probabilities, abs=1e-6)
+    # float32 logits within 1e-5 move a softmax by about as much: the same tolerance.
+    assert output.probabilities.tolist() == pytest.approx(want_probabilities, abs=1e-5)
 
 
 def test_index_layout() -> None:
