@@ -41,10 +41,8 @@ def _elapsed_ms(start: float) -> float:
     return round((time.perf_counter() - start) * 1000.0, 3)
 
 
-def handle_request(executor: Executor, message: dict) -> dict:
-    """Answer one `request` frame; every outcome is a reply frame, never an exception."""
-    request_id = message.get("id")
-    body = message.get("body")
+def handle_request(executor: Executor, request_id: int, body: object) -> dict:
+    """Answer one request; every outcome is a reply frame, never an exception."""
     start = time.perf_counter()
     if not isinstance(body, bytes):
         return messages.error(request_id, 400, "request frame has no body", _elapsed_ms(start))
@@ -72,10 +70,12 @@ def serve(executor: Executor, channel_in: BinaryIO, channel_out: BinaryIO) -> in
         if message is None or message["kind"] == messages.SHUTDOWN:
             log.info("shutting down")
             return 0
-        if message["kind"] != messages.REQUEST:
+        request_id = message.get("id")
+        if message["kind"] != messages.REQUEST or not isinstance(request_id, int):
             log.error("unexpected %r frame from the front, exiting", message["kind"])
             return 2
-        write_frame_blocking(channel_out, handle_request(executor, message))
+        write_frame_blocking(channel_out, handle_request(executor, request_id,
+                                                         message.get("body")))
 
 
 def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:

@@ -54,7 +54,7 @@ class ScriptedExecutor:
      ("boom", 500, "inference failed")],
 )
 def test_executor_exceptions_become_error_frames(do: str, status: int, detail: str) -> None:
-    reply = handle_request(ScriptedExecutor(), messages.request(9, json.dumps({"do": do}).encode()))
+    reply = handle_request(ScriptedExecutor(), 9, json.dumps({"do": do}).encode())
     assert (reply["kind"], reply["id"], reply["status"], reply["detail"]) == (
         "error", 9, status, detail
     )
@@ -62,13 +62,13 @@ def test_executor_exceptions_become_error_frames(do: str, status: int, detail: s
 
 
 def test_internal_cause_goes_to_the_log_not_the_reply(caplog: pytest.LogCaptureFixture) -> None:
-    reply = handle_request(ScriptedExecutor(), messages.request(1, b'{"do": "boom"}'))
+    reply = handle_request(ScriptedExecutor(), 1, b'{"do": "boom"}')
     assert "secret" not in json.dumps(reply)
     assert "secret internal detail" in caplog.text
 
 
 def test_success_carries_the_executor_bytes_unchanged() -> None:
-    reply = handle_request(ScriptedExecutor(), messages.request(3, b'{"b": 1,  "a": 2}'))
+    reply = handle_request(ScriptedExecutor(), 3, b'{"b": 1,  "a": 2}')
     assert reply["kind"] == "response"
     assert reply["id"] == 3
     assert reply["status"] == 200
@@ -108,6 +108,16 @@ def test_serve_exits_nonzero_on_a_broken_stream() -> None:
 
 def test_serve_exits_nonzero_on_an_unexpected_kind() -> None:
     assert serve(ScriptedExecutor(), _frames({"kind": "ready"}), io.BytesIO()) == 2
+
+
+def test_serve_exits_nonzero_on_a_request_without_an_integer_id() -> None:
+    frame = {"kind": "request", "id": "7", "body": b"{}"}
+    assert serve(ScriptedExecutor(), _frames(frame), io.BytesIO()) == 2
+
+
+def test_a_request_frame_without_a_body_is_refused() -> None:
+    reply = handle_request(ScriptedExecutor(), 4, None)
+    assert (reply["kind"], reply["id"], reply["status"]) == ("error", 4, 400)
 
 
 def test_stdio_guard_keeps_library_output_off_the_channel() -> None:
