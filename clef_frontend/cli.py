@@ -15,19 +15,9 @@ import sys
 from clef_frontend import logs
 from clef_frontend.config import ServerConfig
 from clef_frontend.server import serve
-from clef_protocol.options import add_model_arguments, limits_from, worker_argv
+from clef_protocol.options import add_model_arguments, limits_from, positive_int, worker_argv
 
 DEFAULTS = ServerConfig(worker_argv=("clef_worker",))
-
-
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return number
 
 
 def _port(value: str) -> int:
@@ -62,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--host", default=d.host, help="address to bind")
     net.add_argument("--port", type=_port, default=d.port, help="TCP port; 0 picks a free one")
     http = parser.add_argument_group("HTTP limits")
-    http.add_argument("--body-limit", type=_positive_int, default=d.body_limit,
+    http.add_argument("--body-limit", type=positive_int, default=d.body_limit,
                       help="largest accepted request body in bytes (413 above)")
-    http.add_argument("--header-limit", type=_positive_int, default=d.header_limit,
+    http.add_argument("--header-limit", type=positive_int, default=d.header_limit,
                       help="largest request head in bytes (431 above)")
     http.add_argument("--header-timeout", type=_seconds, default=d.header_timeout,
                       help="seconds for a whole request head once it has begun")
@@ -75,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--send-timeout", type=_seconds, default=d.send_timeout,
                       help="seconds a client may take to accept a response")
     queue = parser.add_argument_group("admission")
-    queue.add_argument("--queue-size", type=_positive_int, default=d.queue_size,
+    queue.add_argument("--queue-size", type=positive_int, default=d.queue_size,
                        help="requests that may wait for the worker (503 when full)")
     queue.add_argument("--retry-after", type=int, default=d.retry_after,
                        help="Retry-After seconds on 503 answers")

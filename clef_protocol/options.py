@@ -34,7 +34,8 @@ def _device(value: str) -> str:
     raise argparse.ArgumentTypeError(f"invalid device {value!r}: expected {DEVICES_HELP}")
 
 
-def _positive(value: str) -> int:
+def positive_int(value: str) -> int:
+    """argparse type: an integer >= 1 (shared by the front's own flags)."""
     try:
         number = int(value)
     except ValueError:
@@ -60,13 +61,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="native (this project's code) or release (runs the snapshot's own "
                             "joint_schema_model.py: only for snapshots you trust)")
     limits = parser.add_argument_group("request limits")
-    limits.add_argument("--max-length", type=_positive, default=RequestLimits.max_length,
+    limits.add_argument("--max-length", type=positive_int, default=RequestLimits.max_length,
                         help="token budget per request (state is cut to fit)")
-    limits.add_argument("--max-questions", type=_positive, default=RequestLimits.max_questions,
+    limits.add_argument("--max-questions", type=positive_int, default=RequestLimits.max_questions,
                         help="questions per request")
-    limits.add_argument("--max-options", type=_positive, default=RequestLimits.max_choice_options,
+    limits.add_argument("--max-options", type=positive_int, default=RequestLimits.max_choice_options,
                         help="options per choice question")
-    limits.add_argument("--max-levels", type=_positive, default=RequestLimits.max_score_levels,
+    limits.add_argument("--max-levels", type=positive_int, default=RequestLimits.max_score_levels,
                         help="levels per score question")
 
 
