@@ -65,7 +65,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token budget per request (state is cut to fit)")
     limits.add_argument("--max-questions", type=positive_int, default=RequestLimits.max_questions,
                         help="questions per request")
-    limits.add_argument("--max-options", type=positive_int, default=RequestLimits.max_choice_options,
+    limits.add_argument("--max-options", type=positive_int,
+                        default=RequestLimits.max_choice_options,
                         help="options per choice question")
     limits.add_argument("--max-levels", type=positive_int, default=RequestLimits.max_score_levels,
                         help="levels per score question")
