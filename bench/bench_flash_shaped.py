@@ -77,7 +77,13 @@ def build_executor(args: argparse.Namespace) -> Any:
     import torch
 
     from clef_protocol.options import RequestLimits
-    from clef_worker.backbone import Backbone, bind_gdn_path, resolve_device, resolve_dtype
+    from clef_worker.backbone import (
+        Backbone,
+        bind_gdn_path,
+        configure_attention,
+        resolve_device,
+        resolve_dtype,
+    )
     from clef_worker.demo import ensure_demo_snapshot
     from clef_worker.encoding import Encoder
     from clef_worker.head import HeadConfig, JointSchemaHead
@@ -87,6 +93,7 @@ def build_executor(args: argparse.Namespace) -> Any:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     gdn_path = bind_gdn_path(args.gdn_prefill, device, dtype)
+    configure_attention(device)  # as load_backbone does
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
 

@@ -267,6 +267,12 @@ def gdn_warmup_lengths(max_length: int, heads: int, rows_per_bucket: int) -> lis
     return lengths
 
 
+def configure_attention(device: torch.device) -> None:
+    """On CUDA, turn off cuDNN's SDPA backend (a plan build per new length; see module docs)."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def load_backbone(
     snapshot: Snapshot, device: torch.device, dtype: torch.dtype, gdn_path: str
 ) -> Backbone:
@@ -293,8 +299,7 @@ def load_backbone(
             f"{list(lexical_shape)} (text_config vocab_size x hidden_size)"
         )
 
-    if device.type == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)  # per-length plan builds; see module docs
+    configure_attention(device)
     state = _read_tensors(
         {name: files[name] for name in expected}, device, dtype, prefix=TEXT_PREFIX
     )
