@@ -164,6 +164,8 @@ def bound_gdn_path() -> str:
     """
     module = importlib.import_module(MODELING_MODULE)
     function = getattr(module, "torch_chunk_gated_delta_rule", None)
+    if function is None:
+        return "unknown"
     try:
         implementation = inspect.getclosurevars(function).nonlocals.get("implementation")
     except TypeError:
@@ -202,7 +204,7 @@ def bind_gdn_path(requested: str, device: torch.device, dtype: torch.dtype) -> s
 class Backbone:
     """The loaded text stack and lexical table, on one device in one dtype."""
 
-    model: nn.Module
+    model: Any  # transformers' Qwen3_5TextModel (its attributes are not typed for mypy)
     lexical_table: Tensor
     device: torch.device
     dtype: torch.dtype
@@ -281,7 +283,7 @@ def load_backbone(
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
 
     try:
-        text_config = Qwen3_5Config.from_dict(snapshot.config).text_config
+        text_config: Any = Qwen3_5Config.from_dict(snapshot.config).text_config
         with torch.device("meta"):
             model = Qwen3_5TextModel(text_config)
     except Exception as exc:

@@ -59,7 +59,7 @@ def encode_order(question: Mapping[str, Any]) -> list[tuple[str, Any]]:
     drops it). choice: sorted by option id. score: level index in array order.
     """
     kind = question["type"]
-    criteria = question.get("criteria")
+    criteria: Any = question.get("criteria")
     if kind == "noul":
         overrides = criteria if isinstance(criteria, Mapping) else {}
         return [
@@ -264,7 +264,7 @@ class Encoder:
             last = next((word for word in reversed(words) if word is not None), None)
             if last is not None:
                 keep = len(words)
-                while keep and (words[keep - 1] is None or words[keep - 1] > last - 4):
+                while keep and ((word := words[keep - 1]) is None or word > last - 4):
                     keep -= 1
                 if keep >= budget:
                     return encoding.ids[:budget], True
