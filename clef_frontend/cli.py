@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import shlex
 import sys
 
@@ -40,12 +41,20 @@ def _seconds(value: str) -> float:
     return number
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("clef-serve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="clef-serve",
         description="Serve Clef over HTTP: an h11 front and one persistent model worker.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"clef-serve {_version()}")
     add_model_arguments(parser)
     d = DEFAULTS
     net = parser.add_argument_group("listening")

@@ -96,3 +96,10 @@ def test_missing_worker_command_exits_non_zero() -> None:
     assert result.returncode == 1
     assert "cannot run worker command '/nonexistent/clef-worker'" in result.stderr
     assert "listening on" not in result.stderr
+
+
+def test_version_flag() -> None:
+    proc = subprocess.run([sys.executable, "-m", "clef_frontend", "--version"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("clef-serve ")
