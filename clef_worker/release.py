@@ -22,11 +22,12 @@ the smallest interface that public code calling the release relies on, and probe
 `snapshot_dir` is a `pathlib.Path`, `device` a string such as "cpu" or "cuda:0", `dtype` a
 `torch.dtype`. If the `systemone` callable names a `max_length` parameter, `--max-length` is passed
 to it. The request given to it is the parsed JSON object, already checked by this project's
-validation (so an invalid request never reaches upstream code); a `ValueError` it raises is the
-reference refusing the request and becomes a 422 with its message (the budget check, spec §2
-check 4, lives there); any other exception is a 500. The returned dict is serialised once, here.
-A snapshot whose module offers neither form fails start-up with a message saying what was looked
-for.
+validation (so an invalid request never reaches upstream code); a `ValueError` whose message is
+one of the reference's refusals (spec §2; in practice the budget check, check 4, since this
+project runs checks 1-3 first) becomes a 422 with that message; any other exception, including
+other `ValueError`s from deeper code, is a 500 whose cause stays in the log. The returned dict
+is serialised once, here. A snapshot whose module offers neither form fails start-up with a
+message saying what was looked for.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import importlib.util
 import inspect
 import itertools
 import logging
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -78,6 +80,17 @@ _WARM_UP_REQUEST: dict[str, Any] = {
 }
 
 Answerer = Callable[[dict[str, Any]], Any]
+
+# The reference's refusal messages (clef-model.md §2). Only these are the reference refusing a
+# request; a ValueError with any other text is an internal failure and must not reach clients.
+REFERENCE_REFUSAL = re.compile(
+    r"model and state are required"
+    r"|at least one question is required"
+    r"|.*: type must be noul, choice, or score"
+    r"|.*: criteria must not be empty"
+    r"|schema requires \d+ tokens before state; maximum is \d+",
+    re.DOTALL,
+)
 
 
 class ReleaseExecutor:
@@ -160,7 +173,9 @@ class ReleaseExecutor:
         except RequestInvalid:
             raise
         except ValueError as exc:
-            raise RequestInvalid(str(exc)) from exc
+            if REFERENCE_REFUSAL.fullmatch(str(exc)):
+                raise RequestInvalid(str(exc)) from exc
+            raise
         if not isinstance(response, dict):
             raise TypeError(f"{RELEASE_FILE} systemone returned {type(response).__name__}, "
                             "not a dict")

@@ -50,6 +50,8 @@ def systemone(model, processor, request, max_length=16384):
         raise ValueError("schema requires 99 tokens before state; maximum is 10")
     if request.get("state") == "crash":
         raise RuntimeError("boom")
+    if request.get("state") == "internal":
+        raise ValueError("expected 2D input, got tensor of shape [3, 4, 5]")
     answers = {qid: {"type": q["type"], "noul": 0.25} for qid, q in request["questions"].items()}
     return {"model": request["model"], "answers": answers,
             "usage": {"input_tokens": 7, "output_tokens": 0}, "note": "é"}
@@ -179,6 +181,14 @@ def test_other_upstream_errors_are_not_422(make_snapshot: MakeSnapshot) -> None:
     executor = _load(make_snapshot(FORM_A))
     with pytest.raises(RuntimeError, match="boom"):
         executor.answer(_body({**VALID, "state": "crash"}))
+
+
+def test_an_internal_value_error_is_not_a_422(make_snapshot: MakeSnapshot) -> None:
+    """Only the reference's own refusal texts become 422; anything else stays a 500."""
+    executor = _load(make_snapshot(FORM_A))
+    with pytest.raises(ValueError, match="expected 2D input") as caught:
+        executor.answer(_body({**VALID, "state": "internal"}))
+    assert not isinstance(caught.value, RequestInvalid)
 
 
 def test_form_b(make_snapshot: MakeSnapshot) -> None:
