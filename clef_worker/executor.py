@@ -19,6 +19,14 @@ class StartupError(Exception):
     """
 
 
+class ExecutorBroken(Exception):
+    """The executor can answer nothing any more, e.g. a CUDA error left the context unusable.
+
+    Raised from `answer`: the worker replies 500 to that request and exits, so the front starts
+    a fresh worker instead of failing every later request while `/health` still says ready.
+    """
+
+
 @dataclass(frozen=True)
 class ExecutorInfo:
     """What the `ready` frame and `/health` report about the loaded model."""
@@ -48,6 +56,7 @@ class Executor(Protocol):
         """Answer one raw request body with the final response JSON bytes.
 
         Raise `clef_protocol.validation.RequestInvalid` for a request the model must refuse (the
-        worker answers 422 with its message); any other exception becomes a 500.
+        worker answers 422 with its message), `ExecutorBroken` when the executor cannot go on;
+        any other exception becomes a 500 and the worker keeps serving.
         """
         ...

@@ -21,7 +21,7 @@ from clef_protocol.body import BadRequestBody
 from clef_protocol.frames import FrameError, read_frame_blocking, write_frame_blocking
 from clef_protocol.options import add_model_arguments
 from clef_protocol.validation import RequestInvalid
-from clef_worker.executor import Executor, StartupError
+from clef_worker.executor import Executor, ExecutorBroken, StartupError
 
 log = logging.getLogger("clef_worker")
 
@@ -41,22 +41,25 @@ def _elapsed_ms(start: float) -> float:
     return round((time.perf_counter() - start) * 1000.0, 3)
 
 
-def handle_request(executor: Executor, request_id: int, body: object) -> dict:
-    """Answer one request; every outcome is a reply frame, never an exception."""
+def handle_request(executor: Executor, request_id: int, body: object) -> tuple[dict, bool]:
+    """Answer one request: (reply frame, whether the executor is broken and the worker must
+    exit). Every outcome is a reply frame, never an exception."""
     start = time.perf_counter()
     if not isinstance(body, bytes):
-        return messages.error(request_id, 400, "request frame has no body", _elapsed_ms(start))
+        reply = messages.error(request_id, 400, "request frame has no body", _elapsed_ms(start))
+        return reply, False
     try:
         answer = executor.answer(body)
     except RequestInvalid as exc:
-        return messages.error(request_id, 422, str(exc), _elapsed_ms(start))
+        return messages.error(request_id, 422, str(exc), _elapsed_ms(start)), False
     except BadRequestBody as exc:
-        return messages.error(request_id, 400, str(exc), _elapsed_ms(start))
-    except Exception:
+        return messages.error(request_id, 400, str(exc), _elapsed_ms(start)), False
+    except Exception as exc:
         # The cause goes to the log, never to the client (http-contract row 13).
         log.error("request %s failed:\n%s", request_id, traceback.format_exc())
-        return messages.error(request_id, 500, INFERENCE_FAILED, _elapsed_ms(start))
-    return messages.response(request_id, answer, _elapsed_ms(start))
+        broken = isinstance(exc, ExecutorBroken)
+        return messages.error(request_id, 500, INFERENCE_FAILED, _elapsed_ms(start)), broken
+    return messages.response(request_id, answer, _elapsed_ms(start)), False
 
 
 def serve(executor: Executor, channel_in: BinaryIO, channel_out: BinaryIO) -> int:
@@ -74,8 +77,11 @@ def serve(executor: Executor, channel_in: BinaryIO, channel_out: BinaryIO) -> in
         if message["kind"] != messages.REQUEST or not isinstance(request_id, int):
             log.error("unexpected %r frame from the front, exiting", message["kind"])
             return 2
-        write_frame_blocking(channel_out, handle_request(executor, request_id,
-                                                         message.get("body")))
+        reply, broken = handle_request(executor, request_id, message.get("body"))
+        write_frame_blocking(channel_out, reply)
+        if broken:
+            log.error("the executor cannot go on; exiting so the front starts a fresh worker")
+            return 3
 
 
 def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:

@@ -33,7 +33,7 @@ from clef_worker.backbone import (
     resolve_dtype,
 )
 from clef_worker.encoding import Encoder, Encoding
-from clef_worker.executor import ExecutorInfo, StartupError
+from clef_worker.executor import ExecutorBroken, ExecutorInfo, StartupError
 from clef_worker.head import HeadIndex, JointSchemaHead
 from clef_worker.snapshot import Snapshot, open_snapshot
 
@@ -193,7 +193,13 @@ class NativeExecutor:
         `RequestInvalid` (422) for a request the model must refuse; the front has run both
         checks already, the worker repeats them because it trusts no input.
         """
-        return serialize(self.score(parse_body(body)).response())
+        request = parse_body(body)
+        try:
+            return serialize(self.score(request).response())
+        except Exception as exc:
+            if device_is_broken(exc, self.device):
+                raise ExecutorBroken(f"{type(exc).__name__}: {exc}") from exc
+            raise
 
     # -- Inspectable pipeline -------------------------------------------------------------
 
@@ -238,6 +244,21 @@ class NativeExecutor:
             torch.cuda.synchronize(self.device)
         timings[name] = (time.perf_counter() - started) * 1000
         return result
+
+
+def device_is_broken(exc: BaseException, device: torch.device) -> bool:
+    """Whether an exception means the device context is unusable (sticky CUDA errors).
+
+    Out-of-memory is not: it fails one request and the next may fit. An illegal memory access,
+    a device-side assert or a lost device poison the CUDA context for the whole process, and
+    every later kernel launch would fail too.
+    """
+    if device.type != "cuda" or isinstance(exc, torch.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
 
 
 def load_head(snapshot: Snapshot, device: torch.device, dtype: torch.dtype) -> JointSchemaHead:

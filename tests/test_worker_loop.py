@@ -17,7 +17,7 @@ from clef_protocol import messages
 from clef_protocol.body import BadRequestBody
 from clef_protocol.frames import encode_frame, read_frame_blocking
 from clef_protocol.validation import RequestInvalid
-from clef_worker.executor import ExecutorInfo
+from clef_worker.executor import ExecutorBroken, ExecutorInfo
 from clef_worker.main import handle_request, serve
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,6 +45,8 @@ class ScriptedExecutor:
             raise BadRequestBody("request must be a JSON object")
         if do == "boom":
             raise RuntimeError("secret internal detail")
+        if do == "poisoned":
+            raise ExecutorBroken("CUDA error: an illegal memory access was encountered")
         return b'{"echo":' + body + b"}"
 
 
@@ -54,7 +56,8 @@ class ScriptedExecutor:
      ("boom", 500, "inference failed")],
 )
 def test_executor_exceptions_become_error_frames(do: str, status: int, detail: str) -> None:
-    reply = handle_request(ScriptedExecutor(), 9, json.dumps({"do": do}).encode())
+    reply, broken = handle_request(ScriptedExecutor(), 9, json.dumps({"do": do}).encode())
+    assert broken is False
     assert (reply["kind"], reply["id"], reply["status"], reply["detail"]) == (
         "error", 9, status, detail
     )
@@ -62,13 +65,14 @@ def test_executor_exceptions_become_error_frames(do: str, status: int, detail: s
 
 
 def test_internal_cause_goes_to_the_log_not_the_reply(caplog: pytest.LogCaptureFixture) -> None:
-    reply = handle_request(ScriptedExecutor(), 1, b'{"do": "boom"}')
+    reply, _ = handle_request(ScriptedExecutor(), 1, b'{"do": "boom"}')
     assert "secret" not in json.dumps(reply)
     assert "secret internal detail" in caplog.text
 
 
 def test_success_carries_the_executor_bytes_unchanged() -> None:
-    reply = handle_request(ScriptedExecutor(), 3, b'{"b": 1,  "a": 2}')
+    reply, broken = handle_request(ScriptedExecutor(), 3, b'{"b": 1,  "a": 2}')
+    assert broken is False
     assert reply["kind"] == "response"
     assert reply["id"] == 3
     assert reply["status"] == 200
@@ -98,6 +102,20 @@ def test_serve_answers_in_order_and_keeps_serving_after_failures() -> None:
     assert executor.threads == ["MainThread"] * 3
 
 
+def test_a_broken_executor_answers_500_then_the_worker_exits() -> None:
+    out = io.BytesIO()
+    code = serve(ScriptedExecutor(), _frames(
+        messages.request(1, b'{"do": "poisoned"}'),
+        messages.request(2, b'{"n": 2}'),  # never reaches the broken executor
+    ), out)
+    assert code == 3
+    stream = io.BytesIO(out.getvalue())
+    reply = read_frame_blocking(stream)
+    assert reply is not None
+    assert (reply["id"], reply["status"], reply["detail"]) == (1, 500, "inference failed")
+    assert read_frame_blocking(stream) is None
+
+
 def test_serve_ends_cleanly_on_eof() -> None:
     assert serve(ScriptedExecutor(), _frames(messages.request(1, b"{}")), io.BytesIO()) == 0
 
@@ -116,7 +134,7 @@ def test_serve_exits_nonzero_on_a_request_without_an_integer_id() -> None:
 
 
 def test_a_request_frame_without_a_body_is_refused() -> None:
-    reply = handle_request(ScriptedExecutor(), 4, None)
+    reply, _ = handle_request(ScriptedExecutor(), 4, None)
     assert (reply["kind"], reply["id"], reply["status"]) == ("error", 4, 400)
 
 
