@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from clef_frontend.config import ServerConfig
-from clef_frontend.worker_channel import ReadyInfo, WorkerChannel, WorkerFailure, WorkerReply
+from clef_frontend.worker_channel import WorkerChannel, WorkerFailure, WorkerReply
+from clef_protocol.messages import ReadyInfo
 
 log = logging.getLogger("clef_frontend.supervisor")
 

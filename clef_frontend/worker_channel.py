@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from clef_protocol import messages
 from clef_protocol.frames import MAX_FRAME_BYTES, FrameError, encode_frame, read_frame
+from clef_protocol.messages import ReadyInfo
 
 log = logging.getLogger("clef_frontend.worker")
 
@@ -33,42 +34,6 @@ class WorkerExited(WorkerFailure):
 # the exit, rather than killing at once, reports its true exit status: asyncio's kill() polls
 # the child first and can reap it behind the child watcher's back (the status is then lost).
 EXIT_GRACE_SECONDS = 1.0
-
-
-@dataclass(frozen=True)
-class ReadyInfo:
-    """What the worker's `ready` frame says about itself (shown in logs and `/health`)."""
-
-    pid: int
-    thread: str
-    model: str
-    variant: str
-    device: str
-    dtype: str
-    gdn_path: str
-    warmup_ms: float
-    versions: dict[str, str] = field(default_factory=dict)
-    demo: bool = False
-    snapshot: str = ""
-
-    @classmethod
-    def from_message(cls, message: dict[str, Any]) -> ReadyInfo:
-        try:
-            return cls(
-                pid=int(message["pid"]),
-                thread=str(message["thread"]),
-                model=str(message["model"]),
-                variant=str(message["variant"]),
-                device=str(message["device"]),
-                dtype=str(message["dtype"]),
-                gdn_path=str(message["gdn_path"]),
-                warmup_ms=float(message["warmup_ms"]),
-                versions=dict(message.get("versions") or {}),
-                demo=bool(message.get("demo", False)),
-                snapshot=str(message.get("snapshot", "")),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise WorkerFailure(f"malformed ready frame: {exc!r}") from None
 
 
 @dataclass(frozen=True)
@@ -150,7 +115,10 @@ class WorkerChannel:
             raise WorkerFailure(f"worker could not start: {message.get('reason', '(no reason)')}")
         if message["kind"] != messages.READY:
             raise WorkerFailure(f"worker sent {message['kind']!r} before ready")
-        info = ReadyInfo.from_message(message)
+        try:
+            info = ReadyInfo.from_message(message)
+        except ValueError as exc:
+            raise WorkerFailure(str(exc)) from None
         self._reader_task = asyncio.create_task(self._read_replies(), name=f"worker-{self.pid}")
         return info
 

@@ -7,6 +7,7 @@ echoed by the worker, so a reply can never be matched to the wrong request.
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 READY = "ready"
@@ -20,35 +21,52 @@ WORKER_KINDS = frozenset({READY, FATAL, RESPONSE, ERROR})
 FRONT_KINDS = frozenset({REQUEST, SHUTDOWN})
 
 
-def ready(
-    *,
-    pid: int,
-    thread: str,
-    model: str,
-    variant: str,
-    device: str,
-    dtype: str,
-    gdn_path: str,
-    warmup_ms: float,
-    versions: dict[str, str],
-    demo: bool = False,
-    snapshot: str = "",
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a loaded executor says about its model and how it runs (`ready`, logs, `/health`)."""
+
+    model: str
+    variant: str
+    device: str
+    dtype: str
+    gdn_path: str
+    versions: dict[str, str] = field(default_factory=dict)
+    demo: bool = False
+    snapshot: str = ""
+
+
+@dataclass(frozen=True)
+class ReadyInfo(ModelInfo):
+    """The whole `ready` frame: the model, plus the process that serves it."""
+
+    pid: int = 0
+    thread: str = ""
+    warmup_ms: float = 0.0
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]) -> ReadyInfo:
+        """Check and convert a received `ready` frame; ValueError names what is malformed."""
+        try:
+            return cls(
+                model=str(message["model"]),
+                variant=str(message["variant"]),
+                device=str(message["device"]),
+                dtype=str(message["dtype"]),
+                gdn_path=str(message["gdn_path"]),
+                versions={str(k): str(v) for k, v in (message.get("versions") or {}).items()},
+                demo=bool(message.get("demo", False)),
+                snapshot=str(message.get("snapshot", "")),
+                pid=int(message["pid"]),
+                thread=str(message["thread"]),
+                warmup_ms=float(message["warmup_ms"]),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"malformed ready frame: {exc!r}") from None
+
+
+def ready(info: ReadyInfo) -> dict[str, Any]:
     """The worker is loaded and its warm-up forward has returned: the front may bind its port."""
-    return {
-        "kind": READY,
-        "pid": pid,
-        "thread": thread,
-        "model": model,
-        "variant": variant,
-        "device": device,
-        "dtype": dtype,
-        "gdn_path": gdn_path,
-        "warmup_ms": warmup_ms,
-        "versions": versions,
-        "demo": demo,
-        "snapshot": snapshot,
-    }
+    return {"kind": READY, **asdict(info)}
 
 
 def fatal(reason: str) -> dict[str, Any]:

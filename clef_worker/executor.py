@@ -7,8 +7,9 @@ double, changes nothing else in the worker.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Protocol
+
+from clef_protocol.messages import ModelInfo
 
 
 class StartupError(Exception):
@@ -27,24 +28,10 @@ class ExecutorBroken(Exception):
     """
 
 
-@dataclass(frozen=True)
-class ExecutorInfo:
-    """What the `ready` frame and `/health` report about the loaded model."""
-
-    model: str
-    variant: str
-    device: str
-    dtype: str
-    gdn_path: str
-    versions: dict[str, str] = field(default_factory=dict)
-    demo: bool = False
-    snapshot: str = ""
-
-
 class Executor(Protocol):
     """A loaded model that answers `/v1/systemone` bodies, one at a time, on the calling thread."""
 
-    def describe(self) -> ExecutorInfo:
+    def describe(self) -> ModelInfo:
         """Identify the model and how it runs."""
         ...
 

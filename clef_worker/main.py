@@ -7,6 +7,7 @@ worker is that the per-thread CUDA first-touch cost is paid once, at start-up, n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -99,12 +100,11 @@ def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:
         log.error("start-up failed:\n%s", traceback.format_exc())
         reason = f"{type(exc).__name__}: {exc}"
     else:
-        info = executor.describe()
-        write_frame_blocking(channel_out, messages.ready(
-            pid=os.getpid(), thread=threading.current_thread().name, model=info.model,
-            variant=info.variant, device=info.device, dtype=info.dtype, gdn_path=info.gdn_path,
-            warmup_ms=warmup_ms, versions=info.versions, demo=info.demo, snapshot=info.snapshot,
-        ))
+        ready = messages.ReadyInfo(
+            **dataclasses.asdict(executor.describe()),
+            pid=os.getpid(), thread=threading.current_thread().name, warmup_ms=warmup_ms,
+        )
+        write_frame_blocking(channel_out, messages.ready(ready))
         return executor
     log.error("cannot start: %s", reason)
     write_frame_blocking(channel_out, messages.fatal(reason))

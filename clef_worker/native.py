@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from clef_protocol.body import parse_body
+from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import validate_request
 from clef_worker.answers import build_response, serialize
@@ -33,7 +34,7 @@ from clef_worker.backbone import (
     resolve_dtype,
 )
 from clef_worker.encoding import Encoder, Encoding
-from clef_worker.executor import ExecutorBroken, ExecutorInfo, StartupError
+from clef_worker.executor import ExecutorBroken, StartupError
 from clef_worker.head import HeadIndex, JointSchemaHead
 from clef_worker.snapshot import Snapshot, open_snapshot
 
@@ -156,12 +157,12 @@ class NativeExecutor:
 
     # -- Executor protocol -------------------------------------------------------------------
 
-    def describe(self) -> ExecutorInfo:
+    def describe(self) -> ModelInfo:
         versions = {name: _version(name) for name in ("torch", "transformers", "tokenizers",
                                                        "safetensors")}
         if self.backbone.gdn_path == "fla":
             versions["fla"] = _version("fla-core")
-        return ExecutorInfo(
+        return ModelInfo(
             model=self.snapshot.variant,
             variant=self.snapshot.variant,
             device=str(self.device),

@@ -47,6 +47,7 @@ from types import ModuleType
 from typing import Any
 
 from clef_protocol.body import parse_body
+from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import RequestInvalid, validate_request
 from clef_worker.answers import serialize
@@ -57,7 +58,7 @@ from clef_worker.backbone import (
     resolve_device,
     resolve_dtype,
 )
-from clef_worker.executor import ExecutorInfo, StartupError
+from clef_worker.executor import StartupError
 from clef_worker.native import DTYPE_NAMES
 from clef_worker.snapshot import open_snapshot
 
@@ -96,7 +97,7 @@ REFERENCE_REFUSAL = re.compile(
 class ReleaseExecutor:
     """The Executor protocol around the release's own `systemone` (see the module docstring)."""
 
-    def __init__(self, answerer: Answerer, info: ExecutorInfo, limits: RequestLimits,
+    def __init__(self, answerer: Answerer, info: ModelInfo, limits: RequestLimits,
                  module: ModuleType) -> None:
         self._answerer = answerer
         self._info = info
@@ -143,7 +144,7 @@ class ReleaseExecutor:
         module = _import_release_module(source)
         answerer = _bind_interface(module, source, snapshot, device_name, torch_dtype, limits)
         gdn_path = _check_bound_path(gdn_path)
-        info = ExecutorInfo(
+        info = ModelInfo(
             model=checked.variant,
             variant=checked.variant,
             device=device_name,
@@ -155,7 +156,7 @@ class ReleaseExecutor:
         )
         return cls(answerer, info, limits, module)
 
-    def describe(self) -> ExecutorInfo:
+    def describe(self) -> ModelInfo:
         return self._info
 
     def warm_up(self) -> None:

@@ -132,11 +132,11 @@ def main() -> int:
         out.flush()
         time.sleep(60)  # a confused worker that does not exit: the front must not wait for it
         return 0
-    write_frame_blocking(out, messages.ready(
+    write_frame_blocking(out, messages.ready(messages.ReadyInfo(
         pid=os.getpid(), thread=threading.current_thread().name, model="fake",
         variant=args.variant, device="cpu", dtype="float32", gdn_path="none", warmup_ms=0.0,
         versions={"fake_worker": "1"}, demo=args.demo, snapshot="",
-    ))
+    )))
     while True:
         message = read_frame_blocking(inp)
         if message is None or message["kind"] == messages.SHUTDOWN:

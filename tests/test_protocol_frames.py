@@ -115,3 +115,31 @@ def test_undecodable_payload(payload: bytes) -> None:
         read_frame_blocking(io.BytesIO(data))
     with pytest.raises(FrameDecodeError):
         _read_async(data)
+
+
+def test_ready_frame_round_trips_into_ready_info() -> None:
+    info = messages.ReadyInfo(
+        model="clef-flash", variant="clef-flash", device="cuda", dtype="bfloat16",
+        gdn_path="fla", versions={"torch": "2.11.0"}, demo=False, snapshot="/srv/m",
+        pid=42, thread="MainThread", warmup_ms=1234.5,
+    )
+    frame = read_frame_blocking(io.BytesIO(encode_frame(messages.ready(info))))
+    assert frame is not None and frame["kind"] == "ready"
+    assert messages.ReadyInfo.from_message(frame) == info
+
+
+@pytest.mark.parametrize("broken", [{"pid": "x"}, {"pid": None}, {"versions": [1]}])
+def test_malformed_ready_frame_is_a_value_error(broken: dict) -> None:
+    frame = {**messages.ready(messages.ReadyInfo(
+        model="m", variant="clef-flash", device="cpu", dtype="float32", gdn_path="torch",
+        pid=1, thread="MainThread", warmup_ms=1.0)), **broken}
+    with pytest.raises(ValueError, match="malformed ready frame"):
+        messages.ReadyInfo.from_message(frame)
+
+
+def test_ready_frame_without_a_field_is_a_value_error() -> None:
+    frame = messages.ready(messages.ReadyInfo(model="m", variant="v", device="cpu",
+                                              dtype="float32", gdn_path="torch"))
+    del frame["pid"]
+    with pytest.raises(ValueError, match="malformed ready frame"):
+        messages.ReadyInfo.from_message(frame)

@@ -16,8 +16,9 @@ import pytest
 from clef_protocol import messages
 from clef_protocol.body import BadRequestBody
 from clef_protocol.frames import encode_frame, read_frame_blocking
+from clef_protocol.messages import ModelInfo
 from clef_protocol.validation import RequestInvalid
-from clef_worker.executor import ExecutorBroken, ExecutorInfo
+from clef_worker.executor import ExecutorBroken
 from clef_worker.main import handle_request, serve
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,8 +30,8 @@ class ScriptedExecutor:
     def __init__(self) -> None:
         self.threads: list[str] = []
 
-    def describe(self) -> ExecutorInfo:
-        return ExecutorInfo(model="t", variant="clef-flash", device="cpu", dtype="float32",
+    def describe(self) -> ModelInfo:
+        return ModelInfo(model="t", variant="clef-flash", device="cpu", dtype="float32",
                             gdn_path="torch")
 
     def warm_up(self) -> None:
