@@ -110,10 +110,6 @@ class Encoding:
     def length(self) -> int:
         return len(self.input_ids)
 
-    @property
-    def option_count(self) -> int:
-        return sum(len(q.option_ids) for q in self.questions)
-
 
 # Pieces of a schema: a tuple of cached ids, or the index of a text in the batch to encode.
 _Segment = tuple[int, ...] | int

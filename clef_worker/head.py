@@ -98,7 +98,6 @@ class HeadIndex:
     option_lengths: Tensor  # [O]
     option_question: Tensor  # [O] which question each option belongs to
     grid: Tensor  # [Q, S] option number at each (question, slot); O where the slot is empty
-    grid_mask: Tensor  # [Q, S] True where the slot holds an option
     option_slot: Tensor  # [O] flat index into the [Q, S] grid
 
     @property
@@ -145,7 +144,6 @@ class HeadIndex:
             "option_lengths": o_lengths,
             "option_question": option_question,
             "grid": grid,
-            "grid_mask": grid < option_count,
             "option_slot": option_slot,
         }
         return cls(**{name: t.to(device, non_blocking=True) for name, t in tensors.items()})

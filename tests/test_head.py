@@ -164,7 +164,7 @@ def test_index_layout() -> None:
     assert index.option_lengths.tolist() == [2, 1, 3]
     assert index.option_question.tolist() == [0, 0, 1]
     assert index.grid.tolist() == [[0, 1], [2, 3]]  # 3 = the empty slot
-    assert index.grid_mask.tolist() == [[True, True], [True, False]]
+    assert (index.grid < index.options).tolist() == [[True, True], [True, False]]
     assert index.option_slot.tolist() == [0, 1, 2]
 
 
