@@ -19,24 +19,24 @@ the request body (the front validates first, so bodies are valid Clef requests p
 --log-file PATH appends each received request's `tag` (one per line) before answering.
 """
 
-# Keep the protocol channel on a private duplicate of fd 1 and point fd 1 (and sys.stdout) at
-# stderr before anything else runs, as the real worker does: stray prints cannot corrupt frames.
 import os
 import sys
+from pathlib import Path
 
-_CHANNEL_FD = os.dup(1)
-os.dup2(2, 1)
-sys.stdout = sys.stderr
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# Claim the protocol channel before anything else runs, with the real worker's own guard: stray
+# prints (to sys.stdout or fd 1) then land on stderr and cannot corrupt frames.
+from clef_worker.stdio import claim_channel
+
+_CHANNEL_IN, _CHANNEL_OUT = claim_channel()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
 import signal  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Any, BinaryIO  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from clef_protocol import messages  # noqa: E402
 from clef_protocol.frames import read_frame_blocking, write_frame_blocking  # noqa: E402
@@ -110,8 +110,7 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any]) -> 
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     args = parse_args()
-    out = os.fdopen(_CHANNEL_FD, "wb")
-    inp = sys.stdin.buffer
+    out, inp = _CHANNEL_OUT, _CHANNEL_IN
     time.sleep(args.ready_delay)
     gate = args.replacement_ready_gate
     if gate and args.crash_once_file and os.path.exists(args.crash_once_file):
