@@ -157,6 +157,23 @@ class Serve:
                 raise AssertionError(f"/health never satisfied the condition; last: {document}")
             time.sleep(0.01)  # polling interval, not a synchronisation guess
 
+    def hold_in_flight(self, gate: Path, tag: str = "running") -> background:
+        """POST a request the fake worker holds until `gate` exists; return once in flight."""
+        call = background(lambda: self.post(clef_body(tag=tag, hold_until=str(gate))))
+        self.wait_health(lambda h: h["in_flight"] == 1)
+        return call
+
+    def queue(self, tags: list[str]) -> list[background]:
+        """POST one request per tag, each once the previous one is visibly queued, so the
+        admission order is the order of `tags`."""
+        calls = []
+        depth = self.health().json()["queue_depth"]
+        for tag in tags:
+            calls.append(background(lambda tag=tag: self.post(clef_body(tag=tag))))
+            depth += 1
+            self.wait_health(lambda h, depth=depth: h["queue_depth"] == depth)
+        return calls
+
 
 @dataclass
 class Response:
@@ -200,20 +217,9 @@ class Client:
     def send_raw(self, data: bytes) -> None:
         self.sock.sendall(data)
 
-    def send(
-        self,
-        method: str,
-        path: str,
-        body: bytes = b"",
-        *,
-        headers: list[tuple[str, str]] | None = None,
-        content_type: str | None = "application/json",
-        content_length: bool = True,
-        version: str = "HTTP/1.1",
-    ) -> None:
-        self.send_raw(build_request(method, path, body, headers=headers,
-                                    content_type=content_type, content_length=content_length,
-                                    version=version))
+    def send(self, method: str, path: str, body: bytes = b"", **options: Any) -> None:
+        """Write one request; `options` are `build_request`'s."""
+        self.send_raw(build_request(method, path, body, **options))
 
     def read_response(self, *, head: bool = False) -> Response:
         """The next response; `head=True` for the answer to a HEAD request (no body)."""

@@ -5,16 +5,14 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from tests.frontend_helpers import Serve, background, build_request, clef_body
+from tests.frontend_helpers import Serve, build_request, clef_body
 
 
 def test_full_queue_is_503_with_retry_after(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     with Serve(front_args=("--queue-size", "1", "--retry-after", "3")) as serve:
-        running = background(lambda: serve.post(clef_body(tag="running", hold_until=str(gate))))
-        serve.wait_health(lambda h: h["in_flight"] == 1)
-        waiting = background(lambda: serve.post(clef_body(tag="waiting")))
-        serve.wait_health(lambda h: h["queue_depth"] == 1)
+        running = serve.hold_in_flight(gate)
+        [waiting] = serve.queue(["waiting"])
         refused = serve.post(clef_body(tag="refused"))
         assert refused.status == 503
         assert refused.detail == "queue is full"
@@ -29,8 +27,7 @@ def test_full_queue_is_503_with_retry_after(tmp_path: Path) -> None:
 def test_client_that_leaves_while_queued_never_reaches_the_worker(tmp_path: Path) -> None:
     seen, gate = tmp_path / "seen.txt", tmp_path / "gate"
     with Serve("--log-file", str(seen)) as serve:
-        running = background(lambda: serve.post(clef_body(tag="running", hold_until=str(gate))))
-        serve.wait_health(lambda h: h["in_flight"] == 1)
+        running = serve.hold_in_flight(gate)
         leaver = serve.connect()
         leaver.send("POST", "/v1/systemone", clef_body(tag="gone"))
         serve.wait_health(lambda h: h["queue_depth"] == 1)
@@ -81,11 +78,7 @@ def test_sigterm_finishes_in_flight_and_queued_requests_then_exits_0(tmp_path: P
         for client in (probe, idle):  # accepted, answered, now idle keep-alive connections
             client.send("GET", "/health")
             assert client.read_response().status == 200
-        calls = [background(lambda: serve.post(clef_body(tag="d0", hold_until=str(gate))))]
-        serve.wait_health(lambda h: h["in_flight"] == 1)
-        for i in range(1, 4):
-            calls.append(background(lambda i=i: serve.post(clef_body(tag=f"d{i}"))))
-            serve.wait_health(lambda h, i=i: h["queue_depth"] == i)
+        calls = [serve.hold_in_flight(gate, "d0"), *serve.queue(["d1", "d2", "d3"])]
         serve.terminate()
         serve.wait_for(r"SIGTERM received")
         # The drain is held open by d0: existing connections still get answers, with close.
@@ -109,11 +102,7 @@ def test_sigterm_finishes_in_flight_and_queued_requests_then_exits_0(tmp_path: P
 def test_drain_timeout_answers_the_rest_503(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     with Serve(front_args=("--drain-timeout", "0.2")) as serve:
-        calls = [background(lambda: serve.post(clef_body(tag="d0", hold_until=str(gate))))]
-        serve.wait_health(lambda h: h["in_flight"] == 1)
-        for i in range(1, 3):
-            calls.append(background(lambda i=i: serve.post(clef_body(tag=f"d{i}"))))
-            serve.wait_health(lambda h, i=i: h["queue_depth"] == i)
+        calls = [serve.hold_in_flight(gate, "d0"), *serve.queue(["d1", "d2"])]
         serve.terminate()
         refused = [call.result() for call in calls[1:]]
         assert [(a.status, a.detail) for a in refused] == [(503, "server is draining")] * 2
@@ -128,8 +117,7 @@ def test_new_requests_during_drain_are_refused(tmp_path: Path) -> None:
         late = serve.connect()
         late.send("GET", "/health")
         assert late.read_response().status == 200
-        running = background(lambda: serve.post(clef_body(tag="running", hold_until=str(gate))))
-        serve.wait_health(lambda h: h["in_flight"] == 1)
+        running = serve.hold_in_flight(gate)
         body = clef_body(tag="late")
         head = build_request("POST", "/v1/systemone", body)
         late.send_raw(head[: -len(body)])  # headers before the signal, body after it
@@ -148,8 +136,7 @@ def test_new_requests_during_drain_are_refused(tmp_path: Path) -> None:
 def test_sigint_stops_like_sigterm(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     with Serve() as serve:
-        running = background(lambda: serve.post(clef_body(tag="running", hold_until=str(gate))))
-        serve.wait_health(lambda h: h["in_flight"] == 1)
+        running = serve.hold_in_flight(gate)
         serve.process.send_signal(signal.SIGINT)
         serve.wait_for(r"SIGINT received")
         gate.touch()

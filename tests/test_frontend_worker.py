@@ -10,6 +10,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from tests.frontend_helpers import WAIT, Serve, background, clef_body
 
 
@@ -30,11 +32,7 @@ def test_worker_intervals_never_overlap_and_follow_admission_order(tmp_path: Pat
     with Serve("--delay", "0.1", front_args=("--queue-size", "8")) as serve:
         # Admit one request at a time, each only once the previous one is visibly admitted, so
         # the admission order is known: t0 held in flight, then t1..t4 queued in that order.
-        pending = [background(lambda: serve.post(clef_body(tag="t0", hold_until=str(gate))))]
-        serve.wait_health(lambda h: h["in_flight"] == 1)
-        for i in range(1, 5):
-            pending.append(background(lambda i=i: serve.post(clef_body(tag=f"t{i}"))))
-            serve.wait_health(lambda h, i=i: h["queue_depth"] == i)
+        pending = [serve.hold_in_flight(gate, "t0"), *serve.queue([f"t{i}" for i in range(1, 5)])]
         gate.touch()
         answers = [p.result().json() for p in pending]
     assert [a["tag"] for a in answers] == [f"t{i}" for i in range(5)]
@@ -105,23 +103,18 @@ def test_worker_crash_mid_request_fails_it_then_service_resumes(tmp_path) -> Non
         assert not _alive_or_zombie(old_pid)
 
 
-def test_garbage_from_the_worker_is_a_worker_failure() -> None:
+@pytest.mark.parametrize(
+    ("marker", "logged"),
+    [("garbage", r"invalid frame from worker"), ("oversize", r"exceeds the maximum")],
+)
+def test_garbage_or_an_oversize_frame_from_the_worker_is_a_worker_failure(
+    marker: str, logged: str
+) -> None:
     with Serve() as serve:
         old_pid = serve.health().json()["worker"]["pid"]
-        response = serve.post(clef_body(garbage=True))
+        response = serve.post(clef_body(**{marker: True}))
         assert (response.status, response.detail) == (500, "inference failed")
-        serve.wait_for(r"invalid frame from worker")
-        after = serve.wait_health(lambda h: h["status"] == "ready")
-        assert after["worker"]["pid"] != old_pid
-        assert serve.post(clef_body(tag="ok")).status == 200
-
-
-def test_oversize_frame_from_the_worker_is_a_worker_failure() -> None:
-    with Serve() as serve:
-        old_pid = serve.health().json()["worker"]["pid"]
-        response = serve.post(clef_body(oversize=True))
-        assert (response.status, response.detail) == (500, "inference failed")
-        serve.wait_for(r"exceeds the maximum")
+        serve.wait_for(logged)
         after = serve.wait_health(lambda h: h["status"] == "ready")
         assert after["worker"]["pid"] != old_pid
         assert serve.post(clef_body(tag="ok")).status == 200
