@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from clef_frontend import responses
 from clef_frontend.responses import Reply
 from clef_frontend.supervisor import WorkerUnavailable
+from clef_frontend.truncation import truncation_headers
 from clef_frontend.worker_channel import WorkerFailure, WorkerReply
 
 log = logging.getLogger("clef_frontend.admission")
@@ -61,7 +62,7 @@ def reply_from_worker(reply: WorkerReply) -> Reply:
     detail is `inference failed`.
     """
     if reply.body is not None:
-        return responses.forwarded(reply.status, reply.body)
+        return responses.forwarded(reply.status, reply.body, truncation_headers(reply))
     detail = reply.detail or ""
     if reply.status >= 500:
         if detail != "inference failed":

@@ -38,6 +38,9 @@ class ServerConfig:
     restart_backoff: float = 0.5
     restart_backoff_max: float = 30.0
     restart_reset_after: float = 60.0
+    served_model_names: tuple[str, ...] = ("clef-flash",)  # the served name, then aliases
+    api_key_file: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # CLEF_API_KEY; never printed
 
     def __post_init__(self) -> None:
         # A body that fits the HTTP limit must also fit one frame, or the worker channel would

@@ -28,6 +28,7 @@ import h11
 
 from clef_frontend import logs, responses
 from clef_frontend.admission import Admission, Refused, Ticket
+from clef_frontend.api import ApiSurface
 from clef_frontend.config import ServerConfig
 from clef_frontend.framing import FramingHeaders, reparse_without_framing, scan_framing
 from clef_frontend.health import Health
@@ -80,12 +81,14 @@ class HttpConnection:
         config: ServerConfig,
         admission: Admission,
         health: Health,
+        api: ApiSurface | None = None,
     ) -> None:
         self._reader = reader
         self._writer = writer
         self._config = config
         self._admission = admission
         self._health = health
+        self._api = api or ApiSurface()
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=config.header_limit)
         self._idle = False
         self._linger = False
@@ -128,6 +131,7 @@ class HttpConnection:
         if reply is None:  # the client left while its request was queued or in flight
             self._log(exchange, 499, 0)
             return False
+        reply = self._api.finish(exchange.target, reply)
         # A head whose framing h11 refused has a body of unknown length: never read past it.
         await self._send(reply, method=exchange.method, close=not head.body_readable)
         self._log(exchange, reply.status, len(reply.body))
@@ -151,9 +155,15 @@ class HttpConnection:
         if head.size > self._config.header_limit:
             return responses.error(431, "request header block too large", close=True)
         found = route(request.method, request.target)
-        if found is not Route.SYSTEMONE:
+        if isinstance(found, Reply) or found is Route.HEALTH:
             self._finish_empty_body()
             return found if isinstance(found, Reply) else self._health.reply()
+        # API key, Workers-AI model name, /v1/models: decided before any body byte is read.
+        decided = self._api.decide_from_head(found, request.target,
+                                             _header(request, b"authorization"))
+        if decided is not None:
+            self._finish_empty_body()
+            return decided
         # Rows 1-5, from the head alone.
         length = check_post_head(head.framing, _header(request, b"content-type"),
                                  self._config.body_limit)
@@ -224,8 +234,10 @@ class HttpConnection:
             return RequestHead(request, scan_framing(raw[:size]), size, body_readable=False)
         status = exc.error_status_hint
         if status == 431:
-            return responses.error(431, "request header block too large", close=True)
-        return responses.error(status, f"malformed request: {str(exc)[:200]}", close=True)
+            reply = responses.error(431, "request header block too large", close=True)
+        else:
+            reply = responses.error(status, f"malformed request: {str(exc)[:200]}", close=True)
+        return self._api.finish(_request_target(raw), reply)
 
     async def _read_body(self) -> bytes | Reply:
         """The whole body (h11 counts Content-Length), or 408 on inactivity, 400 on EOF."""
@@ -341,6 +353,12 @@ def _header(request: h11.Request, name: bytes) -> bytes | None:
         if key == name:
             return bytes(value)
     return None
+
+
+def _request_target(raw: bytes) -> bytes | None:
+    """The target of a head h11 refused, from its request line, if it has one."""
+    parts = raw.split(b"\r\n", 1)[0].split(b" ")
+    return parts[1] if len(parts) == 3 else None
 
 
 def _reason(status: int) -> bytes:

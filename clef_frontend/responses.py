@@ -19,7 +19,9 @@ class Reply:
     """One HTTP response before h11 frames it.
 
     `close` asks for `Connection: close` (the request body was not fully read, or the server is
-    draining); `retry_after` adds `Retry-After` to a 503.
+    draining); `retry_after` adds `Retry-After` to a 503. `detail` is the text of an error body
+    (so another body shape, the Workers-AI envelope, can carry it); `extra_headers` are added
+    as given (`WWW-Authenticate`, `X-Clef-State-Truncated`).
     """
 
     status: int
@@ -27,6 +29,8 @@ class Reply:
     retry_after: int | None = None
     close: bool = False
     allow: str | None = None
+    detail: str | None = None
+    extra_headers: tuple[tuple[str, str], ...] = ()
 
     def headers(self, *, close: bool) -> list[tuple[str, str]]:
         """Response headers; Content-Length always, since h11 would otherwise chunk or close."""
@@ -35,6 +39,7 @@ class Reply:
             headers.append(("Allow", self.allow))
         if self.retry_after is not None:
             headers.append(("Retry-After", str(self.retry_after)))
+        headers.extend(self.extra_headers)
         if close or self.close:
             headers.append(("Connection", "close"))
         return headers
@@ -52,10 +57,11 @@ def error(
     close: bool = False,
     retry_after: int | None = None,
     allow: str | None = None,
+    extra_headers: tuple[tuple[str, str], ...] = (),
 ) -> Reply:
     """`{"detail": ...}` with the given status."""
     return Reply(status, json_bytes({"detail": detail}), retry_after=retry_after, close=close,
-                 allow=allow)
+                 allow=allow, detail=detail, extra_headers=extra_headers)
 
 
 def unavailable(detail: str, retry_after: int) -> Reply:
@@ -63,9 +69,9 @@ def unavailable(detail: str, retry_after: int) -> Reply:
     return error(503, detail, retry_after=retry_after)
 
 
-def forwarded(status: int, body: bytes) -> Reply:
+def forwarded(status: int, body: bytes, extra_headers: tuple[tuple[str, str], ...] = ()) -> Reply:
     """The worker's JSON answer, byte for byte."""
-    return Reply(status, body)
+    return Reply(status, body, extra_headers=extra_headers)
 
 
 def document(status: int, value: dict[str, Any], *, retry_after: int | None = None) -> Reply:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from enum import Enum
 
-from clef_frontend import responses
+from clef_frontend import responses, workers_ai
 from clef_frontend.framing import FramingHeaders
 from clef_frontend.responses import Reply
 from clef_protocol.body import BadRequestBody, parse_body
@@ -22,10 +22,13 @@ from clef_protocol.validation import RequestInvalid, validate_request
 class Route(Enum):
     HEALTH = "/health"
     SYSTEMONE = "/v1/systemone"
+    MODELS = "/v1/models"
+    WORKERS_AI = workers_ai.PATH_TEMPLATE
 
 
 # Path -> the one method it answers. Targets are compared as sent: `/health?x=1` is unknown.
-_METHODS = {b"/health": (Route.HEALTH, b"GET"), b"/v1/systemone": (Route.SYSTEMONE, b"POST")}
+_METHODS = {b"/health": (Route.HEALTH, b"GET"), b"/v1/systemone": (Route.SYSTEMONE, b"POST"),
+            b"/v1/models": (Route.MODELS, b"GET")}
 
 _DECIMAL = re.compile(rb"[0-9]+")
 _MEDIA_TYPE = "application/json"
@@ -34,6 +37,8 @@ _MEDIA_TYPE = "application/json"
 def route(method: bytes, target: bytes) -> Route | Reply:
     """The route table: 404 for unknown targets, 405 with `Allow` for the wrong method."""
     known = _METHODS.get(target)
+    if known is None and workers_ai.run_target(target) is not None:
+        known = (Route.WORKERS_AI, b"POST")
     if known is None:
         return responses.error(404, "unknown route")
     found, allowed = known

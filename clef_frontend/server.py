@@ -15,8 +15,13 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
+from pathlib import Path
 
 from clef_frontend.admission import Admission
+from clef_frontend.api import ApiSurface
+from clef_frontend.auth import ApiKeys
+from clef_frontend.catalogue import Catalogue
 from clef_frontend.config import ServerConfig
 from clef_frontend.connection import READ_SIZE, HttpConnection
 from clef_frontend.health import Health
@@ -41,6 +46,9 @@ class FrontServer:
             unavailable_reason=self._supervisor.unavailable_reason,
         )
         self._health = Health(self._supervisor, self._admission, config.retry_after)
+        self._api = api_surface(config)
+        # SIGHUP runs each of these in turn; anything that reloads on SIGHUP appends itself.
+        self._hangup_callbacks: list[Callable[[], None]] = [self._api.keys.reload]
         self._connections: dict[HttpConnection, asyncio.Task[None]] = {}
         self._stop_requested = asyncio.Event()
         self._force_stop = asyncio.Event()
@@ -50,6 +58,7 @@ class FrontServer:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
+        loop.add_signal_handler(signal.SIGHUP, self._on_hangup)
         try:
             if not await self._start_worker():
                 return 1 if not self._stop_requested.is_set() else 0
@@ -131,7 +140,8 @@ class FrontServer:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         connection = HttpConnection(
-            reader, writer, config=self._config, admission=self._admission, health=self._health
+            reader, writer, config=self._config, admission=self._admission, health=self._health,
+            api=self._api,
         )
         task = asyncio.current_task()
         assert task is not None
@@ -144,6 +154,13 @@ class FrontServer:
     def _worker_lost(self) -> None:
         self._admission.refuse_waiting("worker is restarting")
 
+    def _on_hangup(self) -> None:
+        for callback in self._hangup_callbacks:
+            try:
+                callback()
+            except Exception:
+                log.exception("SIGHUP: %r failed", callback)
+
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
         if self._stop_requested.is_set():
@@ -152,6 +169,15 @@ class FrontServer:
         else:
             log.info("%s received: stopping", name)
             self._stop_requested.set()
+
+
+def api_surface(config: ServerConfig) -> ApiSurface:
+    """Keys and served names from the config; KeyFileError if the key file is unusable."""
+    key_file = Path(config.api_key_file) if config.api_key_file is not None else None
+    keys = ApiKeys(key_file, config.api_key)
+    if keys.enabled:
+        log.info("API keys required: %d key(s) in force", keys.count)
+    return ApiSurface(keys=keys, catalogue=Catalogue(config.served_model_names))
 
 
 async def serve(config: ServerConfig) -> int:
