@@ -41,6 +41,17 @@ class WorkerReply:
     body: bytes | None
     detail: str | None
     worker_ms: float | None
+    input_tokens: int = 0  # the encoded sequence's length (responses only)
+    truncated_tokens: int = 0  # state tokens dropped to fit --max-length (responses only)
+
+
+def _token_count(message: dict[str, Any], key: str) -> int:
+    """A response's token count: absent means 0 (an older worker); anything but a
+    non-negative integer is a protocol failure."""
+    value = message.get(key, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise WorkerFailure(f"malformed response frame ({key} {value!r})")
+    return value
 
 
 def _reply_from(message: dict[str, Any]) -> WorkerReply:
@@ -58,7 +69,9 @@ def _reply_from(message: dict[str, Any]) -> WorkerReply:
         body = message.get("body")
         if not isinstance(body, bytes) or not isinstance(status, int) or not 200 <= status < 300:
             raise WorkerFailure(f"malformed response frame (status {status!r})")
-        return WorkerReply(status, body, None, worker_ms)
+        return WorkerReply(status, body, None, worker_ms,
+                           input_tokens=_token_count(message, "input_tokens"),
+                           truncated_tokens=_token_count(message, "truncated_tokens"))
     detail = message.get("detail")
     if not isinstance(status, int) or not 400 <= status < 600 or not isinstance(detail, str):
         raise WorkerFailure(f"malformed error frame (status {status!r})")
