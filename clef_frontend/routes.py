@@ -20,15 +20,21 @@ from clef_protocol.validation import RequestInvalid, validate_request
 
 
 class Route(Enum):
-    HEALTH = "/health"
-    SYSTEMONE = "/v1/systemone"
-    MODELS = "/v1/models"
-    WORKERS_AI = workers_ai.PATH_TEMPLATE
+    """Each route's path and the one method it answers: the route table itself."""
+
+    HEALTH = (b"/health", b"GET")
+    SYSTEMONE = (b"/v1/systemone", b"POST")
+    MODELS = (b"/v1/models", b"GET")
+    WORKERS_AI = (workers_ai.PATH_TEMPLATE.encode("ascii"), b"POST")  # a pattern, not a path
+
+    def __init__(self, path: bytes, method: bytes) -> None:
+        self.path = path
+        self.method = method
 
 
-# Path -> the one method it answers. Targets are compared as sent: `/health?x=1` is unknown.
-_METHODS = {b"/health": (Route.HEALTH, b"GET"), b"/v1/systemone": (Route.SYSTEMONE, b"POST"),
-            b"/v1/models": (Route.MODELS, b"GET")}
+# Targets are compared as sent: `/health?x=1` is unknown.
+_BY_PATH: dict[bytes, Route] = {known.path: known for known in Route
+                                 if known is not Route.WORKERS_AI}
 
 _DECIMAL = re.compile(rb"[0-9]+")
 _MEDIA_TYPE = "application/json"
@@ -36,14 +42,13 @@ _MEDIA_TYPE = "application/json"
 
 def route(method: bytes, target: bytes) -> Route | Reply:
     """The route table: 404 for unknown targets, 405 with `Allow` for the wrong method."""
-    known = _METHODS.get(target)
-    if known is None and workers_ai.run_target(target) is not None:
-        known = (Route.WORKERS_AI, b"POST")
-    if known is None:
+    found = _BY_PATH.get(target)
+    if found is None and workers_ai.run_target(target) is not None:
+        found = Route.WORKERS_AI
+    if found is None:
         return responses.error(404, "unknown route")
-    found, allowed = known
-    if method != allowed:
-        return responses.error(405, "method not allowed", allow=allowed.decode("ascii"))
+    if method != found.method:
+        return responses.error(405, "method not allowed", allow=found.method.decode("ascii"))
     return found
 
 

@@ -15,15 +15,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from clef_frontend.worker_errors import WorkerFailure
 from clef_protocol import messages
 from clef_protocol.frames import MAX_FRAME_BYTES, FrameError, encode_frame, read_frame
 from clef_protocol.messages import ReadyInfo
 
 log = logging.getLogger("clef_frontend.worker")
-
-
-class WorkerFailure(Exception):
-    """The worker went away or broke the protocol; str() is the reason for the log."""
 
 
 class WorkerExited(WorkerFailure):
@@ -58,7 +55,11 @@ def _token_count(message: dict[str, Any], key: str) -> int:
 
 
 def _reply_from(message: dict[str, Any]) -> WorkerReply:
-    """Check a reply's fields; anything off is a protocol failure, not a client error."""
+    """Check a reply's fields; anything off is a protocol failure, not a client error.
+
+    A missing status is off too: the worker always sends one, and guessing 200 for it would
+    forward whatever body came with a broken frame as a success.
+    """
     kind = message["kind"]
     status = message.get("status")
     worker_ms = message.get("worker_ms")
@@ -66,7 +67,6 @@ def _reply_from(message: dict[str, Any]) -> WorkerReply:
         worker_ms = None
     if kind == messages.RESPONSE:
         body = message.get("body")
-        status = 200 if status is None else status
         if not isinstance(body, bytes) or not isinstance(status, int) or not 200 <= status < 300:
             raise WorkerFailure(f"malformed response frame (status {status!r})")
         return WorkerReply(status, body, None, worker_ms,

@@ -17,9 +17,6 @@ RESPONSE = "response"
 ERROR = "error"
 SHUTDOWN = "shutdown"
 
-WORKER_KINDS = frozenset({READY, FATAL, RESPONSE, ERROR})
-FRONT_KINDS = frozenset({REQUEST, SHUTDOWN})
-
 
 @dataclass(frozen=True)
 class ModelInfo:
