@@ -27,10 +27,11 @@ class Reply:
     retry_after: int | None = None
     close: bool = False
     allow: str | None = None
+    content_type: str = JSON
 
     def headers(self, *, close: bool) -> list[tuple[str, str]]:
         """Response headers; Content-Length always, since h11 would otherwise chunk or close."""
-        headers = [("Content-Type", JSON), ("Content-Length", str(len(self.body)))]
+        headers = [("Content-Type", self.content_type), ("Content-Length", str(len(self.body)))]
         if self.allow is not None:
             headers.append(("Allow", self.allow))
         if self.retry_after is not None:

@@ -22,10 +22,15 @@ from clef_protocol.validation import RequestInvalid, validate_request
 class Route(Enum):
     HEALTH = "/health"
     SYSTEMONE = "/v1/systemone"
+    METRICS = "/metrics"
 
 
 # Path -> the one method it answers. Targets are compared as sent: `/health?x=1` is unknown.
-_METHODS = {b"/health": (Route.HEALTH, b"GET"), b"/v1/systemone": (Route.SYSTEMONE, b"POST")}
+_METHODS = {
+    b"/health": (Route.HEALTH, b"GET"),
+    b"/v1/systemone": (Route.SYSTEMONE, b"POST"),
+    b"/metrics": (Route.METRICS, b"GET"),
+}
 
 _DECIMAL = re.compile(rb"[0-9]+")
 _MEDIA_TYPE = "application/json"

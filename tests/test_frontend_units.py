@@ -135,7 +135,7 @@ def test_admission_is_fifo_and_drops_abandoned_tickets() -> None:
         seen: list[int] = []
         gate = asyncio.Event()
 
-        async def forward(request_id: int, body: bytes) -> WorkerReply:
+        async def forward(request_id: int, body: bytes, trace_id: str) -> WorkerReply:
             await gate.wait()
             seen.append(int(body))
             return WorkerReply(200, body, None, 0.0)
