@@ -36,6 +36,7 @@ from prometheus_client.registry import Collector
 
 from clef_frontend import responses
 from clef_frontend.responses import Reply
+from clef_frontend.routes import Route
 from clef_frontend.worker_channel import RESTART_REASONS, WorkerReply
 from clef_protocol.messages import ReadyInfo
 
@@ -134,7 +135,7 @@ class Metrics:
     ) -> None:
         """One answered request; the timing arguments are given for scoring requests only."""
         self.requests.labels(route=route, status=str(status)).inc()
-        if route != "/v1/systemone":
+        if route != Route.SYSTEMONE.value:
             return
         self.duration_seconds.observe(duration_s)
         if queue_ms is not None:

@@ -147,6 +147,8 @@ class ServiceNotifier:
 
     async def watch(self, interval: float | None) -> None:
         """Until cancelled: ping the watchdog while healthy, and report state changes."""
+        if not self._notifier.enabled:
+            return
         period = interval if interval is not None else 1.0
         while True:
             if interval is not None and self._healthy():
