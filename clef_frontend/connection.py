@@ -138,6 +138,7 @@ class HttpConnection:
             return False
         if isinstance(head, Reply):  # a malformed head: h11's status hint, then close
             self._exchange = Exchange(b"-", b"-")
+            self._count(self._exchange, head.status)
             await self._send(head, method=b"")
             self._log(self._exchange, head.status, len(head.body))
             return False
@@ -146,8 +147,10 @@ class HttpConnection:
         self._exchange = exchange
         reply = await self._answer(head, exchange)
         if reply is None:  # the client left while its request was queued or in flight
+            self._count(exchange, 499)
             self._log(exchange, 499, 0)
             return False
+        self._count(exchange, reply.status)
         # A head whose framing h11 refused has a body of unknown length: never read past it.
         await self._send(reply, method=exchange.method, close=not head.body_readable)
         self._log(exchange, reply.status, len(reply.body))
@@ -157,7 +160,7 @@ class HttpConnection:
         return False
 
     def _log(self, exchange: Exchange, status: int, bytes_out: int) -> None:
-        """The access-log line and the request's metrics, once it is answered (or abandoned)."""
+        """The access-log line, once the request is answered (or abandoned)."""
         ticket = exchange.ticket
         logs.request_line(
             method=exchange.method, target=exchange.target, status=status,
@@ -166,6 +169,11 @@ class HttpConnection:
             bytes_in=exchange.bytes_in, bytes_out=bytes_out, client=self._client,
             request_id=exchange.request_id,
         )
+
+    def _count(self, exchange: Exchange, status: int) -> None:
+        """The request's metrics, before its answer is written: a client that has its answer
+        (and scrapes next) always finds its request counted."""
+        ticket = exchange.ticket
         self._metrics.request_done(
             route=exchange.route, status=status, duration_s=time.monotonic() - exchange.started,
             queue_ms=ticket.queue_ms if ticket else None,
@@ -191,8 +199,6 @@ class HttpConnection:
                                  self._config.body_limit)
         if isinstance(length, Reply):
             return length
-        if not head.body_readable:  # unreachable: rows 1-4 refuse every such head (framing.py)
-            return responses.error(400, "invalid Content-Length", close=True)
         # Rows 6-7: read the whole body before anything else happens to it.
         body = await self._read_body()
         if isinstance(body, Reply):
@@ -331,7 +337,7 @@ class HttpConnection:
         We close when asked, when the request was not read to its end, and while draining.
         """
         close = (close or reply.close or self._conn.their_state is not h11.DONE
-                 or self._health.draining)
+                 or self._admission.draining)
         try:
             trace = self._exchange.trace_headers() if self._exchange is not None else []
             data = self._conn.send(h11.Response(

@@ -35,9 +35,9 @@ from prometheus_client.core import InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from clef_frontend import responses
-from clef_frontend.responses import Reply
+from clef_frontend.responses import Reply, WorkerAnswer
 from clef_frontend.routes import Route
-from clef_frontend.worker_channel import RESTART_REASONS, WorkerReply
+from clef_frontend.worker_channel import RESTART_REASONS
 from clef_protocol.messages import ReadyInfo
 
 log = logging.getLogger("clef_frontend.metrics")
@@ -59,19 +59,6 @@ class LiveState:
     queue_capacity: int
     worker_ready: Callable[[], bool]
     worker_info: Callable[[], ReadyInfo | None]
-
-
-def reply_tokens(reply: WorkerReply | None) -> tuple[int | None, int | None]:
-    """(input tokens, state tokens cut to fit the budget) from a worker reply, when it has them.
-
-    Read by name so a worker whose frames carry no counts (an older or custom worker) simply
-    leaves the token metrics alone.
-    """
-    if reply is None:
-        return None, None
-    counts = (getattr(reply, "input_tokens", None), getattr(reply, "truncated_tokens", None))
-    return tuple(c if isinstance(c, int) and not isinstance(c, bool) else None  # type: ignore[return-value]
-                 for c in counts)
 
 
 class Metrics:
@@ -131,23 +118,23 @@ class Metrics:
         duration_s: float,
         queue_ms: float | None = None,
         worker_ms: float | None = None,
-        worker_reply: WorkerReply | None = None,
+        worker_reply: WorkerAnswer | None = None,
     ) -> None:
         """One answered request; the timing arguments are given for scoring requests only."""
         self.requests.labels(route=route, status=str(status)).inc()
-        if route != Route.SYSTEMONE.value:
+        if route != Route.SYSTEMONE.path.decode("ascii"):
             return
         self.duration_seconds.observe(duration_s)
         if queue_ms is not None:
             self.queue_seconds.observe(queue_ms / 1000.0)
         if worker_ms is not None:
             self.worker_seconds.observe(worker_ms / 1000.0)
-        tokens, cut = reply_tokens(worker_reply)
-        if tokens is not None:
-            self.input_tokens.observe(tokens)
-        if cut:
+        if worker_reply is None or worker_reply.body is None:
+            return  # token counts come with answers only, not with refusals
+        self.input_tokens.observe(worker_reply.input_tokens)
+        if worker_reply.truncated_tokens:
             self.truncated.inc()
-            self.truncated_tokens.inc(cut)
+            self.truncated_tokens.inc(worker_reply.truncated_tokens)
 
     def worker_failed(self, reason: str) -> None:
         """A warm worker was lost (see worker_channel.failure_reason for the reasons)."""

@@ -19,7 +19,7 @@ the request body (the front validates first, so bodies are valid Clef requests p
   "print": true     print to stdout and write to fd 1 (must not reach the channel)
   "error": "text"   answer an `error` frame, status 422 (or "error_status"); a 5xx is logged
                     through clef_worker.logs, tagged with the frame's trace_id
-  "tokens": N, "truncated": M   the response frame's input_tokens / truncated_tokens
+  "truncated_tokens": N   report N state tokens dropped (input_tokens is the body's length)
 --log-file PATH appends each received request's `tag` (one per line) before answering.
 """
 
@@ -119,11 +119,9 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any]) -> 
         "end_ns": time.monotonic_ns(),
     }
     payload = json.dumps(body).encode()
-    reply = messages.response(request_id, payload, worker_ms)
-    if "tokens" in request:
-        reply["input_tokens"] = int(request["tokens"])
-        reply["truncated_tokens"] = int(request.get("truncated", 0))
-    write_frame_blocking(out, reply)
+    write_frame_blocking(out, messages.response(
+        request_id, payload, worker_ms, input_tokens=len(message["body"]),
+        truncated_tokens=int(request.get("truncated_tokens", 0))))
 
 
 def main() -> int:

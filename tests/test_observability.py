@@ -16,12 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from clef_frontend import tracing
 from clef_frontend.worker_channel import (
     WorkerExited,
-    WorkerFailure,
     WorkerHung,
     WorkerProtocolError,
-    WorkerReply,
     failure_reason,
 )
+from clef_frontend.worker_errors import WorkerFailure
 from clef_protocol import messages
 from clef_protocol.frames import encode_frame, read_frame_blocking
 from clef_worker import logs as worker_logs
@@ -137,15 +136,15 @@ def test_a_hung_worker_counts_as_hung(tmp_path: Path) -> None:
         assert value(scrape(serve), "clef_worker_restarts_total", reason="hung") == 1.0
 
 
-@pytest.mark.skipif(not hasattr(WorkerReply(200, b"", None, None), "input_tokens"),
-                    reason="the front's WorkerReply has no input_tokens yet (issue 8's protocol "
-                           "commit adds input_tokens/truncated_tokens to response frames)")
 def test_input_tokens_and_truncation_are_counted(serve: Serve) -> None:
-    assert serve.post(clef_body(tokens=300, truncated=0)).status == 200
-    assert serve.post(clef_body(tokens=5000, truncated=1200)).status == 200
+    # The fake worker reports the body's length as input_tokens (the real one: the sequence).
+    short, cut = clef_body(), clef_body(truncated_tokens=1200, state="x" * 900)
+    assert serve.post(short).status == 200
+    assert serve.post(cut).status == 200
+    assert serve.post(clef_body(error="refused")).status == 422  # no tokens for a refusal
     samples = scrape(serve)
     assert value(samples, "clef_request_input_tokens_count") == 2
-    assert value(samples, "clef_request_input_tokens_sum") == 5300
+    assert value(samples, "clef_request_input_tokens_sum") == len(short) + len(cut)
     assert value(samples, "clef_request_input_tokens_bucket", le="512.0") == 1
     assert value(samples, "clef_states_truncated_total") == 1
     assert value(samples, "clef_state_truncated_tokens_total") == 1200
