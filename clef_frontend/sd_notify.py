@@ -116,7 +116,7 @@ def making_progress(in_flight_since: float | None, request_timeout: float, now: 
 class ServiceNotifier:
     """The server's side of the protocol: what to say at each step of its life."""
 
-    def __init__(self, notifier: Notifier, *, status: Callable[[], str],
+    def __init__(self, notifier: Notifier, *, status: Callable[[], str | None],
                  healthy: Callable[[], bool]) -> None:
         self._notifier = notifier
         self._status = status
@@ -154,6 +154,6 @@ class ServiceNotifier:
             if interval is not None and self._healthy():
                 self._notifier.watchdog()
             text = self._status()
-            if text != self._last_status:
+            if text is not None and text != self._last_status:
                 self.say(text)
             await asyncio.sleep(period)

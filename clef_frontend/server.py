@@ -111,12 +111,15 @@ class FrontServer:
         log.info("metrics on http://%s:%d/metrics", shown, bound)
         return True
 
-    def _service_status(self) -> str:
-        """systemd's STATUS= line for the current state."""
+    def _service_status(self) -> str | None:
+        """systemd's STATUS= line for the current state (None during the first start, whose
+        status the start-up extensions carry)."""
         status = self._health.status()
         if status == "ready":
             return f"serving on {self._address}"
-        return f"worker {status}" if status in ("starting", "restarting") else status
+        if status == "starting":
+            return None
+        return "worker restarting" if status == "restarting" else status
 
     def _healthy(self) -> bool:
         """For the systemd watchdog: the worker is idle or within its request timeout."""
