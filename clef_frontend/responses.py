@@ -39,10 +39,11 @@ class Reply:
     allow: str | None = None
     detail: str | None = None
     extra_headers: tuple[tuple[str, str], ...] = ()
+    content_type: str = JSON
 
     def headers(self, *, close: bool) -> list[tuple[str, str]]:
         """Response headers; Content-Length always, since h11 would otherwise chunk or close."""
-        headers = [("Content-Type", JSON), ("Content-Length", str(len(self.body)))]
+        headers = [("Content-Type", self.content_type), ("Content-Length", str(len(self.body)))]
         if self.allow is not None:
             headers.append(("Allow", self.allow))
         if self.retry_after is not None:
@@ -91,6 +92,9 @@ class WorkerAnswer(Protocol):
 
     @property
     def worker_ms(self) -> float | None: ...
+
+    @property
+    def input_tokens(self) -> int: ...
 
     @property
     def truncated_tokens(self) -> int: ...

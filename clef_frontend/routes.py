@@ -26,6 +26,7 @@ class Route(Enum):
     SYSTEMONE = (b"/v1/systemone", b"POST")
     MODELS = (b"/v1/models", b"GET")
     WORKERS_AI = (workers_ai.PATH_TEMPLATE.encode("ascii"), b"POST")  # a pattern, not a path
+    METRICS = (b"/metrics", b"GET")
 
     def __init__(self, path: bytes, method: bytes) -> None:
         self.path = path

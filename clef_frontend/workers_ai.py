@@ -48,6 +48,12 @@ def run_target(target: bytes) -> RunTarget | None:
     )
 
 
+def route_path(target: bytes) -> bytes:
+    """The path a metrics label may show: the route's template for a run path (account ids
+    and model names come from clients and must not grow the label set), else the target."""
+    return PATH_TEMPLATE.encode("ascii") if run_target(target) is not None else target
+
+
 def check_model(target: RunTarget, catalogue: Catalogue) -> Reply | None:
     """None if the path names a model this server serves, else a 404 that lists them."""
     name = target.model_id.removeprefix(MODEL_PREFIX)
