@@ -197,3 +197,14 @@ def test_keep_alive_continues_on_the_workers_ai_route(serve: Serve) -> None:
 def _assert_open(client: Client) -> None:
     client.send("GET", "/health")
     assert client.read_response().status == 200
+
+
+def test_metrics_label_the_route_by_its_template(serve: Serve) -> None:
+    assert serve.request("POST", "/accounts/acct-label-test/ai/run/@cf/cloudflare/clef-flash",
+                         clef_body()).status == 200
+    assert serve.request("GET", "/accounts/acct-label-test/ai/run/@cf/cloudflare/x").status == 405
+    metrics = serve.request("GET", "/metrics").body.decode()
+    template = "/accounts/{account_id}/ai/run/@cf/cloudflare/{model}"
+    assert f'clef_http_requests_total{{route="{template}",status="200"}}' in metrics
+    assert f'clef_http_requests_total{{route="{template}",status="405"}}' in metrics
+    assert "acct-label-test" not in metrics  # client-chosen path parts never become labels
