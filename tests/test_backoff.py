@@ -1,4 +1,4 @@
-"""The restart back-off rule (clef_frontend/backoff.py): crash loops back off, useful work resets."""
+"""The restart back-off rule (backoff.py): crash loops back off, useful work resets it."""
 
 from __future__ import annotations
 
