@@ -20,7 +20,8 @@ from enum import StrEnum
 
 from clef_frontend.backoff import RestartBackoff
 from clef_frontend.config import ServerConfig
-from clef_frontend.worker_channel import WorkerChannel, WorkerFailure, WorkerReply
+from clef_frontend.worker_channel import WorkerChannel, WorkerReply
+from clef_frontend.worker_errors import WorkerFailure, WorkerUnavailable
 from clef_protocol.messages import ReadyInfo
 
 log = logging.getLogger("clef_frontend.supervisor")
@@ -35,10 +36,6 @@ class WorkerState(StrEnum):
 
 class StartupFailed(Exception):
     """The first worker did not become ready; str() is the reason for the operator."""
-
-
-class WorkerUnavailable(Exception):
-    """No warm worker right now; str() is the short 503 detail."""
 
 
 class Supervisor:
