@@ -42,6 +42,8 @@ READ_SIZE = 256 * 1024
 # After an answer sent before the request was fully read (413, 415, 408, a malformed head), how
 # long the client's remaining bytes are read and discarded before the socket is closed.
 LINGER_SECONDS = 2.0
+# The shortest wait for body bytes, even past the body's deadline (see _read_body).
+MIN_BODY_WAIT = 0.05
 # Bodies above this are parsed and validated in a thread, so a large JSON document does not
 # stall the event loop (and every other client) for the length of its parse.
 INLINE_CHECK_BYTES = 64 * 1024
@@ -252,8 +254,11 @@ class HttpConnection:
                 return b"".join(chunks)
             else:
                 try:
+                    # Never a zero wait: after a stall of the event loop the kernel may hold
+                    # bytes that arrived in time, and they must be read before judging the rate.
                     data = await asyncio.wait_for(self._reader.read(READ_SIZE),
-                                                  clock.wait_limit(loop.time()))
+                                                  max(clock.wait_limit(loop.time()),
+                                                      MIN_BODY_WAIT))
                 except TimeoutError:
                     log.info("client %s: 408 after %d of %d body bytes: %s", self._client,
                              clock.received, length, clock.too_slow(loop.time()) or "too slow")

@@ -14,7 +14,7 @@ import contextlib
 import resource
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +34,17 @@ class Report:
     rows: list[tuple[str, str]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    server_log: list[str] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def serve(self, *worker_switches: str, front_args: tuple[str, ...] = ()) -> Iterator[Serve]:
+        """A server for this run; its log is kept, to be shown if a check fails."""
+        server = Serve(*worker_switches, front_args=front_args)
+        try:
+            yield server
+        finally:
+            server.close()
+            self.server_log = server.lines
 
     def add(self, metric: str, value: object) -> None:
         self.rows.append((metric, _shown(value)))
@@ -55,6 +66,10 @@ class Report:
         print(f"\n== {self.name} ({mode}): {'PASS' if self.passed else 'FAIL'}")
         for metric, value in self.rows:
             print(f"  {metric:<{width}}  {value}")
+        if not self.passed and self.server_log:
+            print("  the server's last log lines:")
+            for line in self.server_log[-40:]:
+                print(f"    {line}")
 
 
 def _shown(value: object) -> str:

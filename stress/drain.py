@@ -16,7 +16,7 @@ from stress.common import Connection, Report, Serve, build_request, clef_body, m
 
 def scenario(report: Report) -> None:
     queue_size = 64  # the default --queue-size, full, in both modes (it takes under a second)
-    with tempfile.TemporaryDirectory() as scratch, Serve(
+    with tempfile.TemporaryDirectory() as scratch, report.serve(
         front_args=("--queue-size", str(queue_size), "--drain-timeout", "30")
     ) as serve:
         gate = Path(scratch) / "gate"

@@ -10,7 +10,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from stress.common import Connection, Report, Serve, clef_body, latency_rows, main_for
+from stress.common import Connection, Report, clef_body, latency_rows, main_for
 
 CONCURRENCY = 32
 
@@ -19,7 +19,7 @@ def scenario(report: Report) -> None:
     total = 1_600 if report.quick else 10_000
     with tempfile.TemporaryDirectory() as scratch:
         worker_log = Path(scratch) / "tags"
-        with Serve("--log-file", str(worker_log)) as serve:
+        with report.serve("--log-file", str(worker_log)) as serve:
             answers, seconds, wall = asyncio.run(load(serve.port, total))
         seen = Counter(worker_log.read_text().split())
     tags = [f"c{client}-{n}" for client in range(CONCURRENCY)

@@ -11,14 +11,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from stress.common import Connection, Report, Serve, build_request, clef_body, main_for
+from stress.common import Connection, Report, build_request, clef_body, main_for
 
 REQUEST_TIMEOUT = 1.0
 
 
 def scenario(report: Report) -> None:
     hangs = 1 if report.quick else 3
-    with tempfile.TemporaryDirectory() as scratch, Serve(
+    with tempfile.TemporaryDirectory() as scratch, report.serve(
         front_args=("--request-timeout", str(REQUEST_TIMEOUT))
     ) as serve:
         never = Path(scratch) / "never created"

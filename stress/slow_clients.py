@@ -13,7 +13,6 @@ from stress.common import (
     HOST,
     Connection,
     Report,
-    Serve,
     build_request,
     clef_body,
     latency_rows,
@@ -29,7 +28,7 @@ def scenario(report: Report) -> None:
     header_timeout, grace = (2.0, 2.0) if report.quick else (10.0, 5.0)
     front = ("--header-timeout", str(header_timeout), "--body-rate-grace", str(grace),
              "--body-timeout", "30", "--body-min-rate", "1024")
-    with Serve(front_args=front) as serve:
+    with report.serve(front_args=front) as serve:
         heads, bodies, good, seconds = asyncio.run(run(serve.port, slow, header_timeout + 10))
     report.add("slow connections (heads + bodies)", f"{slow // 2} + {slow - slow // 2}")
     report.add("header timeout / body rate grace (s)", f"{header_timeout:g} / {grace:g}")

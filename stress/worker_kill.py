@@ -13,7 +13,7 @@ import signal
 import time
 from collections import Counter
 
-from stress.common import Connection, Report, Serve, build_request, clef_body, main_for
+from stress.common import Connection, Report, build_request, clef_body, main_for
 
 CONCURRENCY = 8
 PAUSE_ON_503 = 0.02  # a client told to retry does not spin
@@ -23,7 +23,7 @@ def scenario(report: Report) -> None:
     kills = 3 if report.quick else 8
     served_before_kill = 50 if report.quick else 100
     # The default restart back-off (0.5 s), not the test suite's shortened one.
-    with Serve(front_args=("--restart-backoff", "0.5")) as serve:
+    with report.serve(front_args=("--restart-backoff", "0.5")) as serve:
         statuses, timings, errors = asyncio.run(run(serve.port, kills, served_before_kill))
         reasons = re.findall(r"starting a new worker in ([0-9.]+)s \((.*)\)$", serve.stderr,
                              re.M)
@@ -35,7 +35,9 @@ def scenario(report: Report) -> None:
                    f"{served} / {to_ready:.2f}")
     for delay, why in reasons:
         report.add("restart delay (s), reason", f"{delay}, {why}")
-    report.check(not errors, f"no connection error or timeout ({errors[:3]})")
+    for error in errors[:3]:
+        report.add("client error", error)
+    report.check(not errors, "no connection error or timeout")
     report.check(statuses[500] <= kills, "at most one 500 (the request in flight) per kill")
     report.check(set(statuses) <= {200, 500, 503}, "only 200, 500 and 503 answers")
     report.check(len(reasons) == kills and all(why.startswith("served") for _, why in reasons),
