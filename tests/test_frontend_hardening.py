@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -120,6 +121,12 @@ def test_backoff_resets_after_a_worker_served_and_grows_in_a_crash_loop() -> Non
 ROW1 = exact_error("Content-Length is required; chunked requests are unsupported")
 
 
+@pytest.fixture(scope="module")
+def plain() -> Iterator[Serve]:
+    with Serve() as server:
+        yield server
+
+
 @pytest.mark.parametrize("raw", [
     # A coding other than chunked with no Host: h11 used to win with its 501.
     b"POST /v1/systemone HTTP/1.1\r\nTransfer-Encoding: gzip\r\n"
@@ -129,12 +136,15 @@ ROW1 = exact_error("Content-Length is required; chunked requests are unsupported
     b"Content-Type: application/json\r\n\r\n",
     b"GET /health HTTP/1.1\r\nTransfer-Encoding: identity\r\n\r\n",
     b"POST /v1/systemone HTTP/1.1\r\nTransfer-Encoding: chunked, gzip\r\n\r\n",
+    # Two Transfer-Encoding lines (h11's other 501), no Host.
+    b"POST /v1/systemone HTTP/1.1\r\nTransfer-Encoding: chunked\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n",
     # Obsolete line folding is never rescued; the answer is still a 400, not h11's 501.
     b"POST /v1/systemone HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\nX-A: 1\r\n"
     b" folded\r\n\r\n",
 ])
-def test_malformed_head_with_a_transfer_coding_is_400_not_501(raw: bytes) -> None:
-    with Serve() as serve, serve.connect() as client:
+def test_malformed_head_with_a_transfer_coding_is_400_not_501(plain: Serve, raw: bytes) -> None:
+    with plain.connect() as client:
         client.send_raw(raw)
         response = client.read_response()
         assert response.status == 400
@@ -149,8 +159,8 @@ def test_malformed_head_with_a_transfer_coding_is_400_not_501(raw: bytes) -> Non
     # HTTP/1.0 needs no Host: the head is well formed, so contract row 1 answers.
     b"POST /v1/systemone HTTP/1.0\r\nTransfer-Encoding: gzip\r\n\r\n",
 ])
-def test_a_transfer_coding_with_a_good_head_is_row1_411(raw: bytes) -> None:
-    with Serve() as serve, serve.connect() as client:
+def test_a_transfer_coding_with_a_good_head_is_row1_411(plain: Serve, raw: bytes) -> None:
+    with plain.connect() as client:
         client.send_raw(raw)
         response = client.read_response()
         assert (response.status, response.body) == (411, ROW1)
