@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from clef_frontend.cli import build_parser, config_from
 from tests.frontend_helpers import WAIT, Response, Serve, background, build_request, clef_body
 
 
@@ -179,3 +180,17 @@ def test_the_listen_backlog_is_what_was_asked() -> None:
         # For a listening socket, ss shows the backlog in the Send-Q column.
         send_queues = {int(line.split()[2]) for line in listing.splitlines() if line.strip()}
         assert send_queues == {37}
+
+
+def test_the_new_flags_reach_the_config_and_bad_values_are_refused() -> None:
+    parser = build_parser()
+    config = config_from(parser.parse_args(["--backlog", "64", "--body-min-rate", "0",
+                                            "--body-rate-grace", "2.5"]))
+    assert (config.backlog, config.body_min_rate, config.body_rate_grace) == (64, 0.0, 2.5)
+    assert config.body_rate_rule.min_rate == 0.0  # 0 turns the rate check off
+    defaults = config_from(parser.parse_args([]))
+    assert (defaults.backlog, defaults.body_min_rate, defaults.body_rate_grace) == (2048, 1024, 5)
+    for bad in (["--backlog", "0"], ["--body-min-rate", "-1"], ["--body-min-rate", "fast"],
+                ["--body-rate-grace", "inf"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
