@@ -25,6 +25,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     backlog: int = 2048
+    metrics_port: int | None = None
     body_limit: int = 8 * 1024 * 1024
     header_limit: int = 16 * 1024
     header_timeout: float = 10.0
@@ -69,6 +70,8 @@ class ServerConfig:
             raise ValueError("--drain-timeout, --restart-backoff and --retry-after must be >= 0")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not a TCP port")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port {self.metrics_port} is not a TCP port")
 
     @property
     def body_rate_rule(self) -> BodyRateRule:

@@ -20,7 +20,7 @@ from enum import StrEnum
 
 from clef_frontend.backoff import RestartBackoff
 from clef_frontend.config import ServerConfig
-from clef_frontend.worker_channel import WorkerChannel, WorkerReply
+from clef_frontend.worker_channel import WorkerChannel, WorkerReply, failure_reason
 from clef_frontend.worker_errors import WorkerFailure, WorkerUnavailable
 from clef_protocol.messages import ReadyInfo
 
@@ -41,9 +41,15 @@ class StartupFailed(Exception):
 class Supervisor:
     """Owns the worker process; `forward` is the only way requests reach it."""
 
-    def __init__(self, config: ServerConfig, on_worker_lost: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        on_worker_lost: Callable[[], None],
+        on_worker_failed: Callable[[str], None] | None = None,
+    ) -> None:
         self._config = config
         self._on_worker_lost = on_worker_lost
+        self._on_worker_failed = on_worker_failed
         self._backoff = RestartBackoff(
             config.restart_backoff, config.restart_backoff_max, config.restart_reset_after
         )
@@ -75,7 +81,7 @@ class Supervisor:
             WorkerState.RESTARTING: "worker is restarting",
         }.get(self.state, "server is shutting down")
 
-    async def forward(self, request_id: int, body: bytes) -> WorkerReply:
+    async def forward(self, request_id: int, body: bytes, trace_id: str = "") -> WorkerReply:
         """Send one request to the warm worker and return its reply.
 
         Raises WorkerUnavailable (nothing was sent: answer 503) or WorkerFailure (the worker
@@ -86,7 +92,7 @@ class Supervisor:
             raise WorkerUnavailable(reason)
         channel = self._channel
         assert channel is not None
-        reply = await channel.call(request_id, body, self._config.request_timeout)
+        reply = await channel.call(request_id, body, self._config.request_timeout, trace_id)
         if reply.status == 200 and channel is self._channel:
             self._served += 1
         return reply
@@ -101,8 +107,11 @@ class Supervisor:
             self._on_worker_lost()
             dead = self._channel
             code = await asyncio.shield(dead.kill())
-            log.error("worker pid=%d failed after %.1fs and %d answers: %s (exit code %s)",
-                      dead.pid, uptime, self._served, failure, code)
+            reason = failure_reason(failure, code)
+            log.error("worker pid=%d failed after %.1fs and %d answers: %s (exit code %s, "
+                      "reason=%s)", dead.pid, uptime, self._served, failure, code, reason)
+            if self._on_worker_failed is not None:
+                self._on_worker_failed(reason)
             decision = self._backoff.worker_died(uptime=uptime, served=self._served)
             while True:
                 log.warning("starting a new worker in %.2fs (%s)", decision.delay, decision.reason)
