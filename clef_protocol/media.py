@@ -324,3 +324,24 @@ def decode_media(request: dict[str, Any], limits: RequestLimits) -> DecodedMedia
             raise RequestInvalid(f"{where}: every frame of a video must have the same size")
         videos[video_index].append(pixels)
     return DecodedMedia(images=tuple(images), videos=tuple(tuple(v) for v in videos))
+
+
+# ---------------------------------------------------------------------------------------------
+# Making images (warm-up, tests, benchmarks)
+
+
+def png_data_uri(pixels: np.ndarray) -> str:
+    """An 8-bit RGB array `[H, W, 3]` as a `data:image/png;base64,` URI."""
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, mode="RGB").save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def gradient_image(height: int, width: int) -> np.ndarray:
+    """A deterministic test picture: colour gradients with a few hard edges."""
+    rows = np.linspace(0, 255, height, dtype=np.float64)[:, None]
+    cols = np.linspace(0, 255, width, dtype=np.float64)[None, :]
+    red = np.broadcast_to(rows, (height, width))
+    green = np.broadcast_to(cols, (height, width))
+    blue = ((rows // 32 + cols // 32) % 2) * 255
+    return np.stack([red, green, blue * np.ones_like(red)], axis=2).astype(np.uint8)
