@@ -31,8 +31,13 @@ from clef_protocol.media import DecodedMedia
 from clef_worker.backbone import Backbone, _read_tensors
 from clef_worker.encoding import Encoder
 from clef_worker.executor import StartupError
-from clef_worker.pixels import PROCESSOR_CONFIG, Patches, PixelSettings, image_patches, \
-    video_patches
+from clef_worker.pixels import (
+    PROCESSOR_CONFIG,
+    Patches,
+    PixelSettings,
+    image_patches,
+    video_patches,
+)
 from clef_worker.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
