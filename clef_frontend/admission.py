@@ -6,6 +6,10 @@ request is refused (503 with Retry-After) only when the queue is full, the worke
 or the server is draining. A ticket whose client has gone while it waits is taken out of the
 queue and never reaches the worker; once a ticket is in flight its reply is always read, so the
 next reply on the pipe can never be mistaken for someone else's.
+
+Admission knows the worker only through `Forward` (a callable returning a `WorkerAnswer`) and
+`unavailable_reason`, and tells a 503 from a 500 by the two exceptions of `worker_errors`; it
+never imports the supervisor or the channel, so either can change shape behind it.
 """
 
 from __future__ import annotations
@@ -19,13 +23,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from clef_frontend import responses
-from clef_frontend.responses import Reply
-from clef_frontend.supervisor import WorkerUnavailable
-from clef_frontend.worker_channel import WorkerFailure, WorkerReply
+from clef_frontend.responses import Reply, WorkerAnswer
+from clef_frontend.worker_errors import WorkerFailure, WorkerUnavailable
 
 log = logging.getLogger("clef_frontend.admission")
 
-Forward = Callable[[int, bytes], Awaitable[WorkerReply]]
+# Sends one request to a warm worker; raises WorkerUnavailable (nothing sent) or WorkerFailure.
+Forward = Callable[[int, bytes], Awaitable[WorkerAnswer]]
 
 
 class Refused(Exception):
@@ -52,22 +56,6 @@ class Ticket:
         """Time spent waiting for the worker (until now, if still waiting)."""
         end = self.started_at if self.started_at is not None else time.monotonic()
         return (end - self.enqueued_at) * 1000.0
-
-
-def reply_from_worker(reply: WorkerReply) -> Reply:
-    """A worker answer as HTTP: the body byte for byte, or `{"detail": ...}`.
-
-    A 5xx never carries the worker's text: the cause belongs in the log, and the contract's
-    detail is `inference failed`.
-    """
-    if reply.body is not None:
-        return responses.forwarded(reply.status, reply.body)
-    detail = reply.detail or ""
-    if reply.status >= 500:
-        if detail != "inference failed":
-            log.error("worker answered %d: %s", reply.status, detail)
-        detail = "inference failed"
-    return responses.error(reply.status, detail)
 
 
 class Admission:
@@ -97,6 +85,11 @@ class Admission:
     def depth(self) -> int:
         """Tickets waiting (not counting the one in flight)."""
         return len(self._waiting)
+
+    @property
+    def draining(self) -> bool:
+        """True once `start_draining` was called: the one copy of the server's drain state."""
+        return self._draining
 
     @property
     def in_flight(self) -> int:
@@ -165,9 +158,9 @@ class Admission:
             return responses.unavailable(str(exc), self._retry_after)
         except WorkerFailure as exc:
             log.error("request id=%d failed: %s", ticket.request_id, exc)
-            return responses.error(500, "inference failed")
+            return responses.error(500, responses.INFERENCE_FAILED)
         ticket.worker_ms = answer.worker_ms
-        return reply_from_worker(answer)
+        return responses.from_worker(answer)
 
     async def _next(self) -> Ticket:
         while not self._waiting:

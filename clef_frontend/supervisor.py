@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from clef_frontend.config import ServerConfig
-from clef_frontend.worker_channel import WorkerChannel, WorkerFailure, WorkerReply
+from clef_frontend.worker_channel import WorkerChannel, WorkerReply
+from clef_frontend.worker_errors import WorkerFailure, WorkerUnavailable
 from clef_protocol.messages import ReadyInfo
 
 log = logging.getLogger("clef_frontend.supervisor")
@@ -34,10 +35,6 @@ class WorkerState(StrEnum):
 
 class StartupFailed(Exception):
     """The first worker did not become ready; str() is the reason for the operator."""
-
-
-class WorkerUnavailable(Exception):
-    """No warm worker right now; str() is the short 503 detail."""
 
 
 @dataclass

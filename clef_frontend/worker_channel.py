@@ -15,15 +15,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from clef_frontend.worker_errors import WorkerFailure
 from clef_protocol import messages
 from clef_protocol.frames import MAX_FRAME_BYTES, FrameError, encode_frame, read_frame
 from clef_protocol.messages import ReadyInfo
 
 log = logging.getLogger("clef_frontend.worker")
-
-
-class WorkerFailure(Exception):
-    """The worker went away or broke the protocol; str() is the reason for the log."""
 
 
 class WorkerExited(WorkerFailure):
@@ -44,10 +41,25 @@ class WorkerReply:
     body: bytes | None
     detail: str | None
     worker_ms: float | None
+    input_tokens: int = 0  # the encoded sequence's length (responses only)
+    truncated_tokens: int = 0  # state tokens dropped to fit --max-length (responses only)
+
+
+def _token_count(message: dict[str, Any], key: str) -> int:
+    """A response's token count: absent means 0 (an older worker); anything but a
+    non-negative integer is a protocol failure."""
+    value = message.get(key, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise WorkerFailure(f"malformed response frame ({key} {value!r})")
+    return value
 
 
 def _reply_from(message: dict[str, Any]) -> WorkerReply:
-    """Check a reply's fields; anything off is a protocol failure, not a client error."""
+    """Check a reply's fields; anything off is a protocol failure, not a client error.
+
+    A missing status is off too: the worker always sends one, and guessing 200 for it would
+    forward whatever body came with a broken frame as a success.
+    """
     kind = message["kind"]
     status = message.get("status")
     worker_ms = message.get("worker_ms")
@@ -55,10 +67,11 @@ def _reply_from(message: dict[str, Any]) -> WorkerReply:
         worker_ms = None
     if kind == messages.RESPONSE:
         body = message.get("body")
-        status = 200 if status is None else status
         if not isinstance(body, bytes) or not isinstance(status, int) or not 200 <= status < 300:
             raise WorkerFailure(f"malformed response frame (status {status!r})")
-        return WorkerReply(status, body, None, worker_ms)
+        return WorkerReply(status, body, None, worker_ms,
+                           input_tokens=_token_count(message, "input_tokens"),
+                           truncated_tokens=_token_count(message, "truncated_tokens"))
     detail = message.get("detail")
     if not isinstance(status, int) or not 400 <= status < 600 or not isinstance(detail, str):
         raise WorkerFailure(f"malformed error frame (status {status!r})")

@@ -98,8 +98,9 @@ def test_rotary_positions(executor: NativeExecutor, case: dict[str, Any]) -> Non
 
 @pytest.mark.parametrize("case", SUCCESS, ids=[case["name"] for case in SUCCESS])
 def test_response_body(executor: NativeExecutor, case: dict[str, Any]) -> None:
-    body = _for_case(executor, case).answer(json.dumps(case["request"]).encode("utf-8"))
-    assert_response_matches(json.loads(body), case["response"],
+    answer = _for_case(executor, case).answer(json.dumps(case["request"]).encode("utf-8"))
+    assert answer.input_tokens == len(case["input_ids"])  # media tokens included
+    assert_response_matches(json.loads(answer.body), case["response"],
                             list(_scored(executor, case).probabilities))
 
 
