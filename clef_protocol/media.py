@@ -217,7 +217,8 @@ def _open(where: str, raw: bytes, limits: RequestLimits) -> tuple[Image.Image, I
         raise RequestInvalid(_too_large(where, header, limits))
     if header.width < 1 or header.height < 1:
         raise RequestInvalid(f"{where}: the image has no pixels")
-    if getattr(image, "is_animated", False):
+    # MPO is a JPEG with extra pictures (phone cameras write them): its first one is the photo.
+    if getattr(image, "is_animated", False) and header.format != "MPO":
         image.close()
         raise RequestInvalid(f"{where}: animated images are not accepted; send one frame")
     return image, header

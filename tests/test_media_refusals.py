@@ -88,6 +88,14 @@ def test_exif_orientation_is_applied() -> None:
     assert decoded.images[0].shape == (30, 20, 3)
 
 
+def test_multi_picture_jpeg_is_its_first_picture() -> None:
+    """MPO (a JPEG with extra pictures, as phone cameras write) is a photo, not an animation."""
+    first = Image.fromarray(gradient_image(20, 30))
+    data = encoded(first, "MPO", save_all=True, append_images=[Image.new("RGB", (30, 20))])
+    decoded = decode_media(request(images=[data]), LIMITS)
+    assert decoded.images[0].shape == (20, 30, 3) and int(decoded.images[0].max()) > 0
+
+
 def test_base64_with_line_breaks_is_accepted() -> None:
     wrapped = "\n".join(PNG[i:i + 76] for i in range(0, len(PNG), 76))
     check_media(request(images=[wrapped]), LIMITS)
