@@ -275,7 +275,7 @@ def test_release_extra_loads_with_a_device_map(make_snapshot: MakeSnapshot) -> N
     """The documented environment (pip install 'clef-serve[release]', which CI installs through
     the dev extra) has what the release's device_map loading needs."""
     executor = _load(make_snapshot(FORM_DEVICE_MAP))
-    assert json.loads(executor.answer(_body(VALID)))["device"] == "cpu"
+    assert json.loads(executor.answer(_body(VALID)).body)["device"] == "cpu"
 
 
 def test_missing_release_extra_fails_startup_clearly(make_snapshot: MakeSnapshot,
