@@ -134,3 +134,18 @@ def test_image_warm_up_runs(executor: NativeExecutor) -> None:
 
     scored = executor.score(media_warmup_request())
     assert scored.media is not None and scored.media.image_grids == ((1, 16, 16),)
+
+
+def test_warm_up_includes_an_image_request(executor: NativeExecutor,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    scored: list[dict[str, Any]] = []
+    real = executor.score
+
+    def spy(request: dict[str, Any], **kwargs: Any) -> Scored:
+        scored.append(request)
+        return real(request, **kwargs)
+
+    monkeypatch.setattr(executor, "score", spy)
+    executor.warm_up()
+    assert any(request.get("images") for request in scored)
+    assert any(not request.get("images") for request in scored)
