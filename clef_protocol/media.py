@@ -201,11 +201,11 @@ def _open(where: str, raw: bytes, limits: RequestLimits) -> tuple[Image.Image, I
     """Open lazily (Pillow reads the header only), check format, size and frame count."""
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            # --max-image-pixels is the limit, checked below; Pillow's own error (at twice its
+            # MAX_IMAGE_PIXELS, about 179 megapixels) stays a hard ceiling above it.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(raw), formats=FORMATS)
     except Image.DecompressionBombError:
-        raise RequestInvalid(_too_large(where, None, limits)) from None
-    except Image.DecompressionBombWarning:
         raise RequestInvalid(_too_large(where, None, limits)) from None
     except Exception:
         raise RequestInvalid(
@@ -235,7 +235,7 @@ def _pixels(where: str, image: Image.Image, limits: RequestLimits) -> np.ndarray
     """Decode to 8-bit RGB: EXIF orientation applied, alpha dropped (not blended)."""
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image.load()
             upright = ImageOps.exif_transpose(image) or image
             if upright.mode in ("I;16", "I;16B", "I;16L", "I"):

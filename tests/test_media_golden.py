@@ -149,3 +149,28 @@ def test_warm_up_includes_an_image_request(executor: NativeExecutor,
     executor.warm_up()
     assert any(request.get("images") for request in scored)
     assert any(not request.get("images") for request in scored)
+
+
+def test_images_and_an_odd_video_together(executor: NativeExecutor) -> None:
+    """Beyond the golden cases: two images of different sizes and a 3-frame video (its last
+    frame repeated to fill the pair, as the processor does) in one request. Every pad token gets
+    one vision feature (the scatter checks the counts) and the layout is the release's."""
+    from clef_protocol.media import gradient_image, png_data_uri
+
+    vision = executor.vision
+    assert vision is not None
+    frames = [png_data_uri(gradient_image(64, 64)[:, :, ::-1].copy()) for _ in range(3)]
+    request = {"model": "m", "state": "s", "questions": {"q": {"type": "noul"}},
+               "images": [png_data_uri(gradient_image(64, 64)),
+                          png_data_uri(gradient_image(100, 30))],
+               "videos": [[frames]], "media_kwargs": {"do_sample_frames": False}}
+    scored = executor.score(request)
+    media = scored.media
+    assert media is not None
+    assert media.image_grids == ((1, 4, 4), (1, 8, 4)) and media.video_grids == ((2, 4, 4),)
+    ids = list(media.token_ids)
+    assert ids.count(vision.image_token) == 4 + 8 and ids.count(vision.video_token) == 2 * 4
+    text = vision.encoder.tokenizer.decode(ids, skip_special_tokens=False)
+    assert "<0.0 seconds>" in text and "<0.1 seconds>" in text  # pairs (0, 1) and (2, 2)
+    assert vision._timestamps(3) == [0.5 / 24, 2 / 24]
+    assert all(value == value for value in scored.logits)  # no NaN
