@@ -32,6 +32,7 @@ import h11
 from clef_frontend import logs, responses, tracing, workers_ai
 from clef_frontend.admission import Admission, Refused, Ticket
 from clef_frontend.api import ApiSurface
+from clef_frontend.body_rate import BodyClock
 from clef_frontend.config import ServerConfig
 from clef_frontend.framing import FramingHeaders, reparse_without_framing, scan_framing
 from clef_frontend.health import Health
@@ -303,6 +304,10 @@ class HttpConnection:
             if isinstance(event, h11.Data):
                 chunks.append(bytes(event.data))
                 clock.record(len(event.data), loop.time())
+                # Judged after the bytes are counted: a trickle whose bytes come faster than
+                # MIN_BODY_WAIT would otherwise never reach the timeout below.
+                if clock.received < length and clock.too_slow(loop.time()):
+                    return self._body_too_slow(clock, length, loop.time())
             elif isinstance(event, h11.EndOfMessage):
                 return b"".join(chunks)
             else:
@@ -313,12 +318,15 @@ class HttpConnection:
                                                   max(clock.wait_limit(loop.time()),
                                                       MIN_BODY_WAIT))
                 except TimeoutError:
-                    log.info("client %s: 408 after %d of %d body bytes: %s", self._client,
-                             clock.received, length, clock.too_slow(loop.time()) or "too slow")
-                    return responses.error(408, "request body timed out", close=True)
+                    return self._body_too_slow(clock, length, loop.time())
                 except ConnectionError:
                     data = b""
                 self._conn.receive_data(data)
+
+    def _body_too_slow(self, clock: BodyClock, length: int, now: float) -> Reply:
+        log.info("client %s: 408 after %d of %d body bytes: %s", self._client, clock.received,
+                 length, clock.too_slow(now) or "too slow")
+        return responses.error(408, "request body timed out", close=True)
 
     def _finish_empty_body(self) -> None:
         """Consume the end of a bodyless request, so keep-alive continues.
