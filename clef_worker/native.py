@@ -24,6 +24,7 @@ from clef_protocol.body import parse_body
 from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import validate_request
+from clef_worker import warmup
 from clef_worker.answers import build_response, serialize
 from clef_worker.backbone import (
     Backbone,
@@ -43,35 +44,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
-
-# A representative request (~250 tokens, the three question types) for the warm-up forward.
-WARMUP_REQUEST: dict[str, Any] = {
-    "model": "warm-up",
-    "state": (
-        "Ticket 5521: the customer paid invoice #4411 ($12,400) twice by card on 2026-09-30; "
-        "the second charge is still pending and the customer asks for a refund of the "
-        "duplicate. Earlier messages mention a delayed delivery and a damaged box. "
-    ) * 2,
-    "questions": {
-        "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
-        "topic": {
-            "type": "choice",
-            "instructions": "What is the ticket about?",
-            "criteria": {
-                "billing": "Payments, invoices and refunds",
-                "delivery": "Shipping and delivery problems",
-                "product": "Defects or questions about a product",
-                "other": None,
-            },
-        },
-        "urgency": {
-            "type": "score",
-            "instructions": "How urgent is the ticket?",
-            "criteria": ["none", "low", "medium", "high", "critical"],
-        },
-    },
-}
-
 
 @dataclass(frozen=True)
 class Scored:
@@ -173,17 +145,35 @@ class NativeExecutor:
         )
 
     def warm_up(self) -> None:
-        """A representative forward; on the fla path, also one Gated DeltaNet layer per
-        autotune length bucket up to --max-length (see clef_worker.backbone)."""
+        """A forward of the richest warm-up request the limits admit (clef_worker.warmup); on
+        the fla path, also one Gated DeltaNet layer per autotune length bucket up to
+        --max-length (see clef_worker.backbone)."""
         started = time.perf_counter()
-        self.score(WARMUP_REQUEST)
+        encoding = self._warmup_encoding()
+        if encoding is None:
+            log.warning("--max-length %d is too short to warm anything up",
+                        self.limits.max_length)
+            return
+        self.forward(encoding)
         lengths = describe_kernel_lengths(self.backbone, self.limits.max_length)
         if lengths:
             log.info("warming fla kernels for %d length buckets: %s", len(lengths), lengths)
             with torch.inference_mode():
                 self.backbone.warm_gdn(lengths)
-            self.score(WARMUP_REQUEST)
-        log.info("warm-up done in %.0f ms", (time.perf_counter() - started) * 1000)
+            self.forward(encoding)
+        log.info("warm-up done in %.0f ms (%d tokens)", (time.perf_counter() - started) * 1000,
+                 encoding.length)
+
+    def _warmup_encoding(self) -> Encoding | None:
+        request = warmup.choose(self.limits, self.encode)
+        if request is not None:
+            return self.encode(request)
+        length = self.limits.max_length
+        log.warning(
+            "no request fits --max-length %d (every request will be refused with 422); "
+            "warming up on a %d-token sequence without a request", length, length,
+        )
+        return warmup.synthetic_encoding(self.encoder.prefix_ids, length)
 
     def answer(self, body: bytes) -> bytes:
         """Raw body -> final response bytes.
@@ -212,6 +202,21 @@ class NativeExecutor:
         the device between stages, which costs a little)."""
         timings: dict[str, float] = {}
         encoding = self._timed(timings, "encode", profile, lambda: self.encode(request))
+        logits, probabilities = self.forward(encoding, timings if profile else None)
+        return Scored(
+            request=request,
+            encoding=encoding,
+            logits=logits,
+            probabilities=probabilities,
+            timings_ms=timings,
+        )
+
+    def forward(self, encoding: Encoding, timings: dict[str, float] | None = None
+                ) -> tuple[list[float], list[float]]:
+        """Backbone and head on one encoding: per-option logits and probabilities; with
+        `timings`, each stage's time is recorded there."""
+        profile = timings is not None
+        timings = {} if timings is None else timings
         with torch.inference_mode():
             ids = torch.tensor(encoding.input_ids, dtype=torch.long).to(self.device)
             index = HeadIndex.build(
@@ -225,13 +230,7 @@ class NativeExecutor:
             output = self._timed(timings, "head", profile, lambda: self.head(
                 hidden, ids, self.backbone.lexical_table, index))
             logits, probabilities = torch.stack([output.logits, output.probabilities]).cpu()
-        return Scored(
-            request=request,
-            encoding=encoding,
-            logits=logits.tolist(),
-            probabilities=probabilities.tolist(),
-            timings_ms=timings,
-        )
+        return logits.tolist(), probabilities.tolist()
 
     def _timed(self, timings: dict[str, float], name: str, profile: bool,
                step: Callable[[], T]) -> T:

@@ -19,7 +19,7 @@ import pytest
 from clef_protocol.body import BadRequestBody
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import RequestInvalid
-from clef_worker import demo
+from clef_worker import demo, warmup
 from clef_worker.executor import StartupError
 from clef_worker.release import RELEASE_FILE, ReleaseExecutor
 
@@ -144,7 +144,20 @@ def test_warm_up_goes_through_upstream(make_snapshot: MakeSnapshot) -> None:
     module = _module(executor)
     executor.warm_up()
     assert len(module.CALLS) == 1
-    assert set(module.CALLS[0][0]["questions"]) == {"late", "topic", "severity"}
+    assert module.CALLS[0][0] == warmup.REPRESENTATIVE  # default limits: the richest request
+
+
+def test_warm_up_fits_a_short_max_length(make_snapshot: MakeSnapshot) -> None:
+    """A --max-length that no request fits starts anyway; upstream is then never called."""
+    executor = _load(make_snapshot(FORM_A), limits=RequestLimits(max_length=64))
+    module = _module(executor)
+    executor.warm_up()
+    assert module.CALLS == []
+    executor = _load(make_snapshot(FORM_A, "other"), limits=RequestLimits(max_length=200))
+    module = _module(executor)
+    executor.warm_up()
+    (call,) = module.CALLS
+    assert call[1] == 200 and call[0] != warmup.REPRESENTATIVE
 
 
 @pytest.mark.parametrize("request_", [
