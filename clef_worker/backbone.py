@@ -59,6 +59,10 @@ FLA_KERNEL_MODULE = "fla.ops.gated_delta_rule"
 # importing a submodule directly also fails fast.
 FLA_BLOCKED = ("fla", "fla.ops", "fla.ops.gated_delta_rule", "fla.modules", "fla.layers")
 CPU_BLOCKED = ("causal_conv1d",)
+# The weight dtypes this project runs, by the name flags and `ready` use for them.
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+# The optional kernel packages that importing MODELING_MODULE binds when they are importable.
+KERNEL_PACKAGES = ("fla", *CPU_BLOCKED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,7 +90,7 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     """`auto` is bfloat16 on CUDA (the release's precision) and float32 on CPU."""
     if spec == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    dtypes = {name: dtype for dtype, name in DTYPE_NAMES.items()}
     if spec not in dtypes:
         raise StartupError(f"--dtype {spec}: expected auto, bfloat16 or float32")
     return dtypes[spec]

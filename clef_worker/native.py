@@ -9,7 +9,6 @@ on the calling thread under `torch.inference_mode()`.
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from clef_protocol.validation import validate_request
 from clef_worker import warmup
 from clef_worker.answers import build_response, serialize
 from clef_worker.backbone import (
+    DTYPE_NAMES,
     Backbone,
     bind_gdn_path,
     describe_kernel_lengths,
@@ -38,12 +38,11 @@ from clef_worker.encoding import Encoder, Encoding
 from clef_worker.executor import ExecutorBroken, StartupError
 from clef_worker.head import HeadIndex, JointSchemaHead
 from clef_worker.snapshot import Snapshot, open_snapshot
+from clef_worker.versions import package_version, package_versions
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 @dataclass(frozen=True)
 class Scored:
@@ -129,10 +128,9 @@ class NativeExecutor:
     # -- Executor protocol -------------------------------------------------------------------
 
     def describe(self) -> ModelInfo:
-        versions = {name: _version(name) for name in ("torch", "transformers", "tokenizers",
-                                                       "safetensors")}
+        versions = package_versions()
         if self.backbone.gdn_path == "fla":
-            versions["fla"] = _version("fla-core")
+            versions["fla"] = package_version("fla-core")
         return ModelInfo(
             model=self.snapshot.variant,
             variant=self.snapshot.variant,
@@ -273,10 +271,3 @@ def load_head(snapshot: Snapshot, device: torch.device, dtype: torch.dtype) -> J
     head.eval()
     head.requires_grad_(False)
     return head
-
-
-def _version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"

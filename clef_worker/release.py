@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import importlib.metadata
 import importlib.util
 import inspect
 import itertools
@@ -54,6 +53,7 @@ from clef_protocol.validation import RequestInvalid, validate_request
 from clef_worker import warmup
 from clef_worker.answers import serialize
 from clef_worker.backbone import (
+    DTYPE_NAMES,
     MODELING_MODULE,
     bound_gdn_path,
     choose_gdn_path,
@@ -62,8 +62,8 @@ from clef_worker.backbone import (
 )
 from clef_worker.encoding import Encoder
 from clef_worker.executor import StartupError
-from clef_worker.native import DTYPE_NAMES
 from clef_worker.snapshot import open_snapshot
+from clef_worker.versions import package_versions
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class ReleaseExecutor:
             device=device_name,
             dtype=DTYPE_NAMES[torch_dtype],
             gdn_path=gdn_path,
-            versions={**_versions(), RELEASE_FILE: _sha256(source)[:16]},
+            versions={**package_versions(), RELEASE_FILE: _sha256(source)[:16]},
             demo=checked.random,
             snapshot=str(snapshot),
         )
@@ -295,11 +295,3 @@ def _synchronize(device: str) -> None:
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _versions() -> dict[str, str]:
-    versions = {}
-    for name in ("torch", "transformers", "tokenizers"):
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            versions[name] = importlib.metadata.version(name)
-    return versions
