@@ -8,6 +8,7 @@ percentiles as JSON.
 
     python bench/bench_http.py -- --model demo --device cpu
     python bench/bench_http.py --requests 200 -- --model demo --device cuda
+    python bench/bench_http.py --quick      # CI smoke run: tiny fixture on CPU, 6 requests
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.provenance import command_line  # noqa: E402
+
+TINY_FIXTURE = REPO.parent / "shared" / "fixtures" / "clef-tiny"
 
 REQUEST = {
     "model": "clef-flash",
@@ -73,8 +79,13 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: the tiny fixture on CPU, 6 requests over 2 clients")
     parser.add_argument("server_args", nargs="*", help="flags for clef-serve (after --)")
     args = parser.parse_args()
+    if args.quick:
+        args.requests, args.clients = 6, 2
+        args.server_args = ["--model", str(TINY_FIXTURE), "--device", "cpu"]
     port = free_port()
     command = [sys.executable, "-m", "clef_frontend", "--port", str(port), *args.server_args]
     server = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
@@ -91,7 +102,7 @@ def main() -> int:
                 listening.set()
 
     threading.Thread(target=pump, daemon=True).start()
-    results: dict[str, Any] = {"command": command}
+    results: dict[str, Any] = {"command": command_line(__file__)}
     try:
         if not listening.wait(args.startup_timeout):
             raise SystemExit("server did not start listening")

@@ -49,6 +49,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from clef_worker.executor import StartupError
+from clef_worker.kernel_advice import quiet_on_cpu
 from clef_worker.snapshot import LEXICAL_TABLE, TEXT_PREFIX, Snapshot, tensor_shapes
 
 log = logging.getLogger(__name__)
@@ -195,8 +196,9 @@ def bind_gdn_path(requested: str, device: torch.device, dtype: torch.dtype) -> s
             f"transformers bound the {bound} Gated DeltaNet kernel but {chosen} was chosen"
             f"{why}; start the worker in a fresh process"
         )
-    log.info("Gated DeltaNet prefill path: %s (--gdn-prefill %s, device %s)", bound, requested,
-             device)
+    reason = quiet_on_cpu(device)
+    log.info("Gated DeltaNet prefill path: %s (--gdn-prefill %s, device %s)%s", bound, requested,
+             device, f": {reason}" if reason else "")
     return bound
 
 

@@ -62,6 +62,7 @@ from clef_worker.backbone import (
 )
 from clef_worker.encoding import Encoder
 from clef_worker.executor import StartupError
+from clef_worker.kernel_advice import quiet_on_cpu
 from clef_worker.snapshot import open_snapshot
 from clef_worker.versions import package_versions
 
@@ -143,7 +144,7 @@ class ReleaseExecutor:
         )
         module = _import_release_module(source)
         answerer = _bind_interface(module, source, snapshot, device_name, torch_dtype, limits)
-        gdn_path = _check_bound_path(gdn_path)
+        gdn_path = _check_bound_path(gdn_path, quiet_on_cpu(target))
         info = ModelInfo(
             model=checked.variant,
             variant=checked.variant,
@@ -194,8 +195,9 @@ class ReleaseExecutor:
             return self._answerer(request)
 
 
-def _check_bound_path(chosen: str) -> str:
-    """After the release imported transformers: did it bind the kernel that was chosen?"""
+def _check_bound_path(chosen: str, why: str | None = None) -> str:
+    """After the release imported transformers: did it bind the kernel that was chosen?
+    (`why`, when given, ends the log line that says which path runs.)"""
     if MODELING_MODULE not in sys.modules:
         return chosen  # the release did not use transformers' Qwen3.5 module (yet)
     bound = bound_gdn_path()
@@ -207,7 +209,7 @@ def _check_bound_path(chosen: str) -> str:
             "(its Qwen3.5 module was imported before the guard ran); start the worker in a "
             "fresh process"
         )
-    log.info("Gated DeltaNet prefill path: %s", bound)
+    log.info("Gated DeltaNet prefill path: %s%s", bound, f": {why}" if why else "")
     return bound
 
 

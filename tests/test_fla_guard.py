@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import BinaryIO, cast
 
 import pytest
 
@@ -95,20 +96,50 @@ def test_worker_process_answers_on_torch_path(fake_fla: Path, tiny_snapshot: Pat
         )
     try:
         assert worker.stdin is not None and worker.stdout is not None
-        ready = read_frame_blocking(worker.stdout)
+        to_worker, from_worker = cast(BinaryIO, worker.stdin), cast(BinaryIO, worker.stdout)
+        ready = read_frame_blocking(from_worker)
         assert ready is not None and ready["kind"] == messages.READY, ready
         assert ready["gdn_path"] == "torch"
         assert ready["device"] == "cpu" and ready["dtype"] == "float32"
-        write_frame_blocking(worker.stdin, messages.request(7, json.dumps(invoice["request"])
+        write_frame_blocking(to_worker, messages.request(7, json.dumps(invoice["request"])
                                                             .encode("utf-8")))
-        reply = read_frame_blocking(worker.stdout)
+        reply = read_frame_blocking(from_worker)
         assert reply is not None and reply["kind"] == messages.RESPONSE, reply
         assert reply["id"] == 7
         assert_response_matches(json.loads(reply["body"]), invoice["response"])
-        write_frame_blocking(worker.stdin, messages.shutdown())
+        write_frame_blocking(to_worker, messages.shutdown())
         assert worker.wait(timeout=60) == 0
     finally:
         if worker.poll() is None:
             worker.kill()
             worker.wait()
-    assert "Gated DeltaNet prefill path: torch" in log_path.read_text()
+    log_text = log_path.read_text()
+    # Said once, with the reason; transformers' advice to install CUDA-only kernels is not.
+    assert log_text.count("Gated DeltaNet prefill path: torch") == 1
+    assert "fla and causal_conv1d are CUDA kernels" in log_text
+    assert "reference PyTorch implementation because" not in log_text, log_text
+
+
+def test_kernel_advice_is_dropped_on_cpu_only() -> None:
+    import logging
+
+    import torch
+
+    from clef_worker.kernel_advice import ADVICE_LOGGER, DropKernelAdvice, quiet_on_cpu
+
+    logger = logging.getLogger(ADVICE_LOGGER)
+    before = list(logger.filters)
+    try:
+        assert quiet_on_cpu(torch.device("cuda")) is None
+        assert not any(isinstance(f, DropKernelAdvice) for f in logger.filters)
+        assert quiet_on_cpu(torch.device("cpu")) is not None
+        quiet_on_cpu(torch.device("cpu"))  # idempotent: one filter
+        assert sum(isinstance(f, DropKernelAdvice) for f in logger.filters) == 1
+        advice = logger.makeRecord(ADVICE_LOGGER, logging.WARNING, __file__, 0,
+                                   "`f` is falling back to its reference PyTorch implementation "
+                                   "because `fla` is not installed.", None, None)
+        other = logger.makeRecord(ADVICE_LOGGER, logging.WARNING, __file__, 0, "other", None,
+                                  None)
+        assert not logger.filter(advice) and logger.filter(other)
+    finally:
+        logger.filters[:] = before

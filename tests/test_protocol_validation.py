@@ -136,7 +136,8 @@ def test_empty_media_and_extra_keys_are_ignored() -> None:
 
 
 def test_state_may_be_any_json() -> None:
-    for state in (None, 0, False, [], {"a": [1]}, ""):
+    states: tuple[object, ...] = (None, 0, False, [], {"a": [1]}, "")
+    for state in states:
         validate_request({"model": "", "state": state, "questions": {"q": {"type": "noul"}}},
                          LIMITS)
 
