@@ -180,7 +180,8 @@ def main() -> int:
                         help="smoke run: small shape, 2 layers, CPU, 2 short cases, 2 repeats, "
                              "no file written")
     args = parser.parse_args()
-    cases, fresh_extras, thread_repeats = CASES, (7, 131, 517, 1033, 2111), 10
+    fresh_extras: tuple[int, ...] = (7, 131, 517, 1033, 2111)
+    cases, thread_repeats = CASES, 10
     if args.quick:
         args.device, args.shape, args.layers, args.repeat = "cpu", "small", 2, 2
         args.skip_warmup_probe, args.out = True, None

@@ -137,8 +137,8 @@ def test_kernel_advice_is_dropped_on_cpu_only() -> None:
         assert sum(isinstance(f, DropKernelAdvice) for f in logger.filters) == 1
         advice = logger.makeRecord(ADVICE_LOGGER, logging.WARNING, __file__, 0,
                                    "`f` is falling back to its reference PyTorch implementation "
-                                   "because `fla` is not installed.", None, None)
-        other = logger.makeRecord(ADVICE_LOGGER, logging.WARNING, __file__, 0, "other", None,
+                                   "because `fla` is not installed.", (), None)
+        other = logger.makeRecord(ADVICE_LOGGER, logging.WARNING, __file__, 0, "other", (),
                                   None)
         assert not logger.filter(advice) and logger.filter(other)
     finally:
