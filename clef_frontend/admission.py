@@ -28,8 +28,9 @@ from clef_frontend.worker_errors import WorkerFailure, WorkerUnavailable
 
 log = logging.getLogger("clef_frontend.admission")
 
-# Sends one request to a warm worker; raises WorkerUnavailable (nothing sent) or WorkerFailure.
-Forward = Callable[[int, bytes], Awaitable[WorkerAnswer]]
+# Sends one request (id, body, trace id) to a warm worker; raises WorkerUnavailable
+# (nothing sent) or WorkerFailure.
+Forward = Callable[[int, bytes, str], Awaitable[WorkerAnswer]]
 
 
 class Refused(Exception):
@@ -47,9 +48,11 @@ class Ticket:
     request_id: int
     body: bytes
     outcome: asyncio.Future[Reply]
+    trace_id: str = ""
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     worker_ms: float | None = None
+    worker_reply: WorkerAnswer | None = None
 
     @property
     def queue_ms(self) -> float:
@@ -99,14 +102,20 @@ class Admission:
     def capacity(self) -> int:
         return self._capacity
 
-    def submit(self, body: bytes) -> Ticket:
+    @property
+    def in_flight_since(self) -> float | None:
+        """`time.monotonic()` at which the request now in flight was sent (None when idle)."""
+        return None if self._in_flight is None else self._in_flight.started_at
+
+    def submit(self, body: bytes, trace_id: str = "") -> Ticket:
         """Queue a checked body, or raise Refused with the 503 (row 14)."""
         reason = "server is draining" if self._draining else self._unavailable_reason()
         if reason is None and len(self._waiting) >= self._capacity:
             reason = "queue is full"
         if reason is not None:
             raise Refused(responses.unavailable(reason, self._retry_after))
-        ticket = Ticket(next(self._ids), body, asyncio.get_running_loop().create_future())
+        ticket = Ticket(next(self._ids), body, asyncio.get_running_loop().create_future(),
+                        trace_id)
         self._waiting.append(ticket)
         self._idle.clear()
         self._wakeup.set()
@@ -116,7 +125,8 @@ class Admission:
         """The client has gone: drop the ticket if it still waits; if in flight, let it finish."""
         if ticket in self._waiting:
             self._waiting.remove(ticket)
-            log.info("request id=%d dropped from the queue: client gone", ticket.request_id)
+            log.info("request id=%d request_id=%s dropped from the queue: client gone",
+                     ticket.request_id, ticket.trace_id)
             self._update_idle()
         if not ticket.outcome.done():
             ticket.outcome.cancel()
@@ -153,13 +163,15 @@ class Admission:
 
     async def _dispatch(self, ticket: Ticket) -> Reply:
         try:
-            answer = await self._forward(ticket.request_id, ticket.body)
+            answer = await self._forward(ticket.request_id, ticket.body, ticket.trace_id)
         except WorkerUnavailable as exc:
             return responses.unavailable(str(exc), self._retry_after)
         except WorkerFailure as exc:
-            log.error("request id=%d failed: %s", ticket.request_id, exc)
+            log.error("request id=%d request_id=%s failed: %s", ticket.request_id,
+                      ticket.trace_id, exc)
             return responses.error(500, responses.INFERENCE_FAILED)
         ticket.worker_ms = answer.worker_ms
+        ticket.worker_reply = answer
         return responses.from_worker(answer)
 
     async def _next(self) -> Ticket:

@@ -61,7 +61,7 @@ from clef_worker.backbone import (
     resolve_dtype,
 )
 from clef_worker.encoding import Encoder
-from clef_worker.executor import StartupError
+from clef_worker.executor import Answer, StartupError
 from clef_worker.kernel_advice import quiet_on_cpu
 from clef_worker.snapshot import open_snapshot
 from clef_worker.versions import package_versions
@@ -171,8 +171,11 @@ class ReleaseExecutor:
         self._call(copy.deepcopy(self._warmup_request))
         _synchronize(self._info.device)
 
-    def answer(self, body: bytes) -> bytes:
-        """Parse and validate here, let upstream score, serialise its dict once."""
+    def answer(self, body: bytes) -> Answer:
+        """Parse and validate here, let upstream score, serialise its dict once.
+
+        The upstream interface reports no token counts, so the Answer's counts stay 0.
+        """
         request = parse_body(body)
         validate_request(request, self._limits)
         try:
@@ -186,7 +189,7 @@ class ReleaseExecutor:
         if not isinstance(response, dict):
             raise TypeError(f"{RELEASE_FILE} systemone returned {type(response).__name__}, "
                             "not a dict")
-        return serialize(response)
+        return Answer(serialize(response))
 
     def _call(self, request: dict[str, Any]) -> Any:
         import torch

@@ -94,7 +94,7 @@ def synthetic_encoding(filler: Sequence[int], length: int) -> Encoding | None:
         option_ids=("true", "false"), option_spans=((1, 2), (2, 3)),
     )
     ids = list(islice(cycle(filler), length))
-    return Encoding(input_ids=ids, questions=(question,), state_tokens=0, state_truncated=False)
+    return Encoding(input_ids=ids, questions=(question,), state_tokens=0)
 
 
 def _trimmed(questions: dict[str, Any], limits: RequestLimits) -> dict[str, Any]:

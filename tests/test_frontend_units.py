@@ -178,7 +178,7 @@ def test_admission_is_fifo_and_drops_abandoned_tickets() -> None:
         gate = asyncio.Event()
         first_in_flight = asyncio.Event()
 
-        async def forward(request_id: int, body: bytes) -> WorkerReply:
+        async def forward(request_id: int, body: bytes, trace_id: str) -> WorkerReply:
             first_in_flight.set()
             await gate.wait()
             seen.append(int(body))
