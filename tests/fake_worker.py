@@ -6,7 +6,6 @@ thread produced it and when, so tests can check serialisation, ordering and rest
 
 Start-up switches: --ready-delay S, --fatal REASON, --exit-code N (exit before ready),
 --fatal-once-file PATH (fatal if PATH exists, removing it), --garbage-at-start, --demo,
---ready-gate PATH (wait for PATH to exist before `ready`),
 --replacement-ready-gate PATH (a replacement worker, started once the --crash-once-file marker
 exists, waits for PATH before `ready`: tests observe the restarting state without timing),
 --ready-gate PATH (every worker waits for PATH before `ready`).
@@ -65,7 +64,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--crash-once-file", default=None)
     parser.add_argument("--log-file", default=None)
     parser.add_argument("--demo", action="store_true")
-    parser.add_argument("--ready-gate", default=None)
     parser.add_argument("--replacement-ready-gate", default=None)
     parser.add_argument("--ready-gate", default=None)
     return parser.parse_args()
@@ -135,10 +133,9 @@ def main() -> int:
     while args.ready_gate and not os.path.exists(args.ready_gate):
         time.sleep(0.01)  # held before `ready` until the test opens the gate
     gate = args.replacement_ready_gate
-    if not (gate and args.crash_once_file and os.path.exists(args.crash_once_file)):
-        gate = args.ready_gate
-    while gate and not os.path.exists(gate):
-        time.sleep(0.01)  # held before `ready` until the test opens the gate
+    if gate and args.crash_once_file and os.path.exists(args.crash_once_file):
+        while not os.path.exists(gate):
+            time.sleep(0.01)  # held before `ready` until the test opens the gate
     if args.exit_code is not None:
         print(f"fake worker: exiting with {args.exit_code} before ready", file=sys.stderr)
         return args.exit_code
