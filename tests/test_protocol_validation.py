@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import RequestInvalid, validate_request
-from tests.conftest import GOLDEN
+from tests.golden import load_cases
 
 LIMITS = RequestLimits()
 
@@ -146,8 +145,7 @@ def test_golden_cases_agree_with_the_reference() -> None:
     """Every golden case the reference answered passes; its refusals (but the token budget,
     which needs the tokenizer) get the reference's message."""
     seen = 0
-    for line in GOLDEN.read_text().splitlines():
-        case = json.loads(line)
+    for case in load_cases():
         error = case.get("error", {}).get("message", "")
         if error.startswith("schema requires"):
             continue
