@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import cycle, islice
 from typing import Any
 
+from clef_protocol.media import gradient_image, png_data_uri
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import RequestInvalid, validate_request
 from clef_worker.encoding import TYPE_IDS, EncodedQuestion, Encoding
@@ -77,6 +78,11 @@ def choose(limits: RequestLimits, encode: Callable[[dict[str, Any]], Any]) -> di
             continue
         return request
     return None
+
+
+def with_image(request: dict[str, Any]) -> dict[str, Any]:
+    """The request with one 512x512 PNG, the size clients send (warms the vision tower)."""
+    return {**request, "images": [png_data_uri(gradient_image(512, 512))]}
 
 
 def synthetic_encoding(filler: Sequence[int], length: int) -> Encoding | None:

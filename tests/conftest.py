@@ -9,6 +9,7 @@ import pytest
 from hypothesis import settings
 
 from tests.golden import GOLDEN as GOLDEN  # one owner (tests/golden.py); re-exported here
+from tests.golden import MEDIA_GOLDEN as MEDIA_GOLDEN
 
 # On CI, property tests draw the same examples every run: a red CI is then reproducible, and a
 # change cannot pass by luck. Locally they keep exploring new examples.

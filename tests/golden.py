@@ -22,8 +22,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-GOLDEN = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures" / \
-    "clef-tiny.golden.jsonl"
+FIXTURES = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures"
+GOLDEN = FIXTURES / "clef-tiny.golden.jsonl"
+MEDIA_GOLDEN = FIXTURES / "clef-tiny.media.golden.jsonl"
 
 LOGIT_TOLERANCE = 1e-4
 # One unit in the 4th decimal of a rounded probability (plus float noise).
