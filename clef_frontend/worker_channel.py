@@ -1,4 +1,9 @@
-"""One worker process and the framed pipe to it: spawn, wait for `ready`, call, stop.
+"""One worker process and the framed pipe to it: spawn, wait for `ready`, submit, stop.
+
+Several requests may be outstanding at once (the worker micro-batches what is waiting on its
+pipe); each reply is matched to its request by id, and each request has its own deadline. The
+deadlines are kept by one watchdog timer aimed at the oldest outstanding request, not one timer
+per request: the timeout is the same for all, so the oldest is always the first to expire.
 
 The channel trusts nothing it reads. End of stream, a truncated, oversize or undecodable frame,
 an unexpected kind, a reply nobody asked for or a reply with the wrong id all break the channel
@@ -12,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +53,17 @@ class WorkerReply:
     worker_ms: float | None
 
 
+# Called exactly once per submitted request, with its reply or with the failure that lost it.
+Deliver = Callable[["WorkerReply | WorkerFailure"], None]
+
+
+@dataclass
+class _Outstanding:
+    deliver: Deliver
+    deadline: float
+    timeout: float
+
+
 def _reply_from(message: dict[str, Any]) -> WorkerReply:
     """Check a reply's fields; anything off is a protocol failure, not a client error."""
     kind = message["kind"]
@@ -66,17 +84,24 @@ def _reply_from(message: dict[str, Any]) -> WorkerReply:
 
 
 class WorkerChannel:
-    """A started worker process; use `spawn`, then `wait_ready`, then `call` one at a time."""
+    """A started worker process; use `spawn`, then `wait_ready`, then `submit` (or `call`)."""
 
     def __init__(self, process: asyncio.subprocess.Process) -> None:
         self._process = process
-        self._broken: asyncio.Future[WorkerFailure] = asyncio.get_running_loop().create_future()
-        self._pending: tuple[int, asyncio.Future[WorkerReply]] | None = None
+        self._loop = asyncio.get_running_loop()
+        self._broken: asyncio.Future[WorkerFailure] = self._loop.create_future()
+        self._outstanding: dict[int, _Outstanding] = {}  # insertion order: oldest first
+        self._watchdog: asyncio.TimerHandle | None = None
         self._reader_task: asyncio.Task[None] | None = None
 
     @classmethod
-    async def spawn(cls, argv: tuple[str, ...]) -> WorkerChannel:
+    async def spawn(
+        cls, argv: tuple[str, ...], env: Mapping[str, str] | None = None
+    ) -> WorkerChannel:
         """Start the worker; stderr is inherited so its log lines reach ours and never fill.
+
+        `env` adds to (or overrides in) the front's environment, e.g. the worker's
+        `CUDA_VISIBLE_DEVICES`.
 
         The worker gets its own session: signals aimed at the front's process group (Ctrl-C,
         timeout(1), job control) reach only the front, which drains and then stops the worker
@@ -89,6 +114,7 @@ class WorkerChannel:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=None,
                 start_new_session=True,
+                env=None if not env else {**os.environ, **env},
             )
         except OSError as exc:
             raise WorkerFailure(f"cannot run worker command {argv[0]!r}: {exc}") from None
@@ -101,6 +127,11 @@ class WorkerChannel:
     @property
     def is_broken(self) -> bool:
         return self._broken.done()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent and not yet answered."""
+        return len(self._outstanding)
 
     async def wait_ready(self, timeout: float) -> ReadyInfo:
         """Read the first frame: `ready` starts the reply reader; anything else is a failure."""
@@ -122,29 +153,35 @@ class WorkerChannel:
         self._reader_task = asyncio.create_task(self._read_replies(), name=f"worker-{self.pid}")
         return info
 
-    async def call(self, request_id: int, body: bytes, timeout: float) -> WorkerReply:
-        """Send one request and wait for its reply (one at a time; admission guarantees it).
+    def submit(self, request_id: int, body: bytes, timeout: float, deliver: Deliver) -> None:
+        """Send one request; `deliver` is called once with its reply or its failure.
 
-        A worker that does not answer within `timeout` is taken as hung (a deadlocked kernel, a
-        stuck driver call): the channel breaks, so the supervisor kills and replaces it, rather
-        than letting one request hold the queue forever.
+        No task and no await per request: the frame is written at once (the pipe's transport
+        buffers it) and the reply is handed to `deliver` by the reader loop as soon as it is
+        decoded. A worker that does not answer within `timeout` is taken as hung (a deadlocked
+        kernel, a stuck driver call): the channel breaks, so the supervisor kills and replaces
+        it, rather than letting it hold requests forever.
         """
         if self._broken.done():
-            raise self._broken.result()
-        if self._pending is not None:
-            raise RuntimeError("a request is already in flight on this worker")
-        reply: asyncio.Future[WorkerReply] = asyncio.get_running_loop().create_future()
-        self._pending = (request_id, reply)
-        try:
-            if not await self._send(messages.request(request_id, body)):
-                self._fail(WorkerFailure("worker closed its input"))
-            try:
-                return await asyncio.wait_for(asyncio.shield(reply), timeout)
-            except TimeoutError:
-                self._fail(WorkerFailure(f"no reply to request {request_id} within {timeout:g}s"))
-                return await reply
-        finally:
-            self._pending = None
+            deliver(self._broken.result())
+            return
+        if request_id in self._outstanding:
+            raise RuntimeError(f"request id {request_id} is already in flight on this worker")
+        self._outstanding[request_id] = _Outstanding(deliver, self._loop.time() + timeout,
+                                                    timeout)
+        if self._watchdog is None:
+            self._arm_watchdog()
+        if not self._write(messages.request(request_id, body)):
+            self._fail(WorkerFailure("worker closed its input"))
+
+    async def call(self, request_id: int, body: bytes, timeout: float) -> WorkerReply:
+        """`submit` as a coroutine: the reply, or WorkerFailure raised."""
+        reply: asyncio.Future[WorkerReply | WorkerFailure] = self._loop.create_future()
+        self.submit(request_id, body, timeout, reply.set_result)
+        outcome = await reply
+        if isinstance(outcome, WorkerFailure):
+            raise outcome
+        return outcome
 
     async def broken(self) -> WorkerFailure:
         """Resolve when the channel breaks (the worker died or misbehaved)."""
@@ -153,7 +190,7 @@ class WorkerChannel:
     async def stop(self, grace: float) -> int | None:
         """Ask the worker to finish and exit (`shutdown`, then EOF); kill it after `grace`."""
         if not self._broken.done():
-            await self._send(messages.shutdown())
+            self._write(messages.shutdown())
         if self._process.stdin is not None:
             self._process.stdin.close()
         code = await self._exit_code(grace)
@@ -196,29 +233,50 @@ class WorkerChannel:
         kind = message["kind"]
         if kind not in (messages.RESPONSE, messages.ERROR):
             raise WorkerFailure(f"unexpected {kind!r} frame from worker")
-        if self._pending is None:
-            raise WorkerFailure(f"unsolicited {kind!r} frame from worker")
-        request_id, reply = self._pending
-        if message.get("id") != request_id:
-            raise WorkerFailure(f"reply for id {message.get('id')!r} while {request_id} is pending")
-        if not reply.done():
-            reply.set_result(_reply_from(message))
+        request_id = message.get("id")
+        waiting = self._outstanding.pop(request_id, None) if isinstance(request_id, int) else None
+        if waiting is None:
+            raise WorkerFailure(f"unsolicited {kind!r} frame from worker (id {request_id!r})")
+        waiting.deliver(_reply_from(message))
 
-    async def _send(self, message: dict[str, Any]) -> bool:
+    def _write(self, message: dict[str, Any]) -> bool:
+        """Queue a frame on the worker's stdin; False if the pipe is already gone.
+
+        Not awaited: at most `--max-batch` requests per worker are outstanding, so what the
+        transport buffers is bounded by that many bodies; a worker that stops reading is
+        caught by the request deadline.
+        """
         stdin = self._process.stdin
         assert stdin is not None
+        if stdin.is_closing():
+            return False
         try:
             stdin.write(encode_frame(message))
-            await stdin.drain()
         except (ConnectionError, RuntimeError):
             return False
         return True
 
+    def _arm_watchdog(self) -> None:
+        """Aim the one timer at the oldest outstanding request's deadline."""
+        self._watchdog = None
+        for request_id, waiting in self._outstanding.items():
+            if waiting.deadline <= self._loop.time():
+                self._fail(WorkerFailure(f"no reply to request {request_id} within "
+                                         f"{waiting.timeout:g}s"))
+                return
+            self._watchdog = self._loop.call_at(waiting.deadline, self._arm_watchdog)
+            return
+
     def _fail(self, failure: WorkerFailure) -> None:
+        """Break the channel for good; every outstanding request gets `failure`, once."""
         if not self._broken.done():
             self._broken.set_result(failure)
-        if self._pending is not None and not self._pending[1].done():
-            self._pending[1].set_exception(failure)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        lost, self._outstanding = self._outstanding, {}
+        for waiting in lost.values():
+            waiting.deliver(failure)
         if self._reader_task is not None and asyncio.current_task() is not self._reader_task:
             self._reader_task.cancel()
 
