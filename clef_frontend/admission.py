@@ -9,6 +9,10 @@ server is draining. A ticket whose client has gone while it waits is taken out o
 never reaches a worker; once a ticket is in flight its reply is always read (the channel matches
 replies by id), so a reply can never be mistaken for someone else's.
 
+Admission knows the workers only through the `Workers` and `Lane` protocols below and tells a
+503 from a 500 by the two exceptions of `worker_errors`; it never imports the supervisor, the
+pool or the channel, so they can change shape behind it.
+
 Everything here is driven by events and runs no task of its own: a ticket is sent the moment it
 is admitted if a worker has room, and each reply (a callback from the worker channel) answers
 its ticket and sends the next waiting one. No dispatcher task, no task per request.
@@ -21,16 +25,19 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from clef_frontend import responses
-from clef_frontend.responses import Reply
-from clef_frontend.supervisor import WorkerUnavailable
-from clef_frontend.worker_channel import Deliver, WorkerFailure, WorkerReply
+from clef_frontend.responses import Reply, WorkerAnswer
+from clef_frontend.worker_errors import WorkerFailure, WorkerUnavailable
 
 log = logging.getLogger("clef_frontend.admission")
+
+# Called once per submitted request with its answer, or with the failure that lost it.
+Deliver = Callable[[WorkerAnswer | WorkerFailure], None]
+
 
 class Lane(Protocol):
     """One worker as admission sees it (a Supervisor)."""
@@ -75,22 +82,6 @@ class Ticket:
         return (end - self.enqueued_at) * 1000.0
 
 
-def reply_from_worker(reply: WorkerReply) -> Reply:
-    """A worker answer as HTTP: the body byte for byte, or `{"detail": ...}`.
-
-    A 5xx never carries the worker's text: the cause belongs in the log, and the contract's
-    detail is `inference failed`.
-    """
-    if reply.body is not None:
-        return responses.forwarded(reply.status, reply.body)
-    detail = reply.detail or ""
-    if reply.status >= 500:
-        if detail != "inference failed":
-            log.error("worker answered %d: %s", reply.status, detail)
-        detail = "inference failed"
-    return responses.error(reply.status, detail)
-
-
 class Admission:
     """The queue, and the hand-over of each ticket to the next worker with room."""
 
@@ -112,6 +103,11 @@ class Admission:
         return len(self._waiting)
 
     @property
+    def draining(self) -> bool:
+        """True once `start_draining` was called: the one copy of the server's drain state."""
+        return self._draining
+
+    @property
     def in_flight(self) -> int:
         """Tickets sent to a worker and not yet answered, over all workers."""
         return self._in_flight
@@ -120,9 +116,6 @@ class Admission:
     def capacity(self) -> int:
         return self._capacity
 
-    @property
-    def draining(self) -> bool:
-        return self._draining
 
     def submit(self, body: bytes) -> Ticket:
         """Admit a checked body (sent at once if a worker has room), or raise Refused (row 14)."""
@@ -202,15 +195,15 @@ class Admission:
             if not ticket.outcome.done():
                 ticket.outcome.set_result(responses.unavailable(str(exc), self._retry_after))
 
-    def _done(self, ticket: Ticket, outcome: WorkerReply | WorkerFailure) -> None:
+    def _done(self, ticket: Ticket, outcome: WorkerAnswer | WorkerFailure) -> None:
         """A worker answered the ticket (or failed with it in flight): reply, send the next."""
         self._in_flight -= 1
         if isinstance(outcome, WorkerFailure):
             log.error("request id=%d failed: %s", ticket.request_id, outcome)
-            reply = responses.error(500, "inference failed")
+            reply = responses.error(500, responses.INFERENCE_FAILED)
         else:
             ticket.worker_ms = outcome.worker_ms
-            reply = reply_from_worker(outcome)
+            reply = responses.from_worker(outcome)
         if not ticket.outcome.done():
             ticket.outcome.set_result(reply)
         self.pump()

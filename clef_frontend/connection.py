@@ -162,8 +162,6 @@ class HttpConnection:
                                  self._config.body_limit)
         if isinstance(length, Reply):
             return length
-        if not head.body_readable:  # unreachable: rows 1-4 refuse every such head (framing.py)
-            return responses.error(400, "invalid Content-Length", close=True)
         # Rows 6-7: read the whole body before anything else happens to it.
         body = await self._read_body()
         if isinstance(body, Reply):
@@ -317,7 +315,7 @@ class HttpConnection:
         We close when asked, when the request was not read to its end, and while draining.
         """
         close = (close or reply.close or self._conn.their_state is not h11.DONE
-                 or self._health.draining)
+                 or self._admission.draining)
         try:
             data = self._conn.send(h11.Response(
                 status_code=reply.status,

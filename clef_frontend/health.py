@@ -1,10 +1,11 @@
 """`GET /health`, answered from the front's own state and never queued behind a forward.
 
-Probes must learn the truth even while the worker is busy with a long request, so this reads
-only in-memory state: each worker's state and ready info, the queue counters, and the server's
-draining flag. With several workers the server is ready while at least one is: `workers` lists
-every one (name, device, status, pid, in_flight, max_batch, restarts), `ready_workers` names
-those that serve, and `worker` is the first ready one's ready info (the single-worker shape).
+Probes must learn the truth even while the workers are busy with long requests, so this reads
+only in-memory state: each worker's state and ready info, the queue counters, and the drain
+flag (held by admission, which is what refuses requests while draining). With several workers
+the server is ready while at least one is: `workers` lists every one (name, device, status, pid,
+in_flight, max_batch, restarts), `ready_workers` names those that serve, and `worker` is the
+first ready one's ready info (the single-worker shape).
 """
 
 from __future__ import annotations
@@ -19,17 +20,16 @@ from clef_frontend.worker_pool import WorkerPool
 
 
 class Health:
-    """The front's service state; `draining` is set by the server when a stop signal arrives."""
+    """The front's service state, as `/health` reports it."""
 
     def __init__(self, pool: WorkerPool, admission: Admission, retry_after: int) -> None:
         self._pool = pool
         self._admission = admission
         self._retry_after = retry_after
-        self.draining = False
 
     def status(self) -> str:
         """ready, starting, restarting or draining (stopped once the worker is gone)."""
-        if self.draining:
+        if self._admission.draining:
             return "draining"
         return str(self._pool.state())
 

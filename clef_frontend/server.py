@@ -104,7 +104,6 @@ class FrontServer:
 
     async def _drain(self, server: asyncio.Server, watcher: asyncio.Task[None]) -> None:
         server.close()
-        self._health.draining = True
         self._admission.start_draining()
         log.info("draining: %d queued, %d in flight (up to %gs)", self._admission.depth,
                  self._admission.in_flight, self._config.drain_timeout)

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from clef_frontend.config import ServerConfig
-from clef_frontend.worker_channel import Deliver, WorkerChannel, WorkerFailure, WorkerReply
+from clef_frontend.worker_channel import Deliver, WorkerChannel
+from clef_frontend.worker_errors import WorkerFailure, WorkerUnavailable
 from clef_protocol.messages import ReadyInfo
 
 log = logging.getLogger("clef_frontend.supervisor")
@@ -39,10 +40,6 @@ class WorkerState(StrEnum):
 
 class StartupFailed(Exception):
     """The first worker did not become ready; str() is the reason for the operator."""
-
-
-class WorkerUnavailable(Exception):
-    """No warm worker right now; str() is the short 503 detail."""
 
 
 @dataclass
@@ -154,18 +151,6 @@ class Supervisor:
             raise WorkerUnavailable(reason)
         assert self._channel is not None
         self._channel.submit(request_id, body, self._config.request_timeout, deliver)
-
-    async def forward(self, request_id: int, body: bytes) -> WorkerReply:
-        """Send one request to the warm worker and return its reply.
-
-        Raises WorkerUnavailable (nothing was sent: answer 503) or WorkerFailure (the worker
-        failed with this request in flight: answer 500).
-        """
-        reason = self.unavailable_reason()
-        if reason is not None:
-            raise WorkerUnavailable(reason)
-        assert self._channel is not None
-        return await self._channel.call(request_id, body, self._config.request_timeout)
 
     async def watch(self) -> None:
         """Run until cancelled: each time the worker fails, replace it (with backoff)."""

@@ -6,10 +6,10 @@ deadlines are kept by one watchdog timer aimed at the oldest outstanding request
 per request: the timeout is the same for all, so the oldest is always the first to expire.
 
 The channel trusts nothing it reads. End of stream, a truncated, oversize or undecodable frame,
-an unexpected kind, a reply nobody asked for or a reply with the wrong id all break the channel
-for good: the pending call fails at once with `WorkerFailure` and `broken()` resolves, so the
-supervisor can replace the process. A broken channel is never reused, because after one bad
-frame nothing later on the pipe can be trusted either.
+an unexpected kind, or a reply for an id that is not outstanding all break the channel for
+good: every outstanding request fails at once with `WorkerFailure` (exactly those, nothing
+else) and `broken()` resolves, so the supervisor can replace the process. A broken channel is
+never reused, because after one bad frame nothing later on the pipe can be trusted either.
 """
 
 from __future__ import annotations
@@ -22,15 +22,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from clef_frontend.worker_errors import WorkerFailure
 from clef_protocol import messages
 from clef_protocol.frames import MAX_FRAME_BYTES, FrameError, encode_frame, read_frame
 from clef_protocol.messages import ReadyInfo
 
 log = logging.getLogger("clef_frontend.worker")
-
-
-class WorkerFailure(Exception):
-    """The worker went away or broke the protocol; str() is the reason for the log."""
 
 
 class WorkerExited(WorkerFailure):
@@ -51,6 +48,17 @@ class WorkerReply:
     body: bytes | None
     detail: str | None
     worker_ms: float | None
+    input_tokens: int = 0  # the encoded sequence's length (responses only)
+    truncated_tokens: int = 0  # state tokens dropped to fit --max-length (responses only)
+
+
+def _token_count(message: dict[str, Any], key: str) -> int:
+    """A response's token count: absent means 0 (an older worker); anything but a
+    non-negative integer is a protocol failure."""
+    value = message.get(key, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise WorkerFailure(f"malformed response frame ({key} {value!r})")
+    return value
 
 
 # Called exactly once per submitted request, with its reply or with the failure that lost it.
@@ -65,7 +73,11 @@ class _Outstanding:
 
 
 def _reply_from(message: dict[str, Any]) -> WorkerReply:
-    """Check a reply's fields; anything off is a protocol failure, not a client error."""
+    """Check a reply's fields; anything off is a protocol failure, not a client error.
+
+    A missing status is off too: the worker always sends one, and guessing 200 for it would
+    forward whatever body came with a broken frame as a success.
+    """
     kind = message["kind"]
     status = message.get("status")
     worker_ms = message.get("worker_ms")
@@ -73,10 +85,11 @@ def _reply_from(message: dict[str, Any]) -> WorkerReply:
         worker_ms = None
     if kind == messages.RESPONSE:
         body = message.get("body")
-        status = 200 if status is None else status
         if not isinstance(body, bytes) or not isinstance(status, int) or not 200 <= status < 300:
             raise WorkerFailure(f"malformed response frame (status {status!r})")
-        return WorkerReply(status, body, None, worker_ms)
+        return WorkerReply(status, body, None, worker_ms,
+                           input_tokens=_token_count(message, "input_tokens"),
+                           truncated_tokens=_token_count(message, "truncated_tokens"))
     detail = message.get("detail")
     if not isinstance(status, int) or not 400 <= status < 600 or not isinstance(detail, str):
         raise WorkerFailure(f"malformed error frame (status {status!r})")
@@ -84,7 +97,7 @@ def _reply_from(message: dict[str, Any]) -> WorkerReply:
 
 
 class WorkerChannel:
-    """A started worker process; use `spawn`, then `wait_ready`, then `submit` (or `call`)."""
+    """A started worker process; use `spawn`, then `wait_ready`, then `submit`."""
 
     def __init__(self, process: asyncio.subprocess.Process) -> None:
         self._process = process
@@ -173,15 +186,6 @@ class WorkerChannel:
             self._arm_watchdog()
         if not self._write(messages.request(request_id, body)):
             self._fail(WorkerFailure("worker closed its input"))
-
-    async def call(self, request_id: int, body: bytes, timeout: float) -> WorkerReply:
-        """`submit` as a coroutine: the reply, or WorkerFailure raised."""
-        reply: asyncio.Future[WorkerReply | WorkerFailure] = self._loop.create_future()
-        self.submit(request_id, body, timeout, reply.set_result)
-        outcome = await reply
-        if isinstance(outcome, WorkerFailure):
-            raise outcome
-        return outcome
 
     async def broken(self) -> WorkerFailure:
         """Resolve when the channel breaks (the worker died or misbehaved)."""

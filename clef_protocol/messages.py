@@ -17,9 +17,6 @@ RESPONSE = "response"
 ERROR = "error"
 SHUTDOWN = "shutdown"
 
-WORKER_KINDS = frozenset({READY, FATAL, RESPONSE, ERROR})
-FRONT_KINDS = frozenset({REQUEST, SHUTDOWN})
-
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -79,10 +76,24 @@ def request(request_id: int, body: bytes) -> dict[str, Any]:
     return {"kind": REQUEST, "id": request_id, "body": body}
 
 
-def response(request_id: int, body: bytes, worker_ms: float, status: int = 200) -> dict[str, Any]:
-    """A successful answer: `body` is the final JSON, forwarded to the client unchanged."""
+def response(
+    request_id: int,
+    body: bytes,
+    worker_ms: float,
+    status: int = 200,
+    *,
+    input_tokens: int = 0,
+    truncated_tokens: int = 0,
+) -> dict[str, Any]:
+    """A successful answer: `body` is the final JSON, forwarded to the client unchanged.
+
+    `input_tokens` is the length of the encoded sequence and `truncated_tokens` how many state
+    tokens were dropped to fit `--max-length` (0 where the executor cannot tell), so the front can
+    count tokens and say when a state was cut without parsing the body.
+    """
     return {"kind": RESPONSE, "id": request_id, "status": status, "body": body,
-            "worker_ms": worker_ms}
+            "worker_ms": worker_ms, "input_tokens": input_tokens,
+            "truncated_tokens": truncated_tokens}
 
 
 def error(request_id: int, status: int, detail: str, worker_ms: float) -> dict[str, Any]:

@@ -60,7 +60,10 @@ def handle_request(executor: Executor, request_id: int, body: object) -> tuple[d
         log.error("request %s failed:\n%s", request_id, traceback.format_exc())
         broken = isinstance(exc, ExecutorBroken)
         return messages.error(request_id, 500, INFERENCE_FAILED, _elapsed_ms(start)), broken
-    return messages.response(request_id, answer, _elapsed_ms(start)), False
+    reply = messages.response(request_id, answer.body, _elapsed_ms(start),
+                              input_tokens=answer.input_tokens,
+                              truncated_tokens=answer.truncated_tokens)
+    return reply, False
 
 
 def serve(executor: Executor, channel_in: BinaryIO, channel_out: BinaryIO) -> int:

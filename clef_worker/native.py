@@ -34,7 +34,7 @@ from clef_worker.backbone import (
     resolve_dtype,
 )
 from clef_worker.encoding import Encoder, Encoding
-from clef_worker.executor import ExecutorBroken, StartupError
+from clef_worker.executor import Answer, ExecutorBroken, StartupError
 from clef_worker.head import HeadIndex, JointSchemaHead
 from clef_worker.snapshot import Snapshot, open_snapshot
 
@@ -185,8 +185,8 @@ class NativeExecutor:
             self.score(WARMUP_REQUEST)
         log.info("warm-up done in %.0f ms", (time.perf_counter() - started) * 1000)
 
-    def answer(self, body: bytes) -> bytes:
-        """Raw body -> final response bytes.
+    def answer(self, body: bytes) -> Answer:
+        """Raw body -> final response bytes, with the sequence length and state tokens cut.
 
         Raises `BadRequestBody` (400) for a body that is not an acceptable JSON object and
         `RequestInvalid` (422) for a request the model must refuse; the front has run both
@@ -194,7 +194,9 @@ class NativeExecutor:
         """
         request = parse_body(body)
         try:
-            return serialize(self.score(request).response())
+            scored = self.score(request)
+            return Answer(serialize(scored.response()), input_tokens=scored.encoding.length,
+                          truncated_tokens=scored.encoding.state_dropped)
         except Exception as exc:
             if device_is_broken(exc, self.device):
                 raise ExecutorBroken(f"{type(exc).__name__}: {exc}") from exc

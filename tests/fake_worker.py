@@ -16,6 +16,7 @@ the request body (the front validates first, so bodies are valid Clef requests p
   "oversize": true  write a frame header announcing 2 GiB
   "print": true     print to stdout and write to fd 1 (must not reach the channel)
   "error": "text"   answer an `error` frame, status 422 (or "error_status")
+  "truncated_tokens": N   report N state tokens dropped (input_tokens is the body's length)
 --log-file PATH appends each received request's `tag` (one per line) before answering.
 """
 
@@ -104,7 +105,9 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any]) -> 
         "end_ns": time.monotonic_ns(),
     }
     payload = json.dumps(body).encode()
-    write_frame_blocking(out, messages.response(request_id, payload, worker_ms))
+    write_frame_blocking(out, messages.response(
+        request_id, payload, worker_ms, input_tokens=len(message["body"]),
+        truncated_tokens=int(request.get("truncated_tokens", 0))))
 
 
 def main() -> int:
