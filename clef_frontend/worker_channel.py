@@ -24,7 +24,7 @@ from typing import Any
 
 from clef_frontend.worker_errors import WorkerFailure
 from clef_protocol import messages
-from clef_protocol.frames import MAX_FRAME_BYTES, FrameError, encode_frame, read_frame
+from clef_protocol.frames import MAX_FRAME_BYTES, FrameBuffer, FrameError, encode_frame
 from clef_protocol.messages import ReadyInfo
 
 log = logging.getLogger("clef_frontend.worker")
@@ -96,16 +96,42 @@ def _reply_from(message: dict[str, Any]) -> WorkerReply:
     return WorkerReply(status, None, detail, worker_ms)
 
 
+class _Pipes(asyncio.subprocess.SubprocessStreamProtocol):
+    """The worker's pipes: stdin stays a StreamWriter; stdout goes straight to the channel.
+
+    Decoding replies in the pipe's own callback, instead of in a task reading a StreamReader,
+    saves an event-loop turn per reply: the reply reaches its request the moment it arrives.
+    """
+
+    def __init__(self, channel: WorkerChannel, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=2**16, loop=loop)
+        self._channel = channel
+
+    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
+        if fd == 1:
+            assert isinstance(data, bytes)
+            self._channel._on_output(data)
+        else:
+            super().pipe_data_received(fd, data)
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        super().pipe_connection_lost(fd, exc)
+        if fd == 1:
+            self._channel._on_output_end()
+
+
 class WorkerChannel:
     """A started worker process; use `spawn`, then `wait_ready`, then `submit`."""
 
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self._process = process
+    def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._process: asyncio.subprocess.Process | None = None
+        self._frames = FrameBuffer(MAX_FRAME_BYTES)
+        self._first: asyncio.Future[dict[str, Any] | None] = self._loop.create_future()
+        self._started = False  # the ready frame was read: later frames are replies
         self._broken: asyncio.Future[WorkerFailure] = self._loop.create_future()
         self._outstanding: dict[int, _Outstanding] = {}  # insertion order: oldest first
         self._watchdog: asyncio.TimerHandle | None = None
-        self._reader_task: asyncio.Task[None] | None = None
 
     @classmethod
     async def spawn(
@@ -120,8 +146,11 @@ class WorkerChannel:
         timeout(1), job control) reach only the front, which drains and then stops the worker
         with a `shutdown` frame, instead of killing the request in flight.
         """
+        channel = cls()
+        loop = channel._loop
         try:
-            process = await asyncio.create_subprocess_exec(
+            transport, protocol = await loop.subprocess_exec(
+                lambda: _Pipes(channel, loop),
                 *argv,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
@@ -131,11 +160,17 @@ class WorkerChannel:
             )
         except OSError as exc:
             raise WorkerFailure(f"cannot run worker command {argv[0]!r}: {exc}") from None
-        return cls(process)
+        channel._process = asyncio.subprocess.Process(transport, protocol, loop)
+        return channel
+
+    @property
+    def process(self) -> asyncio.subprocess.Process:
+        assert self._process is not None
+        return self._process
 
     @property
     def pid(self) -> int:
-        return self._process.pid
+        return self.process.pid
 
     @property
     def is_broken(self) -> bool:
@@ -147,9 +182,9 @@ class WorkerChannel:
         return len(self._outstanding)
 
     async def wait_ready(self, timeout: float) -> ReadyInfo:
-        """Read the first frame: `ready` starts the reply reader; anything else is a failure."""
+        """Wait for the first frame: after `ready` the rest are replies; else a failure."""
         try:
-            message = await asyncio.wait_for(self._read(), timeout)
+            message = await asyncio.wait_for(self._first, timeout)
         except TimeoutError:
             raise WorkerFailure(f"worker sent no ready frame within {timeout:g}s") from None
         if message is None:
@@ -163,17 +198,17 @@ class WorkerChannel:
             info = ReadyInfo.from_message(message)
         except ValueError as exc:
             raise WorkerFailure(str(exc)) from None
-        self._reader_task = asyncio.create_task(self._read_replies(), name=f"worker-{self.pid}")
+        self._started = True
         return info
 
     def submit(self, request_id: int, body: bytes, timeout: float, deliver: Deliver) -> None:
         """Send one request; `deliver` is called once with its reply or its failure.
 
         No task and no await per request: the frame is written at once (the pipe's transport
-        buffers it) and the reply is handed to `deliver` by the reader loop as soon as it is
-        decoded. A worker that does not answer within `timeout` is taken as hung (a deadlocked
-        kernel, a stuck driver call): the channel breaks, so the supervisor kills and replaces
-        it, rather than letting it hold requests forever.
+        buffers it) and the reply is handed to `deliver` as soon as it is decoded (in the
+        pipe's callback). A worker that does not answer within `timeout` is taken as hung (a
+        deadlocked kernel, a stuck driver call): the channel breaks, so the supervisor kills and
+        replaces it, rather than letting it hold requests forever.
         """
         if self._broken.done():
             deliver(self._broken.result())
@@ -195,8 +230,8 @@ class WorkerChannel:
         """Ask the worker to finish and exit (`shutdown`, then EOF); kill it after `grace`."""
         if not self._broken.done():
             self._write(messages.shutdown())
-        if self._process.stdin is not None:
-            self._process.stdin.close()
+        if self.process.stdin is not None:
+            self.process.stdin.close()
         code = await self._exit_code(grace)
         self._fail(WorkerFailure("worker stopped"))
         return code
@@ -212,26 +247,44 @@ class WorkerChannel:
 
     # -- internals ---------------------------------------------------------------------------
 
-    async def _read(self) -> dict[str, Any] | None:
-        assert self._process.stdout is not None
+    def _on_output(self, data: bytes) -> None:
+        """Bytes from the worker's stdout: decode every whole frame and hand it on."""
+        if self._broken.done():
+            return  # nothing after the first anomaly can be trusted
+        self._frames.feed(data)
         try:
-            return await read_frame(self._process.stdout, MAX_FRAME_BYTES)
+            while (message := self._frames.next_frame()) is not None:
+                if not self._first.done():
+                    self._first.set_result(message)
+                elif not self._started:
+                    raise WorkerFailure(f"worker sent {message['kind']!r} right after its first "
+                                        "frame")
+                else:
+                    self._deliver(message)
         except FrameError as exc:
-            raise WorkerFailure(f"invalid frame from worker: {exc}") from None
-
-    async def _read_replies(self) -> None:
-        """Reader loop: deliver each reply to the pending call; the first anomaly breaks all."""
-        try:
-            while True:
-                message = await self._read()
-                if message is None:
-                    raise WorkerExited("worker closed its output")
-                self._deliver(message)
+            self._lose(WorkerFailure(f"invalid frame from worker: {exc}"))
         except WorkerFailure as failure:
-            self._fail(failure)
-        except asyncio.CancelledError:
-            self._fail(WorkerFailure("worker channel closed"))
-            raise
+            self._lose(failure)
+
+    def _on_output_end(self) -> None:
+        """The worker closed its stdout (it exited, or is exiting)."""
+        if self._broken.done():
+            return
+        try:
+            self._frames.end()
+        except FrameError as exc:
+            self._lose(WorkerFailure(f"invalid frame from worker: {exc}"))
+            return
+        self._lose(WorkerExited("worker closed its output"))
+
+    def _lose(self, failure: WorkerFailure) -> None:
+        """The output is unusable: tell `wait_ready` if it still waits, and break."""
+        if not self._first.done():
+            if isinstance(failure, WorkerExited):
+                self._first.set_result(None)
+            else:
+                self._first.set_exception(failure)
+        self._fail(failure)
 
     def _deliver(self, message: dict[str, Any]) -> None:
         kind = message["kind"]
@@ -250,7 +303,7 @@ class WorkerChannel:
         transport buffers is bounded by that many bodies; a worker that stops reading is
         caught by the request deadline.
         """
-        stdin = self._process.stdin
+        stdin = self.process.stdin
         assert stdin is not None
         if stdin.is_closing():
             return False
@@ -281,18 +334,16 @@ class WorkerChannel:
         lost, self._outstanding = self._outstanding, {}
         for waiting in lost.values():
             waiting.deliver(failure)
-        if self._reader_task is not None and asyncio.current_task() is not self._reader_task:
-            self._reader_task.cancel()
 
     async def _exit_code(self, grace: float) -> int | None:
         """Wait up to `grace` for the exit, then SIGKILL; always reap."""
-        if self._process.returncode is None and grace > 0:
+        if self.process.returncode is None and grace > 0:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._process.wait(), grace)
-        if self._process.returncode is None:
+                await asyncio.wait_for(self.process.wait(), grace)
+        if self.process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                self._process.kill()
-        code = await self._process.wait()
-        if self._process.stdin is not None:
-            self._process.stdin.close()
+                self.process.kill()
+        code = await self.process.wait()
+        if self.process.stdin is not None:
+            self.process.stdin.close()
         return code
