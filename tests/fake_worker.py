@@ -67,7 +67,9 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any]) -> 
     if args.log_file:
         with open(args.log_file, "a", encoding="utf-8") as log:
             log.write(f"{request.get('tag')}\n")
-    time.sleep(float(request.get("sleep", args.delay)))
+    delay = float(request.get("sleep", args.delay))
+    if delay:  # zero work costs no system call (bench_http.py --zero-work)
+        time.sleep(delay)
     while request.get("hold_until") and not os.path.exists(request["hold_until"]):
         time.sleep(0.01)  # held in flight until the test creates the file
     if request.get("crash"):
