@@ -177,8 +177,9 @@ def _render(rows: list[Row], worker_ms: list[float], args: argparse.Namespace,
                      f"{row.c32.throughput / 1000:.1f}k req/s | {_cell_us(row.c32.p99_ms)} |")
     if worker_ms:
         worker_ms.sort()
-        lines += ["", f"The fake worker reported {worker_ms[len(worker_ms) // 2]:.2f} ms per "
-                      f"request (median of {len(worker_ms)} access-log lines)."]
+        lines += ["", f"The fake worker reported {worker_ms[len(worker_ms) // 2]:.1f} ms per "
+                      f"request (median `worker_ms` of {len(worker_ms)} access-log lines, which "
+                      "round to 0.1 ms)."]
     lines += ["", "Targets (issue 12):", ""] + [f"- {line}" for line in _verdicts(rows)]
     lines.append(END)
     return "\n".join(lines) + "\n"
