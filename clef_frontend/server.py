@@ -59,7 +59,7 @@ class FrontServer:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
-        loop.add_signal_handler(signal.SIGHUP, self._on_reload_signal)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
         try:
             if not await self._start_worker():
                 return 1 if not self._stop_requested.is_set() else 0
@@ -157,7 +157,8 @@ class FrontServer:
         """A worker became ready (first start, restart, reload): it can take waiting tickets."""
         self._admission.pump()
 
-    def _on_reload_signal(self) -> None:
+    def reload(self) -> None:
+        """What SIGHUP does: run every reload callback; one failing does not stop the others."""
         log.info("SIGHUP received: reloading")
         for callback in self._reload_callbacks:
             try:

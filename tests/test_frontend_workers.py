@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import threading
@@ -163,3 +164,28 @@ def test_sighup_rolls_the_workers_and_answers_every_request_meanwhile(workers: s
         assert not new & old and len(new) == int(workers)
         pids = {r.json()["pid"] for r in results}
         assert pids & old and pids & new  # served by the old workers, then by the new ones
+
+
+def test_sighup_runs_every_reload_callback_even_when_one_fails() -> None:
+    from clef_frontend.server import FrontServer
+
+    async def scenario() -> list[str]:
+        ran: list[str] = []
+        done = asyncio.Event()
+        server = FrontServer(ServerConfig(worker_argv=("unused",)))
+
+        def broken() -> None:
+            raise OSError("key file unreadable")
+
+        async def keys() -> None:
+            ran.append("async")
+            done.set()
+
+        server.on_reload(broken)
+        server.on_reload(lambda: ran.append("sync"))
+        server.on_reload(keys)
+        server.reload()  # the pool's own callback comes first: no worker is ready, so it skips
+        await asyncio.wait_for(done.wait(), WAIT)
+        return ran
+
+    assert asyncio.run(scenario()) == ["sync", "async"]
