@@ -44,7 +44,9 @@ class Lane(Protocol):
 
     def has_room(self) -> bool: ...
 
-    def submit(self, request_id: int, body: bytes, deliver: Deliver) -> None: ...
+    def submit(
+        self, request_id: int, body: bytes, deliver: Deliver, trace_id: str = ""
+    ) -> None: ...
 
 
 class Workers(Protocol):
@@ -71,9 +73,11 @@ class Ticket:
     request_id: int
     body: bytes
     outcome: asyncio.Future[Reply]
+    trace_id: str = ""
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     worker_ms: float | None = None
+    worker_reply: WorkerAnswer | None = None
 
     @property
     def queue_ms(self) -> float:
@@ -90,7 +94,7 @@ class Admission:
         self._retry_after = retry_after
         self._workers = workers
         self._waiting: deque[Ticket] = deque()
-        self._in_flight = 0
+        self._sent: dict[Ticket, None] = {}  # in flight, oldest first
         self._next_lane = 0
         self._ids = itertools.count(1)
         self._idle = asyncio.Event()
@@ -110,14 +114,21 @@ class Admission:
     @property
     def in_flight(self) -> int:
         """Tickets sent to a worker and not yet answered, over all workers."""
-        return self._in_flight
+        return len(self._sent)
 
     @property
     def capacity(self) -> int:
         return self._capacity
 
 
-    def submit(self, body: bytes) -> Ticket:
+    @property
+    def in_flight_since(self) -> float | None:
+        """`time.monotonic()` at which the oldest request now in flight was sent (None: idle)."""
+        for ticket in self._sent:
+            return ticket.started_at
+        return None
+
+    def submit(self, body: bytes, trace_id: str = "") -> Ticket:
         """Admit a checked body (sent at once if a worker has room), or raise Refused (row 14)."""
         reason = "server is draining" if self._draining else self._workers.unavailable_reason()
         lane = None
@@ -127,7 +138,8 @@ class Admission:
             reason = "queue is full"
         if reason is not None:
             raise Refused(responses.unavailable(reason, self._retry_after))
-        ticket = Ticket(next(self._ids), body, asyncio.get_running_loop().create_future())
+        ticket = Ticket(next(self._ids), body, asyncio.get_running_loop().create_future(),
+                        trace_id)
         self._idle.clear()
         if lane is not None:
             self._send(ticket, lane)
@@ -139,7 +151,8 @@ class Admission:
         """The client has gone: drop the ticket if it still waits; if in flight, let it finish."""
         if ticket in self._waiting:
             self._waiting.remove(ticket)
-            log.info("request id=%d dropped from the queue: client gone", ticket.request_id)
+            log.info("request id=%d request_id=%s dropped from the queue: client gone",
+                     ticket.request_id, ticket.trace_id)
             self._update_idle()
         if not ticket.outcome.done():
             ticket.outcome.cancel()
@@ -187,29 +200,32 @@ class Admission:
 
     def _send(self, ticket: Ticket, lane: Lane) -> None:
         ticket.started_at = time.monotonic()
-        self._in_flight += 1
+        self._sent[ticket] = None
         try:
-            lane.submit(ticket.request_id, ticket.body, lambda outcome: self._done(ticket, outcome))
+            lane.submit(ticket.request_id, ticket.body,
+                        lambda outcome: self._done(ticket, outcome), ticket.trace_id)
         except WorkerUnavailable as exc:  # has_room said yes; nothing was sent
-            self._in_flight -= 1
+            del self._sent[ticket]
             if not ticket.outcome.done():
                 ticket.outcome.set_result(responses.unavailable(str(exc), self._retry_after))
 
     def _done(self, ticket: Ticket, outcome: WorkerAnswer | WorkerFailure) -> None:
         """A worker answered the ticket (or failed with it in flight): reply, send the next."""
-        self._in_flight -= 1
+        self._sent.pop(ticket, None)
         if isinstance(outcome, WorkerFailure):
-            log.error("request id=%d failed: %s", ticket.request_id, outcome)
+            log.error("request id=%d request_id=%s failed: %s", ticket.request_id,
+                      ticket.trace_id, outcome)
             reply = responses.error(500, responses.INFERENCE_FAILED)
         else:
             ticket.worker_ms = outcome.worker_ms
+            ticket.worker_reply = outcome
             reply = responses.from_worker(outcome)
         if not ticket.outcome.done():
             ticket.outcome.set_result(reply)
         self.pump()
 
     def _update_idle(self) -> None:
-        if not self._waiting and not self._in_flight:
+        if not self._waiting and not self._sent:
             self._idle.set()
         else:
             self._idle.clear()

@@ -21,16 +21,20 @@ import asyncio
 import contextlib
 import functools
 import logging
-from dataclasses import dataclass
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
 from http import HTTPStatus
 
 import h11
 
-from clef_frontend import logs, responses
+from clef_frontend import logs, responses, tracing
 from clef_frontend.admission import Admission, Refused, Ticket
 from clef_frontend.config import ServerConfig
 from clef_frontend.framing import FramingHeaders, reparse_without_framing, scan_framing
 from clef_frontend.health import Health
+from clef_frontend.metrics import Metrics, route_label
 from clef_frontend.responses import Reply
 from clef_frontend.routes import Route, check_body, check_post_head, route
 
@@ -42,6 +46,8 @@ READ_SIZE = 256 * 1024
 LINGER_SECONDS = 2.0
 # How long an answer may take before the socket is watched for the client leaving.
 WATCH_AFTER_SECONDS = 0.05
+# The shortest wait for body bytes, even past the body's deadline (see _read_body).
+MIN_BODY_WAIT = 0.05
 # Bodies above this are parsed and validated in a thread, so a large JSON document does not
 # stall the event loop (and every other client) for the length of its parse.
 INLINE_CHECK_BYTES = 64 * 1024
@@ -63,12 +69,24 @@ class RequestHead:
 
 @dataclass
 class Exchange:
-    """What the access log needs about one request."""
+    """What the access log, the metrics and the trace headers need about one request."""
 
     method: bytes
     target: bytes
     bytes_in: int = 0
     ticket: Ticket | None = None
+    request_id: str = field(default_factory=tracing.new_request_id)
+    route: str = "-"
+    started: float = field(default_factory=time.monotonic)
+
+    def trace_headers(self) -> list[tuple[str, str]]:
+        """`X-Request-Id`, and `Server-Timing` once the request went through the queue."""
+        ticket = self.ticket
+        timing = None
+        if ticket is not None:
+            total_ms = (time.monotonic() - self.started) * 1000.0
+            timing = tracing.server_timing(ticket.queue_ms, ticket.worker_ms, total_ms)
+        return tracing.response_headers(self.request_id, timing)
 
 
 class HttpConnection:
@@ -82,12 +100,15 @@ class HttpConnection:
         config: ServerConfig,
         admission: Admission,
         health: Health,
+        metrics: Metrics,
     ) -> None:
         self._reader = reader
         self._writer = writer
         self._config = config
         self._admission = admission
         self._health = health
+        self._metrics = metrics
+        self._exchange: Exchange | None = None  # the request being answered
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=config.header_limit)
         self._idle = False
         self._linger = False
@@ -123,14 +144,20 @@ class HttpConnection:
         if head is None:
             return False
         if isinstance(head, Reply):  # a malformed head: h11's status hint, then close
+            self._exchange = Exchange(b"-", b"-")
+            self._count(self._exchange, head.status)
             await self._send(head, method=b"")
-            self._log(Exchange(b"-", b"-"), head.status, len(head.body))
+            self._log(self._exchange, head.status, len(head.body))
             return False
-        exchange = Exchange(head.request.method, head.request.target)
+        exchange = Exchange(head.request.method, head.request.target,
+                            request_id=tracing.request_id_of(head.request.headers))
+        self._exchange = exchange
         reply = await self._answer(head, exchange)
         if reply is None:  # the client left while its request was queued or in flight
+            self._count(exchange, 499)
             self._log(exchange, 499, 0)
             return False
+        self._count(exchange, reply.status)
         # A head whose framing h11 refused has a body of unknown length: never read past it.
         await self._send(reply, method=exchange.method, close=not head.body_readable)
         self._log(exchange, reply.status, len(reply.body))
@@ -140,12 +167,25 @@ class HttpConnection:
         return False
 
     def _log(self, exchange: Exchange, status: int, bytes_out: int) -> None:
+        """The access-log line, once the request is answered (or abandoned)."""
         ticket = exchange.ticket
         logs.request_line(
             method=exchange.method, target=exchange.target, status=status,
             queue_ms=ticket.queue_ms if ticket else None,
             worker_ms=ticket.worker_ms if ticket else None,
             bytes_in=exchange.bytes_in, bytes_out=bytes_out, client=self._client,
+            request_id=exchange.request_id,
+        )
+
+    def _count(self, exchange: Exchange, status: int) -> None:
+        """The request's metrics, before its answer is written: a client that has its answer
+        (and scrapes next) always finds its request counted."""
+        ticket = exchange.ticket
+        self._metrics.request_done(
+            route=exchange.route, status=status, duration_s=time.monotonic() - exchange.started,
+            queue_ms=ticket.queue_ms if ticket else None,
+            worker_ms=ticket.worker_ms if ticket else None,
+            worker_reply=ticket.worker_reply if ticket else None,
         )
 
     async def _answer(self, head: RequestHead, exchange: Exchange) -> Reply | None:
@@ -154,16 +194,20 @@ class HttpConnection:
         if head.size > self._config.header_limit:
             return responses.error(431, "request header block too large", close=True)
         found = route(request.method, request.target)
+        exchange.route = route_label(
+            request.target, known=isinstance(found, Route) or found.status == 405)
         if found is not Route.SYSTEMONE:
             self._finish_empty_body()
-            return found if isinstance(found, Reply) else self._health.reply()
+            if isinstance(found, Reply):
+                return found
+            return self._metrics.public_reply() if found is Route.METRICS else self._health.reply()
         # Rows 1-5, from the head alone.
         length = check_post_head(head.framing, _header(request, b"content-type"),
                                  self._config.body_limit)
         if isinstance(length, Reply):
             return length
         # Rows 6-7: read the whole body before anything else happens to it.
-        body = await self._read_body()
+        body = await self._read_body(length)
         if isinstance(body, Reply):
             return body
         exchange.bytes_in = len(body)
@@ -176,7 +220,7 @@ class HttpConnection:
             return refusal
         # Row 14 (refusal) or the worker's answer (200, 422, row 13's 500).
         try:
-            exchange.ticket = self._admission.submit(body)
+            exchange.ticket = self._admission.submit(body, exchange.request_id)
         except Refused as refused:
             return refused.reply
         return await self._await_answer(exchange.ticket)
@@ -220,20 +264,27 @@ class HttpConnection:
     def _refused_head(self, raw: bytes, exc: h11.RemoteProtocolError) -> RequestHead | Reply:
         """h11 refused a head: rescue it if only its framing headers were at fault."""
         size = len(raw) - len(self._conn.trailing_data[0])
-        rescued = reparse_without_framing(raw[:size]) if size > 0 else None
+        try:
+            rescued = reparse_without_framing(raw[:size]) if size > 0 else None
+        except h11.RemoteProtocolError as other_fault:
+            exc, rescued = other_fault, None
         if rescued is not None:
             self._conn, request = rescued
             return RequestHead(request, scan_framing(raw[:size]), size, body_readable=False)
-        status = exc.error_status_hint
+        # A malformed head is the client's fault: never a 5xx (h11 hints 501 for codings).
+        status = exc.error_status_hint if 400 <= exc.error_status_hint < 500 else 400
         if status == 431:
             return responses.error(431, "request header block too large", close=True)
         return responses.error(status, f"malformed request: {str(exc)[:200]}", close=True)
 
-    async def _read_body(self) -> bytes | Reply:
-        """The whole body (h11 counts Content-Length), or 408 on inactivity, 400 on EOF."""
+    async def _read_body(self, length: int) -> bytes | Reply:
+        """The whole body (h11 counts Content-Length), or 408 when it comes too slowly (silence
+        or under the minimum rate, body_rate.py), 400 on EOF."""
         if self._conn.they_are_waiting_for_100_continue:
             go_on = h11.InformationalResponse(status_code=100, headers=[])
             self._writer.write(self._conn.send(go_on))
+        loop = asyncio.get_running_loop()
+        clock = self._config.body_rate_rule.start(loop.time(), length)
         chunks: list[bytes] = []
         while True:
             try:
@@ -242,13 +293,19 @@ class HttpConnection:
                 return responses.error(400, "incomplete body", close=True)
             if isinstance(event, h11.Data):
                 chunks.append(bytes(event.data))
+                clock.record(len(event.data), loop.time())
             elif isinstance(event, h11.EndOfMessage):
                 return b"".join(chunks)
             else:
                 try:
-                    async with asyncio.timeout(self._config.body_timeout):
+                    # Never a zero wait: after a stall of the event loop the kernel may hold
+                    # bytes that arrived in time, and they must be read before judging the rate.
+                    async with asyncio.timeout(max(clock.wait_limit(loop.time()),
+                                                   MIN_BODY_WAIT)):  # a timer, not a task
                         data = await self._reader.read(READ_SIZE)
                 except TimeoutError:
+                    log.info("client %s: 408 after %d of %d body bytes: %s", self._client,
+                             clock.received, length, clock.too_slow(loop.time()) or "too slow")
                     return responses.error(408, "request body timed out", close=True)
                 except ConnectionError:
                     data = b""
@@ -317,9 +374,10 @@ class HttpConnection:
         close = (close or reply.close or self._conn.their_state is not h11.DONE
                  or self._admission.draining)
         try:
+            trace = self._exchange.trace_headers() if self._exchange is not None else []
             data = self._conn.send(h11.Response(
                 status_code=reply.status,
-                headers=reply.headers(close=close),
+                headers=reply.headers(close=close) + trace,
                 reason=_reason(reply.status),
             ))
             if method != b"HEAD" and reply.body:
@@ -332,8 +390,12 @@ class HttpConnection:
         self._linger = self._conn.their_state not in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
         # Most answers fit the socket buffer at once: then there is nothing to wait for.
         if self._writer.transport.get_write_buffer_size() or self._writer.transport.is_closing():
-            async with asyncio.timeout(self._config.send_timeout):
-                await self._writer.drain()
+            try:
+                async with asyncio.timeout(self._config.send_timeout):
+                    await self._writer.drain()
+            except TimeoutError:
+                self._reset_slow_reader()
+                raise
 
     async def _close(self) -> None:
         """Close the socket, lingering if the client may still be sending.
@@ -352,6 +414,25 @@ class HttpConnection:
                     if not await asyncio.wait_for(self._reader.read(READ_SIZE), left):
                         break
         self._writer.close()
+        # The transport still flushes what the client has not read; --send-timeout bounds that
+        # too, or a client that never reads would keep the socket and its buffer forever.
+        try:
+            await asyncio.wait_for(self._writer.wait_closed(), self._config.send_timeout)
+        except TimeoutError:
+            self._reset_slow_reader()
+        except OSError:
+            pass
+
+    def _reset_slow_reader(self) -> None:
+        """Drop a client that did not take its response within --send-timeout: reset at once
+        (SO_LINGER 0), so neither the transport nor the kernel keeps its unsent bytes."""
+        log.info("client %s did not accept its response within %gs: connection reset",
+                 self._client, self._config.send_timeout)
+        sock = self._writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self._writer.transport.abort()
 
 
 def _header(request: h11.Request, name: bytes) -> bytes | None:

@@ -37,7 +37,7 @@ class Health:
         status = self.status()
         worker = None
         ready = self._pool.ready_lanes()
-        info = ready[0].info if ready else None
+        info = self._pool.ready_info()
         if info is not None:
             worker = {k: v for k, v in asdict(info).items() if k not in ("versions", "snapshot")}
         return {

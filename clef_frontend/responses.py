@@ -33,10 +33,11 @@ class Reply:
     retry_after: int | None = None
     close: bool = False
     allow: str | None = None
+    content_type: str = JSON
 
     def headers(self, *, close: bool) -> list[tuple[str, str]]:
         """Response headers; Content-Length always, since h11 would otherwise chunk or close."""
-        headers = [("Content-Type", JSON), ("Content-Length", str(len(self.body)))]
+        headers = [("Content-Type", self.content_type), ("Content-Length", str(len(self.body)))]
         if self.allow is not None:
             headers.append(("Allow", self.allow))
         if self.retry_after is not None:
@@ -83,6 +84,12 @@ class WorkerAnswer(Protocol):
 
     @property
     def worker_ms(self) -> float | None: ...
+
+    @property
+    def input_tokens(self) -> int: ...
+
+    @property
+    def truncated_tokens(self) -> int: ...
 
 
 def from_worker(answer: WorkerAnswer) -> Reply:

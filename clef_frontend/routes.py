@@ -24,6 +24,7 @@ class Route(Enum):
 
     HEALTH = (b"/health", b"GET")
     SYSTEMONE = (b"/v1/systemone", b"POST")
+    METRICS = (b"/metrics", b"GET")
 
     def __init__(self, path: bytes, method: bytes) -> None:
         self.path = path

@@ -11,7 +11,8 @@ must see why and the server must not bind its port, so `start()` raises. Later f
 survived: the state goes to `restarting` (so `/health` and admission refuse with 503), and a new
 worker is started after an exponential backoff, forever, until one sends `ready` again. A
 replacement that sends `fatal` is retried the same way (a passing cause, such as a GPU still held
-by the dead worker, should not need an operator), and every attempt is logged.
+by the dead worker, should not need an operator), and every attempt is logged. The backoff grows
+only in a crash loop: a worker that answered a request before dying resets it (backoff.py).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from clef_frontend.backoff import RestartBackoff
 from clef_frontend.config import ServerConfig
-from clef_frontend.worker_channel import Deliver, WorkerChannel
+from clef_frontend.worker_channel import Deliver, WorkerChannel, WorkerReply, failure_reason
 from clef_frontend.worker_errors import WorkerFailure, WorkerUnavailable
 from clef_protocol.messages import ReadyInfo
 
@@ -40,24 +42,6 @@ class WorkerState(StrEnum):
 
 class StartupFailed(Exception):
     """The first worker did not become ready; str() is the reason for the operator."""
-
-
-@dataclass
-class Backoff:
-    """Exponential restart delays with a cap; a worker that stayed up long enough resets them."""
-
-    initial: float
-    cap: float
-    reset_after: float
-    failures: int = 0
-
-    def after_failure(self, uptime: float) -> float:
-        """The delay before the next start, given how long the failed worker was up."""
-        if uptime >= self.reset_after:
-            self.failures = 0
-        delay = min(self.cap, self.initial * float(2 ** min(self.failures, 32)))
-        self.failures += 1
-        return delay
 
 
 # Requests outstanding per worker when --max-batch is not given: a CUDA worker batches what
@@ -95,17 +79,20 @@ class Supervisor:
         *,
         slot: WorkerSlot | None = None,
         on_ready: Callable[[], None] = _ignore,
+        on_worker_failed: Callable[[str], None] | None = None,
     ) -> None:
         self._config = config
         self._on_worker_lost = on_worker_lost
         self._on_ready = on_ready
+        self._on_worker_failed = on_worker_failed
         self.slot = slot or WorkerSlot("0", "default", config.worker_argv)
         self.max_batch = config.max_batch or 1
-        self._backoff = Backoff(
+        self._backoff = RestartBackoff(
             config.restart_backoff, config.restart_backoff_max, config.restart_reset_after
         )
         self._channel: WorkerChannel | None = None
         self._ready_at = 0.0
+        self._served = 0  # successful answers of the current worker (see backoff.py)
         self.state = WorkerState.STARTING
         self.info: ReadyInfo | None = None
         self.restarts = 0
@@ -141,7 +128,7 @@ class Supervisor:
     def in_flight(self) -> int:
         return 0 if self._channel is None else self._channel.in_flight
 
-    def submit(self, request_id: int, body: bytes, deliver: Deliver) -> None:
+    def submit(self, request_id: int, body: bytes, deliver: Deliver, trace_id: str = "") -> None:
         """Send one request to the warm worker; `deliver` gets its reply or its failure.
 
         Raises WorkerUnavailable (nothing was sent) when the worker is not warm.
@@ -149,8 +136,16 @@ class Supervisor:
         reason = self.unavailable_reason()
         if reason is not None:
             raise WorkerUnavailable(reason)
-        assert self._channel is not None
-        self._channel.submit(request_id, body, self._config.request_timeout, deliver)
+        channel = self._channel
+        assert channel is not None
+
+        def answered(outcome: WorkerReply | WorkerFailure) -> None:
+            if (isinstance(outcome, WorkerReply) and outcome.status == 200
+                    and channel is self._channel):
+                self._served += 1  # useful work: resets the restart backoff (backoff.py)
+            deliver(outcome)
+
+        channel.submit(request_id, body, self._config.request_timeout, answered, trace_id)
 
     async def watch(self) -> None:
         """Run until cancelled: each time the worker fails, replace it (with backoff)."""
@@ -165,17 +160,20 @@ class Supervisor:
             self._on_worker_lost()
             dead = self._channel
             code = await asyncio.shield(dead.kill())
-            log.error("worker pid=%d failed after %.1fs: %s (exit code %s)",
-                      dead.pid, uptime, failure, code)
-            delay = self._backoff.after_failure(uptime)
+            reason = failure_reason(failure, code)
+            log.error("worker pid=%d failed after %.1fs and %d answers: %s (exit code %s, "
+                      "reason=%s)", dead.pid, uptime, self._served, failure, code, reason)
+            if self._on_worker_failed is not None:
+                self._on_worker_failed(reason)
+            decision = self._backoff.worker_died(uptime=uptime, served=self._served)
             while True:
-                log.warning("starting a new worker in %.2fs", delay)
-                await asyncio.sleep(delay)
+                log.warning("starting a new worker in %.2fs (%s)", decision.delay, decision.reason)
+                await asyncio.sleep(decision.delay)
                 try:
                     await self._launch()
                 except WorkerFailure as exc:
                     log.error("replacement worker failed to start: %s", exc)
-                    delay = self._backoff.after_failure(0.0)
+                    decision = self._backoff.start_failed()
                     continue
                 break
             self.restarts += 1
@@ -237,6 +235,7 @@ class Supervisor:
         self._channel, self.info = channel, info
         self.max_batch = self._config.max_batch or default_max_batch(info.device)
         self._ready_at = time.monotonic()
+        self._served = 0
         self.state = WorkerState.READY
         log.info(
             "worker ready: slot=%s max_batch=%d pid=%d thread=%s model=%s variant=%s device=%s "

@@ -34,6 +34,34 @@ class WorkerExited(WorkerFailure):
     """The worker closed its output: it has exited (or is exiting) on its own."""
 
 
+class WorkerHung(WorkerFailure):
+    """The worker did not answer a request within the request timeout."""
+
+
+class WorkerProtocolError(WorkerFailure):
+    """The worker wrote something that is not a valid frame or reply (it broke the protocol)."""
+
+
+def failure_reason(failure: WorkerFailure, exit_code: int | None) -> str:
+    """Why a warm worker was lost, as one of a few fixed words (a metric label, a log token).
+
+    `cuda_error`: it exited with the status the worker uses after a sticky device error;
+    `hung`: it did not answer within the request timeout; `protocol`: it wrote something that is
+    not a valid frame, or exited because the front's frame was unreadable; `crash`: anything
+    else (it died, was killed, or closed its output).
+    """
+    if exit_code == messages.EXIT_EXECUTOR_BROKEN:
+        return "cuda_error"
+    if isinstance(failure, WorkerHung):
+        return "hung"
+    if isinstance(failure, WorkerProtocolError) or exit_code == messages.EXIT_PROTOCOL_ERROR:
+        return "protocol"
+    return "crash"
+
+
+RESTART_REASONS = ("crash", "hung", "protocol", "cuda_error")
+
+
 # How long a worker that closed its output gets to finish exiting before SIGKILL. Waiting for
 # the exit, rather than killing at once, reports its true exit status: asyncio's kill() polls
 # the child first and can reap it behind the child watcher's back (the status is then lost).
@@ -57,7 +85,7 @@ def _token_count(message: dict[str, Any], key: str) -> int:
     non-negative integer is a protocol failure."""
     value = message.get(key, 0)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise WorkerFailure(f"malformed response frame ({key} {value!r})")
+        raise WorkerProtocolError(f"malformed response frame ({key} {value!r})")
     return value
 
 
@@ -86,13 +114,13 @@ def _reply_from(message: dict[str, Any]) -> WorkerReply:
     if kind == messages.RESPONSE:
         body = message.get("body")
         if not isinstance(body, bytes) or not isinstance(status, int) or not 200 <= status < 300:
-            raise WorkerFailure(f"malformed response frame (status {status!r})")
+            raise WorkerProtocolError(f"malformed response frame (status {status!r})")
         return WorkerReply(status, body, None, worker_ms,
                            input_tokens=_token_count(message, "input_tokens"),
                            truncated_tokens=_token_count(message, "truncated_tokens"))
     detail = message.get("detail")
     if not isinstance(status, int) or not 400 <= status < 600 or not isinstance(detail, str):
-        raise WorkerFailure(f"malformed error frame (status {status!r})")
+        raise WorkerProtocolError(f"malformed error frame (status {status!r})")
     return WorkerReply(status, None, detail, worker_ms)
 
 
@@ -201,7 +229,9 @@ class WorkerChannel:
         self._started = True
         return info
 
-    def submit(self, request_id: int, body: bytes, timeout: float, deliver: Deliver) -> None:
+    def submit(
+        self, request_id: int, body: bytes, timeout: float, deliver: Deliver, trace_id: str = ""
+    ) -> None:
         """Send one request; `deliver` is called once with its reply or its failure.
 
         No task and no await per request: the frame is written at once (the pipe's transport
@@ -219,7 +249,7 @@ class WorkerChannel:
                                                     timeout)
         if self._watchdog is None:
             self._arm_watchdog()
-        if not self._write(messages.request(request_id, body)):
+        if not self._write(messages.request(request_id, body, trace_id)):
             self._fail(WorkerFailure("worker closed its input"))
 
     async def broken(self) -> WorkerFailure:
@@ -257,12 +287,12 @@ class WorkerChannel:
                 if not self._first.done():
                     self._first.set_result(message)
                 elif not self._started:
-                    raise WorkerFailure(f"worker sent {message['kind']!r} right after its first "
-                                        "frame")
+                    raise WorkerProtocolError(
+                        f"worker sent {message['kind']!r} right after its first frame")
                 else:
                     self._deliver(message)
         except FrameError as exc:
-            self._lose(WorkerFailure(f"invalid frame from worker: {exc}"))
+            self._lose(WorkerProtocolError(f"invalid frame from worker: {exc}"))
         except WorkerFailure as failure:
             self._lose(failure)
 
@@ -273,7 +303,7 @@ class WorkerChannel:
         try:
             self._frames.end()
         except FrameError as exc:
-            self._lose(WorkerFailure(f"invalid frame from worker: {exc}"))
+            self._lose(WorkerProtocolError(f"invalid frame from worker: {exc}"))
             return
         self._lose(WorkerExited("worker closed its output"))
 
@@ -289,11 +319,11 @@ class WorkerChannel:
     def _deliver(self, message: dict[str, Any]) -> None:
         kind = message["kind"]
         if kind not in (messages.RESPONSE, messages.ERROR):
-            raise WorkerFailure(f"unexpected {kind!r} frame from worker")
+            raise WorkerProtocolError(f"unexpected {kind!r} frame from worker")
         request_id = message.get("id")
         waiting = self._outstanding.pop(request_id, None) if isinstance(request_id, int) else None
         if waiting is None:
-            raise WorkerFailure(f"unsolicited {kind!r} frame from worker (id {request_id!r})")
+            raise WorkerProtocolError(f"unsolicited {kind!r} frame from worker (id {request_id!r})")
         waiting.deliver(_reply_from(message))
 
     def _write(self, message: dict[str, Any]) -> bool:
@@ -318,8 +348,8 @@ class WorkerChannel:
         self._watchdog = None
         for request_id, waiting in self._outstanding.items():
             if waiting.deadline <= self._loop.time():
-                self._fail(WorkerFailure(f"no reply to request {request_id} within "
-                                         f"{waiting.timeout:g}s"))
+                self._fail(WorkerHung(f"no reply to request {request_id} within "
+                                      f"{waiting.timeout:g}s"))
                 return
             self._watchdog = self._loop.call_at(waiting.deadline, self._arm_watchdog)
             return

@@ -17,6 +17,7 @@ from typing import Any
 
 from clef_frontend.config import ServerConfig
 from clef_frontend.supervisor import StartupFailed, Supervisor, WorkerSlot, WorkerState
+from clef_protocol.messages import ReadyInfo
 
 log = logging.getLogger("clef_frontend.pool")
 
@@ -56,10 +57,12 @@ class WorkerPool:
         *,
         on_all_lost: Callable[[], None],
         on_ready: Callable[[], None],
+        on_worker_failed: Callable[[str], None] | None = None,
     ) -> None:
         self._on_all_lost = on_all_lost
         self.lanes: Sequence[Supervisor] = [
-            Supervisor(config, self._worker_lost, slot=slot, on_ready=on_ready)
+            Supervisor(config, self._worker_lost, slot=slot, on_ready=on_ready,
+                       on_worker_failed=on_worker_failed)
             for slot in plan_slots(config)
         ]
         self._reloading = asyncio.Lock()
@@ -103,6 +106,11 @@ class WorkerPool:
 
     def ready_lanes(self) -> list[Supervisor]:
         return [lane for lane in self.lanes if lane.unavailable_reason() is None]
+
+    def ready_info(self) -> ReadyInfo | None:
+        """The first ready worker's ready frame (the single-worker view of /health, metrics)."""
+        ready = self.ready_lanes()
+        return ready[0].info if ready else None
 
     def describe(self) -> list[dict[str, Any]]:
         """One entry per worker for /health."""

@@ -17,6 +17,21 @@ RESPONSE = "response"
 ERROR = "error"
 SHUTDOWN = "shutdown"
 
+# The request id rule (`X-Request-Id`, the `trace_id` of a request frame): printable ASCII
+# without spaces, so it stays one token in a `key=value` log line, and bounded.
+TRACE_ID_MAX_CHARS = 128
+
+
+def is_trace_id(value: object) -> bool:
+    """Whether `value` may be used as a request id as it is (else the front makes one)."""
+    return (isinstance(value, str) and 0 < len(value) <= TRACE_ID_MAX_CHARS
+            and all("!" <= ch <= "~" for ch in value))
+
+
+# Worker exit statuses the front tells apart (restart reasons in its metrics and logs).
+EXIT_PROTOCOL_ERROR = 2  # the front sent something the worker cannot read
+EXIT_EXECUTOR_BROKEN = 3  # a sticky device error (CUDA) left the executor unusable
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -71,9 +86,13 @@ def fatal(reason: str) -> dict[str, Any]:
     return {"kind": FATAL, "reason": reason}
 
 
-def request(request_id: int, body: bytes) -> dict[str, Any]:
-    """One admitted `/v1/systemone` body, as the client sent it."""
-    return {"kind": REQUEST, "id": request_id, "body": body}
+def request(request_id: int, body: bytes, trace_id: str = "") -> dict[str, Any]:
+    """One admitted `/v1/systemone` body, as the client sent it.
+
+    `trace_id` is the HTTP request id (`X-Request-Id`): the worker puts it on every log line
+    about this request, so one request can be followed from the balancer to the worker log.
+    """
+    return {"kind": REQUEST, "id": request_id, "body": body, "trace_id": trace_id}
 
 
 def response(

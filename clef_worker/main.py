@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -23,6 +22,8 @@ from clef_protocol.frames import FrameError, read_frame_blocking, write_frame_bl
 from clef_protocol.options import add_model_arguments
 from clef_protocol.validation import RequestInvalid
 from clef_worker.executor import Executor, ExecutorBroken, StartupError
+from clef_worker.logs import configure as configure_logs
+from clef_worker.logs import request_context
 
 log = logging.getLogger("clef_worker")
 
@@ -73,19 +74,20 @@ def serve(executor: Executor, channel_in: BinaryIO, channel_out: BinaryIO) -> in
             message = read_frame_blocking(channel_in)
         except FrameError as exc:
             log.error("unreadable frame from the front, exiting: %s", exc)
-            return 2
+            return messages.EXIT_PROTOCOL_ERROR
         if message is None or message["kind"] == messages.SHUTDOWN:
             log.info("shutting down")
             return 0
         request_id = message.get("id")
         if message["kind"] != messages.REQUEST or not isinstance(request_id, int):
             log.error("unexpected %r frame from the front, exiting", message["kind"])
-            return 2
-        reply, broken = handle_request(executor, request_id, message.get("body"))
-        write_frame_blocking(channel_out, reply)
-        if broken:
-            log.error("the executor cannot go on; exiting so the front starts a fresh worker")
-            return 3
+            return messages.EXIT_PROTOCOL_ERROR
+        with request_context(message.get("trace_id")):
+            reply, broken = handle_request(executor, request_id, message.get("body"))
+            write_frame_blocking(channel_out, reply)
+            if broken:
+                log.error("the executor cannot go on; exiting so the front starts a fresh worker")
+                return messages.EXIT_EXECUTOR_BROKEN
 
 
 def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:
@@ -124,10 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     # The worker cannot outlive the front: the front's exit closes stdin, which ends the loop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(
-        stream=sys.stderr, level=logging.INFO,
-        format="%(asctime)s clef-worker[%(process)d] %(levelname)s %(message)s",
-    )
+    configure_logs()
     args = parse_args(argv)
     executor = start(args, channel_out)
     if executor is None:
