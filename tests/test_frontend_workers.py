@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import signal
 import threading
 from collections import Counter, defaultdict
@@ -189,3 +190,15 @@ def test_sighup_runs_every_reload_callback_even_when_one_fails() -> None:
         return ran
 
     assert asyncio.run(scenario()) == ["sync", "async"]
+
+
+def test_one_worker_failing_at_start_stops_the_start_unbound(tmp_path: Path) -> None:
+    poison = tmp_path / "poison"
+    poison.touch()  # the first worker to look refuses to start; the other one is fine
+    serve = Serve("--fatal-once-file", str(poison), front_args=("--workers", "2"),
+                  wait_listening=False)
+    with serve:
+        assert serve.wait_exit() == 1
+    assert re.search(r"not listening: worker [01]: worker could not start: GPU still held",
+                     serve.stderr)
+    assert "listening on http://" not in serve.stderr
