@@ -2,7 +2,9 @@
 
 Run by the front through `--worker-command "python tests/fake_worker.py [switches]"`; the front
 appends its model flags, which are accepted and ignored. Each answer reports which process and
-thread produced it and when, so tests can check serialisation, ordering and restarts.
+thread produced it and when, so tests can check serialisation, ordering and restarts. With
+`--max-batch` above 1 the front sends several requests before the first is answered; they wait
+on the pipe and are answered one by one in arrival order, each with its own frame.
 
 Start-up switches: --ready-delay S, --fatal REASON, --exit-code N (exit before ready),
 --fatal-once-file PATH (fatal if PATH exists, removing it), --garbage-at-start, --demo,
