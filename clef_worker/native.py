@@ -21,9 +21,10 @@ import torch
 from safetensors import safe_open
 
 from clef_protocol.body import parse_body
+from clef_protocol.media import decode_media, gradient_image, has_media, png_data_uri
 from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
-from clef_protocol.validation import validate_request
+from clef_protocol.validation import RequestInvalid, validate_request
 from clef_worker.answers import build_response, serialize
 from clef_worker.backbone import (
     Backbone,
@@ -37,6 +38,7 @@ from clef_worker.encoding import Encoder, Encoding
 from clef_worker.executor import Answer, ExecutorBroken, StartupError
 from clef_worker.head import HeadIndex, JointSchemaHead
 from clef_worker.snapshot import Snapshot, open_snapshot
+from clef_worker.vision import PreparedMedia, VisionTower, has_vision, load_vision
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class Scored:
     logits: list[float]
     probabilities: list[float]
     timings_ms: dict[str, float] = field(default_factory=dict)
+    media: PreparedMedia | None = None
 
     def response(self) -> dict[str, Any]:
         """The response object for this request."""
@@ -100,12 +103,14 @@ class NativeExecutor:
         backbone: Backbone,
         head: JointSchemaHead,
         limits: RequestLimits,
+        vision: VisionTower | None = None,
     ):
         self.snapshot = snapshot
         self.encoder = encoder
         self.backbone = backbone
         self.head = head
         self.limits = limits
+        self.vision = vision
         self.device = backbone.device
 
     @classmethod
@@ -119,6 +124,7 @@ class NativeExecutor:
         gdn_prefill: str = "auto",
         limits: RequestLimits | None = None,
         demo: bool = False,
+        media: str = "auto",
     ) -> NativeExecutor:
         """Check and load a snapshot; StartupError says what is wrong (file, tensor, flag).
 
@@ -140,8 +146,9 @@ class NativeExecutor:
         # The release runs the head in the backbone dtype on GPU; on CPU it runs in float32.
         head_dtype = weights_dtype if target.type == "cuda" else torch.float32
         head = load_head(snapshot, target, head_dtype)
+        vision = _load_media(snapshot, encoder, backbone, media)
         executor = cls(snapshot=snapshot, encoder=encoder, backbone=backbone, head=head,
-                       limits=limits)
+                       limits=limits, vision=vision)
         log.info(
             "loaded %s from %s on %s (%s backbone, %s head, gdn %s) in %.1f s",
             variant, snapshot.root, target, DTYPE_NAMES[weights_dtype],
@@ -152,7 +159,7 @@ class NativeExecutor:
     def with_limits(self, limits: RequestLimits) -> NativeExecutor:
         """The same loaded model under other request limits (tests, benchmarks)."""
         return type(self)(snapshot=self.snapshot, encoder=self.encoder, backbone=self.backbone,
-                          head=self.head, limits=limits)
+                          head=self.head, limits=limits, vision=self.vision)
 
     # -- Executor protocol -------------------------------------------------------------------
 
@@ -183,7 +190,16 @@ class NativeExecutor:
             with torch.inference_mode():
                 self.backbone.warm_gdn(lengths)
             self.score(WARMUP_REQUEST)
+        if self.vision is not None:
+            self._warm_media()
         log.info("warm-up done in %.0f ms", (time.perf_counter() - started) * 1000)
+
+    def _warm_media(self) -> None:
+        """An image request too, so the vision tower's first request is not a cold one."""
+        try:
+            self.score(media_warmup_request())
+        except RequestInvalid as exc:
+            log.warning("image warm-up skipped: %s", exc)
 
     def answer(self, body: bytes) -> Answer:
         """Raw body -> final response bytes, with the sequence length and state tokens cut.
@@ -204,16 +220,28 @@ class NativeExecutor:
 
     # -- Inspectable pipeline -------------------------------------------------------------
 
-    def encode(self, request: dict[str, Any]) -> Encoding:
-        """Validate and encode (the budget check raises RequestInvalid)."""
+    def encode(self, request: dict[str, Any], media: PreparedMedia | None = None) -> Encoding:
+        """Validate and encode (the budget check raises RequestInvalid); `media`'s tokens go
+        right after the prefix and count in the budget."""
         validate_request(request, self.limits)
-        return self.encoder.encode(request, self.limits.max_length)
+        media_ids = media.token_ids if media is not None else ()
+        return self.encoder.encode(request, self.limits.max_length, media_ids)
+
+    def prepare_media(self, request: dict[str, Any]) -> PreparedMedia | None:
+        """Validate, decode and patchify the request's media; None for a text-only request."""
+        if not has_media(request):
+            return None
+        validate_request(request, self.limits)
+        if self.vision is None:
+            raise RequestInvalid(NO_VISION)
+        return self.vision.prepare(decode_media(request, self.limits))
 
     def score(self, request: dict[str, Any], *, profile: bool = False) -> Scored:
         """Validate, encode, run backbone and head; with `profile`, time each stage (syncing
         the device between stages, which costs a little)."""
         timings: dict[str, float] = {}
-        encoding = self._timed(timings, "encode", profile, lambda: self.encode(request))
+        media = self._timed(timings, "media", profile, lambda: self.prepare_media(request))
+        encoding = self._timed(timings, "encode", profile, lambda: self.encode(request, media))
         with torch.inference_mode():
             ids = torch.tensor(encoding.input_ids, dtype=torch.long).to(self.device)
             index = HeadIndex.build(
@@ -222,8 +250,13 @@ class NativeExecutor:
                 [q.type_id for q in encoding.questions],
                 device=self.device,
             )
-            hidden = self._timed(timings, "backbone", profile,
-                                 lambda: self.backbone.hidden_states(ids))
+            if media is None or self.vision is None:
+                hidden = self._timed(timings, "backbone", profile,
+                                     lambda: self.backbone.hidden_states(ids))
+            else:
+                vision = self.vision
+                hidden = self._timed(timings, "backbone", profile,
+                                     lambda: vision.hidden_states(self.backbone, ids, media))
             output = self._timed(timings, "head", profile, lambda: self.head(
                 hidden, ids, self.backbone.lexical_table, index))
             logits, probabilities = torch.stack([output.logits, output.probabilities]).cpu()
@@ -233,6 +266,7 @@ class NativeExecutor:
             logits=logits.tolist(),
             probabilities=probabilities.tolist(),
             timings_ms=timings,
+            media=media,
         )
 
     def _timed(self, timings: dict[str, float], name: str, profile: bool,
@@ -245,6 +279,30 @@ class NativeExecutor:
             torch.cuda.synchronize(self.device)
         timings[name] = (time.perf_counter() - started) * 1000
         return result
+
+
+NO_VISION = ("this server's model snapshot has no vision tower or processor: images and videos "
+             "cannot be scored")
+
+
+def _load_media(snapshot: Snapshot, encoder: Encoder, backbone: Backbone,
+                mode: str) -> VisionTower | None:
+    """The vision tower for `--media auto|on|off` (on: the snapshot must have one)."""
+    if mode == "off":
+        return None
+    missing = has_vision(snapshot)
+    if missing is not None:
+        if mode == "on":
+            raise StartupError(f"--media on: snapshot {snapshot.root} cannot score media "
+                               f"({missing})")
+        log.info("media off: %s", missing)
+        return None
+    return load_vision(snapshot, encoder, backbone.device, backbone.dtype)
+
+
+def media_warmup_request() -> dict[str, Any]:
+    """WARMUP_REQUEST with one 512x512 PNG, the size clients send."""
+    return {**WARMUP_REQUEST, "images": [png_data_uri(gradient_image(512, 512))]}
 
 
 def device_is_broken(exc: BaseException, device: torch.device) -> bool:
