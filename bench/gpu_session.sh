@@ -21,8 +21,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
 python3 -c "import sys, torch, transformers, fla, triton; print(sys.version.split()[0], torch.__version__, transformers.__version__, fla.__version__, triton.__version__, torch.cuda.get_device_name())"
 step parity_fp32_torch 90 python3 bench/gpu_parity.py --fixtures $F --device cuda --dtype float32 --gdn-prefill torch
 step parity_bf16_fla 90 python3 bench/gpu_parity.py --fixtures $F --device cuda --dtype bfloat16 --gdn-prefill fla
-step flash_fla 240 python3 bench/bench_flash_shaped.py --device cuda --gdn-prefill fla --out "$OUT/flash_fla.json"
+step flash_fla 240 python3 bench/bench_flash_shaped.py --device cuda --gdn-prefill fla --out "$OUT/flash-shaped-fla.json"
 step http_demo_cuda 100 python3 bench/bench_http.py --requests 200 -- --model demo --device cuda
 step parity_bf16_torch 45 python3 bench/gpu_parity.py --fixtures $F --device cuda --dtype bfloat16 --gdn-prefill torch
-step flash_torch 100 python3 bench/bench_flash_shaped.py --device cuda --gdn-prefill torch --skip-warmup-probe --repeat 8 --out "$OUT/flash_torch.json"
+step flash_torch 100 python3 bench/bench_flash_shaped.py --device cuda --gdn-prefill torch --skip-warmup-probe --repeat 8 --out "$OUT/flash-shaped-torch.json"
+step flash8_fresh_lengths 200 python3 bench/bench_flash_shaped.py --device cuda --gdn-prefill fla --layers 8 --max-length 8192 --skip-warmup-probe --repeat 6 --out "$OUT/flash8-fla-fresh-lengths.json"
 echo "=== done"

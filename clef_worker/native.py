@@ -9,7 +9,6 @@ on the calling thread under `torch.inference_mode()`.
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import time
 from collections.abc import Callable
@@ -21,12 +20,14 @@ import torch
 from safetensors import safe_open
 
 from clef_protocol.body import parse_body
-from clef_protocol.media import decode_media, gradient_image, has_media, png_data_uri
+from clef_protocol.media import decode_media, has_media
 from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import RequestInvalid, validate_request
+from clef_worker import warmup
 from clef_worker.answers import build_response, serialize
 from clef_worker.backbone import (
+    DTYPE_NAMES,
     Backbone,
     bind_gdn_path,
     describe_kernel_lengths,
@@ -38,42 +39,12 @@ from clef_worker.encoding import Encoder, Encoding
 from clef_worker.executor import Answer, ExecutorBroken, StartupError
 from clef_worker.head import HeadIndex, JointSchemaHead
 from clef_worker.snapshot import Snapshot, open_snapshot
+from clef_worker.versions import package_version, package_versions
 from clef_worker.vision import PreparedMedia, VisionTower, has_vision, load_vision
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
-
-# A representative request (~250 tokens, the three question types) for the warm-up forward.
-WARMUP_REQUEST: dict[str, Any] = {
-    "model": "warm-up",
-    "state": (
-        "Ticket 5521: the customer paid invoice #4411 ($12,400) twice by card on 2026-09-30; "
-        "the second charge is still pending and the customer asks for a refund of the "
-        "duplicate. Earlier messages mention a delayed delivery and a damaged box. "
-    ) * 2,
-    "questions": {
-        "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
-        "topic": {
-            "type": "choice",
-            "instructions": "What is the ticket about?",
-            "criteria": {
-                "billing": "Payments, invoices and refunds",
-                "delivery": "Shipping and delivery problems",
-                "product": "Defects or questions about a product",
-                "other": None,
-            },
-        },
-        "urgency": {
-            "type": "score",
-            "instructions": "How urgent is the ticket?",
-            "criteria": ["none", "low", "medium", "high", "critical"],
-        },
-    },
-}
-
 
 @dataclass(frozen=True)
 class Scored:
@@ -164,10 +135,9 @@ class NativeExecutor:
     # -- Executor protocol -------------------------------------------------------------------
 
     def describe(self) -> ModelInfo:
-        versions = {name: _version(name) for name in ("torch", "transformers", "tokenizers",
-                                                       "safetensors")}
+        versions = package_versions()
         if self.backbone.gdn_path == "fla":
-            versions["fla"] = _version("fla-core")
+            versions["fla"] = package_version("fla-core")
         return ModelInfo(
             model=self.snapshot.variant,
             variant=self.snapshot.variant,
@@ -180,24 +150,44 @@ class NativeExecutor:
         )
 
     def warm_up(self) -> None:
-        """A representative forward; on the fla path, also one Gated DeltaNet layer per
-        autotune length bucket up to --max-length (see clef_worker.backbone)."""
+        """A forward of the richest warm-up request the limits admit (clef_worker.warmup); on
+        the fla path, also one Gated DeltaNet layer per autotune length bucket up to
+        --max-length (see clef_worker.backbone); with a vision tower, the same request with an
+        image."""
         started = time.perf_counter()
-        self.score(WARMUP_REQUEST)
+        request = warmup.choose(self.limits, self.encode)
+        encoding = self._warmup_encoding(request)
+        if encoding is None:
+            log.warning("--max-length %d is too short to warm anything up",
+                        self.limits.max_length)
+            return
+        self.forward(encoding)
         lengths = describe_kernel_lengths(self.backbone, self.limits.max_length)
         if lengths:
             log.info("warming fla kernels for %d length buckets: %s", len(lengths), lengths)
             with torch.inference_mode():
                 self.backbone.warm_gdn(lengths)
-            self.score(WARMUP_REQUEST)
-        if self.vision is not None:
-            self._warm_media()
-        log.info("warm-up done in %.0f ms", (time.perf_counter() - started) * 1000)
+            self.forward(encoding)
+        if self.vision is not None and request is not None:
+            self._warm_media(request)
+        log.info("warm-up done in %.0f ms (%d tokens)", (time.perf_counter() - started) * 1000,
+                 encoding.length)
 
-    def _warm_media(self) -> None:
-        """An image request too, so the vision tower's first request is not a cold one."""
+    def _warmup_encoding(self, request: dict[str, Any] | None) -> Encoding | None:
+        if request is not None:
+            return self.encode(request)
+        length = self.limits.max_length
+        log.warning(
+            "no request fits --max-length %d (every request will be refused with 422); "
+            "warming up on a %d-token sequence without a request", length, length,
+        )
+        return warmup.synthetic_encoding(self.encoder.prefix_ids, length)
+
+    def _warm_media(self, request: dict[str, Any]) -> None:
+        """The warm-up request with an image, so the vision tower's first request is not a
+        cold one (skipped when the image's tokens do not fit the limits)."""
         try:
-            self.score(media_warmup_request())
+            self.score(warmup.with_image(request))
         except RequestInvalid as exc:
             log.warning("image warm-up skipped: %s", exc)
 
@@ -242,6 +232,22 @@ class NativeExecutor:
         timings: dict[str, float] = {}
         media = self._timed(timings, "media", profile, lambda: self.prepare_media(request))
         encoding = self._timed(timings, "encode", profile, lambda: self.encode(request, media))
+        logits, probabilities = self.forward(encoding, media, timings if profile else None)
+        return Scored(
+            request=request,
+            encoding=encoding,
+            logits=logits,
+            probabilities=probabilities,
+            timings_ms=timings,
+            media=media,
+        )
+
+    def forward(self, encoding: Encoding, media: PreparedMedia | None = None,
+                timings: dict[str, float] | None = None) -> tuple[list[float], list[float]]:
+        """Backbone (with the vision tower for media) and head on one encoding: per-option
+        logits and probabilities; with `timings`, each stage's time is recorded there."""
+        profile = timings is not None
+        timings = {} if timings is None else timings
         with torch.inference_mode():
             ids = torch.tensor(encoding.input_ids, dtype=torch.long).to(self.device)
             index = HeadIndex.build(
@@ -260,14 +266,7 @@ class NativeExecutor:
             output = self._timed(timings, "head", profile, lambda: self.head(
                 hidden, ids, self.backbone.lexical_table, index))
             logits, probabilities = torch.stack([output.logits, output.probabilities]).cpu()
-        return Scored(
-            request=request,
-            encoding=encoding,
-            logits=logits.tolist(),
-            probabilities=probabilities.tolist(),
-            timings_ms=timings,
-            media=media,
-        )
+        return logits.tolist(), probabilities.tolist()
 
     def _timed(self, timings: dict[str, float], name: str, profile: bool,
                step: Callable[[], T]) -> T:
@@ -300,11 +299,6 @@ def _load_media(snapshot: Snapshot, encoder: Encoder, backbone: Backbone,
     return load_vision(snapshot, encoder, backbone.device, backbone.dtype)
 
 
-def media_warmup_request() -> dict[str, Any]:
-    """WARMUP_REQUEST with one 512x512 PNG, the size clients send."""
-    return {**WARMUP_REQUEST, "images": [png_data_uri(gradient_image(512, 512))]}
-
-
 def device_is_broken(exc: BaseException, device: torch.device) -> bool:
     """Whether an exception means the device context is unusable (sticky CUDA errors).
 
@@ -334,10 +328,3 @@ def load_head(snapshot: Snapshot, device: torch.device, dtype: torch.dtype) -> J
     head.eval()
     head.requires_grad_(False)
     return head
-
-
-def _version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
