@@ -136,6 +136,10 @@ class Encoder:
         self._tokenizer = tokenizer
         self._state_window = state_window
         self._state_slack = state_slack
+        self._longest_added_token = max(
+            (len(token.content) for token in tokenizer.get_added_tokens_decoder().values()),
+            default=0,
+        )
         self.prefix_ids = self._ids(PREFIX)
         self.schema_header_ids = self._ids(SCHEMA_HEADER)
         self.suffix_ids = self._ids(SUFFIX)
@@ -255,14 +259,22 @@ class Encoder:
         are only kept from pre-tokens ("words") that cannot depend on the cut: BPE works inside a
         pre-token, and the pre-tokenizer's regex decides a pre-token's extent from at most the
         next two pre-tokens (a whitespace run splits into at most three), so dropping every
-        token of the window's last four words leaves exactly what the whole text would give.
+        token of the last four words that end before the window's last possible added token
+        leaves exactly what the whole text would give.
         `tests/test_encoding.py` checks this against whole-text encoding.
         """
         window = self._state_window * budget + self._state_slack
         while window < len(text):
             encoding = self._tokenizer.encode(text[:window], add_special_tokens=False)
             words = encoding.word_ids
-            last = next((word for word in reversed(words) if word is not None), None)
+            # Only tokens that end before `settled` are counted: an added token (`<|im_end|>`)
+            # cut by the window splits into several ordinary words, but one that starts before
+            # `settled` ends inside the window, so the text before it is matched as in the
+            # whole text.
+            settled = window - self._longest_added_token
+            last = next((word for word, (_, end) in zip(reversed(words),
+                                                        reversed(encoding.offsets), strict=True)
+                         if word is not None and end <= settled), None)
             if last is not None:
                 keep = len(words)
                 while keep and ((word := words[keep - 1]) is None or word > last - 4):
