@@ -154,9 +154,10 @@ class Supervisor:
         self.state = WorkerState.READY
         log.info(
             "worker ready: pid=%d thread=%s model=%s variant=%s device=%s dtype=%s gdn_path=%s "
-            "warmup_ms=%.1f",
+            "warmup_ms=%.1f cuda_graphs=%s buckets=%d captured=%d graph_memory_bytes=%d",
             info.pid, info.thread, info.model, info.variant, info.device, info.dtype,
-            info.gdn_path, info.warmup_ms,
+            info.gdn_path, info.warmup_ms, info.cuda_graphs, len(info.buckets),
+            info.buckets_captured, info.graph_memory_bytes,
         )
         if info.demo:
             log.warning(

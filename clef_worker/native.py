@@ -9,10 +9,11 @@ on the calling thread under `torch.inference_mode()`.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,10 +34,21 @@ from clef_worker.backbone import (
     resolve_device,
     resolve_dtype,
 )
+from clef_worker.buckets import BucketTable
 from clef_worker.encoding import Encoder, Encoding
 from clef_worker.executor import ExecutorBroken, StartupError
+from clef_worker.graphs import (
+    BucketedBackbone,
+    CudaGraphCapturer,
+    EagerCapturer,
+    buckets_enabled,
+    graphs_enabled,
+    pad_token_id,
+    prepare_capture_environment,
+)
 from clef_worker.head import HeadIndex, JointSchemaHead
 from clef_worker.snapshot import Snapshot, open_snapshot
+from clef_worker.transfer import to_device_packed
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +101,14 @@ class Scored:
         return build_response(self.request, self.encoding, self.probabilities)
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A parsed, validated and encoded request, waiting for its forward (clef_worker.batching)."""
+
+    request: dict[str, Any]
+    encoding: Encoding
+
+
 class NativeExecutor:
     """Implements `clef_worker.executor.Executor` with this project's code."""
 
@@ -100,6 +120,7 @@ class NativeExecutor:
         backbone: Backbone,
         head: JointSchemaHead,
         limits: RequestLimits,
+        runner: BucketedBackbone | None = None,
     ):
         self.snapshot = snapshot
         self.encoder = encoder
@@ -107,6 +128,9 @@ class NativeExecutor:
         self.head = head
         self.limits = limits
         self.device = backbone.device
+        self.runner = runner
+        self.pad_id = runner.pad_id if runner is not None else pad_token_id(
+            encoder.tokenizer.token_to_id("<|endoftext|>"), snapshot.text_config)
 
     @classmethod
     def load(
@@ -119,6 +143,8 @@ class NativeExecutor:
         gdn_prefill: str = "auto",
         limits: RequestLimits | None = None,
         demo: bool = False,
+        cuda_graphs: str = "auto",
+        graph_max_length: int = 0,
     ) -> NativeExecutor:
         """Check and load a snapshot; StartupError says what is wrong (file, tensor, flag).
 
@@ -130,6 +156,12 @@ class NativeExecutor:
         snapshot = open_snapshot(snapshot_dir, variant=variant, demo=demo)
         target = resolve_device(device)
         weights_dtype = resolve_dtype(dtype, target)
+        try:
+            capture = graphs_enabled(cuda_graphs, target)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        if capture:
+            prepare_capture_environment()
         gdn_path = bind_gdn_path(gdn_prefill, target, weights_dtype)
         try:
             encoder = Encoder.from_file(snapshot.tokenizer_file)
@@ -140,8 +172,15 @@ class NativeExecutor:
         # The release runs the head in the backbone dtype on GPU; on CPU it runs in float32.
         head_dtype = weights_dtype if target.type == "cuda" else torch.float32
         head = load_head(snapshot, target, head_dtype)
+        runner = None
+        if buckets_enabled(cuda_graphs, target):
+            table = BucketTable.for_budget(limits.max_length, graph_max_length or None)
+            pad_id = pad_token_id(encoder.tokenizer.token_to_id("<|endoftext|>"),
+                                  snapshot.text_config)
+            capturer = CudaGraphCapturer(target) if capture else EagerCapturer()
+            runner = BucketedBackbone(backbone, table, pad_id, capturer, graphs=capture)
         executor = cls(snapshot=snapshot, encoder=encoder, backbone=backbone, head=head,
-                       limits=limits)
+                       limits=limits, runner=runner)
         log.info(
             "loaded %s from %s on %s (%s backbone, %s head, gdn %s) in %.1f s",
             variant, snapshot.root, target, DTYPE_NAMES[weights_dtype],
@@ -152,7 +191,7 @@ class NativeExecutor:
     def with_limits(self, limits: RequestLimits) -> NativeExecutor:
         """The same loaded model under other request limits (tests, benchmarks)."""
         return type(self)(snapshot=self.snapshot, encoder=self.encoder, backbone=self.backbone,
-                          head=self.head, limits=limits)
+                          head=self.head, limits=limits, runner=self.runner)
 
     # -- Executor protocol -------------------------------------------------------------------
 
@@ -170,12 +209,19 @@ class NativeExecutor:
             versions=versions,
             demo=self.snapshot.random,
             snapshot=str(self.snapshot.root),
+            **(self.runner.describe() if self.runner is not None else {}),
         )
 
     def warm_up(self) -> None:
         """A representative forward; on the fla path, also one Gated DeltaNet layer per
         autotune length bucket up to --max-length (see clef_worker.backbone)."""
         started = time.perf_counter()
+        if self.runner is not None:
+            built = self.runner.capture_all()
+            log.info("built %d length buckets (%s) in %.0f ms, graphs %s, graph memory %d bytes",
+                     len(built), "cuda graphs" if self.runner.graphs else "eager",
+                     self.runner.stats.capture_ms, self.runner.graphs,
+                     self.runner.capturer.memory_bytes())
         self.score(WARMUP_REQUEST)
         lengths = describe_kernel_lengths(self.backbone, self.limits.max_length)
         if lengths:
@@ -192,13 +238,7 @@ class NativeExecutor:
         `RequestInvalid` (422) for a request the model must refuse; the front has run both
         checks already, the worker repeats them because it trusts no input.
         """
-        request = parse_body(body)
-        try:
-            return serialize(self.score(request).response())
-        except Exception as exc:
-            if device_is_broken(exc, self.device):
-                raise ExecutorBroken(f"{type(exc).__name__}: {exc}") from exc
-            raise
+        return self.answer_prepared([self.prepare(body)])[0]
 
     # -- Inspectable pipeline -------------------------------------------------------------
 
@@ -212,26 +252,88 @@ class NativeExecutor:
         the device between stages, which costs a little)."""
         timings: dict[str, float] = {}
         encoding = self._timed(timings, "encode", profile, lambda: self.encode(request))
+        return self._score_batch([Prepared(request, encoding)], timings, profile)[0]
+
+    def score_batch(self, batch: Sequence[Prepared]) -> list[Scored]:
+        """One backbone forward over several encoded requests (right-padded rows), then the
+        head per request on its real rows."""
+        return self._score_batch(batch, {}, False)
+
+    def _score_batch(self, batch: Sequence[Prepared], timings: dict[str, float],
+                     profile: bool) -> list[Scored]:
+        lengths = [len(item.encoding.input_ids) for item in batch]
+        width = self.padded_length(max(lengths))
         with torch.inference_mode():
-            ids = torch.tensor(encoding.input_ids, dtype=torch.long).to(self.device)
-            index = HeadIndex.build(
-                [q.question_span for q in encoding.questions],
-                [q.option_spans for q in encoding.questions],
-                [q.type_id for q in encoding.questions],
-                device=self.device,
-            )
-            hidden = self._timed(timings, "backbone", profile,
-                                 lambda: self.backbone.hidden_states(ids))
-            output = self._timed(timings, "head", profile, lambda: self.head(
-                hidden, ids, self.backbone.lexical_table, index))
-            logits, probabilities = torch.stack([output.logits, output.probabilities]).cpu()
-        return Scored(
-            request=request,
-            encoding=encoding,
-            logits=logits.tolist(),
-            probabilities=probabilities.tolist(),
-            timings_ms=timings,
-        )
+            host_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+            indexes = []
+            for row, item in enumerate(batch):
+                host_ids[row, :lengths[row]] = torch.tensor(item.encoding.input_ids,
+                                                            dtype=torch.long)
+                questions = item.encoding.questions
+                indexes.append(HeadIndex.build(
+                    [q.question_span for q in questions], [q.option_spans for q in questions],
+                    [q.type_id for q in questions]))
+            ids, indexes = self._to_device(host_ids, indexes)
+            rows = self._timed(timings, "backbone", profile,
+                               lambda: self._hidden_rows(ids, lengths))
+            outputs = self._timed(timings, "head", profile, lambda: [
+                self.head(hidden, ids[row, :lengths[row]], self.backbone.lexical_table,
+                          indexes[row])
+                for row, hidden in enumerate(rows)])
+            counts = [output.logits.shape[0] for output in outputs]
+            values = torch.cat([torch.stack([o.logits, o.probabilities]) for o in outputs],
+                               dim=1).cpu()
+        scored = []
+        for row, (item, part) in enumerate(zip(batch, values.split(counts, dim=1),
+                                               strict=True)):
+            logits, probabilities = part
+            scored.append(Scored(request=item.request, encoding=item.encoding,
+                                 logits=logits.tolist(), probabilities=probabilities.tolist(),
+                                 timings_ms=timings if row == 0 else {}))
+        return scored
+
+    def padded_length(self, length: int) -> int:
+        """Row length of a forward whose longest request has `length` tokens."""
+        return self.runner.padded_length(length) if self.runner is not None else length
+
+    def _hidden_rows(self, ids: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+        """Each request's real rows of the last hidden state ([T_b, H] each)."""
+        if len(lengths) == 1:
+            if self.runner is not None:
+                return [self.runner.hidden_states(ids[0], lengths[0])]
+            return [self.backbone.hidden_states(ids[0, :lengths[0]])]
+        hidden = self.backbone.model(input_ids=ids, use_cache=False).last_hidden_state
+        return [hidden[row, :length] for row, length in enumerate(lengths)]
+
+    def _to_device(self, host_ids: torch.Tensor,
+                   indexes: list[HeadIndex]) -> tuple[torch.Tensor, list[HeadIndex]]:
+        """The padded ids and every head index tensor in one host-to-device copy."""
+        names = [f.name for f in dataclasses.fields(HeadIndex)]
+        moved = to_device_packed(
+            [host_ids, *(getattr(index, name) for index in indexes for name in names)],
+            self.device)
+        per_index = iter(moved[1:])
+        rebuilt = [HeadIndex(**{name: next(per_index) for name in names}) for _ in indexes]
+        return moved[0], rebuilt
+
+    # -- Batching (clef_worker.batching) -------------------------------------------------
+
+    def prepare(self, body: bytes) -> Prepared:
+        """Parse, validate and encode one body (400 / 422 exceptions as `answer`)."""
+        request = parse_body(body)
+        return Prepared(request, self.encode(request))
+
+    def prepared_length(self, prepared: Prepared) -> int:
+        return len(prepared.encoding.input_ids)
+
+    def answer_prepared(self, batch: Sequence[Prepared]) -> list[bytes]:
+        """One forward over the batch; the answers in order."""
+        try:
+            return [serialize(scored.response()) for scored in self.score_batch(batch)]
+        except Exception as exc:
+            if device_is_broken(exc, self.device):
+                raise ExecutorBroken(f"{type(exc).__name__}: {exc}") from exc
+            raise
 
     def _timed(self, timings: dict[str, float], name: str, profile: bool,
                step: Callable[[], T]) -> T:
