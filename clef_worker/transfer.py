@@ -17,16 +17,27 @@ def to_device_packed(tensors: Sequence[Tensor], device: torch.device) -> list[Te
     """Move int64 tensors to `device` in one copy; returns views with the original shapes."""
     if device.type == "cpu" or not tensors:
         return list(tensors)
-    if any(t.dtype != torch.long for t in tensors):
-        raise TypeError("to_device_packed moves int64 tensors only")
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+    flat = pack(tensors)
     if device.type == "cuda":
         flat = flat.pin_memory()
-    moved = flat.to(device, non_blocking=True)
+    return unpack(flat.to(device, non_blocking=True), [t.shape for t in tensors])
+
+
+def pack(tensors: Sequence[Tensor]) -> Tensor:
+    """One flat int64 tensor holding every tensor's elements, in order."""
+    if any(t.dtype != torch.long for t in tensors):
+        raise TypeError("only int64 tensors can be packed")
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unpack(flat: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
+    """Views of `flat` with the given shapes, consecutive from the start."""
     views: list[Tensor] = []
     offset = 0
-    for tensor in tensors:
-        count = tensor.numel()
-        views.append(moved[offset:offset + count].view(tensor.shape))
+    for shape in shapes:
+        count = shape.numel()
+        views.append(flat[offset:offset + count].view(shape))
         offset += count
+    if offset != flat.numel():
+        raise ValueError(f"shapes cover {offset} elements, the buffer holds {flat.numel()}")
     return views
