@@ -173,7 +173,14 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=0, help="override the layer count")
     parser.add_argument("--skip-warmup-probe", action="store_true")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--quick", action="store_true",
+                        help="CPU smoke run: small shapes, short cases, few repeats, no file")
     args = parser.parse_args()
+    if args.quick:
+        args.device, args.shape, args.max_length, args.repeat = "cpu", "small", 2048, 2
+        args.gdn_prefill, args.dtype = "torch", "float32"
+        args.out, args.skip_warmup_probe = None, True
+        CASES[:] = CASES[:2]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(message)s")
     executor, params = build_executor(args)

@@ -6,6 +6,8 @@ it drifts (the release gates BF16 ports at 2e-3 to 1e-2 absolute probability, ev
 
     python bench/gpu_parity.py --device cuda --dtype float32 --gdn-prefill torch
     python bench/gpu_parity.py --device cuda --dtype bfloat16 --gdn-prefill fla
+    python bench/gpu_parity.py --device cuda --dtype bfloat16 --gdn-prefill fla --cuda-graphs on
+    python bench/gpu_parity.py --quick        # CPU smoke run: a few cases, buckets run eagerly
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--gdn-prefill", default="auto")
     parser.add_argument("--fixtures", type=Path, default=REPO.parent / "shared" / "fixtures")
+    parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="off")
+    parser.add_argument("--quick", action="store_true",
+                        help="CPU smoke run: float32, buckets on (eager), six cases, no warm-up")
     args = parser.parse_args()
+    if args.quick:
+        args.device, args.dtype, args.gdn_prefill, args.cuda_graphs = "cpu", "float32", \
+            "torch", "on"
 
     from clef_protocol.options import RequestLimits
     from clef_protocol.validation import RequestInvalid
@@ -35,9 +43,13 @@ def main() -> int:
 
     executor = NativeExecutor.load(args.fixtures / "clef-tiny", device=args.device,
                                    dtype=args.dtype, gdn_prefill=args.gdn_prefill,
-                                   limits=RequestLimits())
+                                   limits=RequestLimits(), cuda_graphs=args.cuda_graphs)
     cases = [json.loads(line) for line in
              (args.fixtures / "clef-tiny.golden.jsonl").read_text().splitlines() if line]
+    if args.quick:
+        cases = cases[:6] + [case for case in cases if "error" in case][:2]
+    else:
+        executor.warm_up()  # in graphs mode: captures every bucket before the cases run
     worst_logit = worst_prob = 0.0
     argmax_mismatch: list[str] = []
     ids_mismatch: list[str] = []
@@ -74,6 +86,8 @@ def main() -> int:
     summary: dict[str, Any] = {
         "device": str(executor.device), "dtype": executor.describe().dtype,
         "gdn_path": executor.describe().gdn_path, "cases": len(cases),
+        "cuda_graphs": executor.describe().cuda_graphs,
+        "buckets_captured": executor.describe().buckets_captured,
         "max_abs_logit_diff": worst_logit, "max_abs_probability_diff": worst_prob,
         "argmax_mismatches": argmax_mismatch, "input_id_mismatches": ids_mismatch,
         "error_mismatches": error_mismatch,
