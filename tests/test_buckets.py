@@ -5,6 +5,7 @@ fixture and on a wider demo snapshot."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ def test_table_invariants(max_length: int) -> None:
     assert list(lengths) == sorted(set(lengths))
     assert lengths[-1] == max_length
     assert all(length % 64 == 0 for length in lengths[:-1])
-    for smaller, larger in zip(lengths, lengths[1:-1], strict=False):
+    for smaller, larger in itertools.pairwise(lengths[:-1]):
         # padding waste under a quarter above the dense range, one step within it
         assert larger - smaller == 64 or larger <= smaller * 1.25 + 64
 
@@ -148,7 +149,8 @@ def test_every_golden_case_is_unchanged_by_padding(plain: NativeExecutor,
     assert_same_answers(plain, bucketed, case["request"], case["max_length"])
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(request=requests())
 def test_random_requests_are_unchanged_by_padding(plain: NativeExecutor,
                                                   bucketed: NativeExecutor,

@@ -18,7 +18,6 @@ from clef_worker.backbone import Backbone
 from clef_worker.buckets import BucketTable, bucket_lengths
 from clef_worker.graphs import (
     BucketedBackbone,
-    EagerCapturer,
     Forward,
     buckets_enabled,
     graphs_enabled,
