@@ -6,6 +6,10 @@ request is refused (503 with Retry-After) only when the queue is full, the worke
 or the server is draining. A ticket whose client has gone while it waits is taken out of the
 queue and never reaches the worker; once a ticket is in flight its reply is always read, so the
 next reply on the pipe can never be mistaken for someone else's.
+
+Admission knows the worker only through `Forward` (a callable returning a `WorkerAnswer`) and
+`unavailable_reason`, and tells a 503 from a 500 by the two exceptions of `worker_errors`; it
+never imports the supervisor or the channel, so either can change shape behind it.
 """
 
 from __future__ import annotations
@@ -19,13 +23,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from clef_frontend import responses
-from clef_frontend.responses import Reply
-from clef_frontend.supervisor import WorkerUnavailable
-from clef_frontend.worker_channel import WorkerFailure, WorkerReply
+from clef_frontend.responses import Reply, WorkerAnswer
+from clef_frontend.worker_errors import WorkerFailure, WorkerUnavailable
 
 log = logging.getLogger("clef_frontend.admission")
 
-Forward = Callable[[int, bytes], Awaitable[WorkerReply]]
+# Sends one request (id, body, trace id) to a warm worker; raises WorkerUnavailable
+# (nothing sent) or WorkerFailure.
+Forward = Callable[[int, bytes, str], Awaitable[WorkerAnswer]]
 
 
 class Refused(Exception):
@@ -43,31 +48,17 @@ class Ticket:
     request_id: int
     body: bytes
     outcome: asyncio.Future[Reply]
+    trace_id: str = ""
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     worker_ms: float | None = None
+    worker_reply: WorkerAnswer | None = None
 
     @property
     def queue_ms(self) -> float:
         """Time spent waiting for the worker (until now, if still waiting)."""
         end = self.started_at if self.started_at is not None else time.monotonic()
         return (end - self.enqueued_at) * 1000.0
-
-
-def reply_from_worker(reply: WorkerReply) -> Reply:
-    """A worker answer as HTTP: the body byte for byte, or `{"detail": ...}`.
-
-    A 5xx never carries the worker's text: the cause belongs in the log, and the contract's
-    detail is `inference failed`.
-    """
-    if reply.body is not None:
-        return responses.forwarded(reply.status, reply.body)
-    detail = reply.detail or ""
-    if reply.status >= 500:
-        if detail != "inference failed":
-            log.error("worker answered %d: %s", reply.status, detail)
-        detail = "inference failed"
-    return responses.error(reply.status, detail)
 
 
 class Admission:
@@ -99,6 +90,11 @@ class Admission:
         return len(self._waiting)
 
     @property
+    def draining(self) -> bool:
+        """True once `start_draining` was called: the one copy of the server's drain state."""
+        return self._draining
+
+    @property
     def in_flight(self) -> int:
         return 0 if self._in_flight is None else 1
 
@@ -106,14 +102,20 @@ class Admission:
     def capacity(self) -> int:
         return self._capacity
 
-    def submit(self, body: bytes) -> Ticket:
+    @property
+    def in_flight_since(self) -> float | None:
+        """`time.monotonic()` at which the request now in flight was sent (None when idle)."""
+        return None if self._in_flight is None else self._in_flight.started_at
+
+    def submit(self, body: bytes, trace_id: str = "") -> Ticket:
         """Queue a checked body, or raise Refused with the 503 (row 14)."""
         reason = "server is draining" if self._draining else self._unavailable_reason()
         if reason is None and len(self._waiting) >= self._capacity:
             reason = "queue is full"
         if reason is not None:
             raise Refused(responses.unavailable(reason, self._retry_after))
-        ticket = Ticket(next(self._ids), body, asyncio.get_running_loop().create_future())
+        ticket = Ticket(next(self._ids), body, asyncio.get_running_loop().create_future(),
+                        trace_id)
         self._waiting.append(ticket)
         self._idle.clear()
         self._wakeup.set()
@@ -123,7 +125,8 @@ class Admission:
         """The client has gone: drop the ticket if it still waits; if in flight, let it finish."""
         if ticket in self._waiting:
             self._waiting.remove(ticket)
-            log.info("request id=%d dropped from the queue: client gone", ticket.request_id)
+            log.info("request id=%d request_id=%s dropped from the queue: client gone",
+                     ticket.request_id, ticket.trace_id)
             self._update_idle()
         if not ticket.outcome.done():
             ticket.outcome.cancel()
@@ -160,14 +163,16 @@ class Admission:
 
     async def _dispatch(self, ticket: Ticket) -> Reply:
         try:
-            answer = await self._forward(ticket.request_id, ticket.body)
+            answer = await self._forward(ticket.request_id, ticket.body, ticket.trace_id)
         except WorkerUnavailable as exc:
             return responses.unavailable(str(exc), self._retry_after)
         except WorkerFailure as exc:
-            log.error("request id=%d failed: %s", ticket.request_id, exc)
-            return responses.error(500, "inference failed")
+            log.error("request id=%d request_id=%s failed: %s", ticket.request_id,
+                      ticket.trace_id, exc)
+            return responses.error(500, responses.INFERENCE_FAILED)
         ticket.worker_ms = answer.worker_ms
-        return reply_from_worker(answer)
+        ticket.worker_reply = answer
+        return responses.from_worker(answer)
 
     async def _next(self) -> Ticket:
         while not self._waiting:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
 import shlex
 import sys
 
 from clef_frontend import logs
 from clef_frontend.config import ServerConfig
 from clef_frontend.server import serve
+from clef_frontend.version import version
 from clef_protocol.options import add_model_arguments, limits_from, positive_int, worker_argv
 
 DEFAULTS = ServerConfig(worker_argv=("clef_worker",))
@@ -41,25 +41,21 @@ def _seconds(value: str) -> float:
     return number
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version("clef-serve")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
-        return "unknown (not installed)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="clef-serve",
         description="Serve Clef over HTTP: an h11 front and one persistent model worker.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"clef-serve {_version()}")
+    parser.add_argument("--version", action="version", version=f"clef-serve {version()}")
     add_model_arguments(parser)
     d = DEFAULTS
     net = parser.add_argument_group("listening")
     net.add_argument("--host", default=d.host, help="address to bind")
     net.add_argument("--port", type=_port, default=d.port, help="TCP port; 0 picks a free one")
+    net.add_argument("--metrics-port", type=_port, default=None,
+                     help="serve GET /metrics on this port (same --host) instead of the public "
+                          "one; 0 picks a free one")
     http = parser.add_argument_group("HTTP limits")
     http.add_argument("--body-limit", type=positive_int, default=d.body_limit,
                       help="largest accepted request body in bytes (413 above)")
@@ -116,6 +112,7 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         limits=limits_from(args),
         host=args.host,
         port=args.port,
+        metrics_port=args.metrics_port,
         body_limit=args.body_limit,
         header_limit=args.header_limit,
         header_timeout=args.header_timeout,

@@ -23,6 +23,7 @@ class ServerConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     host: str = "127.0.0.1"
     port: int = 8000
+    metrics_port: int | None = None
     body_limit: int = 8 * 1024 * 1024
     header_limit: int = 16 * 1024
     header_timeout: float = 10.0
@@ -63,3 +64,5 @@ class ServerConfig:
             raise ValueError("--drain-timeout, --restart-backoff and --retry-after must be >= 0")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not a TCP port")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port {self.metrics_port} is not a TCP port")

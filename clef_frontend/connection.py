@@ -20,17 +20,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
 import h11
 
-from clef_frontend import logs, responses
+from clef_frontend import logs, responses, tracing
 from clef_frontend.admission import Admission, Refused, Ticket
 from clef_frontend.config import ServerConfig
 from clef_frontend.framing import FramingHeaders, reparse_without_framing, scan_framing
 from clef_frontend.health import Health
+from clef_frontend.metrics import Metrics, route_label
 from clef_frontend.responses import Reply
 from clef_frontend.routes import Route, check_body, check_post_head, route
 
@@ -61,12 +63,24 @@ class RequestHead:
 
 @dataclass
 class Exchange:
-    """What the access log needs about one request."""
+    """What the access log, the metrics and the trace headers need about one request."""
 
     method: bytes
     target: bytes
     bytes_in: int = 0
     ticket: Ticket | None = None
+    request_id: str = field(default_factory=tracing.new_request_id)
+    route: str = "-"
+    started: float = field(default_factory=time.monotonic)
+
+    def trace_headers(self) -> list[tuple[str, str]]:
+        """`X-Request-Id`, and `Server-Timing` once the request went through the queue."""
+        ticket = self.ticket
+        timing = None
+        if ticket is not None:
+            total_ms = (time.monotonic() - self.started) * 1000.0
+            timing = tracing.server_timing(ticket.queue_ms, ticket.worker_ms, total_ms)
+        return tracing.response_headers(self.request_id, timing)
 
 
 class HttpConnection:
@@ -80,12 +94,15 @@ class HttpConnection:
         config: ServerConfig,
         admission: Admission,
         health: Health,
+        metrics: Metrics,
     ) -> None:
         self._reader = reader
         self._writer = writer
         self._config = config
         self._admission = admission
         self._health = health
+        self._metrics = metrics
+        self._exchange: Exchange | None = None  # the request being answered
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=config.header_limit)
         self._idle = False
         self._linger = False
@@ -120,14 +137,20 @@ class HttpConnection:
         if head is None:
             return False
         if isinstance(head, Reply):  # a malformed head: h11's status hint, then close
+            self._exchange = Exchange(b"-", b"-")
+            self._count(self._exchange, head.status)
             await self._send(head, method=b"")
-            self._log(Exchange(b"-", b"-"), head.status, len(head.body))
+            self._log(self._exchange, head.status, len(head.body))
             return False
-        exchange = Exchange(head.request.method, head.request.target)
+        exchange = Exchange(head.request.method, head.request.target,
+                            request_id=tracing.request_id_of(head.request.headers))
+        self._exchange = exchange
         reply = await self._answer(head, exchange)
         if reply is None:  # the client left while its request was queued or in flight
+            self._count(exchange, 499)
             self._log(exchange, 499, 0)
             return False
+        self._count(exchange, reply.status)
         # A head whose framing h11 refused has a body of unknown length: never read past it.
         await self._send(reply, method=exchange.method, close=not head.body_readable)
         self._log(exchange, reply.status, len(reply.body))
@@ -137,12 +160,25 @@ class HttpConnection:
         return False
 
     def _log(self, exchange: Exchange, status: int, bytes_out: int) -> None:
+        """The access-log line, once the request is answered (or abandoned)."""
         ticket = exchange.ticket
         logs.request_line(
             method=exchange.method, target=exchange.target, status=status,
             queue_ms=ticket.queue_ms if ticket else None,
             worker_ms=ticket.worker_ms if ticket else None,
             bytes_in=exchange.bytes_in, bytes_out=bytes_out, client=self._client,
+            request_id=exchange.request_id,
+        )
+
+    def _count(self, exchange: Exchange, status: int) -> None:
+        """The request's metrics, before its answer is written: a client that has its answer
+        (and scrapes next) always finds its request counted."""
+        ticket = exchange.ticket
+        self._metrics.request_done(
+            route=exchange.route, status=status, duration_s=time.monotonic() - exchange.started,
+            queue_ms=ticket.queue_ms if ticket else None,
+            worker_ms=ticket.worker_ms if ticket else None,
+            worker_reply=ticket.worker_reply if ticket else None,
         )
 
     async def _answer(self, head: RequestHead, exchange: Exchange) -> Reply | None:
@@ -151,16 +187,18 @@ class HttpConnection:
         if head.size > self._config.header_limit:
             return responses.error(431, "request header block too large", close=True)
         found = route(request.method, request.target)
+        exchange.route = route_label(
+            request.target, known=isinstance(found, Route) or found.status == 405)
         if found is not Route.SYSTEMONE:
             self._finish_empty_body()
-            return found if isinstance(found, Reply) else self._health.reply()
+            if isinstance(found, Reply):
+                return found
+            return self._metrics.public_reply() if found is Route.METRICS else self._health.reply()
         # Rows 1-5, from the head alone.
         length = check_post_head(head.framing, _header(request, b"content-type"),
                                  self._config.body_limit)
         if isinstance(length, Reply):
             return length
-        if not head.body_readable:  # unreachable: rows 1-4 refuse every such head (framing.py)
-            return responses.error(400, "invalid Content-Length", close=True)
         # Rows 6-7: read the whole body before anything else happens to it.
         body = await self._read_body()
         if isinstance(body, Reply):
@@ -175,7 +213,7 @@ class HttpConnection:
             return refusal
         # Row 14 (refusal) or the worker's answer (200, 422, row 13's 500).
         try:
-            exchange.ticket = self._admission.submit(body)
+            exchange.ticket = self._admission.submit(body, exchange.request_id)
         except Refused as refused:
             return refused.reply
         return await self._await_answer(exchange.ticket)
@@ -299,11 +337,12 @@ class HttpConnection:
         We close when asked, when the request was not read to its end, and while draining.
         """
         close = (close or reply.close or self._conn.their_state is not h11.DONE
-                 or self._health.draining)
+                 or self._admission.draining)
         try:
+            trace = self._exchange.trace_headers() if self._exchange is not None else []
             data = self._conn.send(h11.Response(
                 status_code=reply.status,
-                headers=reply.headers(close=close),
+                headers=reply.headers(close=close) + trace,
                 reason=_reason(reply.status),
             ))
             if method != b"HEAD" and reply.body:

@@ -2,7 +2,7 @@
 
 Probes must learn the truth even while the worker is busy with a long request, so this reads
 only in-memory state: the supervisor's worker state and ready info, the queue counters, and the
-server's draining flag.
+drain flag (held by admission, which is what refuses requests while draining).
 """
 
 from __future__ import annotations
@@ -17,17 +17,16 @@ from clef_frontend.supervisor import Supervisor, WorkerState
 
 
 class Health:
-    """The front's service state; `draining` is set by the server when a stop signal arrives."""
+    """The front's service state, as `/health` reports it."""
 
     def __init__(self, supervisor: Supervisor, admission: Admission, retry_after: int) -> None:
         self._supervisor = supervisor
         self._admission = admission
         self._retry_after = retry_after
-        self.draining = False
 
     def status(self) -> str:
         """ready, starting, restarting or draining (stopped once the worker is gone)."""
-        if self.draining:
+        if self._admission.draining:
             return "draining"
         if self._supervisor.unavailable_reason() is None:
             return "ready"

@@ -46,11 +46,12 @@ def request_line(
     bytes_in: int,
     bytes_out: int,
     client: str,
+    request_id: str = "-",
 ) -> None:
     """`request method=POST path=/v1/systemone status=200 queue_ms=0.3 worker_ms=41.2 ...`"""
     access.info(
         "request method=%s path=%s status=%d queue_ms=%s worker_ms=%s bytes_in=%d bytes_out=%d "
-        "client=%s",
+        "client=%s request_id=%s",
         printable(method), printable(target), status, _ms(queue_ms), _ms(worker_ms), bytes_in,
-        bytes_out, client,
+        bytes_out, client, request_id,
     )

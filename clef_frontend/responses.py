@@ -8,10 +8,16 @@ operators' clients keep seeing the same bytes as from the server they replace.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 JSON = "application/json"
+
+log = logging.getLogger("clef_frontend.responses")
+
+# The contract's detail for every 5xx the worker reports; its own text goes to the log only.
+INFERENCE_FAILED = "inference failed"
 
 
 @dataclass(frozen=True)
@@ -27,10 +33,11 @@ class Reply:
     retry_after: int | None = None
     close: bool = False
     allow: str | None = None
+    content_type: str = JSON
 
     def headers(self, *, close: bool) -> list[tuple[str, str]]:
         """Response headers; Content-Length always, since h11 would otherwise chunk or close."""
-        headers = [("Content-Type", JSON), ("Content-Length", str(len(self.body)))]
+        headers = [("Content-Type", self.content_type), ("Content-Length", str(len(self.body)))]
         if self.allow is not None:
             headers.append(("Allow", self.allow))
         if self.retry_after is not None:
@@ -63,9 +70,42 @@ def unavailable(detail: str, retry_after: int) -> Reply:
     return error(503, detail, retry_after=retry_after)
 
 
-def forwarded(status: int, body: bytes) -> Reply:
-    """The worker's JSON answer, byte for byte."""
-    return Reply(status, body)
+class WorkerAnswer(Protocol):
+    """What the worker answered for one request: a body (success) or a detail (refusal)."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def body(self) -> bytes | None: ...
+
+    @property
+    def detail(self) -> str | None: ...
+
+    @property
+    def worker_ms(self) -> float | None: ...
+
+    @property
+    def input_tokens(self) -> int: ...
+
+    @property
+    def truncated_tokens(self) -> int: ...
+
+
+def from_worker(answer: WorkerAnswer) -> Reply:
+    """A worker answer as HTTP: the body byte for byte, or `{"detail": ...}`.
+
+    A 5xx never carries the worker's text: the cause belongs in the log, and the contract's
+    detail is `inference failed`.
+    """
+    if answer.body is not None:
+        return Reply(answer.status, answer.body)
+    detail = answer.detail or ""
+    if answer.status >= 500:
+        if detail != INFERENCE_FAILED:
+            log.error("worker answered %d: %s", answer.status, detail)
+        detail = INFERENCE_FAILED
+    return error(answer.status, detail)
 
 
 def document(status: int, value: dict[str, Any], *, retry_after: int | None = None) -> Reply:

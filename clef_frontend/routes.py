@@ -20,12 +20,19 @@ from clef_protocol.validation import RequestInvalid, validate_request
 
 
 class Route(Enum):
-    HEALTH = "/health"
-    SYSTEMONE = "/v1/systemone"
+    """Each route's path and the one method it answers: the route table itself."""
+
+    HEALTH = (b"/health", b"GET")
+    SYSTEMONE = (b"/v1/systemone", b"POST")
+    METRICS = (b"/metrics", b"GET")
+
+    def __init__(self, path: bytes, method: bytes) -> None:
+        self.path = path
+        self.method = method
 
 
-# Path -> the one method it answers. Targets are compared as sent: `/health?x=1` is unknown.
-_METHODS = {b"/health": (Route.HEALTH, b"GET"), b"/v1/systemone": (Route.SYSTEMONE, b"POST")}
+# Targets are compared as sent: `/health?x=1` is unknown.
+_BY_PATH = {known.path: known for known in Route}
 
 _DECIMAL = re.compile(rb"[0-9]+")
 _MEDIA_TYPE = "application/json"
@@ -33,12 +40,11 @@ _MEDIA_TYPE = "application/json"
 
 def route(method: bytes, target: bytes) -> Route | Reply:
     """The route table: 404 for unknown targets, 405 with `Allow` for the wrong method."""
-    known = _METHODS.get(target)
-    if known is None:
+    found = _BY_PATH.get(target)
+    if found is None:
         return responses.error(404, "unknown route")
-    found, allowed = known
-    if method != allowed:
-        return responses.error(405, "method not allowed", allow=allowed.decode("ascii"))
+    if method != found.method:
+        return responses.error(405, "method not allowed", allow=found.method.decode("ascii"))
     return found
 
 

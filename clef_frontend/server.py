@@ -15,12 +15,16 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 
 from clef_frontend.admission import Admission
 from clef_frontend.config import ServerConfig
 from clef_frontend.connection import READ_SIZE, HttpConnection
 from clef_frontend.health import Health
+from clef_frontend.metrics import LiveState, Metrics
+from clef_frontend.sd_notify import Notifier, ServiceNotifier, making_progress, watchdog_interval
 from clef_frontend.supervisor import StartupFailed, Supervisor
+from clef_frontend.version import version
 
 log = logging.getLogger("clef_frontend.server")
 
@@ -33,7 +37,8 @@ class FrontServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self._config = config
-        self._supervisor = Supervisor(config, on_worker_lost=self._worker_lost)
+        self._supervisor = Supervisor(config, on_worker_lost=self._worker_lost,
+                                      on_worker_failed=self._worker_failed)
         self._admission = Admission(
             capacity=config.queue_size,
             retry_after=config.retry_after,
@@ -41,6 +46,16 @@ class FrontServer:
             unavailable_reason=self._supervisor.unavailable_reason,
         )
         self._health = Health(self._supervisor, self._admission, config.retry_after)
+        self._metrics = Metrics(LiveState(
+            queue_depth=lambda: self._admission.depth,
+            in_flight=lambda: self._admission.in_flight,
+            queue_capacity=config.queue_size,
+            worker_ready=lambda: self._supervisor.unavailable_reason() is None,
+            worker_info=lambda: self._supervisor.info,
+        ), version=version(), separate_port=config.metrics_port is not None)
+        self._address = ""
+        self._systemd = ServiceNotifier(
+            Notifier.from_environment(), status=self._service_status, healthy=self._healthy)
         self._connections: dict[HttpConnection, asyncio.Task[None]] = {}
         self._stop_requested = asyncio.Event()
         self._force_stop = asyncio.Event()
@@ -50,7 +65,10 @@ class FrontServer:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
+        watchdog = asyncio.create_task(self._systemd.watch(watchdog_interval()), name="sd-notify")
         try:
+            if self._config.metrics_port is not None and not self._serve_metrics():
+                return 1
             if not await self._start_worker():
                 return 1 if not self._stop_requested.is_set() else 0
             try:
@@ -64,6 +82,9 @@ class FrontServer:
                 host, port = sock.getsockname()[:2]
                 shown = f"[{host}]" if ":" in host else host
                 log.info("listening on http://%s:%d", shown, port)
+                self._address = self._address or f"{shown}:{port}"
+            # The socket is listening (connections queue in its backlog): only now is it READY.
+            self._systemd.ready(self._address)
             background = [
                 asyncio.create_task(self._admission.run(), name="dispatcher"),
                 asyncio.create_task(self._supervisor.watch(), name="supervisor"),
@@ -73,13 +94,45 @@ class FrontServer:
             log.info("stopped")
             return 0
         finally:
+            watchdog.cancel()
             await self._supervisor.stop()
+            self._metrics.close()
+
+    def _serve_metrics(self) -> bool:
+        """`--metrics-port`: metrics on their own port from the start (warm-up included)."""
+        host, port = self._config.host, self._config.metrics_port
+        assert port is not None
+        try:
+            bound = self._metrics.serve(host, port)
+        except OSError as exc:
+            log.error("cannot serve metrics on %s:%d: %s", host, port, exc)
+            return False
+        shown = f"[{host}]" if ":" in host else host
+        log.info("metrics on http://%s:%d/metrics", shown, bound)
+        return True
+
+    def _service_status(self) -> str | None:
+        """systemd's STATUS= line for the current state (None during the first start, whose
+        status the start-up extensions carry)."""
+        status = self._health.status()
+        if status == "ready":
+            return f"serving on {self._address}"
+        if status == "starting":
+            return None
+        return "worker restarting" if status == "restarting" else status
+
+    def _healthy(self) -> bool:
+        """For the systemd watchdog: the worker is idle or within its request timeout."""
+        return making_progress(self._admission.in_flight_since, self._config.request_timeout,
+                               time.monotonic())
 
     async def _start_worker(self) -> bool:
         """First start, abandoned if a stop signal arrives meanwhile."""
         starting = asyncio.create_task(self._supervisor.start())
         stopping = asyncio.create_task(self._stop_requested.wait())
+        extending = asyncio.create_task(self._systemd.extend_while_starting())
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        extending.cancel()
         stopping.cancel()
         if not starting.done():
             starting.cancel()
@@ -95,7 +148,6 @@ class FrontServer:
 
     async def _drain(self, server: asyncio.Server, background: list[asyncio.Task[None]]) -> None:
         server.close()
-        self._health.draining = True
         self._admission.start_draining()
         log.info("draining: %d queued, %d in flight (up to %gs)", self._admission.depth,
                  self._admission.in_flight, self._config.drain_timeout)
@@ -131,7 +183,8 @@ class FrontServer:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         connection = HttpConnection(
-            reader, writer, config=self._config, admission=self._admission, health=self._health
+            reader, writer, config=self._config, admission=self._admission, health=self._health,
+            metrics=self._metrics,
         )
         task = asyncio.current_task()
         assert task is not None
@@ -144,6 +197,9 @@ class FrontServer:
     def _worker_lost(self) -> None:
         self._admission.refuse_waiting("worker is restarting")
 
+    def _worker_failed(self, reason: str) -> None:
+        self._metrics.worker_failed(reason)
+
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
         if self._stop_requested.is_set():
@@ -151,6 +207,7 @@ class FrontServer:
             self._force_stop.set()
         else:
             log.info("%s received: stopping", name)
+            self._systemd.stopping()
             self._stop_requested.set()
 
 

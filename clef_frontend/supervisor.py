@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from clef_frontend.config import ServerConfig
-from clef_frontend.worker_channel import WorkerChannel, WorkerFailure, WorkerReply
+from clef_frontend.worker_channel import WorkerChannel, WorkerReply, failure_reason
+from clef_frontend.worker_errors import WorkerFailure, WorkerUnavailable
 from clef_protocol.messages import ReadyInfo
 
 log = logging.getLogger("clef_frontend.supervisor")
@@ -34,10 +35,6 @@ class WorkerState(StrEnum):
 
 class StartupFailed(Exception):
     """The first worker did not become ready; str() is the reason for the operator."""
-
-
-class WorkerUnavailable(Exception):
-    """No warm worker right now; str() is the short 503 detail."""
 
 
 @dataclass
@@ -61,9 +58,15 @@ class Backoff:
 class Supervisor:
     """Owns the worker process; `forward` is the only way requests reach it."""
 
-    def __init__(self, config: ServerConfig, on_worker_lost: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        on_worker_lost: Callable[[], None],
+        on_worker_failed: Callable[[str], None] | None = None,
+    ) -> None:
         self._config = config
         self._on_worker_lost = on_worker_lost
+        self._on_worker_failed = on_worker_failed
         self._backoff = Backoff(
             config.restart_backoff, config.restart_backoff_max, config.restart_reset_after
         )
@@ -94,7 +97,7 @@ class Supervisor:
             WorkerState.RESTARTING: "worker is restarting",
         }.get(self.state, "server is shutting down")
 
-    async def forward(self, request_id: int, body: bytes) -> WorkerReply:
+    async def forward(self, request_id: int, body: bytes, trace_id: str = "") -> WorkerReply:
         """Send one request to the warm worker and return its reply.
 
         Raises WorkerUnavailable (nothing was sent: answer 503) or WorkerFailure (the worker
@@ -104,7 +107,8 @@ class Supervisor:
         if reason is not None:
             raise WorkerUnavailable(reason)
         assert self._channel is not None
-        return await self._channel.call(request_id, body, self._config.request_timeout)
+        return await self._channel.call(request_id, body, self._config.request_timeout,
+                                        trace_id)
 
     async def watch(self) -> None:
         """Run until cancelled: each time the worker fails, replace it (with backoff)."""
@@ -116,8 +120,11 @@ class Supervisor:
             self._on_worker_lost()
             dead = self._channel
             code = await asyncio.shield(dead.kill())
-            log.error("worker pid=%d failed after %.1fs: %s (exit code %s)",
-                      dead.pid, uptime, failure, code)
+            reason = failure_reason(failure, code)
+            log.error("worker pid=%d failed after %.1fs: %s (exit code %s, reason=%s)",
+                      dead.pid, uptime, failure, code, reason)
+            if self._on_worker_failed is not None:
+                self._on_worker_failed(reason)
             delay = self._backoff.after_failure(uptime)
             while True:
                 log.warning("starting a new worker in %.2fs", delay)

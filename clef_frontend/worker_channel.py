@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from clef_frontend.worker_errors import WorkerFailure
 from clef_protocol import messages
 from clef_protocol.frames import MAX_FRAME_BYTES, FrameError, encode_frame, read_frame
 from clef_protocol.messages import ReadyInfo
@@ -22,12 +23,36 @@ from clef_protocol.messages import ReadyInfo
 log = logging.getLogger("clef_frontend.worker")
 
 
-class WorkerFailure(Exception):
-    """The worker went away or broke the protocol; str() is the reason for the log."""
-
-
 class WorkerExited(WorkerFailure):
     """The worker closed its output: it has exited (or is exiting) on its own."""
+
+
+class WorkerHung(WorkerFailure):
+    """The worker did not answer a request within the request timeout."""
+
+
+class WorkerProtocolError(WorkerFailure):
+    """The worker wrote something that is not a valid frame or reply (it broke the protocol)."""
+
+
+def failure_reason(failure: WorkerFailure, exit_code: int | None) -> str:
+    """Why a warm worker was lost, as one of a few fixed words (a metric label, a log token).
+
+    `cuda_error`: it exited with the status the worker uses after a sticky device error;
+    `hung`: it did not answer within the request timeout; `protocol`: it wrote something that is
+    not a valid frame, or exited because the front's frame was unreadable; `crash`: anything
+    else (it died, was killed, or closed its output).
+    """
+    if exit_code == messages.EXIT_EXECUTOR_BROKEN:
+        return "cuda_error"
+    if isinstance(failure, WorkerHung):
+        return "hung"
+    if isinstance(failure, WorkerProtocolError) or exit_code == messages.EXIT_PROTOCOL_ERROR:
+        return "protocol"
+    return "crash"
+
+
+RESTART_REASONS = ("crash", "hung", "protocol", "cuda_error")
 
 
 # How long a worker that closed its output gets to finish exiting before SIGKILL. Waiting for
@@ -44,10 +69,25 @@ class WorkerReply:
     body: bytes | None
     detail: str | None
     worker_ms: float | None
+    input_tokens: int = 0  # the encoded sequence's length (responses only)
+    truncated_tokens: int = 0  # state tokens dropped to fit --max-length (responses only)
+
+
+def _token_count(message: dict[str, Any], key: str) -> int:
+    """A response's token count: absent means 0 (an older worker); anything but a
+    non-negative integer is a protocol failure."""
+    value = message.get(key, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise WorkerProtocolError(f"malformed response frame ({key} {value!r})")
+    return value
 
 
 def _reply_from(message: dict[str, Any]) -> WorkerReply:
-    """Check a reply's fields; anything off is a protocol failure, not a client error."""
+    """Check a reply's fields; anything off is a protocol failure, not a client error.
+
+    A missing status is off too: the worker always sends one, and guessing 200 for it would
+    forward whatever body came with a broken frame as a success.
+    """
     kind = message["kind"]
     status = message.get("status")
     worker_ms = message.get("worker_ms")
@@ -55,13 +95,14 @@ def _reply_from(message: dict[str, Any]) -> WorkerReply:
         worker_ms = None
     if kind == messages.RESPONSE:
         body = message.get("body")
-        status = 200 if status is None else status
         if not isinstance(body, bytes) or not isinstance(status, int) or not 200 <= status < 300:
-            raise WorkerFailure(f"malformed response frame (status {status!r})")
-        return WorkerReply(status, body, None, worker_ms)
+            raise WorkerProtocolError(f"malformed response frame (status {status!r})")
+        return WorkerReply(status, body, None, worker_ms,
+                           input_tokens=_token_count(message, "input_tokens"),
+                           truncated_tokens=_token_count(message, "truncated_tokens"))
     detail = message.get("detail")
     if not isinstance(status, int) or not 400 <= status < 600 or not isinstance(detail, str):
-        raise WorkerFailure(f"malformed error frame (status {status!r})")
+        raise WorkerProtocolError(f"malformed error frame (status {status!r})")
     return WorkerReply(status, None, detail, worker_ms)
 
 
@@ -122,7 +163,9 @@ class WorkerChannel:
         self._reader_task = asyncio.create_task(self._read_replies(), name=f"worker-{self.pid}")
         return info
 
-    async def call(self, request_id: int, body: bytes, timeout: float) -> WorkerReply:
+    async def call(
+        self, request_id: int, body: bytes, timeout: float, trace_id: str = ""
+    ) -> WorkerReply:
         """Send one request and wait for its reply (one at a time; admission guarantees it).
 
         A worker that does not answer within `timeout` is taken as hung (a deadlocked kernel, a
@@ -136,12 +179,12 @@ class WorkerChannel:
         reply: asyncio.Future[WorkerReply] = asyncio.get_running_loop().create_future()
         self._pending = (request_id, reply)
         try:
-            if not await self._send(messages.request(request_id, body)):
+            if not await self._send(messages.request(request_id, body, trace_id)):
                 self._fail(WorkerFailure("worker closed its input"))
             try:
                 return await asyncio.wait_for(asyncio.shield(reply), timeout)
             except TimeoutError:
-                self._fail(WorkerFailure(f"no reply to request {request_id} within {timeout:g}s"))
+                self._fail(WorkerHung(f"no reply to request {request_id} within {timeout:g}s"))
                 return await reply
         finally:
             self._pending = None
@@ -176,7 +219,7 @@ class WorkerChannel:
         try:
             return await read_frame(self._process.stdout, MAX_FRAME_BYTES)
         except FrameError as exc:
-            raise WorkerFailure(f"invalid frame from worker: {exc}") from None
+            raise WorkerProtocolError(f"invalid frame from worker: {exc}") from None
 
     async def _read_replies(self) -> None:
         """Reader loop: deliver each reply to the pending call; the first anomaly breaks all."""
@@ -195,12 +238,13 @@ class WorkerChannel:
     def _deliver(self, message: dict[str, Any]) -> None:
         kind = message["kind"]
         if kind not in (messages.RESPONSE, messages.ERROR):
-            raise WorkerFailure(f"unexpected {kind!r} frame from worker")
+            raise WorkerProtocolError(f"unexpected {kind!r} frame from worker")
         if self._pending is None:
-            raise WorkerFailure(f"unsolicited {kind!r} frame from worker")
+            raise WorkerProtocolError(f"unsolicited {kind!r} frame from worker")
         request_id, reply = self._pending
         if message.get("id") != request_id:
-            raise WorkerFailure(f"reply for id {message.get('id')!r} while {request_id} is pending")
+            raise WorkerProtocolError(
+                f"reply for id {message.get('id')!r} while {request_id} is pending")
         if not reply.done():
             reply.set_result(_reply_from(message))
 

@@ -17,8 +17,20 @@ RESPONSE = "response"
 ERROR = "error"
 SHUTDOWN = "shutdown"
 
-WORKER_KINDS = frozenset({READY, FATAL, RESPONSE, ERROR})
-FRONT_KINDS = frozenset({REQUEST, SHUTDOWN})
+# The request id rule (`X-Request-Id`, the `trace_id` of a request frame): printable ASCII
+# without spaces, so it stays one token in a `key=value` log line, and bounded.
+TRACE_ID_MAX_CHARS = 128
+
+
+def is_trace_id(value: object) -> bool:
+    """Whether `value` may be used as a request id as it is (else the front makes one)."""
+    return (isinstance(value, str) and 0 < len(value) <= TRACE_ID_MAX_CHARS
+            and all("!" <= ch <= "~" for ch in value))
+
+
+# Worker exit statuses the front tells apart (restart reasons in its metrics and logs).
+EXIT_PROTOCOL_ERROR = 2  # the front sent something the worker cannot read
+EXIT_EXECUTOR_BROKEN = 3  # a sticky device error (CUDA) left the executor unusable
 
 
 @dataclass(frozen=True)
@@ -84,15 +96,33 @@ def fatal(reason: str) -> dict[str, Any]:
     return {"kind": FATAL, "reason": reason}
 
 
-def request(request_id: int, body: bytes) -> dict[str, Any]:
-    """One admitted `/v1/systemone` body, as the client sent it."""
-    return {"kind": REQUEST, "id": request_id, "body": body}
+def request(request_id: int, body: bytes, trace_id: str = "") -> dict[str, Any]:
+    """One admitted `/v1/systemone` body, as the client sent it.
+
+    `trace_id` is the HTTP request id (`X-Request-Id`): the worker puts it on every log line
+    about this request, so one request can be followed from the balancer to the worker log.
+    """
+    return {"kind": REQUEST, "id": request_id, "body": body, "trace_id": trace_id}
 
 
-def response(request_id: int, body: bytes, worker_ms: float, status: int = 200) -> dict[str, Any]:
-    """A successful answer: `body` is the final JSON, forwarded to the client unchanged."""
+def response(
+    request_id: int,
+    body: bytes,
+    worker_ms: float,
+    status: int = 200,
+    *,
+    input_tokens: int = 0,
+    truncated_tokens: int = 0,
+) -> dict[str, Any]:
+    """A successful answer: `body` is the final JSON, forwarded to the client unchanged.
+
+    `input_tokens` is the length of the encoded sequence and `truncated_tokens` how many state
+    tokens were dropped to fit `--max-length` (0 where the executor cannot tell), so the front can
+    count tokens and say when a state was cut without parsing the body.
+    """
     return {"kind": RESPONSE, "id": request_id, "status": status, "body": body,
-            "worker_ms": worker_ms}
+            "worker_ms": worker_ms, "input_tokens": input_tokens,
+            "truncated_tokens": truncated_tokens}
 
 
 def error(request_id: int, status: int, detail: str, worker_ms: float) -> dict[str, Any]:

@@ -104,11 +104,15 @@ class Encoding:
     input_ids: list[int]
     questions: tuple[EncodedQuestion, ...]
     state_tokens: int
-    state_truncated: bool
+    state_dropped: int = 0  # state tokens cut to fit the budget
 
     @property
     def length(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def state_truncated(self) -> bool:
+        return self.state_dropped > 0
 
 
 # Pieces of a schema: a tuple of cached ids, or the index of a text in the batch to encode.
@@ -120,8 +124,9 @@ class Encoder:
 
     `state_window` bounds how much of a very long state is tokenized: only a prefix of
     `state_window * budget` characters (growing if needed) is encoded, and only the tokens that
-    cannot depend on the cut are kept (see `_state_ids`), so an 8 MiB state costs what its first
-    few thousand tokens cost.
+    cannot depend on the cut are kept (see `_state_ids`), so the ids of an 8 MiB state cost what
+    its first few thousand tokens cost. Counting the tokens dropped still passes over the whole
+    text once, on the tokenizer's fast path (`_token_count`).
     """
 
     def __init__(self, tokenizer: Tokenizer, *, state_window: int = 8, state_slack: int = 4096):
@@ -210,7 +215,7 @@ class Encoder:
             raise RequestInvalid(
                 f"schema requires {fixed} tokens before state; maximum is {max_length}"
             )
-        state_ids, truncated = self._state_ids(render(request["state"]), max_length - fixed)
+        state_ids, dropped = self._state_ids(render(request["state"]), max_length - fixed)
         offset = len(self.prefix_ids) + len(media_ids) + len(state_ids)
 
         def span(segment_index: int) -> tuple[int, int]:
@@ -240,11 +245,11 @@ class Encoder:
             input_ids=input_ids,
             questions=questions,
             state_tokens=len(state_ids),
-            state_truncated=truncated,
+            state_dropped=dropped,
         )
 
-    def _state_ids(self, text: str, budget: int) -> tuple[list[int], bool]:
-        """The first `budget` tokens of the state, and whether any were cut.
+    def _state_ids(self, text: str, budget: int) -> tuple[list[int], int]:
+        """The first `budget` tokens of the state, and how many tokens were cut.
 
         A long state is tokenized through a growing character window instead of whole. Tokens
         are only kept from pre-tokens ("words") that cannot depend on the cut: BPE works inside a
@@ -263,7 +268,16 @@ class Encoder:
                 while keep and ((word := words[keep - 1]) is None or word > last - 4):
                     keep -= 1
                 if keep >= budget:
-                    return encoding.ids[:budget], True
+                    return encoding.ids[:budget], self._token_count(text) - budget
             window *= 4
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
-        return ids[:budget], len(ids) > budget
+        return ids[:budget], max(len(ids) - budget, 0)
+
+    def _token_count(self, text: str) -> int:
+        """How many tokens the whole text encodes to (for the count of dropped tokens only).
+
+        Only a cut state pays for this: one pass of the tokenizer's fast path (no offsets) over
+        the whole text, about a third of a full encode. Exact, because the count is reported to
+        the client (`X-Clef-State-Truncated`).
+        """
+        return len(self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0])

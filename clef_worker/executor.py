@@ -7,9 +7,24 @@ double, changes nothing else in the worker.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from clef_protocol.messages import ModelInfo
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One answered request: the final response bytes and what encoding it cost.
+
+    `input_tokens` (the encoded sequence's length) and `truncated_tokens` (state tokens dropped
+    to fit `--max-length`) travel to the front in the `response` frame, for token counters and
+    the `X-Clef-State-Truncated` header. An executor that cannot tell leaves them 0.
+    """
+
+    body: bytes
+    input_tokens: int = 0
+    truncated_tokens: int = 0
 
 
 class StartupError(Exception):
@@ -39,8 +54,8 @@ class Executor(Protocol):
         """Run representative forwards so the first real request pays no first-touch cost."""
         ...
 
-    def answer(self, body: bytes) -> bytes:
-        """Answer one raw request body with the final response JSON bytes.
+    def answer(self, body: bytes) -> Answer:
+        """Answer one raw request body with the final response JSON bytes and token counts.
 
         Raise `clef_protocol.validation.RequestInvalid` for a request the model must refuse (the
         worker answers 422 with its message), `ExecutorBroken` when the executor cannot go on;

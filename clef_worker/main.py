@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -31,7 +30,9 @@ from clef_worker.batching import (
     collect_waiting,
     supports_batching,
 )
-from clef_worker.executor import Executor, ExecutorBroken, StartupError
+from clef_worker.executor import Answer, Executor, ExecutorBroken, StartupError
+from clef_worker.logs import configure as configure_logs
+from clef_worker.logs import request_context
 
 log = logging.getLogger("clef_worker")
 
@@ -68,7 +69,11 @@ def reply_for(request_id: int, outcome: Outcome, worker_ms: float) -> tuple[dict
     """The reply frame for one answered or failed request, and whether the executor broke."""
     exc = outcome.error
     if exc is None:
-        return messages.response(request_id, outcome.value, worker_ms), False
+        answer: Answer = outcome.value
+        reply = messages.response(request_id, answer.body, worker_ms,
+                                  input_tokens=answer.input_tokens,
+                                  truncated_tokens=answer.truncated_tokens)
+        return reply, False
     if isinstance(exc, RequestInvalid):
         return messages.error(request_id, 422, str(exc), worker_ms), False
     if isinstance(exc, BadRequestBody):
@@ -86,7 +91,7 @@ def _stop_code(message: dict | None) -> int | None:
         return 0
     if message["kind"] != messages.REQUEST or not isinstance(message.get("id"), int):
         log.error("unexpected %r frame from the front, exiting", message["kind"])
-        return 2
+        return messages.EXIT_PROTOCOL_ERROR
     return None
 
 
@@ -104,7 +109,7 @@ def serve(executor: Executor, channel_in: BinaryIO, channel_out: BinaryIO,
             message = read_frame_blocking(channel_in)
         except FrameError as exc:
             log.error("unreadable frame from the front, exiting: %s", exc)
-            return 2
+            return messages.EXIT_PROTOCOL_ERROR
         stop = _stop_code(message)
         if stop is not None:
             return stop
@@ -120,10 +125,10 @@ def serve(executor: Executor, channel_in: BinaryIO, channel_out: BinaryIO,
                     requests.append(extra)
             except FrameError as exc:
                 log.error("unreadable frame from the front, exiting after the batch: %s", exc)
-                stop = 2
+                stop = messages.EXIT_PROTOCOL_ERROR
         if _answer_all(executor, requests, channel_out, policy, batching):
             log.error("the executor cannot go on; exiting so the front starts a fresh worker")
-            return 3
+            return messages.EXIT_EXECUTOR_BROKEN
         if stop is not None:
             return stop
 
@@ -135,8 +140,10 @@ def _answer_all(executor: Executor, requests: list[dict], channel_out: BinaryIO,
     ids = [int(request["id"]) for request in requests]
     if not batching:
         for position, request_id in enumerate(ids):
-            reply, broken = handle_request(executor, request_id, requests[position].get("body"))
-            write_frame_blocking(channel_out, reply)
+            with request_context(requests[position].get("trace_id")):
+                reply, broken = handle_request(executor, request_id,
+                                               requests[position].get("body"))
+                write_frame_blocking(channel_out, reply)
             if broken:
                 _fail_rest(ids[position + 1:], channel_out)
                 return True
@@ -144,8 +151,9 @@ def _answer_all(executor: Executor, requests: list[dict], channel_out: BinaryIO,
     start = time.perf_counter()
     bodies = [request.get("body") for request in requests]
     for position, outcome in answer_batch(cast(BatchingExecutor, executor), bodies, policy):
-        reply, broken = reply_for(ids[position], outcome, _elapsed_ms(start))
-        write_frame_blocking(channel_out, reply)
+        with request_context(requests[position].get("trace_id")):
+            reply, broken = reply_for(ids[position], outcome, _elapsed_ms(start))
+            write_frame_blocking(channel_out, reply)
         if broken:
             _fail_rest(ids[position + 1:], channel_out)
             return True
@@ -193,10 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     # The worker cannot outlive the front: the front's exit closes stdin, which ends the loop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(
-        stream=sys.stderr, level=logging.INFO,
-        format="%(asctime)s clef-worker[%(process)d] %(levelname)s %(message)s",
-    )
+    configure_logs()
     args = parse_args(argv)
     executor = start(args, channel_out)
     if executor is None:

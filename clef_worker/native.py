@@ -36,7 +36,7 @@ from clef_worker.backbone import (
 )
 from clef_worker.buckets import BucketTable
 from clef_worker.encoding import Encoder, Encoding
-from clef_worker.executor import ExecutorBroken, StartupError
+from clef_worker.executor import Answer, ExecutorBroken, StartupError
 from clef_worker.graphs import (
     BucketedBackbone,
     CudaGraphCapturer,
@@ -231,8 +231,8 @@ class NativeExecutor:
             self.score(WARMUP_REQUEST)
         log.info("warm-up done in %.0f ms", (time.perf_counter() - started) * 1000)
 
-    def answer(self, body: bytes) -> bytes:
-        """Raw body -> final response bytes.
+    def answer(self, body: bytes) -> Answer:
+        """Raw body -> final response bytes, with the sequence length and state tokens cut.
 
         Raises `BadRequestBody` (400) for a body that is not an acceptable JSON object and
         `RequestInvalid` (422) for a request the model must refuse; the front has run both
@@ -326,10 +326,12 @@ class NativeExecutor:
     def prepared_length(self, prepared: Prepared) -> int:
         return len(prepared.encoding.input_ids)
 
-    def answer_prepared(self, batch: Sequence[Prepared]) -> list[bytes]:
+    def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
         """One forward over the batch; the answers in order."""
         try:
-            return [serialize(scored.response()) for scored in self.score_batch(batch)]
+            return [Answer(serialize(scored.response()), input_tokens=scored.encoding.length,
+                           truncated_tokens=scored.encoding.state_dropped)
+                    for scored in self.score_batch(batch)]
         except Exception as exc:
             if device_is_broken(exc, self.device):
                 raise ExecutorBroken(f"{type(exc).__name__}: {exc}") from exc

@@ -58,7 +58,7 @@ from clef_worker.backbone import (
     resolve_device,
     resolve_dtype,
 )
-from clef_worker.executor import StartupError
+from clef_worker.executor import Answer, StartupError
 from clef_worker.native import DTYPE_NAMES
 from clef_worker.snapshot import open_snapshot
 
@@ -165,8 +165,11 @@ class ReleaseExecutor:
         self._call(dict(_WARM_UP_REQUEST))
         _synchronize(self._info.device)
 
-    def answer(self, body: bytes) -> bytes:
-        """Parse and validate here, let upstream score, serialise its dict once."""
+    def answer(self, body: bytes) -> Answer:
+        """Parse and validate here, let upstream score, serialise its dict once.
+
+        The upstream interface reports no token counts, so the Answer's counts stay 0.
+        """
         request = parse_body(body)
         validate_request(request, self._limits)
         try:
@@ -180,7 +183,7 @@ class ReleaseExecutor:
         if not isinstance(response, dict):
             raise TypeError(f"{RELEASE_FILE} systemone returned {type(response).__name__}, "
                             "not a dict")
-        return serialize(response)
+        return Answer(serialize(response))
 
     def _call(self, request: dict[str, Any]) -> Any:
         import torch

@@ -7,15 +7,19 @@ thread produced it and when, so tests can check serialisation, ordering and rest
 Start-up switches: --ready-delay S, --fatal REASON, --exit-code N (exit before ready),
 --fatal-once-file PATH (fatal if PATH exists, removing it), --garbage-at-start, --demo,
 --replacement-ready-gate PATH (a replacement worker, started once the --crash-once-file marker
-exists, waits for PATH before `ready`: tests observe the restarting state without timing).
+exists, waits for PATH before `ready`: tests observe the restarting state without timing),
+--ready-gate PATH (every worker waits for PATH before `ready`).
 Per request: --delay S (or "sleep": S in the body; "hold_until": PATH waits for that file to
 exist), spent before the markers act. Markers in
 the request body (the front validates first, so bodies are valid Clef requests plus these keys):
-  "crash": true     os._exit(3) before answering (only once per --crash-once-file PATH if given)
+  "crash": true     os._exit(70) before answering (only once per --crash-once-file PATH if given)
+  "cuda_error": true  answer 500, then exit with the real worker's executor-broken status (3)
   "garbage": true   write non-frame bytes on the protocol channel
   "oversize": true  write a frame header announcing 2 GiB
   "print": true     print to stdout and write to fd 1 (must not reach the channel)
-  "error": "text"   answer an `error` frame, status 422 (or "error_status")
+  "error": "text"   answer an `error` frame, status 422 (or "error_status"); a 5xx is logged
+                    through clef_worker.logs, tagged with the frame's trace_id
+  "truncated_tokens": N   report N state tokens dropped (input_tokens is the body's length)
 --log-file PATH appends each received request's `tag` (one per line) before answering.
 """
 
@@ -33,6 +37,7 @@ _CHANNEL_IN, _CHANNEL_OUT = claim_channel()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import signal  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -41,6 +46,10 @@ from typing import Any, BinaryIO  # noqa: E402
 from clef_protocol import messages  # noqa: E402
 from clef_protocol.frames import read_frame_blocking, write_frame_blocking  # noqa: E402
 from clef_protocol.options import add_model_arguments  # noqa: E402
+from clef_worker.logs import configure as configure_logs  # noqa: E402
+from clef_worker.logs import request_context  # noqa: E402
+
+logger = logging.getLogger("fake_worker")
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,6 +65,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--log-file", default=None)
     parser.add_argument("--demo", action="store_true")
     parser.add_argument("--replacement-ready-gate", default=None)
+    parser.add_argument("--ready-gate", default=None)
     return parser.parse_args()
 
 
@@ -74,7 +84,7 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any]) -> 
         if marker is None or not os.path.exists(marker):
             if marker is not None:
                 Path(marker).touch()
-            os._exit(3)
+            os._exit(70)
     if request.get("garbage"):
         out.write(b"this is not a frame\n" * 4)
         out.flush()
@@ -88,8 +98,13 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any]) -> 
         sys.stdout.flush()
         os.write(1, b"C library chatter on fd 1\n")
     worker_ms = (time.monotonic_ns() - start_ns) / 1e6
+    if request.get("cuda_error"):
+        write_frame_blocking(out, messages.error(request_id, 500, "inference failed", 0.0))
+        os._exit(messages.EXIT_EXECUTOR_BROKEN)
     if "error" in request:
         status = int(request.get("error_status", 422))
+        if status >= 500:
+            logger.error("request %s failed: %s", request_id, request["error"])
         write_frame_blocking(out, messages.error(request_id, status, str(request["error"]),
                                                  worker_ms))
         return
@@ -104,14 +119,19 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any]) -> 
         "end_ns": time.monotonic_ns(),
     }
     payload = json.dumps(body).encode()
-    write_frame_blocking(out, messages.response(request_id, payload, worker_ms))
+    write_frame_blocking(out, messages.response(
+        request_id, payload, worker_ms, input_tokens=len(message["body"]),
+        truncated_tokens=int(request.get("truncated_tokens", 0))))
 
 
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logs()
     args = parse_args()
     out, inp = _CHANNEL_OUT, _CHANNEL_IN
     time.sleep(args.ready_delay)
+    while args.ready_gate and not os.path.exists(args.ready_gate):
+        time.sleep(0.01)  # held before `ready` until the test opens the gate
     gate = args.replacement_ready_gate
     if gate and args.crash_once_file and os.path.exists(args.crash_once_file):
         while not os.path.exists(gate):
@@ -140,7 +160,8 @@ def main() -> int:
         message = read_frame_blocking(inp)
         if message is None or message["kind"] == messages.SHUTDOWN:
             return 0
-        answer(args, out, message)
+        with request_context(message.get("trace_id")):
+            answer(args, out, message)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ class Serve:
         wait_listening: bool = True,
         real_worker: bool = False,
         startup_wait: float = WAIT,
+        env: dict[str, str] | None = None,
     ) -> None:
         worker = shlex.join([sys.executable, str(FAKE_WORKER), *worker_switches])
         argv = [
@@ -58,9 +59,9 @@ class Serve:
             *(() if real_worker else ("--worker-command", worker)),
             "--restart-backoff", "0.05", "--shutdown-grace", "5", *front_args,
         ]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        environment = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.process = subprocess.Popen(
-            argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            argv, cwd=REPO, env=environment, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True, errors="replace",
         )
         self.lines: list[str] = []

@@ -67,7 +67,6 @@ def test_response_order_model_and_usage() -> None:
         questions=(_encoded("second", "noul", ("true", "false")),
                    _encoded("first", "choice", ("k",))),
         state_tokens=1,
-        state_truncated=False,
     )
     response = build_response(request, encoding, [0.25, 0.75, 1.0])
     assert response["model"] == "Zoë-1 "

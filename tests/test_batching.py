@@ -29,7 +29,7 @@ from clef_worker.batching import (
     plan_groups,
     supports_batching,
 )
-from clef_worker.executor import ExecutorBroken
+from clef_worker.executor import Answer, ExecutorBroken
 from clef_worker.main import serve
 from clef_worker.native import NativeExecutor, Prepared
 from tests.conftest import GOLDEN
@@ -100,7 +100,7 @@ class PerCaseLimits:
     def padded_length(self, length: int) -> int:
         return self.executor.padded_length(length)
 
-    def answer_prepared(self, batch: Sequence[Prepared]) -> list[bytes]:
+    def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
         self.forwards.append(len(batch))
         return self.executor.answer_prepared(batch)
 
@@ -155,7 +155,9 @@ def test_golden_cases_in_random_batches_answer_as_alone(
             assert str(outcome.error) == str(solo.error) == case["error"]["message"]
         else:
             assert outcome.error is None
-            assert_same_response(outcome.value, solo.value)
+            assert_same_response(outcome.value.body, solo.value.body)
+            assert (outcome.value.input_tokens, outcome.value.truncated_tokens) == \
+                (solo.value.input_tokens, solo.value.truncated_tokens)
     refused = sum("error" in c for c in picked)
     assert sum(batcher.forwards) == len(picked) - refused  # refused ones never reach a forward
 
@@ -168,7 +170,7 @@ def test_a_full_batch_of_golden_cases_is_one_forward(executor: NativeExecutor) -
     results = list(answer_batch(batcher, [_body(c) for c in ok], BIG))
     assert batcher.forwards == [len(ok)]
     for case, (_, outcome) in zip(ok, results, strict=True):
-        assert_same_response(outcome.value, _solo(executor, case).value)
+        assert_same_response(outcome.value.body, _solo(executor, case).value.body)
 
 
 # -- isolation -----------------------------------------------------------------------------------
@@ -177,7 +179,7 @@ def test_a_full_batch_of_golden_cases_is_one_forward(executor: NativeExecutor) -
 class Poisoned(PerCaseLimits):
     """A forward that contains the request whose model is `poison` raises."""
 
-    def answer_prepared(self, batch: Sequence[Prepared]) -> list[bytes]:
+    def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
         self.forwards.append(len(batch))
         if any(item.request["model"] == "poison" for item in batch):
             raise RuntimeError("kernel blew up")
@@ -194,7 +196,7 @@ def test_a_raising_forward_is_rerun_one_by_one(executor: NativeExecutor) -> None
     assert isinstance(results[2].error, RuntimeError)
     for position, case in zip((0, 1, 3, 4), ok, strict=True):
         assert results[position].error is None
-        assert_same_response(results[position].value, _solo(executor, case).value)
+        assert_same_response(results[position].value.body, _solo(executor, case).value.body)
 
 
 def test_invalid_requests_answer_alone_and_stay_out_of_the_forward(
@@ -214,7 +216,7 @@ def test_invalid_requests_answer_alone_and_stay_out_of_the_forward(
 
 def test_a_broken_device_fails_the_whole_group_without_reruns(executor: NativeExecutor) -> None:
     class Broken(PerCaseLimits):
-        def answer_prepared(self, batch: Sequence[Prepared]) -> list[bytes]:
+        def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
             self.forwards.append(len(batch))
             raise ExecutorBroken("CUDA error: an illegal memory access was encountered")
 
@@ -257,7 +259,7 @@ def test_serve_takes_every_waiting_frame_into_one_forward(executor: NativeExecut
     assert [r["kind"] for r in replies] == ["response"] * 5 + ["error"]
     assert replies[-1]["status"] == 400
     for case, reply in zip(ok, replies[:-1], strict=True):
-        assert_same_response(reply["body"], _solo(executor, case).value)
+        assert_same_response(reply["body"], _solo(executor, case).value.body)
 
 
 def test_serve_cuts_forwards_at_the_token_budget(executor: NativeExecutor) -> None:
@@ -274,7 +276,7 @@ def test_serve_cuts_forwards_at_the_token_budget(executor: NativeExecutor) -> No
 def test_a_broken_device_mid_batch_fails_that_batch_and_the_worker_exits(
         executor: NativeExecutor) -> None:
     class Broken(PerCaseLimits):
-        def answer_prepared(self, batch: Sequence[Prepared]) -> list[bytes]:
+        def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
             self.forwards.append(len(batch))
             if len(self.forwards) == 2:
                 raise ExecutorBroken("CUDA error: an illegal memory access was encountered")

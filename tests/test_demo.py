@@ -208,7 +208,7 @@ def test_native_executor_serves_the_demo(demo_snapshot: Path) -> None:
             "tone": {"type": "score", "criteria": ["calm", "annoyed", "furious"]},
         },
     }
-    response = json.loads(executor.answer(json.dumps(request).encode()))
+    response = json.loads(executor.answer(json.dumps(request).encode()).body)
     assert response["model"] == "demo"
     assert list(response["answers"]) == ["refund", "topic", "tone"]
     assert 0.0 < response["answers"]["refund"]["noul"] < 1.0

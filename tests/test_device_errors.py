@@ -48,7 +48,7 @@ def test_native_answer_reports_a_broken_device(
     executor = NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32",
                                    limits=RequestLimits())
     body = b'{"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}'
-    assert executor.answer(body).startswith(b'{"model":"m"')
+    assert executor.answer(body).body.startswith(b'{"model":"m"')
 
     def fail(request: object, **kwargs: object) -> None:
         raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")

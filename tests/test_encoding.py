@@ -128,6 +128,8 @@ def test_budget_error_and_truncation(encoder: Encoder) -> None:
     assert exact.length == fixed and exact.state_tokens == 0 and exact.state_truncated
     cut = encoder.encode(request, fixed + 10)
     assert cut.length == fixed + 10 and cut.state_tokens == 10
+    whole = len(encoder.tokenizer.encode("word " * 500, add_special_tokens=False).ids)
+    assert (exact.state_dropped, cut.state_dropped) == (whole, whole - 10)
     full_state = encoder.tokenizer.encode("word " * 500, add_special_tokens=False).ids
     assert cut.input_ids[len(encoder.prefix_ids):len(encoder.prefix_ids) + 10] == full_state[:10]
 
@@ -160,15 +162,18 @@ def test_windowed_state_truncation_equals_whole_text(encoder: Encoder, text: str
     """The long-state shortcut keeps exactly the tokens whole-text encoding would keep."""
     small = Encoder(encoder.tokenizer, state_window=1, state_slack=3)
     whole = encoder.tokenizer.encode(text, add_special_tokens=False).ids
-    ids, truncated = small._state_ids(text, budget)
+    ids, dropped = small._state_ids(text, budget)
     assert ids == whole[:budget]
-    assert truncated == (len(whole) > budget)
+    assert dropped == max(len(whole) - budget, 0)
 
 
 def test_huge_state_is_cut_quickly(encoder: Encoder) -> None:
     state = "invoice payment overdue " * 400_000  # ~9.6 MB
     encoding = encoder.encode(_request(state), 512)
     assert encoding.length == 512 and encoding.state_truncated
+    kept = encoding.state_tokens
+    whole = len(encoder.tokenizer.encode(state, add_special_tokens=False).ids)
+    assert encoding.state_dropped == whole - kept
 
 
 def test_empty_instruction_span_is_refused(encoder: Encoder) -> None:

@@ -12,13 +12,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from clef_frontend import responses
-from clef_frontend.admission import Admission, Refused, reply_from_worker
+from clef_frontend.admission import Admission, Refused
 from clef_frontend.config import ServerConfig
 from clef_frontend.framing import reparse_without_framing, scan_framing
 from clef_frontend.responses import Reply
 from clef_frontend.routes import Route, check_post_head, media_type, route
 from clef_frontend.supervisor import Backoff
-from clef_frontend.worker_channel import WorkerReply
+from clef_frontend.worker_channel import WorkerReply, _reply_from
+from clef_frontend.worker_errors import WorkerFailure
+from clef_protocol import messages
 
 LIMIT = 8 * 1024 * 1024
 
@@ -71,6 +73,8 @@ def test_media_type() -> None:
 
 
 def test_route_table() -> None:
+    for known in Route:
+        assert route(known.method, known.path) is known
     assert route(b"GET", b"/health") is Route.HEALTH
     assert route(b"POST", b"/v1/systemone") is Route.SYSTEMONE
     refused = route(b"POST", b"/health")
@@ -111,10 +115,48 @@ def test_error_bodies_are_serialised_as_the_contract_says() -> None:
 
 
 def test_worker_500_never_leaks_its_cause() -> None:
-    reply = reply_from_worker(WorkerReply(500, None, "Traceback: secret path", 1.0))
+    reply = responses.from_worker(WorkerReply(500, None, "Traceback: secret path", 1.0))
     assert json.loads(reply.body) == {"detail": "inference failed"}
-    ok = reply_from_worker(WorkerReply(200, b'{"b":1,"a":2}', None, 1.0))
+    ok = responses.from_worker(WorkerReply(200, b'{"b":1,"a":2}', None, 1.0))
     assert ok.body == b'{"b":1,"a":2}'
+
+
+def test_a_worker_reply_without_a_valid_status_is_a_protocol_failure() -> None:
+    good = messages.response(7, b"{}", 1.0)
+    assert _reply_from(good).status == 200
+    for broken in ({k: v for k, v in good.items() if k != "status"}, {**good, "status": "200"},
+                   {**good, "status": 422}):
+        with pytest.raises(WorkerFailure, match="malformed response frame"):
+            _reply_from(broken)
+    refusal = messages.error(7, 422, "bad", 1.0)
+    assert _reply_from(refusal).detail == "bad"
+    with pytest.raises(WorkerFailure, match="malformed error frame"):
+        _reply_from({k: v for k, v in refusal.items() if k != "status"})
+
+
+_FRAMING_VALUES = st.sampled_from(["5", "abc", "5, 5", "-1", "+5", " 5", "chunked", "gzip", ""])
+
+
+@given(st.lists(st.tuples(st.sampled_from(["Content-Length", "Transfer-Encoding"]),
+                          _FRAMING_VALUES), min_size=1, max_size=3))
+def test_every_head_rescued_from_bad_framing_is_refused_by_rows_1_to_4(
+    framing_lines: list[tuple[str, str]],
+) -> None:
+    """The connection never reads the body of a rescued head: rows 1-4 always answer first."""
+    raw = head(*(f"{name}: {value}" for name, value in framing_lines),
+               "Content-Type: application/json")
+    connection = h11.Connection(h11.SERVER)
+    connection.receive_data(raw)
+    try:
+        connection.next_event()
+    except h11.RemoteProtocolError:
+        pass
+    else:
+        return  # h11 accepted the framing: nothing to rescue
+    rescued = reparse_without_framing(raw)
+    assert rescued is not None
+    outcome = check_post_head(scan_framing(raw), b"application/json", LIMIT)
+    assert isinstance(outcome, Reply) and outcome.status in (400, 411)
 
 
 def test_backoff_doubles_caps_and_resets() -> None:
@@ -134,8 +176,10 @@ def test_admission_is_fifo_and_drops_abandoned_tickets() -> None:
     async def scenario() -> list[int]:
         seen: list[int] = []
         gate = asyncio.Event()
+        first_in_flight = asyncio.Event()
 
-        async def forward(request_id: int, body: bytes) -> WorkerReply:
+        async def forward(request_id: int, body: bytes, trace_id: str) -> WorkerReply:
+            first_in_flight.set()
             await gate.wait()
             seen.append(int(body))
             return WorkerReply(200, body, None, 0.0)
@@ -144,7 +188,7 @@ def test_admission_is_fifo_and_drops_abandoned_tickets() -> None:
                               unavailable_reason=lambda: None)
         dispatcher = asyncio.create_task(admission.run())
         tickets = [admission.submit(b"1")]
-        await asyncio.sleep(0)  # let the dispatcher take ticket 1
+        await first_in_flight.wait()  # the dispatcher holds ticket 1; the queue is empty
         tickets += [admission.submit(str(i).encode()) for i in (2, 3, 4)]
         with pytest.raises(Refused) as refused:
             admission.submit(b"5")

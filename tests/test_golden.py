@@ -80,8 +80,12 @@ def test_tokens_spans_and_logits(executor: NativeExecutor, case: dict[str, Any])
 @pytest.mark.parametrize("case", SUCCESS, ids=[case["name"] for case in SUCCESS])
 def test_response_body(executor: NativeExecutor, case: dict[str, Any]) -> None:
     case_executor = _for_case(executor, case)
-    body = case_executor.answer(json.dumps(case["request"]).encode("utf-8"))
-    assert_response_matches(json.loads(body), case["response"], _unrounded(_scored(executor, case)))
+    answer = case_executor.answer(json.dumps(case["request"]).encode("utf-8"))
+    assert answer.input_tokens == len(case["input_ids"])
+    # Only a state that filled the budget was cut.
+    assert (answer.truncated_tokens > 0) == (len(case["input_ids"]) == case["max_length"])
+    assert_response_matches(json.loads(answer.body), case["response"],
+                            _unrounded(_scored(executor, case)))
 
 
 @pytest.mark.parametrize("case", ERRORS, ids=[case["name"] for case in ERRORS])
@@ -94,7 +98,7 @@ def test_refused_with_reference_message(executor: NativeExecutor, case: dict[str
 
 def test_body_is_compact_utf8(executor: NativeExecutor) -> None:
     case = next(case for case in SUCCESS if case["name"] == "unicode_ids")
-    body = _for_case(executor, case).answer(json.dumps(case["request"]).encode("utf-8"))
+    body = _for_case(executor, case).answer(json.dumps(case["request"]).encode("utf-8")).body
     assert "état du colis".encode() in body  # not \u-escaped
     assert b", " not in body and b": " not in body
 

@@ -63,9 +63,9 @@ def test_header_is_big_endian_length() -> None:
 def test_request_body_bytes_survive_unchanged() -> None:
     body = b'{"model":"m","state":"\xc3\xa9"}'
     out = io.BytesIO()
-    write_frame_blocking(out, messages.request(7, body))
+    write_frame_blocking(out, messages.request(7, body, "req-7"))
     got = read_frame_blocking(io.BytesIO(out.getvalue()))
-    assert got == {"kind": "request", "id": 7, "body": body}
+    assert got == {"kind": "request", "id": 7, "body": body, "trace_id": "req-7"}
 
 
 def test_clean_eof_between_frames_is_none() -> None:

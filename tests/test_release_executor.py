@@ -125,8 +125,10 @@ def test_form_a_answers_and_serialises_once(make_snapshot: MakeSnapshot) -> None
     assert module.LOADED["snapshot"] == snapshot
     assert (module.LOADED["device"], module.LOADED["dtype"]) == ("cpu", torch.float32)
 
-    body = executor.answer(_body(VALID))
+    answer = executor.answer(_body(VALID))
+    body = answer.body
     assert isinstance(body, bytes)
+    assert (answer.input_tokens, answer.truncated_tokens) == (0, 0)  # upstream reports none
     assert json.loads(body) == {"model": "m", "answers": {"q": {"type": "noul", "noul": 0.25}},
                                 "usage": {"input_tokens": 7, "output_tokens": 0}, "note": "é"}
     assert "é" in body.decode("utf-8")  # UTF-8, not \\u escapes
@@ -193,7 +195,7 @@ def test_an_internal_value_error_is_not_a_422(make_snapshot: MakeSnapshot) -> No
 
 def test_form_b(make_snapshot: MakeSnapshot) -> None:
     executor = _load(make_snapshot(FORM_B))
-    assert json.loads(executor.answer(_body(VALID)))["model"] == "m"
+    assert json.loads(executor.answer(_body(VALID)).body)["model"] == "m"
     assert _module(executor).CALLS == [VALID]
 
 

@@ -18,7 +18,7 @@ from clef_protocol.body import BadRequestBody
 from clef_protocol.frames import encode_frame, read_frame_blocking
 from clef_protocol.messages import ModelInfo
 from clef_protocol.validation import RequestInvalid
-from clef_worker.executor import ExecutorBroken
+from clef_worker.executor import Answer, ExecutorBroken
 from clef_worker.main import handle_request, serve
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,7 +37,7 @@ class ScriptedExecutor:
     def warm_up(self) -> None:
         pass
 
-    def answer(self, body: bytes) -> bytes:
+    def answer(self, body: bytes) -> Answer:
         self.threads.append(threading.current_thread().name)
         do = json.loads(body).get("do")
         if do == "invalid":
@@ -48,7 +48,8 @@ class ScriptedExecutor:
             raise RuntimeError("secret internal detail")
         if do == "poisoned":
             raise ExecutorBroken("CUDA error: an illegal memory access was encountered")
-        return b'{"echo":' + body + b"}"
+        return Answer(b'{"echo":' + body + b"}", input_tokens=len(body),
+                      truncated_tokens=int(do == "cut"))
 
 
 @pytest.mark.parametrize(
@@ -78,6 +79,13 @@ def test_success_carries_the_executor_bytes_unchanged() -> None:
     assert reply["id"] == 3
     assert reply["status"] == 200
     assert reply["body"] == b'{"echo":{"b": 1,  "a": 2}}'
+    assert (reply["input_tokens"], reply["truncated_tokens"]) == (len(b'{"b": 1,  "a": 2}'), 0)
+
+
+def test_response_frame_carries_the_token_counts() -> None:
+    body = b'{"do": "cut"}'
+    reply, _ = handle_request(ScriptedExecutor(), 4, body)
+    assert (reply["input_tokens"], reply["truncated_tokens"]) == (len(body), 1)
 
 
 def _frames(*msgs: dict) -> io.BytesIO:

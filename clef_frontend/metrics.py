@@ -1,0 +1,191 @@
+"""Prometheus metrics of the front: what an operator alerts on, in the text exposition format.
+
+Everything is measured where it already happens and recorded here through a few calls
+(`request_done`, `worker_failed`); gauges that mirror live state (queue depth, in flight, worker
+ready, model info) are read from that state at scrape time, so they can never drift from what
+`/health` says. A registry per server (not prometheus_client's global one) keeps servers in one
+process, such as tests, apart.
+
+Exposed on `GET /metrics` of the public port, or, with `--metrics-port`, only on a separate
+port served by prometheus_client's own HTTP server (a thread), so metrics can stay off the
+public side. Names follow the Prometheus conventions: a `clef_` prefix, base units (`_seconds`),
+`_total` for counters. The reference table is in docs/operations.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import re
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
+from prometheus_client.core import InfoMetricFamily
+from prometheus_client.registry import Collector
+
+from clef_frontend import responses
+from clef_frontend.responses import Reply, WorkerAnswer
+from clef_frontend.routes import Route
+from clef_frontend.worker_channel import RESTART_REASONS
+from clef_protocol.messages import ReadyInfo
+
+log = logging.getLogger("clef_frontend.metrics")
+
+# Seconds: from a millisecond /health-style answer to the request timeout's order of magnitude.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0, 120.0, 300.0)
+# Input tokens per request: powers of two up to above the largest token budget.
+TOKEN_BUCKETS = tuple(float(2**n) for n in range(6, 17))
+_LABEL_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
+
+
+@dataclass(frozen=True)
+class LiveState:
+    """Where the gauges read live state at scrape time (wired by the server)."""
+
+    queue_depth: Callable[[], int]
+    in_flight: Callable[[], int]
+    queue_capacity: int
+    worker_ready: Callable[[], bool]
+    worker_info: Callable[[], ReadyInfo | None]
+
+
+class Metrics:
+    """The front's metrics and their exposition."""
+
+    def __init__(self, live: LiveState, *, version: str, separate_port: bool = False) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._separate_port = separate_port
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        r = self.registry
+        self.requests = Counter(
+            "clef_http_requests", "HTTP requests answered, by route and status.",
+            ["route", "status"], registry=r)
+        self.queue_seconds = Histogram(
+            "clef_request_queue_seconds", "Time scoring requests waited for the worker.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.worker_seconds = Histogram(
+            "clef_request_worker_seconds",
+            "The worker's own time per scoring request (worker_ms of its reply frame).",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.duration_seconds = Histogram(
+            "clef_request_duration_seconds",
+            "Scoring requests from the end of their head to their answer, every status.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.input_tokens = Histogram(
+            "clef_request_input_tokens", "Tokens the model read per answered scoring request.",
+            buckets=TOKEN_BUCKETS, registry=r)
+        self.truncated = Counter(
+            "clef_states_truncated", "Answered requests whose state was cut to fit the budget.",
+            registry=r)
+        self.truncated_tokens = Counter(
+            "clef_state_truncated_tokens", "State tokens dropped to fit the token budget.",
+            registry=r)
+        self.restarts = Counter(
+            "clef_worker_restarts", "Warm workers lost and replaced, by reason.", ["reason"],
+            registry=r)
+        for reason in RESTART_REASONS:
+            self.restarts.labels(reason=reason)
+        Gauge("clef_queue_depth", "Requests waiting for the worker.",
+              registry=r).set_function(lambda: float(live.queue_depth()))
+        Gauge("clef_queue_capacity", "Requests that may wait (--queue-size).",
+              registry=r).set(live.queue_capacity)
+        Gauge("clef_requests_in_flight", "Requests the worker is answering now.",
+              registry=r).set_function(lambda: float(live.in_flight()))
+        Gauge("clef_worker_ready", "1 while a warm worker accepts requests, else 0.",
+              registry=r).set_function(lambda: 1.0 if live.worker_ready() else 0.0)
+        r.register(_InfoCollector(version, live.worker_info))
+
+    # -- recording --------------------------------------------------------------------------
+
+    def request_done(
+        self,
+        *,
+        route: str,
+        status: int,
+        duration_s: float,
+        queue_ms: float | None = None,
+        worker_ms: float | None = None,
+        worker_reply: WorkerAnswer | None = None,
+    ) -> None:
+        """One answered request; the timing arguments are given for scoring requests only."""
+        self.requests.labels(route=route, status=str(status)).inc()
+        if route != Route.SYSTEMONE.path.decode("ascii"):
+            return
+        self.duration_seconds.observe(duration_s)
+        if queue_ms is not None:
+            self.queue_seconds.observe(queue_ms / 1000.0)
+        if worker_ms is not None:
+            self.worker_seconds.observe(worker_ms / 1000.0)
+        if worker_reply is None or worker_reply.body is None:
+            return  # token counts come with answers only, not with refusals
+        self.input_tokens.observe(worker_reply.input_tokens)
+        if worker_reply.truncated_tokens:
+            self.truncated.inc()
+            self.truncated_tokens.inc(worker_reply.truncated_tokens)
+
+    def worker_failed(self, reason: str) -> None:
+        """A warm worker was lost (see worker_channel.failure_reason for the reasons)."""
+        self.restarts.labels(reason=reason).inc()
+
+    # -- exposition -------------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def public_reply(self) -> Reply:
+        """`GET /metrics` on the public port: 404 when metrics live on their own port."""
+        if self._separate_port:
+            return responses.error(404, "unknown route")
+        return Reply(200, self.render(), content_type=CONTENT_TYPE_LATEST)
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve the metrics on their own port (any path answers); the port actually bound."""
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        bound: int = self._server.server_address[1]
+        return bound
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def route_label(target: bytes, known: bool) -> str:
+    """The `route` label: the path for known routes, `unknown` for everything else (client
+    paths never become labels, which would let clients grow the series without bound)."""
+    return target.decode("ascii", "replace") if known else "unknown"
+
+
+class _InfoCollector(Collector):
+    """`clef_build_info` and `clef_model_info` (the warm worker's model), built at scrape time."""
+
+    def __init__(self, version: str, worker_info: Callable[[], ReadyInfo | None]) -> None:
+        self._version = version
+        self._worker_info = worker_info
+
+    def collect(self) -> Iterator[InfoMetricFamily]:
+        yield InfoMetricFamily("clef_build", "clef-serve build.", value={
+            "version": self._version, "python": platform.python_version()})
+        info = self._worker_info()
+        if info is None:
+            return
+        labels = {"model": info.model, "variant": info.variant, "device": info.device,
+                  "dtype": info.dtype, "gdn_path": info.gdn_path, "demo": str(info.demo).lower()}
+        for package, version in sorted(info.versions.items()):
+            labels[f"version_{_LABEL_UNSAFE.sub('_', package)}"] = version
+        yield InfoMetricFamily("clef_model", "The warm worker's model and how it runs.",
+                               value=labels)
