@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench_flash_shaped import build_executor, make_request  # noqa: E402
+from bench_flash_shaped import add_shape_arguments, build_executor, make_request  # noqa: E402
 
 log = logging.getLogger("bench_gpu_path")
 
@@ -142,12 +142,7 @@ def compare(eager: dict[str, Any], graphs: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--gdn-prefill", default="auto")
-    parser.add_argument("--shape", choices=("flash", "small"), default="flash")
-    parser.add_argument("--layers", type=int, default=0)
-    parser.add_argument("--max-length", type=int, default=16384)
+    add_shape_arguments(parser)
     parser.add_argument("--modes", nargs="+", choices=("eager", "graphs"),
                         default=["eager", "graphs"])
     parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)

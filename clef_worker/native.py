@@ -217,11 +217,7 @@ class NativeExecutor:
         autotune length bucket up to --max-length (see clef_worker.backbone)."""
         started = time.perf_counter()
         if self.runner is not None:
-            built = self.runner.capture_all()
-            log.info("built %d length buckets (%s) in %.0f ms, graphs %s, graph memory %d bytes",
-                     len(built), "cuda graphs" if self.runner.graphs else "eager",
-                     self.runner.stats.capture_ms, self.runner.graphs,
-                     self.runner.capturer.memory_bytes())
+            self._build_buckets(self.runner)
         self.score(WARMUP_REQUEST)
         lengths = describe_kernel_lengths(self.backbone, self.limits.max_length)
         if lengths:
@@ -230,6 +226,23 @@ class NativeExecutor:
                 self.backbone.warm_gdn(lengths)
             self.score(WARMUP_REQUEST)
         log.info("warm-up done in %.0f ms", (time.perf_counter() - started) * 1000)
+
+    def _build_buckets(self, runner: BucketedBackbone) -> None:
+        """Build (capture) every bucket. A kernel that cannot be captured must not take the
+        service down: the executor then serves eagerly and unpadded, and says so in the log
+        and in `ready` / `/health`."""
+        try:
+            built = runner.capture_all()
+        except Exception as exc:
+            if not runner.graphs or device_is_broken(exc, self.device):
+                raise
+            log.error("CUDA graph capture failed, serving without graphs: %s: %s",
+                      type(exc).__name__, exc)
+            self.runner = None
+            return
+        log.info("built %d length buckets (%s) in %.0f ms, graph memory %d bytes", len(built),
+                 "cuda graphs" if runner.graphs else "eager", runner.stats.capture_ms,
+                 runner.capturer.memory_bytes())
 
     def answer(self, body: bytes) -> Answer:
         """Raw body -> final response bytes, with the sequence length and state tokens cut.

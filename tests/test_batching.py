@@ -262,13 +262,19 @@ def test_serve_takes_every_waiting_frame_into_one_forward(executor: NativeExecut
         assert_same_response(reply["body"], _solo(executor, case).value.body)
 
 
-def test_serve_cuts_forwards_at_the_token_budget(executor: NativeExecutor) -> None:
+def _serve_one_per_forward(executor: NativeExecutor, batcher: PerCaseLimits,
+                           out: io.BytesIO) -> int:
+    """Serve three golden requests with a token budget that fits one of them per forward."""
     ok = [c for c in CASES if "error" not in c and c["max_length"] == 16384][:3]
     longest = max(len(executor.prepare(_body(c)).encoding.input_ids) for c in ok)
-    batcher = PerCaseLimits(executor)
     channel = _pipe_with(*(messages.request(i, _body(c)) for i, c in enumerate(ok)))
+    return serve(batcher, channel, out, BatchPolicy(max_batch_tokens=longest))  # type: ignore[arg-type]
+
+
+def test_serve_cuts_forwards_at_the_token_budget(executor: NativeExecutor) -> None:
+    batcher = PerCaseLimits(executor)
     out = io.BytesIO()
-    assert serve(batcher, channel, out, BatchPolicy(max_batch_tokens=longest)) == 0  # type: ignore[arg-type]
+    assert _serve_one_per_forward(executor, batcher, out) == 0
     assert batcher.forwards == [1, 1, 1]
     assert [r["id"] for r in _replies(out)] == [0, 1, 2]
 
@@ -282,12 +288,9 @@ def test_a_broken_device_mid_batch_fails_that_batch_and_the_worker_exits(
                 raise ExecutorBroken("CUDA error: an illegal memory access was encountered")
             return self.executor.answer_prepared(batch)
 
-    ok = [c for c in CASES if "error" not in c and c["max_length"] == 16384][:3]
-    longest = max(len(executor.prepare(_body(c)).encoding.input_ids) for c in ok)
     batcher = Broken(executor)
-    channel = _pipe_with(*(messages.request(i, _body(c)) for i, c in enumerate(ok)))
     out = io.BytesIO()
-    assert serve(batcher, channel, out, BatchPolicy(max_batch_tokens=longest)) == 3  # type: ignore[arg-type]
+    assert _serve_one_per_forward(executor, batcher, out) == 3
     replies = _replies(out)
     assert [(r["id"], r.get("status")) for r in replies] == [(0, 200), (1, 500), (2, 500)]
     assert batcher.forwards == [1, 1]  # the request after the broken one never ran

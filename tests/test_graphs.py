@@ -202,3 +202,30 @@ def test_cuda_graph_replay_equals_eager(tiny_snapshot: Path) -> None:
                "questions": {"q": {"type": "noul"}}}
     want, got = eager.score(request), graphs.score(request)
     assert max(abs(a - b) for a, b in zip(got.logits, want.logits, strict=True)) < 1e-4
+
+
+class FailingCapturer(RecordingCapturer):
+    def capture(self, forward: Forward) -> Forward:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_falls_back_to_eager_serving(tiny_snapshot: Path) -> None:
+    executor = NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32",
+                                   limits=RequestLimits(max_length=256), cuda_graphs="on")
+    assert executor.runner is not None
+    executor.runner.capturer = FailingCapturer()
+    executor.runner.graphs = True  # as on CUDA
+    executor.warm_up()
+    assert executor.runner is None
+    assert executor.describe().cuda_graphs is False and executor.describe().buckets == []
+    request = {"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}
+    assert executor.score(request).probabilities  # still answers, eagerly
+
+
+def test_a_failed_eager_bucket_is_not_hidden(tiny_snapshot: Path) -> None:
+    executor = NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32",
+                                   limits=RequestLimits(max_length=256), cuda_graphs="on")
+    assert executor.runner is not None
+    executor.runner.capturer = FailingCapturer()
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        executor.warm_up()
