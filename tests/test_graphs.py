@@ -211,7 +211,7 @@ class FailingCapturer(RecordingCapturer):
 
 def test_a_failed_capture_falls_back_to_eager_serving(tiny_snapshot: Path) -> None:
     executor = NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32",
-                                   limits=RequestLimits(max_length=256), cuda_graphs="on")
+                                   limits=RequestLimits(max_length=1024), cuda_graphs="on")
     assert executor.runner is not None
     executor.runner.capturer = FailingCapturer()
     executor.runner.graphs = True  # as on CUDA
@@ -224,7 +224,7 @@ def test_a_failed_capture_falls_back_to_eager_serving(tiny_snapshot: Path) -> No
 
 def test_a_failed_eager_bucket_is_not_hidden(tiny_snapshot: Path) -> None:
     executor = NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32",
-                                   limits=RequestLimits(max_length=256), cuda_graphs="on")
+                                   limits=RequestLimits(max_length=1024), cuda_graphs="on")
     assert executor.runner is not None
     executor.runner.capturer = FailingCapturer()
     with pytest.raises(RuntimeError, match="stream is capturing"):
