@@ -32,9 +32,9 @@ from clef_worker.batching import (
 from clef_worker.executor import Answer, ExecutorBroken
 from clef_worker.main import serve
 from clef_worker.native import NativeExecutor, Prepared
+from tests.answer_compare import assert_same_response
 from tests.conftest import GOLDEN
 
-PROBABILITY_TOLERANCE = 1e-4 + 1e-9  # one unit in the 4th decimal (rounding boundaries)
 CASES = [json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitlines() if line]
 BIG = BatchPolicy(max_batch_tokens=1 << 30)
 
@@ -103,24 +103,6 @@ class PerCaseLimits:
     def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
         self.forwards.append(len(batch))
         return self.executor.answer_prepared(batch)
-
-
-def assert_same_response(got: bytes, want: bytes) -> None:
-    """Equal after json.loads, except probabilities one unit apart in the 4th decimal."""
-    def walk(a: Any, b: Any) -> None:
-        if isinstance(a, dict):
-            assert isinstance(b, dict) and list(a) == list(b)
-            for key in a:
-                walk(a[key], b[key])
-        elif isinstance(a, list):
-            assert isinstance(b, list) and len(a) == len(b)
-            for x, y in zip(a, b, strict=True):
-                walk(x, y)
-        elif isinstance(a, float) and isinstance(b, float):
-            assert abs(a - b) <= PROBABILITY_TOLERANCE
-        else:
-            assert a == b
-    walk(json.loads(got), json.loads(want))
 
 
 def _solo(executor: NativeExecutor, case: dict[str, Any]) -> Outcome:
