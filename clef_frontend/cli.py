@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import shlex
 import sys
+from collections.abc import Callable
 
 from clef_frontend import logs
 from clef_frontend.config import ServerConfig
@@ -31,14 +32,23 @@ def _port(value: str) -> int:
     return number
 
 
-def _seconds(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
-    if not number >= 0 or number == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds, got {value!r}")
-    return number
+def _non_negative(unit: str) -> Callable[[str], float]:
+    """An argparse type: a finite number >= 0 of `unit`."""
+
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {unit}, got {value!r}") from None
+        if not number >= 0 or number == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a finite number of {unit}, got {value!r}")
+        return number
+
+    return parse
+
+
+_seconds = _non_negative("seconds")
+_rate = _non_negative("bytes per second")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     net = parser.add_argument_group("listening")
     net.add_argument("--host", default=d.host, help="address to bind")
     net.add_argument("--port", type=_port, default=d.port, help="TCP port; 0 picks a free one")
+    net.add_argument("--backlog", type=positive_int, default=d.backlog,
+                     help="listen queue of not yet accepted connections (the kernel caps it at "
+                          "net.core.somaxconn)")
     net.add_argument("--metrics-port", type=_port, default=None,
                      help="serve GET /metrics on this port (same --host) instead of the public "
                           "one; 0 picks a free one")
@@ -65,10 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds for a whole request head once it has begun")
     http.add_argument("--body-timeout", type=_seconds, default=d.body_timeout,
                       help="seconds without a body byte before 408")
+    http.add_argument("--body-min-rate", type=_rate, default=d.body_min_rate,
+                      help="bytes/s a body must average once the grace period is over (408 "
+                           "below); 0 turns the rate check off")
+    http.add_argument("--body-rate-grace", type=_seconds, default=d.body_rate_grace,
+                      help="seconds after the head before --body-min-rate applies")
     http.add_argument("--keepalive-timeout", type=_seconds, default=d.keepalive_timeout,
                       help="seconds an idle connection is kept open")
     http.add_argument("--send-timeout", type=_seconds, default=d.send_timeout,
-                      help="seconds a client may take to accept a response")
+                      help="seconds a client may take to accept a whole response (a deadline, "
+                           "not inactivity); a slower reader is reset")
     queue = parser.add_argument_group("admission")
     queue.add_argument("--queue-size", type=positive_int, default=d.queue_size,
                        help="requests that may wait for the worker (503 when full)")
@@ -112,11 +131,14 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         limits=limits_from(args),
         host=args.host,
         port=args.port,
+        backlog=args.backlog,
         metrics_port=args.metrics_port,
         body_limit=args.body_limit,
         header_limit=args.header_limit,
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
+        body_min_rate=args.body_min_rate,
+        body_rate_grace=args.body_rate_grace,
         keepalive_timeout=args.keepalive_timeout,
         send_timeout=args.send_timeout,
         queue_size=args.queue_size,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from clef_frontend.body_rate import BodyRateRule
 from clef_protocol.frames import MAX_FRAME_BYTES
 from clef_protocol.options import RequestLimits
 
@@ -23,11 +24,14 @@ class ServerConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     host: str = "127.0.0.1"
     port: int = 8000
+    backlog: int = 2048
     metrics_port: int | None = None
     body_limit: int = 8 * 1024 * 1024
     header_limit: int = 16 * 1024
     header_timeout: float = 10.0
     body_timeout: float = 30.0
+    body_min_rate: float = 1024.0
+    body_rate_grace: float = 5.0
     keepalive_timeout: float = 5.0
     send_timeout: float = 30.0
     queue_size: int = 64
@@ -50,7 +54,7 @@ class ServerConfig:
             )
         if not self.worker_argv:
             raise ValueError("the worker command is empty")
-        for name in ("body_limit", "header_limit", "queue_size"):
+        for name in ("body_limit", "header_limit", "queue_size", "backlog"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be at least 1")
         for name in (
@@ -60,9 +64,16 @@ class ServerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.body_min_rate < 0 or self.body_rate_grace < 0:
+            raise ValueError("--body-min-rate and --body-rate-grace must be >= 0")
         if self.drain_timeout < 0 or self.restart_backoff < 0 or self.retry_after < 0:
             raise ValueError("--drain-timeout, --restart-backoff and --retry-after must be >= 0")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not a TCP port")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port {self.metrics_port} is not a TCP port")
+
+    @property
+    def body_rate_rule(self) -> BodyRateRule:
+        """How slowly a request body may arrive (body_rate.py)."""
+        return BodyRateRule(self.body_timeout, self.body_min_rate, self.body_rate_grace)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
+import struct
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -42,6 +44,8 @@ READ_SIZE = 256 * 1024
 # After an answer sent before the request was fully read (413, 415, 408, a malformed head), how
 # long the client's remaining bytes are read and discarded before the socket is closed.
 LINGER_SECONDS = 2.0
+# The shortest wait for body bytes, even past the body's deadline (see _read_body).
+MIN_BODY_WAIT = 0.05
 # Bodies above this are parsed and validated in a thread, so a large JSON document does not
 # stall the event loop (and every other client) for the length of its parse.
 INLINE_CHECK_BYTES = 64 * 1024
@@ -200,7 +204,7 @@ class HttpConnection:
         if isinstance(length, Reply):
             return length
         # Rows 6-7: read the whole body before anything else happens to it.
-        body = await self._read_body()
+        body = await self._read_body(length)
         if isinstance(body, Reply):
             return body
         exchange.bytes_in = len(body)
@@ -256,20 +260,27 @@ class HttpConnection:
     def _refused_head(self, raw: bytes, exc: h11.RemoteProtocolError) -> RequestHead | Reply:
         """h11 refused a head: rescue it if only its framing headers were at fault."""
         size = len(raw) - len(self._conn.trailing_data[0])
-        rescued = reparse_without_framing(raw[:size]) if size > 0 else None
+        try:
+            rescued = reparse_without_framing(raw[:size]) if size > 0 else None
+        except h11.RemoteProtocolError as other_fault:
+            exc, rescued = other_fault, None
         if rescued is not None:
             self._conn, request = rescued
             return RequestHead(request, scan_framing(raw[:size]), size, body_readable=False)
-        status = exc.error_status_hint
+        # A malformed head is the client's fault: never a 5xx (h11 hints 501 for codings).
+        status = exc.error_status_hint if 400 <= exc.error_status_hint < 500 else 400
         if status == 431:
             return responses.error(431, "request header block too large", close=True)
         return responses.error(status, f"malformed request: {str(exc)[:200]}", close=True)
 
-    async def _read_body(self) -> bytes | Reply:
-        """The whole body (h11 counts Content-Length), or 408 on inactivity, 400 on EOF."""
+    async def _read_body(self, length: int) -> bytes | Reply:
+        """The whole body (h11 counts Content-Length), or 408 when it comes too slowly (silence
+        or under the minimum rate, body_rate.py), 400 on EOF."""
         if self._conn.they_are_waiting_for_100_continue:
             go_on = h11.InformationalResponse(status_code=100, headers=[])
             self._writer.write(self._conn.send(go_on))
+        loop = asyncio.get_running_loop()
+        clock = self._config.body_rate_rule.start(loop.time(), length)
         chunks: list[bytes] = []
         while True:
             try:
@@ -278,13 +289,19 @@ class HttpConnection:
                 return responses.error(400, "incomplete body", close=True)
             if isinstance(event, h11.Data):
                 chunks.append(bytes(event.data))
+                clock.record(len(event.data), loop.time())
             elif isinstance(event, h11.EndOfMessage):
                 return b"".join(chunks)
             else:
                 try:
+                    # Never a zero wait: after a stall of the event loop the kernel may hold
+                    # bytes that arrived in time, and they must be read before judging the rate.
                     data = await asyncio.wait_for(self._reader.read(READ_SIZE),
-                                                  self._config.body_timeout)
+                                                  max(clock.wait_limit(loop.time()),
+                                                      MIN_BODY_WAIT))
                 except TimeoutError:
+                    log.info("client %s: 408 after %d of %d body bytes: %s", self._client,
+                             clock.received, length, clock.too_slow(loop.time()) or "too slow")
                     return responses.error(408, "request body timed out", close=True)
                 except ConnectionError:
                     data = b""
@@ -353,7 +370,11 @@ class HttpConnection:
             return
         self._writer.write(data)
         self._linger = self._conn.their_state not in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
-        await asyncio.wait_for(self._writer.drain(), self._config.send_timeout)
+        try:
+            await asyncio.wait_for(self._writer.drain(), self._config.send_timeout)
+        except TimeoutError:
+            self._reset_slow_reader()
+            raise
 
     async def _close(self) -> None:
         """Close the socket, lingering if the client may still be sending.
@@ -372,6 +393,25 @@ class HttpConnection:
                     if not await asyncio.wait_for(self._reader.read(READ_SIZE), left):
                         break
         self._writer.close()
+        # The transport still flushes what the client has not read; --send-timeout bounds that
+        # too, or a client that never reads would keep the socket and its buffer forever.
+        try:
+            await asyncio.wait_for(self._writer.wait_closed(), self._config.send_timeout)
+        except TimeoutError:
+            self._reset_slow_reader()
+        except OSError:
+            pass
+
+    def _reset_slow_reader(self) -> None:
+        """Drop a client that did not take its response within --send-timeout: reset at once
+        (SO_LINGER 0), so neither the transport nor the kernel keeps its unsent bytes."""
+        log.info("client %s did not accept its response within %gs: connection reset",
+                 self._client, self._config.send_timeout)
+        sock = self._writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self._writer.transport.abort()
 
 
 def _header(request: h11.Request, name: bytes) -> bytes | None:

@@ -55,11 +55,14 @@ def scan_framing(raw_head: bytes) -> FramingHeaders:
 
 
 def reparse_without_framing(raw_head: bytes) -> tuple[h11.Connection, h11.Request] | None:
-    """Parse a head h11 refused, minus its framing headers; None if it is malformed anyway.
+    """Parse a head h11 refused, minus its framing headers; None if nothing could be removed.
 
     The returned connection has consumed that head: the caller answers on it and closes, since
     the body's length is unknown. Heads with obsolete line folding are not rescued, because
-    removing a line could glue its continuation onto another header.
+    removing a line could glue its continuation onto another header. If the head is malformed
+    apart from its framing (a missing or repeated Host, say), h11's RemoteProtocolError for that
+    fault is raised: it is the one to report, not h11's first complaint about the framing (a 501
+    for a coding other than chunked, which the contract never answers).
     """
     raw_lines = raw_head.split(b"\n")
     if any(line[:1] in (b" ", b"\t") for line in raw_lines[1:]):
@@ -69,10 +72,7 @@ def reparse_without_framing(raw_head: bytes) -> tuple[h11.Connection, h11.Reques
         return None  # nothing to remove: h11's refusal had another cause
     connection = h11.Connection(h11.SERVER)
     connection.receive_data(b"\n".join(kept))
-    try:
-        event = connection.next_event()
-    except h11.RemoteProtocolError:
-        return None
+    event = connection.next_event()
     if not isinstance(event, h11.Request):
         return None
     return connection, event

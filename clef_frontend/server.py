@@ -73,7 +73,8 @@ class FrontServer:
                 return 1 if not self._stop_requested.is_set() else 0
             try:
                 server = await asyncio.start_server(
-                    self._serve_client, self._config.host, self._config.port, limit=READ_SIZE
+                    self._serve_client, self._config.host, self._config.port, limit=READ_SIZE,
+                    backlog=self._config.backlog, reuse_address=True,
                 )
             except OSError as exc:
                 log.error("cannot listen on %s:%d: %s", self._config.host, self._config.port, exc)
@@ -81,7 +82,8 @@ class FrontServer:
             for sock in server.sockets:
                 host, port = sock.getsockname()[:2]
                 shown = f"[{host}]" if ":" in host else host
-                log.info("listening on http://%s:%d", shown, port)
+                log.info("listening on http://%s:%d (backlog %d)", shown, port,
+                         self._config.backlog)
                 self._address = self._address or f"{shown}:{port}"
             # The socket is listening (connections queue in its backlog): only now is it READY.
             self._systemd.ready(self._address)

@@ -6,7 +6,8 @@ must see why and the server must not bind its port, so `start()` raises. Later f
 survived: the state goes to `restarting` (so `/health` and admission refuse with 503), and a new
 worker is started after an exponential backoff, forever, until one sends `ready` again. A
 replacement that sends `fatal` is retried the same way (a passing cause, such as a GPU still held
-by the dead worker, should not need an operator), and every attempt is logged.
+by the dead worker, should not need an operator), and every attempt is logged. The backoff grows
+only in a crash loop: a worker that answered a request before dying resets it (backoff.py).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import StrEnum
 
+from clef_frontend.backoff import RestartBackoff
 from clef_frontend.config import ServerConfig
 from clef_frontend.worker_channel import WorkerChannel, WorkerReply, failure_reason
 from clef_frontend.worker_errors import WorkerFailure, WorkerUnavailable
@@ -37,24 +38,6 @@ class StartupFailed(Exception):
     """The first worker did not become ready; str() is the reason for the operator."""
 
 
-@dataclass
-class Backoff:
-    """Exponential restart delays with a cap; a worker that stayed up long enough resets them."""
-
-    initial: float
-    cap: float
-    reset_after: float
-    failures: int = 0
-
-    def after_failure(self, uptime: float) -> float:
-        """The delay before the next start, given how long the failed worker was up."""
-        if uptime >= self.reset_after:
-            self.failures = 0
-        delay = min(self.cap, self.initial * float(2 ** min(self.failures, 32)))
-        self.failures += 1
-        return delay
-
-
 class Supervisor:
     """Owns the worker process; `forward` is the only way requests reach it."""
 
@@ -67,11 +50,12 @@ class Supervisor:
         self._config = config
         self._on_worker_lost = on_worker_lost
         self._on_worker_failed = on_worker_failed
-        self._backoff = Backoff(
+        self._backoff = RestartBackoff(
             config.restart_backoff, config.restart_backoff_max, config.restart_reset_after
         )
         self._channel: WorkerChannel | None = None
         self._ready_at = 0.0
+        self._served = 0  # successful answers of the current worker (see backoff.py)
         self.state = WorkerState.STARTING
         self.info: ReadyInfo | None = None
         self.restarts = 0
@@ -106,9 +90,12 @@ class Supervisor:
         reason = self.unavailable_reason()
         if reason is not None:
             raise WorkerUnavailable(reason)
-        assert self._channel is not None
-        return await self._channel.call(request_id, body, self._config.request_timeout,
-                                        trace_id)
+        channel = self._channel
+        assert channel is not None
+        reply = await channel.call(request_id, body, self._config.request_timeout, trace_id)
+        if reply.status == 200 and channel is self._channel:
+            self._served += 1
+        return reply
 
     async def watch(self) -> None:
         """Run until cancelled: each time the worker fails, replace it (with backoff)."""
@@ -121,19 +108,19 @@ class Supervisor:
             dead = self._channel
             code = await asyncio.shield(dead.kill())
             reason = failure_reason(failure, code)
-            log.error("worker pid=%d failed after %.1fs: %s (exit code %s, reason=%s)",
-                      dead.pid, uptime, failure, code, reason)
+            log.error("worker pid=%d failed after %.1fs and %d answers: %s (exit code %s, "
+                      "reason=%s)", dead.pid, uptime, self._served, failure, code, reason)
             if self._on_worker_failed is not None:
                 self._on_worker_failed(reason)
-            delay = self._backoff.after_failure(uptime)
+            decision = self._backoff.worker_died(uptime=uptime, served=self._served)
             while True:
-                log.warning("starting a new worker in %.2fs", delay)
-                await asyncio.sleep(delay)
+                log.warning("starting a new worker in %.2fs (%s)", decision.delay, decision.reason)
+                await asyncio.sleep(decision.delay)
                 try:
                     await self._launch()
                 except WorkerFailure as exc:
                     log.error("replacement worker failed to start: %s", exc)
-                    delay = self._backoff.after_failure(0.0)
+                    decision = self._backoff.start_failed()
                     continue
                 break
             self.restarts += 1
@@ -158,6 +145,7 @@ class Supervisor:
             raise
         self._channel, self.info = channel, info
         self._ready_at = time.monotonic()
+        self._served = 0
         self.state = WorkerState.READY
         log.info(
             "worker ready: pid=%d thread=%s model=%s variant=%s device=%s dtype=%s gdn_path=%s "

@@ -15,6 +15,7 @@ DTYPES = ("auto", "bfloat16", "float32")
 GDN_PATHS = ("auto", "fla", "torch")
 EXECUTORS = ("native", "release")
 CUDA_GRAPH_MODES = ("auto", "on", "off")
+MEDIA_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,11 @@ class RequestLimits:
     max_questions: int = 64
     max_choice_options: int = 255
     max_score_levels: int = 10
+    # Media (clef_protocol.media): off refuses every image and video with a 422.
+    media: bool = True
+    max_images: int = 4
+    max_video_frames: int = 32
+    max_image_pixels: int = 4096 * 4096
 
 
 def _device(value: str) -> str:
@@ -100,6 +106,18 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="options per choice question")
     limits.add_argument("--max-levels", type=positive_int, default=RequestLimits.max_score_levels,
                         help="levels per score question")
+    limits.add_argument("--media", choices=MEDIA_MODES, default="auto",
+                        help="images and videos: auto (on when the snapshot has a vision tower "
+                             "and a processor), on (refuse to start without them) or off (422)")
+    limits.add_argument("--max-images", type=positive_int, default=RequestLimits.max_images,
+                        help="images per request")
+    limits.add_argument("--max-video-frames", type=positive_int,
+                        default=RequestLimits.max_video_frames,
+                        help="video frames per request, all videos together")
+    limits.add_argument("--max-image-pixels", type=positive_int,
+                        default=RequestLimits.max_image_pixels,
+                        help="width x height of one image or frame, checked in its header "
+                             "before decoding")
 
 
 def limits_from(args: argparse.Namespace) -> RequestLimits:
@@ -108,6 +126,10 @@ def limits_from(args: argparse.Namespace) -> RequestLimits:
         max_questions=args.max_questions,
         max_choice_options=args.max_options,
         max_score_levels=args.max_levels,
+        media=args.media != "off",
+        max_images=args.max_images,
+        max_video_frames=args.max_video_frames,
+        max_image_pixels=args.max_image_pixels,
     )
 
 
@@ -128,4 +150,8 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         "--max-questions", str(args.max_questions),
         "--max-options", str(args.max_options),
         "--max-levels", str(args.max_levels),
+        "--media", args.media,
+        "--max-images", str(args.max_images),
+        "--max-video-frames", str(args.max_video_frames),
+        "--max-image-pixels", str(args.max_image_pixels),
     ]

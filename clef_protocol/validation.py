@@ -17,7 +17,6 @@ QUESTION_TYPES = ("noul", "choice", "score")
 
 MODEL_AND_STATE = "model and state are required"
 AT_LEAST_ONE_QUESTION = "at least one question is required"
-MEDIA_UNSUPPORTED = "images and videos are not supported yet"
 
 
 class RequestInvalid(ValueError):
@@ -74,5 +73,8 @@ def validate_request(request: dict[str, Any], limits: RequestLimits) -> None:
         )
     for qid, question in questions.items():
         _check_question(qid, question, limits)
-    if request.get("images") or request.get("videos"):
-        raise RequestInvalid(MEDIA_UNSUPPORTED)
+    if any(request.get(key) is not None for key in ("images", "videos", "media_kwargs")):
+        # Imported here: Pillow loads only for requests that carry media.
+        from clef_protocol.media import check_media
+
+        check_media(request, limits)

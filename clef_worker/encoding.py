@@ -171,9 +171,8 @@ class Encoder:
     ) -> Encoding:
         """Encode a validated request; raise `RequestInvalid` if its schema exceeds the budget.
 
-        `media_ids` is the hook for the media issue: the processor's vision tokens go between
-        the prefix and the state and count against the budget like the schema. Nothing passes
-        any yet (validation refuses media).
+        `media_ids` are the request's media tokens (clef_worker.vision): they go between the
+        prefix and the state and count against the budget like the schema.
         """
         segments: list[_Segment] = [self.schema_header_ids]
         texts: list[str] = []

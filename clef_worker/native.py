@@ -22,9 +22,10 @@ import torch
 from safetensors import safe_open
 
 from clef_protocol.body import parse_body
+from clef_protocol.media import decode_media, gradient_image, has_media, png_data_uri
 from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
-from clef_protocol.validation import validate_request
+from clef_protocol.validation import RequestInvalid, validate_request
 from clef_worker.answers import build_response, serialize
 from clef_worker.backbone import (
     Backbone,
@@ -49,6 +50,7 @@ from clef_worker.graphs import (
 from clef_worker.head import HeadIndex, JointSchemaHead
 from clef_worker.snapshot import Snapshot, open_snapshot
 from clef_worker.transfer import to_device_packed
+from clef_worker.vision import PreparedMedia, VisionTower, has_vision, load_vision
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,7 @@ class Scored:
     logits: list[float]
     probabilities: list[float]
     timings_ms: dict[str, float] = field(default_factory=dict)
+    media: PreparedMedia | None = None
 
     def response(self) -> dict[str, Any]:
         """The response object for this request."""
@@ -107,6 +110,7 @@ class Prepared:
 
     request: dict[str, Any]
     encoding: Encoding
+    media: PreparedMedia | None = None
 
 
 class NativeExecutor:
@@ -120,6 +124,7 @@ class NativeExecutor:
         backbone: Backbone,
         head: JointSchemaHead,
         limits: RequestLimits,
+        vision: VisionTower | None = None,
         runner: BucketedBackbone | None = None,
     ):
         self.snapshot = snapshot
@@ -127,6 +132,7 @@ class NativeExecutor:
         self.backbone = backbone
         self.head = head
         self.limits = limits
+        self.vision = vision
         self.device = backbone.device
         self.runner = runner
         self.pad_id = runner.pad_id if runner is not None else pad_token_id(
@@ -143,6 +149,7 @@ class NativeExecutor:
         gdn_prefill: str = "auto",
         limits: RequestLimits | None = None,
         demo: bool = False,
+        media: str = "auto",
         cuda_graphs: str = "auto",
         graph_max_length: int = 0,
     ) -> NativeExecutor:
@@ -172,6 +179,7 @@ class NativeExecutor:
         # The release runs the head in the backbone dtype on GPU; on CPU it runs in float32.
         head_dtype = weights_dtype if target.type == "cuda" else torch.float32
         head = load_head(snapshot, target, head_dtype)
+        vision = _load_media(snapshot, encoder, backbone, media)
         runner = None
         if buckets_enabled(cuda_graphs, target):
             table = BucketTable.for_budget(limits.max_length, graph_max_length or None)
@@ -180,7 +188,7 @@ class NativeExecutor:
             capturer = CudaGraphCapturer(target) if capture else EagerCapturer()
             runner = BucketedBackbone(backbone, table, pad_id, capturer, graphs=capture)
         executor = cls(snapshot=snapshot, encoder=encoder, backbone=backbone, head=head,
-                       limits=limits, runner=runner)
+                       limits=limits, vision=vision, runner=runner)
         log.info(
             "loaded %s from %s on %s (%s backbone, %s head, gdn %s) in %.1f s",
             variant, snapshot.root, target, DTYPE_NAMES[weights_dtype],
@@ -191,7 +199,8 @@ class NativeExecutor:
     def with_limits(self, limits: RequestLimits) -> NativeExecutor:
         """The same loaded model under other request limits (tests, benchmarks)."""
         return type(self)(snapshot=self.snapshot, encoder=self.encoder, backbone=self.backbone,
-                          head=self.head, limits=limits, runner=self.runner)
+                          head=self.head, limits=limits, vision=self.vision,
+                          runner=self.runner)
 
     # -- Executor protocol -------------------------------------------------------------------
 
@@ -225,6 +234,8 @@ class NativeExecutor:
             with torch.inference_mode():
                 self.backbone.warm_gdn(lengths)
             self.score(WARMUP_REQUEST)
+        if self.vision is not None:
+            self._warm_media()
         log.info("warm-up done in %.0f ms", (time.perf_counter() - started) * 1000)
 
     def _build_buckets(self, runner: BucketedBackbone) -> None:
@@ -244,6 +255,13 @@ class NativeExecutor:
                  "cuda graphs" if runner.graphs else "eager", runner.stats.capture_ms,
                  runner.capturer.memory_bytes())
 
+    def _warm_media(self) -> None:
+        """An image request too, so the vision tower's first request is not a cold one."""
+        try:
+            self.score(media_warmup_request())
+        except RequestInvalid as exc:
+            log.warning("image warm-up skipped: %s", exc)
+
     def answer(self, body: bytes) -> Answer:
         """Raw body -> final response bytes, with the sequence length and state tokens cut.
 
@@ -255,17 +273,29 @@ class NativeExecutor:
 
     # -- Inspectable pipeline -------------------------------------------------------------
 
-    def encode(self, request: dict[str, Any]) -> Encoding:
-        """Validate and encode (the budget check raises RequestInvalid)."""
+    def encode(self, request: dict[str, Any], media: PreparedMedia | None = None) -> Encoding:
+        """Validate and encode (the budget check raises RequestInvalid); `media`'s tokens go
+        right after the prefix and count in the budget."""
         validate_request(request, self.limits)
-        return self.encoder.encode(request, self.limits.max_length)
+        media_ids = media.token_ids if media is not None else ()
+        return self.encoder.encode(request, self.limits.max_length, media_ids)
+
+    def prepare_media(self, request: dict[str, Any]) -> PreparedMedia | None:
+        """Validate, decode and patchify the request's media; None for a text-only request."""
+        if not has_media(request):
+            return None
+        validate_request(request, self.limits)
+        if self.vision is None:
+            raise RequestInvalid(NO_VISION)
+        return self.vision.prepare(decode_media(request, self.limits))
 
     def score(self, request: dict[str, Any], *, profile: bool = False) -> Scored:
         """Validate, encode, run backbone and head; with `profile`, time each stage (syncing
         the device between stages, which costs a little)."""
         timings: dict[str, float] = {}
-        encoding = self._timed(timings, "encode", profile, lambda: self.encode(request))
-        return self._score_batch([Prepared(request, encoding)], timings, profile)[0]
+        media = self._timed(timings, "media", profile, lambda: self.prepare_media(request))
+        encoding = self._timed(timings, "encode", profile, lambda: self.encode(request, media))
+        return self._score_batch([Prepared(request, encoding, media)], timings, profile)[0]
 
     def score_batch(self, batch: Sequence[Prepared]) -> list[Scored]:
         """One backbone forward over several encoded requests (right-padded rows), then the
@@ -274,6 +304,9 @@ class NativeExecutor:
 
     def _score_batch(self, batch: Sequence[Prepared], timings: dict[str, float],
                      profile: bool) -> list[Scored]:
+        if len(batch) > 1 and any(item.media is not None for item in batch):
+            # Media requests go through the vision tower eagerly, unpadded: never batched.
+            return [scored for item in batch for scored in self._score_batch([item], {}, False)]
         lengths = [len(item.encoding.input_ids) for item in batch]
         width = self.padded_length(max(lengths))
         with torch.inference_mode():
@@ -288,7 +321,7 @@ class NativeExecutor:
                     [q.type_id for q in questions]))
             ids, indexes = self._to_device(host_ids, indexes)
             rows = self._timed(timings, "backbone", profile,
-                               lambda: self._hidden_rows(ids, lengths))
+                               lambda: self._hidden_rows(ids, lengths, batch[0].media))
             outputs = self._timed(timings, "head", profile, lambda: [
                 self.head(hidden, ids[row, :lengths[row]], self.backbone.lexical_table,
                           indexes[row])
@@ -302,15 +335,19 @@ class NativeExecutor:
             logits, probabilities = part
             scored.append(Scored(request=item.request, encoding=item.encoding,
                                  logits=logits.tolist(), probabilities=probabilities.tolist(),
-                                 timings_ms=timings if row == 0 else {}))
+                                 timings_ms=timings if row == 0 else {}, media=item.media))
         return scored
 
     def padded_length(self, length: int) -> int:
         """Row length of a forward whose longest request has `length` tokens."""
         return self.runner.padded_length(length) if self.runner is not None else length
 
-    def _hidden_rows(self, ids: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
-        """Each request's real rows of the last hidden state ([T_b, H] each)."""
+    def _hidden_rows(self, ids: torch.Tensor, lengths: list[int],
+                     media: PreparedMedia | None) -> list[torch.Tensor]:
+        """Each request's real rows of the last hidden state ([T_b, H] each); `media` only
+        with a single request."""
+        if media is not None and self.vision is not None:
+            return [self.vision.hidden_states(self.backbone, ids[0, :lengths[0]], media)]
         if len(lengths) == 1:
             if self.runner is not None:
                 return [self.runner.hidden_states(ids[0], lengths[0])]
@@ -334,7 +371,8 @@ class NativeExecutor:
     def prepare(self, body: bytes) -> Prepared:
         """Parse, validate and encode one body (400 / 422 exceptions as `answer`)."""
         request = parse_body(body)
-        return Prepared(request, self.encode(request))
+        media = self.prepare_media(request)
+        return Prepared(request, self.encode(request, media), media)
 
     def prepared_length(self, prepared: Prepared) -> int:
         return len(prepared.encoding.input_ids)
@@ -360,6 +398,30 @@ class NativeExecutor:
             torch.cuda.synchronize(self.device)
         timings[name] = (time.perf_counter() - started) * 1000
         return result
+
+
+NO_VISION = ("this server's model snapshot has no vision tower or processor: images and videos "
+             "cannot be scored")
+
+
+def _load_media(snapshot: Snapshot, encoder: Encoder, backbone: Backbone,
+                mode: str) -> VisionTower | None:
+    """The vision tower for `--media auto|on|off` (on: the snapshot must have one)."""
+    if mode == "off":
+        return None
+    missing = has_vision(snapshot)
+    if missing is not None:
+        if mode == "on":
+            raise StartupError(f"--media on: snapshot {snapshot.root} cannot score media "
+                               f"({missing})")
+        log.info("media off: %s", missing)
+        return None
+    return load_vision(snapshot, encoder, backbone.device, backbone.dtype)
+
+
+def media_warmup_request() -> dict[str, Any]:
+    """WARMUP_REQUEST with one 512x512 PNG, the size clients send."""
+    return {**WARMUP_REQUEST, "images": [png_data_uri(gradient_image(512, 512))]}
 
 
 def device_is_broken(exc: BaseException, device: torch.device) -> bool:

@@ -128,6 +128,7 @@ class ReleaseExecutor:
                 f"--executor release: {source} not found; this snapshot does not ship the "
                 f"release's {RELEASE_FILE} (use --executor native)"
             )
+        require_release_extra()
         # The same up-front checks as the native executor (files, head shapes, --variant), so a
         # broken snapshot fails with a clear message before any of its code runs.
         checked = open_snapshot(snapshot, variant=variant)
@@ -190,6 +191,20 @@ class ReleaseExecutor:
 
         with torch.inference_mode():
             return self._answerer(request)
+
+
+RELEASE_EXTRA = ("accelerate",)
+
+
+def require_release_extra() -> None:
+    """The release loader passes a `device_map` to `from_pretrained`, which transformers only
+    accepts with accelerate installed: say so at start-up, not deep inside upstream code."""
+    missing = [name for name in RELEASE_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        raise StartupError(
+            f"--executor release needs {', '.join(missing)} (the release loads its model with a "
+            "device_map): install it with pip install 'clef-serve[release]'"
+        )
 
 
 def _check_bound_path(chosen: str) -> str:

@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 TINY_SNAPSHOT = SHARED / "fixtures" / "clef-tiny"
 GOLDEN = SHARED / "fixtures" / "clef-tiny.golden.jsonl"
+MEDIA_GOLDEN = SHARED / "fixtures" / "clef-tiny.media.golden.jsonl"
 
 
 @pytest.fixture(scope="session")

@@ -295,3 +295,23 @@ def test_frame_waiting_sees_the_pipe_and_in_memory_streams() -> None:
 def test_the_native_executor_batches_and_test_doubles_need_not() -> None:
     assert supports_batching(NativeExecutor)
     assert not supports_batching(object())
+
+
+def test_a_media_request_in_a_batch_answers_as_alone(executor: NativeExecutor) -> None:
+    from tests.conftest import MEDIA_GOLDEN
+
+    media_cases = [json.loads(line) for line in MEDIA_GOLDEN.read_text(encoding="utf-8")
+                   .splitlines() if line]
+    image = next(c for c in media_cases if "error" not in c and c["request"].get("images"))
+    image = {**image, "name": "media:" + image["name"]}
+    text = [c for c in CASES if "error" not in c][:2]
+    batcher = PerCaseLimits(executor)
+    batcher.limited[image["name"]] = executor.with_limits(dataclasses.replace(
+        executor.limits, max_length=image["max_length"]))
+    picked = [text[0], image, text[1]]
+    results = list(answer_batch(batcher, [_body(c) for c in picked], BIG))
+    assert batcher.forwards == [3]
+    for case, (_, outcome) in zip(picked, results, strict=True):
+        assert outcome.error is None
+        assert_same_response(outcome.value.body, _solo(executor, case).value.body)
+    assert_same_response(results[1][1].value.body, json.dumps(image["response"]).encode())

@@ -1,4 +1,4 @@
-"""The front's pure parts, without processes: framing scan, route table, checks, backoff, bodies."""
+"""The front's pure parts, without processes: framing scan, route table, checks, bodies."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from clef_frontend.config import ServerConfig
 from clef_frontend.framing import reparse_without_framing, scan_framing
 from clef_frontend.responses import Reply
 from clef_frontend.routes import Route, check_post_head, media_type, route
-from clef_frontend.supervisor import Backoff
 from clef_frontend.worker_channel import WorkerReply, _reply_from
 from clef_frontend.worker_errors import WorkerFailure
 from clef_protocol import messages
@@ -96,9 +95,12 @@ def test_rescue_parses_a_head_h11_refused_for_its_framing_only() -> None:
     assert (b"content-type", b"application/json") in list(request.headers)
 
 
-def test_rescue_refuses_heads_that_are_malformed_anyway() -> None:
-    assert reparse_without_framing(b"GARBAGE\r\nContent-Length: x\r\n\r\n") is None
-    assert reparse_without_framing(head("Content-Length: x", "Bad Header")) is None
+def test_rescue_reports_the_fault_of_heads_that_are_malformed_anyway() -> None:
+    for raw in (b"GARBAGE\r\nContent-Length: x\r\n\r\n", head("Content-Length: x", "Bad Header"),
+                b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n"):  # no Host
+        with pytest.raises(h11.RemoteProtocolError) as refused:
+            reparse_without_framing(raw)
+        assert refused.value.error_status_hint == 400
     assert reparse_without_framing(head("Content-Length: x", " folded")) is None
     assert reparse_without_framing(head("X-Other: 1")) is None  # nothing to remove
 
@@ -157,13 +159,6 @@ def test_every_head_rescued_from_bad_framing_is_refused_by_rows_1_to_4(
     assert rescued is not None
     outcome = check_post_head(scan_framing(raw), b"application/json", LIMIT)
     assert isinstance(outcome, Reply) and outcome.status in (400, 411)
-
-
-def test_backoff_doubles_caps_and_resets() -> None:
-    backoff = Backoff(initial=0.5, cap=4.0, reset_after=60.0)
-    assert [backoff.after_failure(1.0) for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
-    assert backoff.after_failure(61.0) == 0.5  # the last worker served a while
-    assert backoff.after_failure(0.0) == 1.0
 
 
 def test_config_refuses_a_body_limit_beyond_one_frame() -> None:

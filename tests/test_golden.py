@@ -146,6 +146,12 @@ def test_malformed_body_is_refused_before_the_model(executor: NativeExecutor) ->
 
     with pytest.raises(BadRequestBody):
         executor.answer(b'{"model": "m", "state": ')
-    with pytest.raises(RequestInvalid, match="not supported"):
+    with pytest.raises(RequestInvalid, match=r"^images\[0\]: not valid base64"):
         executor.answer(json.dumps({"model": "m", "state": "s", "images": ["x"],
                                     "questions": {"a": {"type": "noul"}}}).encode())
+
+
+def test_text_cases_run_with_media_enabled(executor: NativeExecutor) -> None:
+    """The cases above ran with the vision tower loaded (--media auto on a snapshot that has
+    one): text-only requests are unchanged by media support."""
+    assert executor.vision is not None and executor.limits.media

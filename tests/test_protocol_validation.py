@@ -121,9 +121,11 @@ def test_default_caps() -> None:
 
 
 @pytest.mark.parametrize("media", [{"images": ["x.png"]}, {"videos": [{"url": "v"}]}])
-def test_media_refused_for_now(media: dict) -> None:
+def test_media_refused_when_malformed(media: dict) -> None:
     assert refusal(req({"q": {"type": "noul"}}, **media)) == (
-        "images and videos are not supported yet"
+        "images[0]: not valid base64 image data (URLs and file paths are never opened; send "
+        "the image inline)" if "images" in media else
+        "videos[0]: a video must be written [[frame, frame, ...]]"
     )
 
 

@@ -254,3 +254,36 @@ def test_snapshot_is_checked_before_its_code_runs(make_snapshot: MakeSnapshot) -
     (snapshot / "tokenizer.json").unlink()
     with pytest.raises(StartupError, match=r"tokenizer\.json"):
         _load(snapshot)
+
+
+# A stand-in loading the backbone as the release does: from_pretrained with a device_map.
+FORM_DEVICE_MAP = '''
+from transformers import AutoModelForCausalLM
+
+
+def load_release_model(snapshot_dir, device=None, dtype=None):
+    return AutoModelForCausalLM.from_pretrained(snapshot_dir, device_map=device, dtype=dtype), None
+
+
+def systemone(model, processor, request):
+    return {"model": request["model"], "answers": {}, "device": str(model.device),
+            "usage": {"input_tokens": 0, "output_tokens": 0}}
+'''
+
+
+def test_release_extra_loads_with_a_device_map(make_snapshot: MakeSnapshot) -> None:
+    """The documented environment (pip install 'clef-serve[release]', which CI installs through
+    the dev extra) has what the release's device_map loading needs."""
+    executor = _load(make_snapshot(FORM_DEVICE_MAP))
+    assert json.loads(executor.answer(_body(VALID)).body)["device"] == "cpu"
+
+
+def test_missing_release_extra_fails_startup_clearly(make_snapshot: MakeSnapshot,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "accelerate" else real(name, *a))
+    with pytest.raises(StartupError, match=r"pip install 'clef-serve\[release\]'"):
+        _load(make_snapshot(FORM_A))

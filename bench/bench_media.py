@@ -1,0 +1,117 @@
+"""Time an image request on CPU, and the costs that decide where images are decoded.
+
+Not a test: it measures, and prints Markdown for docs/benchmarks.md (section "Media"):
+
+1. per 512x512 image (the size clients send), JPEG and PNG of a photo-like picture: the header
+   check the front runs (`check_media`), the full Pillow decode, the torch pixel pipeline
+   (resize, normalise, patchify), and what moving the decoded pixels instead of the encoded
+   bytes to the worker would cost (msgpack pack + unpack of both);
+2. one image request through `NativeExecutor.score(profile=True)` on the shared tiny snapshot,
+   split into media (decode + pixels), encode, backbone (vision tower + text stack) and head,
+   next to the same request without the image.
+
+    .venv/bin/python bench/bench_media.py [--repeat 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+TINY_FIXTURE = REPO.parent / "shared" / "fixtures" / "clef-tiny"
+
+
+def median_ms(step: Callable[[], Any], repeat: int) -> float:
+    step()
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+def photo(size: int) -> Any:
+    import numpy as np
+
+    from clef_protocol.media import gradient_image
+
+    noise = np.random.default_rng(0).integers(0, 48, (size, size, 3), dtype=np.uint8)
+    return (gradient_image(size, size) // 2 + noise).astype(np.uint8)
+
+
+def encode(pixels: Any, fmt: str) -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format=fmt, quality=90)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=30)
+    args = parser.parse_args()
+
+    import msgpack
+    import torch
+
+    from clef_protocol.media import check_media, decode_media
+    from clef_protocol.options import RequestLimits
+    from clef_worker.native import WARMUP_REQUEST, NativeExecutor
+    from clef_worker.pixels import PixelSettings, image_patches
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    limits = RequestLimits()
+    settings = PixelSettings.from_file(TINY_FIXTURE / "processor_config.json")
+    pixels = photo(512)
+    print(f"torch threads {torch.get_num_threads()}; repeat {args.repeat}; medians in ms\n")
+    print("| 512x512 | bytes (base64) | header check | decode (Pillow) | pixels (torch) | "
+          "pipe: encoded | pipe: decoded |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for fmt in ("JPEG", "PNG"):
+        data = encode(pixels, fmt)
+        request = {**WARMUP_REQUEST, "images": [data]}
+        decoded = decode_media(request, limits).images[0]
+        raw = decoded.tobytes()
+        header = median_ms(lambda r=request: check_media(r, limits), args.repeat)
+        decode = median_ms(lambda r=request: decode_media(r, limits), args.repeat)
+        patch = median_ms(lambda d=decoded: image_patches(d, settings), args.repeat)
+        pipe_encoded = median_ms(
+            lambda d=data: msgpack.unpackb(msgpack.packb({"body": d.encode()})), args.repeat)
+        pipe_decoded = median_ms(
+            lambda b=raw: msgpack.unpackb(msgpack.packb({"pixels": b})), args.repeat)
+        print(f"| {fmt} | {len(data):,} | {header:.2f} | {decode:.2f} | {patch:.2f} | "
+              f"{pipe_encoded:.3f} | {pipe_decoded:.3f} |")
+
+    executor = NativeExecutor.load(TINY_FIXTURE, device="cpu", dtype="float32", limits=limits)
+    executor.warm_up()
+    print("\n| request (clef-tiny, CPU) | tokens | media | encode | backbone | head | total |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, request in (("text only", dict(WARMUP_REQUEST)),
+                          ("+ one 512x512 JPEG", {**WARMUP_REQUEST,
+                                                  "images": [encode(pixels, "JPEG")]})):
+        rows: list[dict[str, float]] = []
+        for _ in range(args.repeat + 1):
+            started = time.perf_counter()
+            scored = executor.score(request, profile=True)
+            rows.append({**scored.timings_ms, "total": (time.perf_counter() - started) * 1000})
+        rows = rows[1:]
+        cell = {key: statistics.median(row.get(key, 0.0) for row in rows)
+                for key in ("media", "encode", "backbone", "head", "total")}
+        print(f"| {name} | {scored.encoding.length} | {cell['media']:.2f} | "
+              f"{cell['encode']:.2f} | {cell['backbone']:.2f} | {cell['head']:.2f} | "
+              f"{cell['total']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
