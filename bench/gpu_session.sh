@@ -2,7 +2,9 @@
 # One GPU lease, one script: every device check of this project, most important first.
 # Run through the device tool from the repo root with `.gpu` carried (wheels + fixtures copy):
 #   .gpu/whl/      transformers 5.24.0 and fla-core 0.6.0 wheels (the image has torch + triton)
-#   .gpu/fixtures/ a copy of ../shared/fixtures (../shared does not travel)
+#   .gpu/fixtures/ a copy of ../shared/fixtures (../shared does not travel; the script links it
+#                  there for the tests)
+#   and, for the capture test, pytest + hypothesis wheels (and their pure-Python deps) in .gpu/whl
 # Each step has its own time limit and writes its JSON under $OUT as it finishes; the sum of the
 # limits of the steps before `--- optional` fits a 15-minute lease with the machine's start.
 #
@@ -19,6 +21,7 @@ else
     --target /tmp/site .gpu/whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
   PY=python3; F=.gpu/fixtures; DEV=cuda
+  [ -e ../shared/fixtures ] || { mkdir -p ../shared && ln -s "$PWD/.gpu/fixtures" ../shared/fixtures; }
 fi
 FAILED=0
 step() { local name=$1 limit=$2; shift 2; echo "=== $name"; local t0=$SECONDS
@@ -34,7 +37,7 @@ if [ $DRY = 0 ]; then
   python3 -c "import sys, torch, transformers, fla, triton; print(sys.version.split()[0], torch.__version__, transformers.__version__, fla.__version__, triton.__version__, torch.cuda.get_device_name())"
 fi
 # 1. graphs replay what eager computes (the capture unit test runs only where CUDA is)
-step graphs_unit 90 "$PY" -m pytest -q tests/test_graphs.py tests/test_buckets.py -k "cuda or golden_case"
+step graphs_unit 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py -k cuda
 # 2. parity with the golden answers, eager vs graphs, float32 and bf16
 step parity_fp32_torch_eager 60 "$PY" bench/gpu_parity.py --fixtures $F --device $DEV --dtype float32 --gdn-prefill torch --cuda-graphs off
 step parity_fp32_torch_graphs 90 "$PY" bench/gpu_parity.py --fixtures $F --device $DEV --dtype float32 --gdn-prefill torch --cuda-graphs on
