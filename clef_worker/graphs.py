@@ -116,6 +116,8 @@ class CudaGraphCapturer:
         return replay
 
     def memory_bytes(self) -> int:
+        """Growth of the caching allocator's reserved memory since this capturer was made (at
+        load, before warm-up): the graphs' shared pool plus what the warm runs left cached."""
         return max(0, torch.cuda.memory_reserved(self.device) - self._reserved_before)
 
 
@@ -160,8 +162,9 @@ class BucketedBackbone:
         """Build every bucket, largest first (the shared pool is sized by the first capture);
         returns the bucket lengths in the order they were built."""
         started = time.perf_counter()
-        for length in reversed(self.table.lengths):
-            self._build(length)
+        with torch.inference_mode():  # static buffers are inference tensors, written in place
+            for length in reversed(self.table.lengths):
+                self._build(length)
         self.stats.capture_ms += (time.perf_counter() - started) * 1000
         return list(self.stats.captured)
 
@@ -171,15 +174,16 @@ class BucketedBackbone:
         The result of a bucketed run is a view of a static buffer: use it before the next call.
         """
         bucket = self.table.select(length)
-        if bucket is None:
-            self.stats.eager_fallbacks += 1
-            return self.backbone.hidden_states(padded_ids[:length])
-        if padded_ids.shape != (bucket,):
-            raise ValueError(f"ids padded to {tuple(padded_ids.shape)}, expected ({bucket},)")
-        static = self.buckets.get(bucket) or self._build(bucket)
-        static.input_ids[0].copy_(padded_ids, non_blocking=True)
-        self.stats.replays[bucket] = self.stats.replays.get(bucket, 0) + 1
-        return static.replay()[0, :length]
+        with torch.inference_mode():
+            if bucket is None:
+                self.stats.eager_fallbacks += 1
+                return self.backbone.hidden_states(padded_ids[:length])
+            if padded_ids.shape != (bucket,):
+                raise ValueError(f"ids padded to {tuple(padded_ids.shape)}, expected ({bucket},)")
+            static = self.buckets.get(bucket) or self._build(bucket)
+            static.input_ids[0].copy_(padded_ids, non_blocking=True)
+            self.stats.replays[bucket] = self.stats.replays.get(bucket, 0) + 1
+            return static.replay()[0, :length]
 
     def _build(self, length: int) -> StaticBucket:
         input_ids = torch.full((1, length), self.pad_id, dtype=torch.long,
