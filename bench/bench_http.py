@@ -6,8 +6,15 @@ the per-request cost), then the same number spread over `--clients` concurrent c
 (FIFO admission: throughput stays that of one worker, latency grows with the queue), and prints
 percentiles as JSON.
 
+`--zero-work` measures the front alone instead: clef-serve with tests/fake_worker.py (a worker
+that does no work), `GET /health` (no worker hop) beside `POST /v1/systemone`, and uvicorn serving
+a zero-work ASGI app (bench/zero_work_app.py) when uvicorn is installed, each at 1 connection and
+at 32; it prints the table and writes it into docs/benchmarks.md (see bench/zero_work.py).
+
     python bench/bench_http.py -- --model demo --device cpu
     python bench/bench_http.py --requests 200 -- --model demo --device cuda
+    python bench/bench_http.py --zero-work
+    python bench/bench_http.py --quick          # a few seconds, writes nothing (CI smoke run)
 """
 
 from __future__ import annotations
@@ -73,8 +80,25 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--zero-work", action="store_true",
+                        help="measure the front with a zero-work worker, beside uvicorn")
+    parser.add_argument("--seconds", type=float, default=8.0,
+                        help="--zero-work: seconds of load per row and concurrency")
+    parser.add_argument("--no-wrk", action="store_true",
+                        help="--zero-work: use the asyncio load generator even if wrk exists")
+    parser.add_argument("--no-write", action="store_true",
+                        help="--zero-work: print the table, do not touch docs/benchmarks.md")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny run, writes nothing; without server flags, a zero-work run")
     parser.add_argument("server_args", nargs="*", help="flags for clef-serve (after --)")
     args = parser.parse_args()
+    if args.quick:
+        args.requests, args.clients, args.seconds, args.no_write = 5, 2, 1.0, True
+        args.zero_work = args.zero_work or not args.server_args
+    if args.zero_work:
+        from zero_work import run_zero_work
+
+        return run_zero_work(args)
     port = free_port()
     command = [sys.executable, "-m", "clef_frontend", "--port", str(port), *args.server_args]
     server = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)

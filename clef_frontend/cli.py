@@ -51,6 +51,28 @@ _seconds = _non_negative("seconds")
 _rate = _non_negative("bytes per second")
 
 
+def _devices(value: str) -> tuple[str, ...]:
+    items = tuple(item.strip() for item in value.split(","))
+    for item in items:
+        if item != "cpu" and not (item.startswith("cuda:") and item[5:].isdigit()):
+            raise argparse.ArgumentTypeError(
+                f"invalid device {item!r} in --devices: expected cpu or cuda:N")
+    if len(set(items)) != len(items):
+        raise argparse.ArgumentTypeError(f"a device is listed twice in --devices {value!r}")
+    return items
+
+
+def workers_from(args: argparse.Namespace) -> tuple[tuple[str, ...], int]:
+    """(devices, workers per device): --devices as given; --workers N with --device cuda is
+    cuda:0..N-1; otherwise N unpinned workers on --device (devices empty)."""
+    per_device = args.workers_per_device
+    if args.devices:
+        return tuple(args.devices), per_device
+    if args.workers is not None and args.device == "cuda":
+        return tuple(f"cuda:{i}" for i in range(args.workers)), per_device
+    return (), per_device * (args.workers or 1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="clef-serve",
@@ -93,12 +115,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests that may wait for the worker (503 when full)")
     queue.add_argument("--retry-after", type=int, default=d.retry_after,
                        help="Retry-After seconds on 503 answers")
+    queue.add_argument("--max-batch", type=positive_int, default=None,
+                       help="requests in flight to one worker, which batches them into one "
+                            "forward (default: 16 on a CUDA worker, 1 on CPU)")
     queue.add_argument("--drain-timeout", type=_seconds, default=d.drain_timeout,
                        help="seconds to finish queued work after SIGTERM before answering 503")
     worker = parser.add_argument_group("worker supervision")
     worker.add_argument("--worker-command", default=None,
                         help="command replacing 'python -m clef_worker' (shell-split); the model "
                              "flags are appended")
+    worker.add_argument("--devices", type=_devices, default=None,
+                        help="one worker per device, e.g. cuda:0,cuda:1 (each pinned with "
+                             "CUDA_VISIBLE_DEVICES); overrides --device")
+    worker.add_argument("--workers", type=positive_int, default=None,
+                        help="N workers: on cuda:0..N-1 when --device is cuda, else N on "
+                             "--device (ignored with --devices)")
+    worker.add_argument("--workers-per-device", type=positive_int, default=1,
+                        help="workers per device (two keep serving while one restarts)")
     worker.add_argument("--startup-timeout", type=_seconds, default=d.startup_timeout,
                         help="seconds a worker may take to load and warm up")
     worker.add_argument("--request-timeout", type=_seconds, default=d.request_timeout,
@@ -126,6 +159,7 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         command = shlex.split(args.worker_command)
         if not command:
             raise ValueError("--worker-command is empty")
+    devices, per_device = workers_from(args)
     return ServerConfig(
         worker_argv=(*command, *worker_argv(args)),
         limits=limits_from(args),
@@ -150,6 +184,9 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         restart_backoff=args.restart_backoff,
         restart_backoff_max=args.restart_backoff_max,
         restart_reset_after=args.restart_reset_after,
+        devices=devices,
+        workers_per_device=per_device,
+        max_batch=args.max_batch,
     )
 
 

@@ -43,6 +43,12 @@ class ServerConfig:
     restart_backoff: float = 0.5
     restart_backoff_max: float = 30.0
     restart_reset_after: float = 60.0
+    # Workers: one per entry of `devices` (empty: one worker with `worker_argv` as given), each
+    # entry times `workers_per_device`; `max_batch` requests in flight per worker (None: by the
+    # worker's device, see supervisor.default_max_batch).
+    devices: tuple[str, ...] = ()
+    workers_per_device: int = 1
+    max_batch: int | None = None
 
     def __post_init__(self) -> None:
         # A body that fits the HTTP limit must also fit one frame, or the worker channel would
@@ -54,7 +60,9 @@ class ServerConfig:
             )
         if not self.worker_argv:
             raise ValueError("the worker command is empty")
-        for name in ("body_limit", "header_limit", "queue_size", "backlog"):
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError("--max-batch must be at least 1")
+        for name in ("body_limit", "header_limit", "queue_size", "backlog", "workers_per_device"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be at least 1")
         for name in (

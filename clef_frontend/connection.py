@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import struct
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
 
 import h11
 
@@ -44,6 +44,8 @@ READ_SIZE = 256 * 1024
 # After an answer sent before the request was fully read (413, 415, 408, a malformed head), how
 # long the client's remaining bytes are read and discarded before the socket is closed.
 LINGER_SECONDS = 2.0
+# How long an answer may take before the socket is watched for the client leaving.
+WATCH_AFTER_SECONDS = 0.05
 # The shortest wait for body bytes, even past the body's deadline (see _read_body).
 MIN_BODY_WAIT = 0.05
 # Bodies above this are parsed and validated in a thread, so a large JSON document does not
@@ -110,6 +112,7 @@ class HttpConnection:
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=config.header_limit)
         self._idle = False
         self._linger = False
+        self._watcher: asyncio.Future[None] | None = None
         peer = writer.get_extra_info("peername")
         self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
 
@@ -245,7 +248,8 @@ class HttpConnection:
             timeout = (self._config.keepalive_timeout if deadline is None
                        else max(deadline - loop.time(), 0.0))
             try:
-                data = await asyncio.wait_for(self._reader.read(READ_SIZE), timeout)
+                async with asyncio.timeout(timeout):  # a timer, not a task per read
+                    data = await self._reader.read(READ_SIZE)
             except TimeoutError:
                 return None
             finally:
@@ -296,9 +300,9 @@ class HttpConnection:
                 try:
                     # Never a zero wait: after a stall of the event loop the kernel may hold
                     # bytes that arrived in time, and they must be read before judging the rate.
-                    data = await asyncio.wait_for(self._reader.read(READ_SIZE),
-                                                  max(clock.wait_limit(loop.time()),
-                                                      MIN_BODY_WAIT))
+                    async with asyncio.timeout(max(clock.wait_limit(loop.time()),
+                                                   MIN_BODY_WAIT)):  # a timer, not a task
+                        data = await self._reader.read(READ_SIZE)
                 except TimeoutError:
                     log.info("client %s: 408 after %d of %d body bytes: %s", self._client,
                              clock.received, length, clock.too_slow(loop.time()) or "too slow")
@@ -318,33 +322,47 @@ class HttpConnection:
                 self._conn.next_event()
 
     async def _await_answer(self, ticket: Ticket) -> Reply | None:
-        """Wait for the ticket's reply while watching the socket for the client leaving."""
-        watcher: asyncio.Task[bytes] | None = None
-        buffered_cap = self._config.header_limit + self._config.body_limit
+        """Wait for the ticket's reply; None if the client left meanwhile.
+
+        The socket is watched for the client leaving (and for pipelined bytes) only once the
+        answer has taken WATCH_AFTER_SECONDS: most answers come sooner, and a read task per
+        request would cost more than the rest of the front's work on it.
+        """
+        outcome = ticket.outcome
+        if outcome.done():
+            return outcome.result()
+        timer = asyncio.get_running_loop().call_later(WATCH_AFTER_SECONDS, self._watch, ticket)
         try:
-            while not ticket.outcome.done():
-                if watcher is None and len(self._conn.trailing_data[0]) < buffered_cap:
-                    watcher = asyncio.ensure_future(self._reader.read(READ_SIZE))
-                pending: set[asyncio.Future[Any]] = {ticket.outcome}
-                if watcher is not None:
-                    pending.add(watcher)
-                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if watcher is not None and watcher.done():
-                    data, watcher = _result_or_eof(watcher), None
-                    if not data:
-                        self._admission.abandon(ticket)
-                        return None
-                    self._conn.receive_data(data)  # the next pipelined request(s)
-            return ticket.outcome.result()
+            return await outcome
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if outcome.cancelled() and task is not None and not task.cancelling():
+                return None  # abandoned by the watcher: the client has gone
+            raise
         finally:
+            timer.cancel()
+            watcher, self._watcher = self._watcher, None
             if watcher is not None:
                 # Let the cancelled read unwind before anyone reads the stream again (a
-                # StreamReader allows one waiter); keep its bytes if it had already finished.
+                # StreamReader allows one waiter); bytes it read are already with h11.
                 watcher.cancel()
                 await asyncio.wait({watcher})
-                data = _result_or_eof(watcher)
-                if data:
-                    self._conn.receive_data(data)
+
+    def _watch(self, ticket: Ticket) -> None:
+        self._watcher = asyncio.ensure_future(self._watch_socket(ticket))
+
+    async def _watch_socket(self, ticket: Ticket) -> None:
+        """Read while the ticket waits: EOF abandons it; other bytes are the next requests."""
+        buffered_cap = self._config.header_limit + self._config.body_limit
+        while len(self._conn.trailing_data[0]) < buffered_cap:
+            try:
+                data = await self._reader.read(READ_SIZE)
+            except OSError:
+                data = b""
+            if not data:
+                self._admission.abandon(ticket)
+                return
+            self._conn.receive_data(data)  # the next pipelined request(s)
 
     # -- writing -------------------------------------------------------------------------
 
@@ -370,11 +388,14 @@ class HttpConnection:
             return
         self._writer.write(data)
         self._linger = self._conn.their_state not in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
-        try:
-            await asyncio.wait_for(self._writer.drain(), self._config.send_timeout)
-        except TimeoutError:
-            self._reset_slow_reader()
-            raise
+        # Most answers fit the socket buffer at once: then there is nothing to wait for.
+        if self._writer.transport.get_write_buffer_size() or self._writer.transport.is_closing():
+            try:
+                async with asyncio.timeout(self._config.send_timeout):
+                    await self._writer.drain()
+            except TimeoutError:
+                self._reset_slow_reader()
+                raise
 
     async def _close(self) -> None:
         """Close the socket, lingering if the client may still be sending.
@@ -422,18 +443,9 @@ def _header(request: h11.Request, name: bytes) -> bytes | None:
     return None
 
 
+@functools.cache
 def _reason(status: int) -> bytes:
     try:
         return HTTPStatus(status).phrase.encode("ascii")
     except ValueError:
         return b""
-
-
-def _result_or_eof(task: asyncio.Task[bytes]) -> bytes:
-    """A finished read: its bytes, or b"" if the socket failed."""
-    if task.cancelled():
-        return b""
-    exc = task.exception()
-    if exc is not None:
-        return b""
-    return task.result()

@@ -1,8 +1,11 @@
 """`GET /health`, answered from the front's own state and never queued behind a forward.
 
-Probes must learn the truth even while the worker is busy with a long request, so this reads
-only in-memory state: the supervisor's worker state and ready info, the queue counters, and the
-drain flag (held by admission, which is what refuses requests while draining).
+Probes must learn the truth even while the workers are busy with long requests, so this reads
+only in-memory state: each worker's state and ready info, the queue counters, and the drain
+flag (held by admission, which is what refuses requests while draining). With several workers
+the server is ready while at least one is: `workers` lists every one (name, device, status, pid,
+in_flight, max_batch, restarts), `ready_workers` names those that serve, and `worker` is the
+first ready one's ready info (the single-worker shape).
 """
 
 from __future__ import annotations
@@ -13,14 +16,14 @@ from typing import Any
 from clef_frontend import responses
 from clef_frontend.admission import Admission
 from clef_frontend.responses import Reply
-from clef_frontend.supervisor import Supervisor, WorkerState
+from clef_frontend.worker_pool import WorkerPool
 
 
 class Health:
     """The front's service state, as `/health` reports it."""
 
-    def __init__(self, supervisor: Supervisor, admission: Admission, retry_after: int) -> None:
-        self._supervisor = supervisor
+    def __init__(self, pool: WorkerPool, admission: Admission, retry_after: int) -> None:
+        self._pool = pool
         self._admission = admission
         self._retry_after = retry_after
 
@@ -28,24 +31,24 @@ class Health:
         """ready, starting, restarting or draining (stopped once the worker is gone)."""
         if self._admission.draining:
             return "draining"
-        if self._supervisor.unavailable_reason() is None:
-            return "ready"
-        state = self._supervisor.state
-        return "restarting" if state is WorkerState.READY else str(state)
+        return str(self._pool.state())
 
     def document(self) -> dict[str, Any]:
         status = self.status()
         worker = None
-        info = self._supervisor.info
-        if info is not None and self._supervisor.unavailable_reason() is None:
+        ready = self._pool.ready_lanes()
+        info = self._pool.ready_info()
+        if info is not None:
             worker = {k: v for k, v in asdict(info).items() if k not in ("versions", "snapshot")}
         return {
             "status": status,
             "worker": worker,
+            "workers": self._pool.describe(),
+            "ready_workers": [lane.slot.name for lane in ready],
             "queue_depth": self._admission.depth,
             "in_flight": self._admission.in_flight,
             "queue_capacity": self._admission.capacity,
-            "restarts": self._supervisor.restarts,
+            "restarts": self._pool.restarts,
         }
 
     def reply(self) -> Reply:

@@ -7,6 +7,9 @@ Order matters and is the point of this module:
    (bounded by the drain timeout; a second signal cuts it short) while existing connections
    are answered with `Connection: close` (`/health` says `draining`, new POSTs get 503), then
    ask the worker to shut down, reap it, close idle connections, and exit 0.
+3. SIGHUP calls every reload callback registered with `on_reload` (the worker pool rolls its
+   workers onto the snapshot now at --model; other parts may re-read their files), so several
+   features share the one signal without knowing about each other.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable
 
 from clef_frontend.admission import Admission
 from clef_frontend.config import ServerConfig
@@ -23,8 +27,9 @@ from clef_frontend.connection import READ_SIZE, HttpConnection
 from clef_frontend.health import Health
 from clef_frontend.metrics import LiveState, Metrics
 from clef_frontend.sd_notify import Notifier, ServiceNotifier, making_progress, watchdog_interval
-from clef_frontend.supervisor import StartupFailed, Supervisor
+from clef_frontend.supervisor import StartupFailed
 from clef_frontend.version import version
+from clef_frontend.worker_pool import WorkerPool
 
 log = logging.getLogger("clef_frontend.server")
 
@@ -37,21 +42,18 @@ class FrontServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self._config = config
-        self._supervisor = Supervisor(config, on_worker_lost=self._worker_lost,
-                                      on_worker_failed=self._worker_failed)
+        self._pool = WorkerPool(config, on_all_lost=self._worker_lost,
+                                on_ready=self._worker_ready, on_worker_failed=self._worker_failed)
         self._admission = Admission(
-            capacity=config.queue_size,
-            retry_after=config.retry_after,
-            forward=self._supervisor.forward,
-            unavailable_reason=self._supervisor.unavailable_reason,
+            capacity=config.queue_size, retry_after=config.retry_after, workers=self._pool
         )
-        self._health = Health(self._supervisor, self._admission, config.retry_after)
+        self._health = Health(self._pool, self._admission, config.retry_after)
         self._metrics = Metrics(LiveState(
             queue_depth=lambda: self._admission.depth,
             in_flight=lambda: self._admission.in_flight,
             queue_capacity=config.queue_size,
-            worker_ready=lambda: self._supervisor.unavailable_reason() is None,
-            worker_info=lambda: self._supervisor.info,
+            worker_ready=lambda: self._pool.unavailable_reason() is None,
+            worker_info=self._pool.ready_info,
         ), version=version(), separate_port=config.metrics_port is not None)
         self._address = ""
         self._systemd = ServiceNotifier(
@@ -59,12 +61,19 @@ class FrontServer:
         self._connections: dict[HttpConnection, asyncio.Task[None]] = {}
         self._stop_requested = asyncio.Event()
         self._force_stop = asyncio.Event()
+        self._reload_callbacks: list[Callable[[], Awaitable[None] | None]] = [self._pool.reload]
+        self._reloads: set[asyncio.Future[None]] = set()
+
+    def on_reload(self, callback: Callable[[], Awaitable[None] | None]) -> None:
+        """Run `callback` on every SIGHUP (a coroutine function is run as a task)."""
+        self._reload_callbacks.append(callback)
 
     async def run(self) -> int:
         """Serve until a stop signal; the process exit status."""
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
         watchdog = asyncio.create_task(self._systemd.watch(watchdog_interval()), name="sd-notify")
         try:
             if self._config.metrics_port is not None and not self._serve_metrics():
@@ -87,17 +96,16 @@ class FrontServer:
                 self._address = self._address or f"{shown}:{port}"
             # The socket is listening (connections queue in its backlog): only now is it READY.
             self._systemd.ready(self._address)
-            background = [
-                asyncio.create_task(self._admission.run(), name="dispatcher"),
-                asyncio.create_task(self._supervisor.watch(), name="supervisor"),
-            ]
+            watcher = asyncio.create_task(self._pool.watch(), name="supervisor")
             await self._stop_requested.wait()
-            await self._drain(server, background)
+            await self._drain(server, watcher)
             log.info("stopped")
             return 0
         finally:
             watchdog.cancel()
-            await self._supervisor.stop()
+            for task in self._reloads:
+                task.cancel()
+            await self._pool.stop()
             self._metrics.close()
 
     def _serve_metrics(self) -> bool:
@@ -130,7 +138,7 @@ class FrontServer:
 
     async def _start_worker(self) -> bool:
         """First start, abandoned if a stop signal arrives meanwhile."""
-        starting = asyncio.create_task(self._supervisor.start())
+        starting = asyncio.create_task(self._pool.start())
         stopping = asyncio.create_task(self._stop_requested.wait())
         extending = asyncio.create_task(self._systemd.extend_while_starting())
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -148,7 +156,7 @@ class FrontServer:
             return False
         return True
 
-    async def _drain(self, server: asyncio.Server, background: list[asyncio.Task[None]]) -> None:
+    async def _drain(self, server: asyncio.Server, watcher: asyncio.Task[None]) -> None:
         server.close()
         self._admission.start_draining()
         log.info("draining: %d queued, %d in flight (up to %gs)", self._admission.depth,
@@ -162,15 +170,15 @@ class FrontServer:
         if self._admission.depth or self._admission.in_flight:
             log.warning("drain cut short: %d queued requests get 503", self._admission.depth)
             self._admission.refuse_waiting("server is draining")
-        dispatcher, watcher = background
         watcher.cancel()
         await asyncio.wait({watcher})
+        for task in self._reloads:
+            task.cancel()
         # The worker answers what it holds before it reads `shutdown`, so an in-flight request
         # still gets its reply (or a 500 if the worker must be killed after the grace period).
-        await self._supervisor.stop()
+        await self._pool.stop()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._admission.wait_idle(), FINAL_WRITE_SECONDS)
-        dispatcher.cancel()
         # Idle keep-alive connections stayed open during the drain, so probes on them could see
         # `draining` (every answer meanwhile said `Connection: close`); now they are closed.
         for connection in list(self._connections):
@@ -197,7 +205,31 @@ class FrontServer:
             del self._connections[connection]
 
     def _worker_lost(self) -> None:
+        """The last ready worker is gone: what waits would wait for a whole warm-up."""
         self._admission.refuse_waiting("worker is restarting")
+
+    def _worker_ready(self) -> None:
+        """A worker became ready (first start, restart, reload): it can take waiting tickets."""
+        self._admission.pump()
+
+    def reload(self) -> None:
+        """What SIGHUP does: run every reload callback; one failing does not stop the others."""
+        log.info("SIGHUP received: reloading")
+        for callback in self._reload_callbacks:
+            try:
+                result = callback()
+            except Exception:
+                log.exception("a reload callback failed")
+                continue
+            if result is not None:
+                task = asyncio.ensure_future(result)
+                self._reloads.add(task)
+                task.add_done_callback(self._reload_done)
+
+    def _reload_done(self, task: asyncio.Future[None]) -> None:
+        self._reloads.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a reload failed", exc_info=task.exception())
 
     def _worker_failed(self, reason: str) -> None:
         self._metrics.worker_failed(reason)

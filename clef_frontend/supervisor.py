@@ -1,5 +1,10 @@
 """Keep one warm worker: start it, notice when it fails, replace it with backoff, stop it.
 
+One Supervisor per worker slot (`worker_pool.py` holds one per device and per
+`--workers-per-device`); each slot is also an admission lane: `has_room` and `submit` let up to
+`max_batch` requests be outstanding on its worker, and `reload` swaps in a fresh worker with no
+gap (the new one is warm before the old one is retired).
+
 Like gunicorn's arbiter, but for exactly one child that must be warm before it counts: a worker
 is only `ready` after its `ready` frame. The first start is special: if it fails the operator
 must see why and the server must not bind its port, so `start()` raises. Later failures are
@@ -16,11 +21,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from clef_frontend.backoff import RestartBackoff
 from clef_frontend.config import ServerConfig
-from clef_frontend.worker_channel import WorkerChannel, WorkerReply, failure_reason
+from clef_frontend.worker_channel import Deliver, WorkerChannel, WorkerReply, failure_reason
 from clef_frontend.worker_errors import WorkerFailure, WorkerUnavailable
 from clef_protocol.messages import ReadyInfo
 
@@ -38,18 +44,49 @@ class StartupFailed(Exception):
     """The first worker did not become ready; str() is the reason for the operator."""
 
 
+# Requests outstanding per worker when --max-batch is not given: a CUDA worker batches what
+# waits on its pipe into one forward; on CPU one at a time measured best (docs/benchmarks.md).
+DEFAULT_MAX_BATCH_CUDA = 16
+DEFAULT_MAX_BATCH_CPU = 1
+
+
+def default_max_batch(device: str) -> int:
+    """The in-flight cap for a worker that reported `device` in its ready frame."""
+    return DEFAULT_MAX_BATCH_CUDA if device.startswith("cuda") else DEFAULT_MAX_BATCH_CPU
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """Where one worker runs: its name in logs and /health, its device, its command and env."""
+
+    name: str
+    device: str
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _ignore() -> None:
+    """Default for the optional callbacks."""
+
+
 class Supervisor:
-    """Owns the worker process; `forward` is the only way requests reach it."""
+    """Owns one worker process; `submit` (or `forward`) is the only way requests reach it."""
 
     def __init__(
         self,
         config: ServerConfig,
         on_worker_lost: Callable[[], None],
+        *,
+        slot: WorkerSlot | None = None,
+        on_ready: Callable[[], None] = _ignore,
         on_worker_failed: Callable[[str], None] | None = None,
     ) -> None:
         self._config = config
         self._on_worker_lost = on_worker_lost
+        self._on_ready = on_ready
         self._on_worker_failed = on_worker_failed
+        self.slot = slot or WorkerSlot("0", "default", config.worker_argv)
+        self.max_batch = config.max_batch or 1
         self._backoff = RestartBackoff(
             config.restart_backoff, config.restart_backoff_max, config.restart_reset_after
         )
@@ -81,27 +118,43 @@ class Supervisor:
             WorkerState.RESTARTING: "worker is restarting",
         }.get(self.state, "server is shutting down")
 
-    async def forward(self, request_id: int, body: bytes, trace_id: str = "") -> WorkerReply:
-        """Send one request to the warm worker and return its reply.
+    def has_room(self) -> bool:
+        """Ready, and fewer than `max_batch` requests outstanding on the worker."""
+        channel = self._channel
+        return (self.state is WorkerState.READY and channel is not None
+                and not channel.is_broken and channel.in_flight < self.max_batch)
 
-        Raises WorkerUnavailable (nothing was sent: answer 503) or WorkerFailure (the worker
-        failed with this request in flight: answer 500).
+    @property
+    def in_flight(self) -> int:
+        return 0 if self._channel is None else self._channel.in_flight
+
+    def submit(self, request_id: int, body: bytes, deliver: Deliver, trace_id: str = "") -> None:
+        """Send one request to the warm worker; `deliver` gets its reply or its failure.
+
+        Raises WorkerUnavailable (nothing was sent) when the worker is not warm.
         """
         reason = self.unavailable_reason()
         if reason is not None:
             raise WorkerUnavailable(reason)
         channel = self._channel
         assert channel is not None
-        reply = await channel.call(request_id, body, self._config.request_timeout, trace_id)
-        if reply.status == 200 and channel is self._channel:
-            self._served += 1
-        return reply
+
+        def answered(outcome: WorkerReply | WorkerFailure) -> None:
+            if (isinstance(outcome, WorkerReply) and outcome.status == 200
+                    and channel is self._channel):
+                self._served += 1  # useful work: resets the restart backoff (backoff.py)
+            deliver(outcome)
+
+        channel.submit(request_id, body, self._config.request_timeout, answered, trace_id)
 
     async def watch(self) -> None:
         """Run until cancelled: each time the worker fails, replace it (with backoff)."""
         while True:
-            assert self._channel is not None
-            failure = await self._channel.broken()
+            channel = self._channel
+            assert channel is not None
+            failure = await channel.broken()
+            if channel is not self._channel:  # retired by a reload: its successor is watched
+                continue
             uptime = time.monotonic() - self._ready_at
             self.state = WorkerState.RESTARTING
             self._on_worker_lost()
@@ -134,26 +187,65 @@ class Supervisor:
         code = await channel.stop(self._config.shutdown_grace)
         log.info("worker pid=%d stopped (exit code %s)", channel.pid, code)
 
-    async def _launch(self) -> None:
+    async def reload(self) -> bool:
+        """Replace a ready worker by a fresh one with no gap; False (old one kept) on failure.
+
+        The new worker loads whatever snapshot is at --model now and warms up while the old one
+        keeps serving; then new requests go to the new one, and the old one answers what it
+        holds (it reads `shutdown` after them) and exits.
+        """
+        old = self._channel
+        if self.state is not WorkerState.READY or old is None or old.is_broken:
+            log.warning("worker %s: not ready, not reloaded (a restart loads the snapshot anyway)",
+                        self.slot.name)
+            return False
+        try:
+            channel, info = await self._spawn_ready()
+        except WorkerFailure as exc:
+            log.error("worker %s: reload failed, the old worker keeps serving: %s",
+                      self.slot.name, exc)
+            return False
+        if self._channel is not old or self.state is not WorkerState.READY:
+            await asyncio.shield(channel.stop(self._config.shutdown_grace))  # lost a race
+            return False
+        self._adopt(channel, info)
+        code = await old.stop(self._config.shutdown_grace)
+        log.info("worker %s: reloaded, old worker pid=%d retired (exit code %s)",
+                 self.slot.name, old.pid, code)
+        return True
+
+    async def _spawn_ready(self) -> tuple[WorkerChannel, ReadyInfo]:
         """Spawn a worker and wait for its `ready`; on any failure it is killed and reaped."""
-        channel = await WorkerChannel.spawn(self._config.worker_argv)
-        log.info("started worker pid=%d: %s", channel.pid, " ".join(self._config.worker_argv))
+        channel = await WorkerChannel.spawn(self.slot.argv, self.slot.env)
+        pinned = " ".join(f"{k}={v}" for k, v in self.slot.env.items())
+        log.info("started worker pid=%d slot=%s: %s%s", channel.pid, self.slot.name,
+                 f"{pinned} " if pinned else "", " ".join(self.slot.argv))
         try:
             info = await channel.wait_ready(self._config.startup_timeout)
         except BaseException:
             await asyncio.shield(channel.kill())
             raise
+        return channel, info
+
+    async def _launch(self) -> None:
+        """Spawn a worker, wait for `ready`, and make it this slot's worker."""
+        self._adopt(*await self._spawn_ready())
+
+    def _adopt(self, channel: WorkerChannel, info: ReadyInfo) -> None:
         self._channel, self.info = channel, info
+        self.max_batch = self._config.max_batch or default_max_batch(info.device)
         self._ready_at = time.monotonic()
         self._served = 0
         self.state = WorkerState.READY
         log.info(
-            "worker ready: pid=%d thread=%s model=%s variant=%s device=%s dtype=%s gdn_path=%s "
-            "warmup_ms=%.1f cuda_graphs=%s buckets=%d captured=%d graph_memory_bytes=%d",
-            info.pid, info.thread, info.model, info.variant, info.device, info.dtype,
-            info.gdn_path, info.warmup_ms, info.cuda_graphs, len(info.buckets),
-            info.buckets_captured, info.graph_memory_bytes,
+            "worker ready: slot=%s max_batch=%d pid=%d thread=%s model=%s variant=%s device=%s "
+            "dtype=%s gdn_path=%s warmup_ms=%.1f cuda_graphs=%s buckets=%d captured=%d "
+            "graph_memory_bytes=%d",
+            self.slot.name, self.max_batch, info.pid, info.thread, info.model, info.variant,
+            info.device, info.dtype, info.gdn_path, info.warmup_ms, info.cuda_graphs,
+            len(info.buckets), info.buckets_captured, info.graph_memory_bytes,
         )
+        self._on_ready()
         if info.demo:
             log.warning(
                 "DEMO SNAPSHOT: this worker runs a tiny randomly initialised model; its answers "

@@ -1,10 +1,15 @@
-"""One worker process and the framed pipe to it: spawn, wait for `ready`, call, stop.
+"""One worker process and the framed pipe to it: spawn, wait for `ready`, submit, stop.
+
+Several requests may be outstanding at once (the worker micro-batches what is waiting on its
+pipe); each reply is matched to its request by id, and each request has its own deadline. The
+deadlines are kept by one watchdog timer aimed at the oldest outstanding request, not one timer
+per request: the timeout is the same for all, so the oldest is always the first to expire.
 
 The channel trusts nothing it reads. End of stream, a truncated, oversize or undecodable frame,
-an unexpected kind, a reply nobody asked for or a reply with the wrong id all break the channel
-for good: the pending call fails at once with `WorkerFailure` and `broken()` resolves, so the
-supervisor can replace the process. A broken channel is never reused, because after one bad
-frame nothing later on the pipe can be trusted either.
+an unexpected kind, or a reply for an id that is not outstanding all break the channel for
+good: every outstanding request fails at once with `WorkerFailure` (exactly those, nothing
+else) and `broken()` resolves, so the supervisor can replace the process. A broken channel is
+never reused, because after one bad frame nothing later on the pipe can be trusted either.
 """
 
 from __future__ import annotations
@@ -12,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from clef_frontend.worker_errors import WorkerFailure
 from clef_protocol import messages
-from clef_protocol.frames import MAX_FRAME_BYTES, FrameError, encode_frame, read_frame
+from clef_protocol.frames import MAX_FRAME_BYTES, FrameBuffer, FrameError, encode_frame
 from clef_protocol.messages import ReadyInfo
 
 log = logging.getLogger("clef_frontend.worker")
@@ -82,6 +89,17 @@ def _token_count(message: dict[str, Any], key: str) -> int:
     return value
 
 
+# Called exactly once per submitted request, with its reply or with the failure that lost it.
+Deliver = Callable[["WorkerReply | WorkerFailure"], None]
+
+
+@dataclass
+class _Outstanding:
+    deliver: Deliver
+    deadline: float
+    timeout: float
+
+
 def _reply_from(message: dict[str, Any]) -> WorkerReply:
     """Check a reply's fields; anything off is a protocol failure, not a client error.
 
@@ -106,47 +124,95 @@ def _reply_from(message: dict[str, Any]) -> WorkerReply:
     return WorkerReply(status, None, detail, worker_ms)
 
 
-class WorkerChannel:
-    """A started worker process; use `spawn`, then `wait_ready`, then `call` one at a time."""
+class _Pipes(asyncio.subprocess.SubprocessStreamProtocol):
+    """The worker's pipes: stdin stays a StreamWriter; stdout goes straight to the channel.
 
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self._process = process
-        self._broken: asyncio.Future[WorkerFailure] = asyncio.get_running_loop().create_future()
-        self._pending: tuple[int, asyncio.Future[WorkerReply]] | None = None
-        self._reader_task: asyncio.Task[None] | None = None
+    Decoding replies in the pipe's own callback, instead of in a task reading a StreamReader,
+    saves an event-loop turn per reply: the reply reaches its request the moment it arrives.
+    """
+
+    def __init__(self, channel: WorkerChannel, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=2**16, loop=loop)
+        self._channel = channel
+
+    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
+        if fd == 1:
+            assert isinstance(data, bytes)
+            self._channel._on_output(data)
+        else:
+            super().pipe_data_received(fd, data)
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        super().pipe_connection_lost(fd, exc)
+        if fd == 1:
+            self._channel._on_output_end()
+
+
+class WorkerChannel:
+    """A started worker process; use `spawn`, then `wait_ready`, then `submit`."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._process: asyncio.subprocess.Process | None = None
+        self._frames = FrameBuffer(MAX_FRAME_BYTES)
+        self._first: asyncio.Future[dict[str, Any] | None] = self._loop.create_future()
+        self._started = False  # the ready frame was read: later frames are replies
+        self._broken: asyncio.Future[WorkerFailure] = self._loop.create_future()
+        self._outstanding: dict[int, _Outstanding] = {}  # insertion order: oldest first
+        self._watchdog: asyncio.TimerHandle | None = None
 
     @classmethod
-    async def spawn(cls, argv: tuple[str, ...]) -> WorkerChannel:
+    async def spawn(
+        cls, argv: tuple[str, ...], env: Mapping[str, str] | None = None
+    ) -> WorkerChannel:
         """Start the worker; stderr is inherited so its log lines reach ours and never fill.
+
+        `env` adds to (or overrides in) the front's environment, e.g. the worker's
+        `CUDA_VISIBLE_DEVICES`.
 
         The worker gets its own session: signals aimed at the front's process group (Ctrl-C,
         timeout(1), job control) reach only the front, which drains and then stops the worker
         with a `shutdown` frame, instead of killing the request in flight.
         """
+        channel = cls()
+        loop = channel._loop
         try:
-            process = await asyncio.create_subprocess_exec(
+            transport, protocol = await loop.subprocess_exec(
+                lambda: _Pipes(channel, loop),
                 *argv,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=None,
                 start_new_session=True,
+                env=None if not env else {**os.environ, **env},
             )
         except OSError as exc:
             raise WorkerFailure(f"cannot run worker command {argv[0]!r}: {exc}") from None
-        return cls(process)
+        channel._process = asyncio.subprocess.Process(transport, protocol, loop)
+        return channel
+
+    @property
+    def process(self) -> asyncio.subprocess.Process:
+        assert self._process is not None
+        return self._process
 
     @property
     def pid(self) -> int:
-        return self._process.pid
+        return self.process.pid
 
     @property
     def is_broken(self) -> bool:
         return self._broken.done()
 
+    @property
+    def in_flight(self) -> int:
+        """Requests sent and not yet answered."""
+        return len(self._outstanding)
+
     async def wait_ready(self, timeout: float) -> ReadyInfo:
-        """Read the first frame: `ready` starts the reply reader; anything else is a failure."""
+        """Wait for the first frame: after `ready` the rest are replies; else a failure."""
         try:
-            message = await asyncio.wait_for(self._read(), timeout)
+            message = await asyncio.wait_for(self._first, timeout)
         except TimeoutError:
             raise WorkerFailure(f"worker sent no ready frame within {timeout:g}s") from None
         if message is None:
@@ -160,34 +226,31 @@ class WorkerChannel:
             info = ReadyInfo.from_message(message)
         except ValueError as exc:
             raise WorkerFailure(str(exc)) from None
-        self._reader_task = asyncio.create_task(self._read_replies(), name=f"worker-{self.pid}")
+        self._started = True
         return info
 
-    async def call(
-        self, request_id: int, body: bytes, timeout: float, trace_id: str = ""
-    ) -> WorkerReply:
-        """Send one request and wait for its reply (one at a time; admission guarantees it).
+    def submit(
+        self, request_id: int, body: bytes, timeout: float, deliver: Deliver, trace_id: str = ""
+    ) -> None:
+        """Send one request; `deliver` is called once with its reply or its failure.
 
-        A worker that does not answer within `timeout` is taken as hung (a deadlocked kernel, a
-        stuck driver call): the channel breaks, so the supervisor kills and replaces it, rather
-        than letting one request hold the queue forever.
+        No task and no await per request: the frame is written at once (the pipe's transport
+        buffers it) and the reply is handed to `deliver` as soon as it is decoded (in the
+        pipe's callback). A worker that does not answer within `timeout` is taken as hung (a
+        deadlocked kernel, a stuck driver call): the channel breaks, so the supervisor kills and
+        replaces it, rather than letting it hold requests forever.
         """
         if self._broken.done():
-            raise self._broken.result()
-        if self._pending is not None:
-            raise RuntimeError("a request is already in flight on this worker")
-        reply: asyncio.Future[WorkerReply] = asyncio.get_running_loop().create_future()
-        self._pending = (request_id, reply)
-        try:
-            if not await self._send(messages.request(request_id, body, trace_id)):
-                self._fail(WorkerFailure("worker closed its input"))
-            try:
-                return await asyncio.wait_for(asyncio.shield(reply), timeout)
-            except TimeoutError:
-                self._fail(WorkerHung(f"no reply to request {request_id} within {timeout:g}s"))
-                return await reply
-        finally:
-            self._pending = None
+            deliver(self._broken.result())
+            return
+        if request_id in self._outstanding:
+            raise RuntimeError(f"request id {request_id} is already in flight on this worker")
+        self._outstanding[request_id] = _Outstanding(deliver, self._loop.time() + timeout,
+                                                    timeout)
+        if self._watchdog is None:
+            self._arm_watchdog()
+        if not self._write(messages.request(request_id, body, trace_id)):
+            self._fail(WorkerFailure("worker closed its input"))
 
     async def broken(self) -> WorkerFailure:
         """Resolve when the channel breaks (the worker died or misbehaved)."""
@@ -196,9 +259,9 @@ class WorkerChannel:
     async def stop(self, grace: float) -> int | None:
         """Ask the worker to finish and exit (`shutdown`, then EOF); kill it after `grace`."""
         if not self._broken.done():
-            await self._send(messages.shutdown())
-        if self._process.stdin is not None:
-            self._process.stdin.close()
+            self._write(messages.shutdown())
+        if self.process.stdin is not None:
+            self.process.stdin.close()
         code = await self._exit_code(grace)
         self._fail(WorkerFailure("worker stopped"))
         return code
@@ -214,67 +277,103 @@ class WorkerChannel:
 
     # -- internals ---------------------------------------------------------------------------
 
-    async def _read(self) -> dict[str, Any] | None:
-        assert self._process.stdout is not None
+    def _on_output(self, data: bytes) -> None:
+        """Bytes from the worker's stdout: decode every whole frame and hand it on."""
+        if self._broken.done():
+            return  # nothing after the first anomaly can be trusted
+        self._frames.feed(data)
         try:
-            return await read_frame(self._process.stdout, MAX_FRAME_BYTES)
+            while (message := self._frames.next_frame()) is not None:
+                if not self._first.done():
+                    self._first.set_result(message)
+                elif not self._started:
+                    raise WorkerProtocolError(
+                        f"worker sent {message['kind']!r} right after its first frame")
+                else:
+                    self._deliver(message)
         except FrameError as exc:
-            raise WorkerProtocolError(f"invalid frame from worker: {exc}") from None
-
-    async def _read_replies(self) -> None:
-        """Reader loop: deliver each reply to the pending call; the first anomaly breaks all."""
-        try:
-            while True:
-                message = await self._read()
-                if message is None:
-                    raise WorkerExited("worker closed its output")
-                self._deliver(message)
+            self._lose(WorkerProtocolError(f"invalid frame from worker: {exc}"))
         except WorkerFailure as failure:
-            self._fail(failure)
-        except asyncio.CancelledError:
-            self._fail(WorkerFailure("worker channel closed"))
-            raise
+            self._lose(failure)
+
+    def _on_output_end(self) -> None:
+        """The worker closed its stdout (it exited, or is exiting)."""
+        if self._broken.done():
+            return
+        try:
+            self._frames.end()
+        except FrameError as exc:
+            self._lose(WorkerProtocolError(f"invalid frame from worker: {exc}"))
+            return
+        self._lose(WorkerExited("worker closed its output"))
+
+    def _lose(self, failure: WorkerFailure) -> None:
+        """The output is unusable: tell `wait_ready` if it still waits, and break."""
+        if not self._first.done():
+            if isinstance(failure, WorkerExited):
+                self._first.set_result(None)
+            else:
+                self._first.set_exception(failure)
+        self._fail(failure)
 
     def _deliver(self, message: dict[str, Any]) -> None:
         kind = message["kind"]
         if kind not in (messages.RESPONSE, messages.ERROR):
             raise WorkerProtocolError(f"unexpected {kind!r} frame from worker")
-        if self._pending is None:
-            raise WorkerProtocolError(f"unsolicited {kind!r} frame from worker")
-        request_id, reply = self._pending
-        if message.get("id") != request_id:
-            raise WorkerProtocolError(
-                f"reply for id {message.get('id')!r} while {request_id} is pending")
-        if not reply.done():
-            reply.set_result(_reply_from(message))
+        request_id = message.get("id")
+        waiting = self._outstanding.pop(request_id, None) if isinstance(request_id, int) else None
+        if waiting is None:
+            raise WorkerProtocolError(f"unsolicited {kind!r} frame from worker (id {request_id!r})")
+        waiting.deliver(_reply_from(message))
 
-    async def _send(self, message: dict[str, Any]) -> bool:
-        stdin = self._process.stdin
+    def _write(self, message: dict[str, Any]) -> bool:
+        """Queue a frame on the worker's stdin; False if the pipe is already gone.
+
+        Not awaited: at most `--max-batch` requests per worker are outstanding, so what the
+        transport buffers is bounded by that many bodies; a worker that stops reading is
+        caught by the request deadline.
+        """
+        stdin = self.process.stdin
         assert stdin is not None
+        if stdin.is_closing():
+            return False
         try:
             stdin.write(encode_frame(message))
-            await stdin.drain()
         except (ConnectionError, RuntimeError):
             return False
         return True
 
+    def _arm_watchdog(self) -> None:
+        """Aim the one timer at the oldest outstanding request's deadline."""
+        self._watchdog = None
+        for request_id, waiting in self._outstanding.items():
+            if waiting.deadline <= self._loop.time():
+                self._fail(WorkerHung(f"no reply to request {request_id} within "
+                                      f"{waiting.timeout:g}s"))
+                return
+            self._watchdog = self._loop.call_at(waiting.deadline, self._arm_watchdog)
+            return
+
     def _fail(self, failure: WorkerFailure) -> None:
+        """Break the channel for good; every outstanding request gets `failure`, once."""
         if not self._broken.done():
             self._broken.set_result(failure)
-        if self._pending is not None and not self._pending[1].done():
-            self._pending[1].set_exception(failure)
-        if self._reader_task is not None and asyncio.current_task() is not self._reader_task:
-            self._reader_task.cancel()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        lost, self._outstanding = self._outstanding, {}
+        for waiting in lost.values():
+            waiting.deliver(failure)
 
     async def _exit_code(self, grace: float) -> int | None:
         """Wait up to `grace` for the exit, then SIGKILL; always reap."""
-        if self._process.returncode is None and grace > 0:
+        if self.process.returncode is None and grace > 0:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._process.wait(), grace)
-        if self._process.returncode is None:
+                await asyncio.wait_for(self.process.wait(), grace)
+        if self.process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                self._process.kill()
-        code = await self._process.wait()
-        if self._process.stdin is not None:
-            self._process.stdin.close()
+                self.process.kill()
+        code = await self.process.wait()
+        if self.process.stdin is not None:
+            self.process.stdin.close()
         return code

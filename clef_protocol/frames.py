@@ -82,6 +82,45 @@ async def read_frame(
     return decode_payload(payload)
 
 
+class FrameBuffer:
+    """Incremental decoding for a reader driven by callbacks (an asyncio protocol).
+
+    `feed` the bytes as they come, then take whole frames with `next_frame` until it returns
+    None; `end` at end of stream raises FrameTruncated if the stream stopped inside a frame.
+    Length checks happen on the header, before the payload is waited for, as in `read_frame`.
+    """
+
+    def __init__(self, max_size: int = MAX_FRAME_BYTES) -> None:
+        self._max_size = max_size
+        self._buffer = bytearray()
+        self._length: int | None = None  # the current frame's length, once its header is in
+
+    def feed(self, data: bytes) -> None:
+        self._buffer += data
+
+    def next_frame(self) -> dict[str, Any] | None:
+        """The next whole frame's message, None until more bytes arrive; FrameError if bad."""
+        if self._length is None:
+            if len(self._buffer) < HEADER.size:
+                return None
+            self._length = _check_length(bytes(self._buffer[:HEADER.size]), self._max_size)
+            del self._buffer[:HEADER.size]
+        if len(self._buffer) < self._length:
+            return None
+        payload = bytes(self._buffer[:self._length])
+        del self._buffer[:self._length]
+        self._length = None
+        return decode_payload(payload)
+
+    def end(self) -> None:
+        """The stream ended: FrameTruncated unless it ended between frames."""
+        if self._length is not None:
+            raise FrameTruncated(
+                f"stream ended after {len(self._buffer)} of {self._length} payload bytes")
+        if self._buffer:
+            raise FrameTruncated(f"stream ended after {len(self._buffer)} header bytes")
+
+
 def _read_exactly(stream: BinaryIO, size: int) -> bytes:
     chunks: list[bytes] = []
     remaining = size

@@ -2,7 +2,9 @@
 
 Run by the front through `--worker-command "python tests/fake_worker.py [switches]"`; the front
 appends its model flags, which are accepted and ignored. Each answer reports which process and
-thread produced it and when, so tests can check serialisation, ordering and restarts.
+thread produced it and when, so tests can check serialisation, ordering and restarts. With
+`--max-batch` above 1 the front sends several requests before the first is answered; they wait
+on the pipe and are answered one by one in arrival order, each with its own frame.
 
 Start-up switches: --ready-delay S, --fatal REASON, --exit-code N (exit before ready),
 --fatal-once-file PATH (fatal if PATH exists, removing it), --garbage-at-start, --demo,
@@ -76,7 +78,9 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any]) -> 
     if args.log_file:
         with open(args.log_file, "a", encoding="utf-8") as log:
             log.write(f"{request.get('tag')}\n")
-    time.sleep(float(request.get("sleep", args.delay)))
+    delay = float(request.get("sleep", args.delay))
+    if delay:  # zero work costs no system call (bench_http.py --zero-work)
+        time.sleep(delay)
     while request.get("hold_until") and not os.path.exists(request["hold_until"]):
         time.sleep(0.01)  # held in flight until the test creates the file
     if request.get("crash"):

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from clef_frontend import responses
-from clef_frontend.admission import Admission, Refused
+from clef_frontend.admission import Admission, Deliver, Refused
 from clef_frontend.config import ServerConfig
 from clef_frontend.framing import reparse_without_framing, scan_framing
 from clef_frontend.responses import Reply
@@ -167,33 +167,113 @@ def test_config_refuses_a_body_limit_beyond_one_frame() -> None:
     ServerConfig(worker_argv=("w",), body_limit=8 * 1024 * 1024)
 
 
+class FakeLane:
+    """A worker as admission sees it: holds up to `room` requests until the test answers."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.ready = True
+        self.held: list[tuple[int, bytes, Deliver]] = []
+        self.sent: list[bytes] = []
+
+    def has_room(self) -> bool:
+        return self.ready and len(self.held) < self.room
+
+    def submit(self, request_id: int, body: bytes, deliver: Deliver, trace_id: str = "") -> None:
+        self.held.append((request_id, body, deliver))
+        self.sent.append(body)
+
+    def answer_oldest(self) -> None:
+        _, body, deliver = self.held.pop(0)
+        deliver(WorkerReply(200, body, None, 0.0))
+
+    def crash(self) -> None:
+        held, self.held = self.held, []
+        for _, _, deliver in held:
+            deliver(WorkerFailure("worker closed its output"))
+
+
+class FakeWorkers:
+    def __init__(self, *lanes: FakeLane) -> None:
+        self.lanes = list(lanes)
+
+    def unavailable_reason(self) -> str | None:
+        return None if any(lane.ready for lane in self.lanes) else "worker is restarting"
+
+
 def test_admission_is_fifo_and_drops_abandoned_tickets() -> None:
-    async def scenario() -> list[int]:
-        seen: list[int] = []
-        gate = asyncio.Event()
-        first_in_flight = asyncio.Event()
-
-        async def forward(request_id: int, body: bytes, trace_id: str) -> WorkerReply:
-            first_in_flight.set()
-            await gate.wait()
-            seen.append(int(body))
-            return WorkerReply(200, body, None, 0.0)
-
-        admission = Admission(capacity=3, retry_after=1, forward=forward,
-                              unavailable_reason=lambda: None)
-        dispatcher = asyncio.create_task(admission.run())
-        tickets = [admission.submit(b"1")]
-        await first_in_flight.wait()  # the dispatcher holds ticket 1; the queue is empty
-        tickets += [admission.submit(str(i).encode()) for i in (2, 3, 4)]
+    async def scenario() -> list[bytes]:
+        lane = FakeLane(room=1)
+        admission = Admission(capacity=3, retry_after=1, workers=FakeWorkers(lane))
+        tickets = [admission.submit(str(i).encode()) for i in (1, 2, 3, 4)]
+        assert (admission.in_flight, admission.depth) == (1, 3)
         with pytest.raises(Refused) as refused:
             admission.submit(b"5")
         assert json.loads(refused.value.reply.body) == {"detail": "queue is full"}
         admission.abandon(tickets[2])  # "3" leaves while queued
-        gate.set()
+        while lane.held:
+            lane.answer_oldest()
         for ticket in (tickets[0], tickets[1], tickets[3]):
-            await ticket.outcome
+            assert (await ticket.outcome).body == ticket.body
         await admission.wait_idle()
-        dispatcher.cancel()
-        return seen
+        return lane.sent
 
-    assert asyncio.run(scenario()) == [1, 2, 4]
+    assert asyncio.run(scenario()) == [b"1", b"2", b"4"]
+
+
+@given(rooms=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+       script=st.lists(st.tuples(st.booleans(), st.integers(0, 2)), min_size=1, max_size=40))
+def test_admission_keeps_fifo_per_worker_and_answers_each_request_once(
+    rooms: list[int], script: list[tuple[bool, int]]
+) -> None:
+    """Random arrivals and answers over 1-3 workers with room for 1-4 each: every request is
+    answered exactly once, each worker is sent requests in admission order, and a request is
+    never sent while an older one still waits."""
+
+    async def scenario() -> None:
+        lanes = [FakeLane(room) for room in rooms]
+        admission = Admission(capacity=1000, retry_after=1, workers=FakeWorkers(*lanes))
+        tickets = []
+        answered: list[bytes] = []
+        for arrive, which in script:
+            if arrive:
+                tickets.append(admission.submit(str(len(tickets)).encode()))
+            else:
+                lane = lanes[which % len(lanes)]
+                if lane.held:
+                    lane.answer_oldest()
+            sent = [body for lane in lanes for body in lane.sent]
+            # FIFO: what was sent is exactly the oldest tickets, and what waits is the rest.
+            assert sorted(int(b) for b in sent) == list(range(len(sent)))
+            assert admission.depth == len(tickets) - len(sent)
+        while any(lane.held for lane in lanes):
+            for lane in lanes:
+                if lane.held:
+                    lane.answer_oldest()
+        for ticket in tickets:
+            reply = await ticket.outcome
+            answered.append(reply.body)
+        assert answered == [t.body for t in tickets]
+        for lane in lanes:
+            assert [int(b) for b in lane.sent] == sorted(int(b) for b in lane.sent)
+        await asyncio.wait_for(admission.wait_idle(), 1)
+
+    asyncio.run(scenario())
+
+
+def test_a_crashed_worker_fails_only_its_own_requests() -> None:
+    async def scenario() -> None:
+        doomed, healthy = FakeLane(room=2), FakeLane(room=2)
+        admission = Admission(capacity=10, retry_after=1, workers=FakeWorkers(doomed, healthy))
+        tickets = [admission.submit(str(i).encode()) for i in range(6)]
+        assert [b for b in doomed.sent] == [b"0", b"2"] and healthy.sent == [b"1", b"3"]
+        doomed.ready = False
+        doomed.crash()  # both of its requests fail; the queue moves on to the other worker
+        assert [(await t.outcome).status for t in (tickets[0], tickets[2])] == [500, 500]
+        while healthy.held:
+            healthy.answer_oldest()
+        assert [(await t.outcome).status for t in (tickets[1], tickets[3], tickets[4],
+                                                    tickets[5])] == [200] * 4
+        assert doomed.sent == [b"0", b"2"]
+
+    asyncio.run(scenario())

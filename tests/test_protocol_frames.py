@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from clef_protocol import messages
 from clef_protocol.frames import (
+    FrameBuffer,
     FrameDecodeError,
     FrameTooLarge,
     FrameTruncated,
@@ -35,8 +36,39 @@ def _read_async(data: bytes, max_size: int | None = None) -> dict | None:
     return asyncio.run(go())
 
 
+def _read_buffered(data: bytes, max_size: int) -> dict | None:
+    """FrameBuffer fed one byte at a time, the worst split a pipe can deliver."""
+    buffer = FrameBuffer(max_size)
+    for i in range(len(data)):
+        buffer.feed(data[i:i + 1])
+        message = buffer.next_frame()
+        if message is not None:
+            return message
+    buffer.end()
+    return None
+
+
 def _read_both(data: bytes, max_size: int = 1 << 20) -> list[dict | None]:
-    return [read_frame_blocking(io.BytesIO(data), max_size), _read_async(data, max_size)]
+    """The blocking and the asyncio reader (and the callback buffer, which must agree)."""
+    both = [read_frame_blocking(io.BytesIO(data), max_size), _read_async(data, max_size)]
+    assert _read_buffered(data, max_size) == both[0]
+    return both
+
+
+@given(st.lists(st.dictionaries(st.text(max_size=4), st.integers(-(2**63), 2**63 - 1),
+                                max_size=3), max_size=6),
+       st.lists(st.integers(1, 40), min_size=1, max_size=8))
+def test_frame_buffer_reassembles_frames_from_any_split(maps: list[dict], cuts: list[int]) -> None:
+    messages_in = [{**m, "kind": "x"} for m in maps]
+    stream = b"".join(encode_frame(m) for m in messages_in)
+    buffer, out, at = FrameBuffer(), [], 0
+    for cut in cuts * (len(stream) // sum(cuts) + 1):
+        buffer.feed(stream[at:at + cut])
+        at += cut
+        while (message := buffer.next_frame()) is not None:
+            out.append(message)
+    buffer.end()
+    assert out == messages_in
 
 
 values = st.recursive(
@@ -82,6 +114,8 @@ def test_eof_inside_a_frame_is_truncated(cut: int) -> None:
         read_frame_blocking(io.BytesIO(data))
     with pytest.raises(FrameTruncated):
         _read_async(data)
+    with pytest.raises(FrameTruncated):
+        _read_buffered(data, 1 << 20)
 
 
 def test_oversize_is_refused_from_the_header_alone() -> None:
@@ -92,6 +126,8 @@ def test_oversize_is_refused_from_the_header_alone() -> None:
         read_frame_blocking(io.BytesIO(header), max_size=1 << 20)
     with pytest.raises(FrameTooLarge):
         _read_async(header, max_size=1 << 20)
+    with pytest.raises(FrameTooLarge):
+        _read_buffered(header, 1 << 20)
 
 
 def test_encoder_refuses_oversize() -> None:

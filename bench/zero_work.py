@@ -1,0 +1,251 @@
+"""`bench_http.py --zero-work`: the front's own cost, measured beside uvicorn on the same machine.
+
+Three servers, one after the other, each alone on the machine while it is measured:
+- clef-serve with tests/fake_worker.py (it answers at once): `GET /health` is the front without
+  the worker hop, `POST /v1/systemone` the whole front path (h11, the contract's checks, body
+  parsing and validation, admission, a frame each way over the pipe, the access log line);
+- uvicorn with its h11 protocol serving bench/zero_work_app.py, when uvicorn is installed: what
+  a well-kept Python HTTP server costs for a request that does nothing.
+
+Each row is measured at 1 connection (latency) and 32 (throughput and tail), closed loop and
+keep-alive. Both servers log one access line per request to a file, as they do by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from http_load import LoadResult, run_load
+
+REPO = Path(__file__).resolve().parent.parent
+DOC = REPO / "docs" / "benchmarks.md"
+FAKE_WORKER = REPO / "tests" / "fake_worker.py"
+BEGIN, END = "<!-- bench-http:zero-work -->", "<!-- /bench-http:zero-work -->"
+BODY = json.dumps({"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}).encode()
+
+# The issue's targets, checked and printed with every run.
+TARGET_POST_OVER_HEALTH_MS = 0.2
+TARGET_SHARE_OF_UVICORN = 0.6
+TARGET_P99_MS = 10.0
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    c1: LoadResult
+    c32: LoadResult
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_port(port: int, process: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode} before listening")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)  # a start-up poll in a benchmark, not a test
+    raise RuntimeError("server did not listen in time")
+
+
+class _Server:
+    """A server subprocess with stderr to a file; stopped with SIGTERM."""
+
+    def __init__(self, argv: list[str], port: int, log_path: Path, timeout: float) -> None:
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.process = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=self._log)
+        _wait_port(port, self.process, timeout)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+def _measure(port: int, method: str, path: str, body: bytes, args: argparse.Namespace) -> Row:
+    def load(connections: int, seconds: float) -> LoadResult:
+        return run_load("127.0.0.1", port, method, path, body, connections=connections,
+                        seconds=seconds, use_wrk=not args.no_wrk)
+
+    load(4, min(1.0, args.seconds))  # warm-up, not reported
+    c1, c32 = load(1, args.seconds), load(32, args.seconds)
+    for result in (c1, c32):
+        if result.bad_status:
+            raise RuntimeError(f"{method} {path}: {result.bad_status} failed requests")
+    return Row(f"{method} {path}", c1, c32)
+
+
+def _clef_server(tmp: Path, name: str, *flags: str) -> tuple[_Server, int]:
+    port = _free_port()
+    worker = shlex.join([sys.executable, str(FAKE_WORKER)])
+    return _Server([sys.executable, "-m", "clef_frontend", "--port", str(port),
+                    "--worker-command", worker, *flags], port, tmp / name, timeout=60), port
+
+
+def _clef_rows(args: argparse.Namespace, tmp: Path) -> tuple[list[Row], list[float]]:
+    """/health and POST with the defaults (one request in flight on a CPU worker), then POST
+    with 16 in flight, as on a CUDA worker: frames then queue on the pipe."""
+    server, port = _clef_server(tmp, "clef.log")
+    try:
+        health = _measure(port, "GET", "/health", b"", args)
+        post = _measure(port, "POST", "/v1/systemone", BODY, args)
+    finally:
+        server.stop()
+    text = server.log_path.read_text(errors="replace")
+    worker_ms = [float(m) for m in re.findall(r"worker_ms=([\d.]+)", text)]
+    server, port = _clef_server(tmp, "clef-batch.log", "--max-batch", "16")
+    try:
+        batch = _measure(port, "POST", "/v1/systemone", BODY, args)
+    finally:
+        server.stop()
+    return [
+        Row("clef-serve `GET /health` (no worker hop)", health.c1, health.c32),
+        Row("clef-serve `POST /v1/systemone` (zero-work worker)", post.c1, post.c32),
+        Row("clef-serve `POST`, `--max-batch 16` (up to 16 in flight to the worker)",
+            batch.c1, batch.c32),
+    ], worker_ms
+
+
+def _uvicorn_row(args: argparse.Namespace, tmp: Path) -> Row | None:
+    if importlib.util.find_spec("uvicorn") is None:
+        return None
+    import uvicorn
+
+    port = _free_port()
+    server = _Server([sys.executable, "-m", "uvicorn", "bench.zero_work_app:app", "--http", "h11",
+                      "--port", str(port)], port, tmp / "uvicorn.log", timeout=30)
+    try:
+        row = _measure(port, "POST", "/v1/systemone", BODY, args)
+    finally:
+        server.stop()
+    return Row(f"uvicorn {uvicorn.__version__}, h11, zero-work ASGI app (POST)", row.c1, row.c32)
+
+
+def _cell_us(ms: float) -> str:
+    return f"{ms * 1000:.0f} µs" if ms < 1 else f"{ms:.2f} ms"
+
+
+def _render(rows: list[Row], worker_ms: list[float], args: argparse.Namespace,
+            load: tuple[float, float]) -> str:
+    tool = rows[0].c1.tool
+    lines = [
+        BEGIN,
+        "## The front alone: zero-work worker, beside uvicorn",
+        "",
+        f"Command (from the repository root): `{_command()}`",
+        "",
+        f"Run {datetime.date.today().isoformat()}: {_machine()}; load generator {tool}, "
+        f"{args.seconds:g} s per cell, closed loop, keep-alive, after a 1 s warm-up. 1-minute "
+        f"load average {load[0]:.2f} at the start, {load[1]:.2f} at the end: the machine has 2 "
+        "cores shared with other work, and the load generator runs on the same cores as the "
+        "server, so absolute numbers move from run to run; compare rows within one run.",
+        "",
+        "| path | C1 p50 | C32 throughput | C32 p99 |",
+        "|---|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(f"| {row.label} | {_cell_us(row.c1.p50_ms)} | "
+                     f"{row.c32.throughput / 1000:.1f}k req/s | {_cell_us(row.c32.p99_ms)} |")
+    if worker_ms:
+        worker_ms.sort()
+        lines += ["", f"The fake worker reported {worker_ms[len(worker_ms) // 2]:.1f} ms per "
+                      f"request (median `worker_ms` of {len(worker_ms)} access-log lines, which "
+                      "round to 0.1 ms)."]
+    lines += ["", "Targets (issue 12):", ""] + [f"- {line}" for line in _verdicts(rows)]
+    lines.append(END)
+    return "\n".join(lines) + "\n"
+
+
+def _verdicts(rows: list[Row]) -> list[str]:
+    health, post = rows[0], rows[1]
+    extra = post.c1.p50_ms - health.c1.p50_ms
+    out = [f"POST p50 − /health p50 at C1 = {extra * 1000:.0f} µs "
+           f"(target ≤ {TARGET_POST_OVER_HEALTH_MS * 1000:.0f} µs): "
+           f"{'met' if extra <= TARGET_POST_OVER_HEALTH_MS else 'NOT met'}"]
+    uvicorn = [row for row in rows if row.label.startswith("uvicorn")]
+    if uvicorn:
+        share = post.c32.throughput / uvicorn[0].c32.throughput
+        out.append(f"POST C32 throughput = {share:.2f} × uvicorn (target ≥ "
+                   f"{TARGET_SHARE_OF_UVICORN}): "
+                   f"{'met' if share >= TARGET_SHARE_OF_UVICORN else 'NOT met'}")
+        batch = rows[2].c32.throughput / uvicorn[0].c32.throughput
+        out.append(f"with `--max-batch 16`: {batch:.2f} × uvicorn")
+    else:
+        out.append("uvicorn is not installed: no comparison (pip install uvicorn)")
+    out.append(f"POST C32 p99 = {_cell_us(post.c32.p99_ms)} (target ≤ {TARGET_P99_MS:g} ms): "
+               f"{'met' if post.c32.p99_ms <= TARGET_P99_MS else 'NOT met'}")
+    return out
+
+
+def _machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {cpu}, "
+            f"Python {platform.python_version()}")
+
+
+def _command() -> str:
+    python = Path(sys.executable)
+    shown = ".venv/bin/python" if python.is_relative_to(REPO / ".venv") else "python"
+    return " ".join([shown, "bench/bench_http.py", *map(shlex.quote, sys.argv[1:])])
+
+
+def _write(section: str) -> None:
+    text = DOC.read_text(encoding="utf-8")
+    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END) + "\n", re.DOTALL)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section, text)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    DOC.write_text(text, encoding="utf-8")
+
+
+def run_zero_work(args: argparse.Namespace) -> int:
+    """Measure, print the table, write it into docs/benchmarks.md unless told not to."""
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        rows, worker_ms = _clef_rows(args, Path(tmp))
+        uvicorn_row = _uvicorn_row(args, Path(tmp))
+    if uvicorn_row is not None:
+        rows.append(uvicorn_row)
+    section = _render(rows, worker_ms, args, (load_before, os.getloadavg()[0]))
+    print(section)
+    if not args.no_write:
+        _write(section)
+        print(f"wrote {DOC}", file=sys.stderr)
+    return 0

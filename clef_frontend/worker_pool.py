@@ -1,0 +1,152 @@
+"""Every worker of the server: one per device (times `--workers-per-device`), each on its own.
+
+Why several: one GPU serves one model forward at a time, so a host with more GPUs needs a worker
+on each; and with two workers a crash (or a reload) is no longer an outage, because the other
+keeps serving while the replacement warms up. Each worker has its own Supervisor (start,
+restart with backoff, stop) and is pinned to its GPU with `CUDA_VISIBLE_DEVICES`, so inside the
+worker that GPU is `cuda:0` and nothing else is visible. The pool is what admission sees: it is
+available while at least one worker is ready, and its lanes are the supervisors themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from clef_frontend.config import ServerConfig
+from clef_frontend.supervisor import StartupFailed, Supervisor, WorkerSlot, WorkerState
+from clef_protocol.messages import ReadyInfo
+
+log = logging.getLogger("clef_frontend.pool")
+
+
+def plan_slots(config: ServerConfig) -> list[WorkerSlot]:
+    """The worker slots for a config: names, devices, command lines and environments.
+
+    A `cuda:N` device runs its worker with `CUDA_VISIBLE_DEVICES=N` and `--device cuda` (the
+    last `--device` on a command line wins); any other device is passed as `--device` as is.
+    Without `devices`, one worker runs the configured command unchanged.
+    """
+    per_device = config.workers_per_device
+    if not config.devices:
+        return [WorkerSlot(str(i), "default", config.worker_argv) for i in range(per_device)]
+    slots = []
+    for device in config.devices:
+        env: dict[str, str] = {}
+        shown = device
+        if device.startswith("cuda:"):
+            env["CUDA_VISIBLE_DEVICES"] = device.removeprefix("cuda:")
+            device_flag = "cuda"
+        else:
+            device_flag = device
+        argv = (*config.worker_argv, "--device", device_flag)
+        for i in range(per_device):
+            name = shown if per_device == 1 else f"{shown}#{i}"
+            slots.append(WorkerSlot(name, shown, argv, env))
+    return slots
+
+
+class WorkerPool:
+    """The supervisors of all workers, and what admission and /health ask of them together."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        on_all_lost: Callable[[], None],
+        on_ready: Callable[[], None],
+        on_worker_failed: Callable[[str], None] | None = None,
+    ) -> None:
+        self._on_all_lost = on_all_lost
+        self.lanes: Sequence[Supervisor] = [
+            Supervisor(config, self._worker_lost, slot=slot, on_ready=on_ready,
+                       on_worker_failed=on_worker_failed)
+            for slot in plan_slots(config)
+        ]
+        self._reloading = asyncio.Lock()
+
+    async def start(self) -> None:
+        """Start every worker at once; raise StartupFailed (all stopped) if any fails."""
+        results = await asyncio.gather(*(lane.start() for lane in self.lanes),
+                                       return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            await self.stop()
+            for failure in failures:
+                if not isinstance(failure, StartupFailed):
+                    raise failure
+            reasons = "; ".join(f"worker {lane.slot.name}: {r}" for lane, r in
+                                zip(self.lanes, results, strict=True)
+                                if isinstance(r, BaseException))
+            raise StartupFailed(reasons if len(self.lanes) > 1 else str(failures[0]))
+
+    def unavailable_reason(self) -> str | None:
+        """None while at least one worker is ready, else the 503 detail."""
+        reasons = [lane.unavailable_reason() for lane in self.lanes]
+        if None in reasons:
+            return None
+        if "worker is restarting" in reasons:
+            return "worker is restarting"
+        return reasons[0]
+
+    def state(self) -> WorkerState:
+        """READY if any worker is; else RESTARTING if any is; else the first one's state."""
+        states = [lane.state for lane in self.lanes]
+        if self.unavailable_reason() is None:
+            return WorkerState.READY
+        if WorkerState.RESTARTING in states or WorkerState.READY in states:
+            return WorkerState.RESTARTING
+        return states[0]
+
+    @property
+    def restarts(self) -> int:
+        return sum(lane.restarts for lane in self.lanes)
+
+    def ready_lanes(self) -> list[Supervisor]:
+        return [lane for lane in self.lanes if lane.unavailable_reason() is None]
+
+    def ready_info(self) -> ReadyInfo | None:
+        """The first ready worker's ready frame (the single-worker view of /health, metrics)."""
+        ready = self.ready_lanes()
+        return ready[0].info if ready else None
+
+    def describe(self) -> list[dict[str, Any]]:
+        """One entry per worker for /health."""
+        out = []
+        for lane in self.lanes:
+            ready = lane.unavailable_reason() is None
+            state = lane.state
+            out.append({
+                "name": lane.slot.name,
+                "device": lane.slot.device,
+                "status": "ready" if ready else ("restarting" if state is WorkerState.READY
+                                                 else str(state)),
+                "pid": lane.info.pid if ready and lane.info else None,
+                "in_flight": lane.in_flight,
+                "max_batch": lane.max_batch,
+                "restarts": lane.restarts,
+            })
+        return out
+
+    async def watch(self) -> None:
+        """Supervise every worker until cancelled."""
+        await asyncio.gather(*(lane.watch() for lane in self.lanes))
+
+    async def reload(self) -> None:
+        """Roll every worker onto the snapshot now at --model, one at a time (no downtime).
+
+        One reload at a time: a second SIGHUP during a roll waits for it, then rolls again.
+        """
+        async with self._reloading:
+            log.info("reload: rolling %d worker(s) one at a time", len(self.lanes))
+            done = [await lane.reload() for lane in self.lanes]
+            log.info("reload finished: %d of %d worker(s) replaced", sum(done), len(done))
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(lane.stop() for lane in self.lanes))
+
+    def _worker_lost(self) -> None:
+        if self.unavailable_reason() is not None:
+            self._on_all_lost()
