@@ -277,7 +277,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (0: torch's default)")
     parser.add_argument("--no-write", action="store_true", help="print, do not touch the docs")
-    return parser.parse_args(argv)
+    parser.add_argument("--quick", action="store_true",
+                        help="CI smoke run: tiny fixture, 1 question, 2 repeats, CPU, no writes")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.device, args.snapshots, args.questions = "cpu", "tiny", [1]
+        args.warmup, args.repeats, args.no_write = 1, 2, True
+    return args
 
 
 def resolve_snapshots(spec: str) -> list[tuple[str, Path]]:
