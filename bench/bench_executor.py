@@ -152,9 +152,11 @@ def run_snapshot(label: str, path: Path, args: argparse.Namespace) -> SnapshotRe
                                    dtype=args.dtype, gdn_prefill=args.gdn_prefill,
                                    limits=RequestLimits(max_length=args.max_length))
     load_s = time.perf_counter() - started
+    started = time.perf_counter()
     executor.warm_up()
+    warmup_ms = (time.perf_counter() - started) * 1000
     result = SnapshotResult(label=label, description=describe_snapshot(path), load_s=load_s,
-                            warmup_ms=executor.warmup_ms, info=executor.describe())
+                            warmup_ms=warmup_ms, info=executor.describe())
     for questions in args.questions:
         row = measure(executor, questions, args.warmup, args.repeats, args.budget)
         log.info("%s, %d questions: %s", label, questions,
