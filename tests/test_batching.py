@@ -34,6 +34,7 @@ from clef_worker.main import serve
 from clef_worker.native import NativeExecutor, Prepared
 from tests.answer_compare import assert_same_response
 from tests.conftest import GOLDEN
+from tests.request_strategies import requests
 
 CASES = [json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitlines() if line]
 BIG = BatchPolicy(max_batch_tokens=1 << 30)
@@ -315,3 +316,22 @@ def test_a_media_request_in_a_batch_answers_as_alone(executor: NativeExecutor) -
         assert outcome.error is None
         assert_same_response(outcome.value.body, _solo(executor, case).value.body)
     assert_same_response(results[1][1].value.body, json.dumps(image["response"]).encode())
+
+
+@settings(max_examples=10, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(requests(), min_size=2, max_size=5))
+def test_random_requests_in_one_batch_answer_as_alone(executor: NativeExecutor,
+                                                      batch: list[dict[str, Any]]) -> None:
+    bodies = [json.dumps(request).encode() for request in batch]
+    results = list(answer_batch(executor, bodies, BIG))
+    for body, (_, outcome) in zip(bodies, results, strict=True):
+        try:
+            solo = executor.answer(body)
+        except RequestInvalid as refused:
+            assert isinstance(outcome.error, RequestInvalid)
+            assert str(outcome.error) == str(refused)
+            continue
+        assert outcome.error is None
+        assert_same_response(outcome.value.body, solo.body)
+        assert outcome.value.input_tokens == solo.input_tokens
