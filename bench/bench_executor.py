@@ -11,6 +11,7 @@ command and the machine.
     .venv/bin/python bench/bench_executor.py                    # CPU, writes docs/benchmarks.md
     .venv/bin/python bench/bench_executor.py --device cuda      # GPU section
     .venv/bin/python bench/bench_executor.py --no-write         # print only
+    .venv/bin/python bench/bench_executor.py --quick            # CI smoke run (see README)
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import logging
 import os
 import platform
 import re
-import shlex
 import statistics
 import sys
 import time
@@ -31,6 +31,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from bench.provenance import command_line  # noqa: E402
 
 TINY_FIXTURE = REPO.parent / "shared" / "fixtures" / "clef-tiny"
 DOC = REPO / "docs" / "benchmarks.md"
@@ -186,14 +188,6 @@ def machine_line(device: str) -> str:
     return "; ".join(parts)
 
 
-def command_line() -> str:
-    python = Path(sys.executable)
-    with_venv = REPO / ".venv" / "bin"
-    shown = (str(python.relative_to(REPO)) if python.is_relative_to(with_venv) else "python")
-    script = Path(__file__).resolve().relative_to(REPO)
-    return " ".join([shown, str(script), *map(shlex.quote, sys.argv[1:])])
-
-
 def render_section(kind: str, results: list[SnapshotResult], args: argparse.Namespace,
                    load: tuple[float, float]) -> str:
     info = results[0].info
@@ -201,7 +195,7 @@ def render_section(kind: str, results: list[SnapshotResult], args: argparse.Name
         f"<!-- bench-executor:{kind} -->",
         f"## {kind.upper()} (`--device {args.device}`)",
         "",
-        f"Command (from the repository root): `{command_line()}`",
+        f"Command (from the repository root): `{command_line(__file__)}`",
         "",
         f"Machine: {machine_line(args.device)}. 1-minute load average {load[0]:.2f} at the "
         f"start, {load[1]:.2f} at the end (other work on the machine inflates the numbers).",
@@ -280,11 +274,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="torch CPU threads (0: torch's default)")
     parser.add_argument("--no-write", action="store_true", help="print, do not touch the docs")
     parser.add_argument("--quick", action="store_true",
-                        help="CI smoke run: tiny fixture, 1 question, 2 repeats, CPU, no writes")
+                        help="smoke run: tiny fixture on CPU, 1 and 3 questions, 2 repeats, no "
+                             "writes")
     args = parser.parse_args(argv)
     if args.quick:
-        args.device, args.snapshots, args.questions = "cpu", "tiny", [1]
-        args.warmup, args.repeats, args.no_write = 1, 2, True
+        args.device, args.snapshots, args.questions = "cpu", "tiny", [1, 3]
+        args.warmup, args.repeats, args.budget, args.no_write = 1, 2, 5.0, True
     return args
 
 

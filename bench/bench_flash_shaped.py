@@ -10,6 +10,7 @@ Compute per token is the release's; only the numbers in the weights are random.
 
     python bench/bench_flash_shaped.py --device cuda --gdn-prefill fla --out results.json
     python bench/bench_flash_shaped.py --device cpu --shape small     # a dry run of the code path
+    python bench/bench_flash_shaped.py --quick       # CI smoke run: small, 2 layers, CPU, no file
 
 What it reports (medians over --repeat after warm-up): per-request wall time of
 `NativeExecutor.answer` for typical sizes (tokens, questions), and the stage split from
@@ -32,6 +33,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from bench.provenance import command_line  # noqa: E402
 
 log = logging.getLogger("bench_flash_shaped")
 
@@ -179,25 +182,31 @@ def main() -> int:
     parser.add_argument("--skip-warmup-probe", action="store_true")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--quick", action="store_true",
-                        help="CPU smoke run: small shapes, short cases, few repeats, no file")
+                        help="smoke run: small shape, 2 layers, CPU, 2 short cases, 2 repeats, "
+                             "no file written")
     args = parser.parse_args()
+    fresh_extras: tuple[int, ...] = (7, 131, 517, 1033, 2111)
+    cases, thread_repeats = CASES, 10
     if args.quick:
-        args.device, args.shape, args.max_length, args.repeat = "cpu", "small", 2048, 2
+        args.device, args.shape, args.layers, args.repeat = "cpu", "small", 2, 2
+        args.skip_warmup_probe, args.out = True, None
         args.gdn_prefill, args.dtype = "torch", "float32"
-        args.out, args.skip_warmup_probe = None, True
-        CASES[:] = CASES[:2]
+        cases, fresh_extras, thread_repeats = CASES[:2], (7,), 2
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(message)s")
     executor, params = build_executor(args)
     info = executor.describe()
-    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
-                               "parameters": params, "info": info.__dict__, "cases": {}}
+    # No host paths in a result: the command as re-run from the repository root, and the
+    # snapshot by its directory name only.
+    described = {**info.__dict__, "snapshot": Path(info.snapshot).name}
+    results: dict[str, Any] = {"command": command_line(__file__), "parameters": params,
+                               "info": described, "cases": {}}
 
     def save() -> None:
         if args.out:
             args.out.write_text(json.dumps(results, indent=1))
 
-    requests = {label: make_request(executor, tokens, q) for label, tokens, q in CASES}
+    requests = {label: make_request(executor, tokens, q) for label, tokens, q in cases}
     bodies = {label: json.dumps(r).encode() for label, r in requests.items()}
     if not args.skip_warmup_probe:
         # The first request at a long length before any warm-up: what warm-up saves.
@@ -210,7 +219,7 @@ def main() -> int:
     executor.warm_up()
     results["warmup_ms"] = round((time.perf_counter() - started) * 1000, 1)
     save()
-    for label, _tokens, _questions in CASES:
+    for label, _tokens, _questions in cases:
         body = bodies[label]
         for _ in range(3):
             timed_answer(executor, body)
@@ -231,9 +240,9 @@ def main() -> int:
         save()
     # After warm-up, a length never seen before must cost what a seen one costs: no plan
     # building or autotuning left for the first request at that length.
-    fresh: dict[str, float] = {}
+    fresh: dict[str, list[float]] = {}
     base = requests["3q-300tok"]
-    for extra in (7, 131, 517, 1033, 2111):
+    for extra in fresh_extras:
         request = {**base, "state": base["state"] + " word" * extra}
         tokens = len(executor.encode(request).input_ids)
         first = timed_answer(executor, json.dumps(request).encode())
@@ -245,7 +254,7 @@ def main() -> int:
     # The old server's shape: each request on a fresh thread.
     body = bodies["3q-300tok"]
     on_new_thread: list[float] = []
-    for _ in range(min(args.repeat, 10)):
+    for _ in range(min(args.repeat, thread_repeats)):
         box: list[float] = []
         thread = threading.Thread(target=lambda out=box: out.append(timed_answer(executor, body)))
         thread.start()

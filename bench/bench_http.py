@@ -33,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.provenance import command_line  # noqa: E402
 
 REQUEST = {
     "model": "clef-flash",
@@ -115,7 +118,7 @@ def main() -> int:
                 listening.set()
 
     threading.Thread(target=pump, daemon=True).start()
-    results: dict[str, Any] = {"command": command}
+    results: dict[str, Any] = {"command": command_line(__file__)}
     try:
         if not listening.wait(args.startup_timeout):
             raise SystemExit("server did not start listening")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import io
 import statistics
 import sys
@@ -40,6 +41,13 @@ def median_ms(step: Callable[[], Any], repeat: int) -> float:
     return statistics.median(times)
 
 
+def _round_trip(value: dict[str, bytes]) -> Any:
+    """One msgpack encode and decode, as a frame on the worker pipe costs."""
+    import msgpack
+
+    return msgpack.unpackb(msgpack.packb(value))
+
+
 def photo(size: int) -> Any:
     import numpy as np
 
@@ -60,15 +68,19 @@ def encode(pixels: Any, fmt: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run (bench/README.md): 2 repeats; it never writes files")
     args = parser.parse_args()
+    if args.quick:
+        args.repeat = 2
 
-    import msgpack
     import torch
 
     from clef_protocol.media import check_media, decode_media
     from clef_protocol.options import RequestLimits
-    from clef_worker.native import WARMUP_REQUEST, NativeExecutor
+    from clef_worker.native import NativeExecutor
     from clef_worker.pixels import PixelSettings, image_patches
+    from clef_worker.warmup import REPRESENTATIVE as WARMUP_REQUEST
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     limits = RequestLimits()
@@ -83,13 +95,12 @@ def main() -> None:
         request = {**WARMUP_REQUEST, "images": [data]}
         decoded = decode_media(request, limits).images[0]
         raw = decoded.tobytes()
-        header = median_ms(lambda r=request: check_media(r, limits), args.repeat)
-        decode = median_ms(lambda r=request: decode_media(r, limits), args.repeat)
-        patch = median_ms(lambda d=decoded: image_patches(d, settings), args.repeat)
-        pipe_encoded = median_ms(
-            lambda d=data: msgpack.unpackb(msgpack.packb({"body": d.encode()})), args.repeat)
-        pipe_decoded = median_ms(
-            lambda b=raw: msgpack.unpackb(msgpack.packb({"pixels": b})), args.repeat)
+        header = median_ms(functools.partial(check_media, request, limits), args.repeat)
+        decode = median_ms(functools.partial(decode_media, request, limits), args.repeat)
+        patch = median_ms(functools.partial(image_patches, decoded, settings), args.repeat)
+        pipe_encoded = median_ms(functools.partial(_round_trip, {"body": data.encode()}),
+                                 args.repeat)
+        pipe_decoded = median_ms(functools.partial(_round_trip, {"pixels": raw}), args.repeat)
         print(f"| {fmt} | {len(data):,} | {header:.2f} | {decode:.2f} | {patch:.2f} | "
               f"{pipe_encoded:.3f} | {pipe_decoded:.3f} |")
 

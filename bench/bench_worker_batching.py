@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -66,7 +66,8 @@ class Worker:
             [sys.executable, "-m", "clef_worker", *flags], cwd=REPO, env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         assert self.process.stdin and self.process.stdout
-        self.stdin, self.stdout = self.process.stdin, self.process.stdout
+        self.stdin = cast(BinaryIO, self.process.stdin)
+        self.stdout = cast(BinaryIO, self.process.stdout)
         ready = read_frame_blocking(self.stdout)
         if not ready or ready["kind"] != messages.READY:
             raise SystemExit(f"worker did not start: {ready}")
@@ -127,7 +128,7 @@ def main() -> int:
     bodies = request_bodies(args.requests)
     rows: list[dict[str, Any]] = []
     baseline: dict[int, dict] = {}
-    plans = [("C1", 1, [])]
+    plans: list[tuple[str, int, list[str]]] = [("C1", 1, [])]
     for c in args.concurrency:
         if c > 1:
             plans += [(f"C{c} unbatched", c, ["--max-batch-tokens", "1"]), (f"C{c} batched", c, [])]

@@ -26,7 +26,8 @@ fi
 FAILED=0
 step() { local name=$1 limit=$2; shift 2; echo "=== $name"; local t0=$SECONDS
   echo "=== $name" >> "$OUT/logs.txt"
-  local cmd=("$@"); if [ $DRY = 1 ] && [[ "${cmd[1]:-}" == bench/*.py ]]; then cmd+=(--quick); fi
+  local cmd=("$@")  # dry run: --quick right after the script (before any `--` and its flags)
+  if [ $DRY = 1 ] && [[ "${cmd[1]:-}" == bench/*.py ]]; then cmd=("${cmd[@]:0:2}" --quick "${cmd[@]:2}"); fi
   timeout "$limit" "${cmd[@]}" > "$OUT/step.out" 2>> "$OUT/logs.txt"; local rc=$?
   [ $rc = 0 ] || FAILED=$((FAILED+1))
   "$PY" -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "rc": int(sys.argv[2]), "seconds": int(sys.argv[3]), "stdout": open(sys.argv[4]).read()[-20000:]}))' \
@@ -53,6 +54,7 @@ step flash_warmup_cached 100 "$PY" bench/bench_gpu_path.py --device $DEV --gdn-p
 echo "--- optional (if the lease has time left)"
 # 5. batching through a real worker process (demo snapshot): C1 vs C4/C16/C32 batched/unbatched
 step worker_batching_demo 90 "$PY" bench/bench_worker_batching.py --model demo --device $DEV --requests 192 --concurrency 4 16 32
-step flash_torch_gdn 100 "$PY" bench/bench_flash_shaped.py --device $DEV --gdn-prefill torch --skip-warmup-probe --repeat 8 --out "$OUT/flash_torch.json"
+step http_demo_cuda_batched 100 "$PY" bench/bench_http.py --requests 200 --clients 16 -- --model demo --device $DEV --max-batch 16
+step flash_torch_gdn 100 "$PY" bench/bench_flash_shaped.py --device $DEV --gdn-prefill torch --skip-warmup-probe --repeat 8 --out "$OUT/flash-shaped-torch.json"
 echo "=== done ($FAILED failed)"
 [ $FAILED = 0 ]

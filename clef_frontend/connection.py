@@ -11,8 +11,9 @@ What the loop adds to h11, and why:
 - the raw bytes of each head are kept, because contract rows 1-3 judge framing headers as sent,
   which h11 normalises (see framing.py);
 - while a request waits for the worker the socket is still read, so a client that disconnects
-  is noticed and its ticket leaves the queue; bytes that arrive meanwhile (pipelining) are handed
-  to h11, which buffers them for the next cycle.
+  is noticed and its ticket leaves the queue (end of input counts as leaving, a half-close
+  included: the read side cannot tell them apart; see docs/api.md); bytes that arrive
+  meanwhile (pipelining) are handed to h11, which buffers them for the next cycle.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from clef_worker.executor import StartupError
+from clef_worker.kernel_advice import quiet_on_cpu
 from clef_worker.snapshot import LEXICAL_TABLE, TEXT_PREFIX, Snapshot, tensor_shapes
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,10 @@ FLA_KERNEL_MODULE = "fla.ops.gated_delta_rule"
 # importing a submodule directly also fails fast.
 FLA_BLOCKED = ("fla", "fla.ops", "fla.ops.gated_delta_rule", "fla.modules", "fla.layers")
 CPU_BLOCKED = ("causal_conv1d",)
+# The weight dtypes this project runs, by the name flags and `ready` use for them.
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+# The optional kernel packages that importing MODELING_MODULE binds when they are importable.
+KERNEL_PACKAGES = ("fla", *CPU_BLOCKED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,7 +91,7 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     """`auto` is bfloat16 on CUDA (the release's precision) and float32 on CPU."""
     if spec == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    dtypes = {name: dtype for dtype, name in DTYPE_NAMES.items()}
     if spec not in dtypes:
         raise StartupError(f"--dtype {spec}: expected auto, bfloat16 or float32")
     return dtypes[spec]
@@ -191,8 +196,9 @@ def bind_gdn_path(requested: str, device: torch.device, dtype: torch.dtype) -> s
             f"transformers bound the {bound} Gated DeltaNet kernel but {chosen} was chosen"
             f"{why}; start the worker in a fresh process"
         )
-    log.info("Gated DeltaNet prefill path: %s (--gdn-prefill %s, device %s)", bound, requested,
-             device)
+    reason = quiet_on_cpu(device)
+    log.info("Gated DeltaNet prefill path: %s (--gdn-prefill %s, device %s)%s", bound, requested,
+             device, f": {reason}" if reason else "")
     return bound
 
 

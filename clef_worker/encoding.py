@@ -23,7 +23,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from clef_protocol.validation import RequestInvalid
+from clef_protocol.validation import QUESTION_TYPES, RequestInvalid
 
 SYSTEM_PROMPT = (
     "Read the complete state and schema. Decide every field jointly. "
@@ -38,7 +38,8 @@ OPTION_END = "\n"
 FIELD_END = "END FIELD\n"
 SUFFIX = "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:"
 
-QUESTION_TYPES: dict[str, int] = {"noul": 0, "choice": 1, "score": 2}
+# The head's type id of each question type: its position in the protocol's list of types.
+TYPE_IDS: dict[str, int] = {name: index for index, name in enumerate(QUESTION_TYPES)}
 NOUL_DEFAULTS: tuple[tuple[str, str], ...] = (
     ("true", "The proposition is true or the answer is yes."),
     ("false", "The proposition is false or the answer is no."),
@@ -229,7 +230,7 @@ class Encoder:
             EncodedQuestion(
                 id=question_id,
                 type=kind,
-                type_id=QUESTION_TYPES[kind],
+                type_id=TYPE_IDS[kind],
                 question_span=span(span_segment),
                 option_ids=tuple(option_ids),
                 option_spans=tuple(span(index) for index in option_segments),

@@ -10,7 +10,6 @@ on the calling thread under `torch.inference_mode()`.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -22,12 +21,14 @@ import torch
 from safetensors import safe_open
 
 from clef_protocol.body import parse_body
-from clef_protocol.media import decode_media, gradient_image, has_media, png_data_uri
+from clef_protocol.media import decode_media, has_media
 from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import RequestInvalid, validate_request
+from clef_worker import warmup
 from clef_worker.answers import build_response, serialize
 from clef_worker.backbone import (
+    DTYPE_NAMES,
     Backbone,
     bind_gdn_path,
     describe_kernel_lengths,
@@ -50,42 +51,12 @@ from clef_worker.graphs import (
 from clef_worker.head import HeadIndex, JointSchemaHead
 from clef_worker.snapshot import Snapshot, open_snapshot
 from clef_worker.transfer import to_device_packed
+from clef_worker.versions import package_version, package_versions
 from clef_worker.vision import PreparedMedia, VisionTower, has_vision, load_vision
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
-
-# A representative request (~250 tokens, the three question types) for the warm-up forward.
-WARMUP_REQUEST: dict[str, Any] = {
-    "model": "warm-up",
-    "state": (
-        "Ticket 5521: the customer paid invoice #4411 ($12,400) twice by card on 2026-09-30; "
-        "the second charge is still pending and the customer asks for a refund of the "
-        "duplicate. Earlier messages mention a delayed delivery and a damaged box. "
-    ) * 2,
-    "questions": {
-        "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
-        "topic": {
-            "type": "choice",
-            "instructions": "What is the ticket about?",
-            "criteria": {
-                "billing": "Payments, invoices and refunds",
-                "delivery": "Shipping and delivery problems",
-                "product": "Defects or questions about a product",
-                "other": None,
-            },
-        },
-        "urgency": {
-            "type": "score",
-            "instructions": "How urgent is the ticket?",
-            "criteria": ["none", "low", "medium", "high", "critical"],
-        },
-    },
-}
-
 
 @dataclass(frozen=True)
 class Scored:
@@ -205,10 +176,9 @@ class NativeExecutor:
     # -- Executor protocol -------------------------------------------------------------------
 
     def describe(self) -> ModelInfo:
-        versions = {name: _version(name) for name in ("torch", "transformers", "tokenizers",
-                                                       "safetensors")}
+        versions = package_versions()
         if self.backbone.gdn_path == "fla":
-            versions["fla"] = _version("fla-core")
+            versions["fla"] = package_version("fla-core")
         return ModelInfo(
             model=self.snapshot.variant,
             variant=self.snapshot.variant,
@@ -222,21 +192,30 @@ class NativeExecutor:
         )
 
     def warm_up(self) -> None:
-        """A representative forward; on the fla path, also one Gated DeltaNet layer per
-        autotune length bucket up to --max-length (see clef_worker.backbone)."""
+        """A forward of the richest warm-up request the limits admit (clef_worker.warmup); on
+        the fla path, also one Gated DeltaNet layer per autotune length bucket up to
+        --max-length (see clef_worker.backbone); with a vision tower, the same request with an
+        image."""
         started = time.perf_counter()
         if self.runner is not None:
             self._build_buckets(self.runner)
-        self.score(WARMUP_REQUEST)
+        request = warmup.choose(self.limits, self.encode)
+        encoding = self._warmup_encoding(request)
+        if encoding is None:
+            log.warning("--max-length %d is too short to warm anything up",
+                        self.limits.max_length)
+            return
+        self.forward(encoding)
         lengths = describe_kernel_lengths(self.backbone, self.limits.max_length)
         if lengths:
             log.info("warming fla kernels for %d length buckets: %s", len(lengths), lengths)
             with torch.inference_mode():
                 self.backbone.warm_gdn(lengths)
-            self.score(WARMUP_REQUEST)
-        if self.vision is not None:
-            self._warm_media()
-        log.info("warm-up done in %.0f ms", (time.perf_counter() - started) * 1000)
+            self.forward(encoding)
+        if self.vision is not None and request is not None:
+            self._warm_media(request)
+        log.info("warm-up done in %.0f ms (%d tokens)", (time.perf_counter() - started) * 1000,
+                 encoding.length)
 
     def _build_buckets(self, runner: BucketedBackbone) -> None:
         """Build (capture) every bucket. A kernel that cannot be captured must not take the
@@ -255,10 +234,22 @@ class NativeExecutor:
                  "cuda graphs" if runner.graphs else "eager", runner.stats.capture_ms,
                  runner.capturer.memory_bytes())
 
-    def _warm_media(self) -> None:
-        """An image request too, so the vision tower's first request is not a cold one."""
+
+    def _warmup_encoding(self, request: dict[str, Any] | None) -> Encoding | None:
+        if request is not None:
+            return self.encode(request)
+        length = self.limits.max_length
+        log.warning(
+            "no request fits --max-length %d (every request will be refused with 422); "
+            "warming up on a %d-token sequence without a request", length, length,
+        )
+        return warmup.synthetic_encoding(self.encoder.prefix_ids, length)
+
+    def _warm_media(self, request: dict[str, Any]) -> None:
+        """The warm-up request with an image, so the vision tower's first request is not a
+        cold one (skipped when the image's tokens do not fit the limits)."""
         try:
-            self.score(media_warmup_request())
+            self.score(warmup.with_image(request))
         except RequestInvalid as exc:
             log.warning("image warm-up skipped: %s", exc)
 
@@ -302,26 +293,46 @@ class NativeExecutor:
         head per request on its real rows."""
         return self._score_batch(batch, {}, False)
 
+    def forward(self, encoding: Encoding, media: PreparedMedia | None = None,
+                timings: dict[str, float] | None = None) -> tuple[list[float], list[float]]:
+        """Backbone (with the vision tower for media) and head on one encoding: per-option
+        logits and probabilities; with `timings`, each stage's time is recorded there."""
+        profile = timings is not None
+        return self._forward_batch([encoding], [media], {} if timings is None else timings,
+                                   profile)[0]
+
     def _score_batch(self, batch: Sequence[Prepared], timings: dict[str, float],
                      profile: bool) -> list[Scored]:
-        if len(batch) > 1 and any(item.media is not None for item in batch):
-            # Media requests go through the vision tower eagerly, unpadded: never batched.
-            return [scored for item in batch for scored in self._score_batch([item], {}, False)]
-        lengths = [len(item.encoding.input_ids) for item in batch]
+        results = self._forward_batch([item.encoding for item in batch],
+                                      [item.media for item in batch], timings, profile)
+        return [Scored(request=item.request, encoding=item.encoding, logits=logits,
+                       probabilities=probabilities, timings_ms=timings if row == 0 else {},
+                       media=item.media)
+                for row, (item, (logits, probabilities)) in enumerate(zip(batch, results,
+                                                                           strict=True))]
+
+    def _forward_batch(self, encodings: Sequence[Encoding], medias: Sequence[PreparedMedia | None],
+                       timings: dict[str, float],
+                       profile: bool) -> list[tuple[list[float], list[float]]]:
+        """One backbone forward over right-padded rows, then the head per row on its real
+        positions; media requests run alone (vision tower, eager, unpadded)."""
+        if len(encodings) > 1 and any(media is not None for media in medias):
+            return [self._forward_batch([encoding], [media], {}, False)[0]
+                    for encoding, media in zip(encodings, medias, strict=True)]
+        lengths = [len(encoding.input_ids) for encoding in encodings]
         width = self.padded_length(max(lengths))
         with torch.inference_mode():
-            host_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+            host_ids = torch.full((len(encodings), width), self.pad_id, dtype=torch.long)
             indexes = []
-            for row, item in enumerate(batch):
-                host_ids[row, :lengths[row]] = torch.tensor(item.encoding.input_ids,
-                                                            dtype=torch.long)
-                questions = item.encoding.questions
+            for row, encoding in enumerate(encodings):
+                host_ids[row, :lengths[row]] = torch.tensor(encoding.input_ids, dtype=torch.long)
+                questions = encoding.questions
                 indexes.append(HeadIndex.build(
                     [q.question_span for q in questions], [q.option_spans for q in questions],
                     [q.type_id for q in questions]))
             ids, indexes = self._to_device(host_ids, indexes)
             rows = self._timed(timings, "backbone", profile,
-                               lambda: self._hidden_rows(ids, lengths, batch[0].media))
+                               lambda: self._hidden_rows(ids, lengths, medias[0]))
             outputs = self._timed(timings, "head", profile, lambda: [
                 self.head(hidden, ids[row, :lengths[row]], self.backbone.lexical_table,
                           indexes[row])
@@ -329,14 +340,8 @@ class NativeExecutor:
             counts = [output.logits.shape[0] for output in outputs]
             values = torch.cat([torch.stack([o.logits, o.probabilities]) for o in outputs],
                                dim=1).cpu()
-        scored = []
-        for row, (item, part) in enumerate(zip(batch, values.split(counts, dim=1),
-                                               strict=True)):
-            logits, probabilities = part
-            scored.append(Scored(request=item.request, encoding=item.encoding,
-                                 logits=logits.tolist(), probabilities=probabilities.tolist(),
-                                 timings_ms=timings if row == 0 else {}, media=item.media))
-        return scored
+        return [(logits.tolist(), probabilities.tolist())
+                for logits, probabilities in values.split(counts, dim=1)]
 
     def padded_length(self, length: int) -> int:
         """Row length of a forward whose longest request has `length` tokens."""
@@ -419,11 +424,6 @@ def _load_media(snapshot: Snapshot, encoder: Encoder, backbone: Backbone,
     return load_vision(snapshot, encoder, backbone.device, backbone.dtype)
 
 
-def media_warmup_request() -> dict[str, Any]:
-    """WARMUP_REQUEST with one 512x512 PNG, the size clients send."""
-    return {**WARMUP_REQUEST, "images": [png_data_uri(gradient_image(512, 512))]}
-
-
 def device_is_broken(exc: BaseException, device: torch.device) -> bool:
     """Whether an exception means the device context is unusable (sticky CUDA errors).
 
@@ -453,10 +453,3 @@ def load_head(snapshot: Snapshot, device: torch.device, dtype: torch.dtype) -> J
     head.eval()
     head.requires_grad_(False)
     return head
-
-
-def _version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"

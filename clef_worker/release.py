@@ -33,8 +33,8 @@ message saying what was looked for.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
-import importlib.metadata
 import importlib.util
 import inspect
 import itertools
@@ -50,35 +50,26 @@ from clef_protocol.body import parse_body
 from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import RequestInvalid, validate_request
+from clef_worker import warmup
 from clef_worker.answers import serialize
 from clef_worker.backbone import (
+    DTYPE_NAMES,
     MODELING_MODULE,
     bound_gdn_path,
     choose_gdn_path,
     resolve_device,
     resolve_dtype,
 )
+from clef_worker.encoding import Encoder
 from clef_worker.executor import Answer, StartupError
-from clef_worker.native import DTYPE_NAMES
+from clef_worker.kernel_advice import quiet_on_cpu
 from clef_worker.snapshot import open_snapshot
+from clef_worker.versions import package_versions
 
 log = logging.getLogger(__name__)
 
 RELEASE_FILE = "joint_schema_model.py"
 _module_counter = itertools.count()
-
-# The warm-up request: every question type, a short state, like a typical small request.
-_WARM_UP_REQUEST: dict[str, Any] = {
-    "model": "warm-up",
-    "state": {"message": "The order arrived two days late and the box was damaged."},
-    "questions": {
-        "late": {"type": "noul", "instructions": "Was the delivery late?"},
-        "topic": {"type": "choice",
-                  "criteria": {"delivery": "Shipping and delivery", "billing": "Payments",
-                               "other": None}},
-        "severity": {"type": "score", "criteria": ["minor", "moderate", "severe"]},
-    },
-}
 
 Answerer = Callable[[dict[str, Any]], Any]
 
@@ -98,11 +89,12 @@ class ReleaseExecutor:
     """The Executor protocol around the release's own `systemone` (see the module docstring)."""
 
     def __init__(self, answerer: Answerer, info: ModelInfo, limits: RequestLimits,
-                 module: ModuleType) -> None:
+                 module: ModuleType, warmup_request: dict[str, Any] | None = None) -> None:
         self._answerer = answerer
         self._info = info
         self._limits = limits
         self._module = module
+        self._warmup_request = warmup_request
 
     @property
     def upstream_module(self) -> ModuleType:
@@ -132,6 +124,15 @@ class ReleaseExecutor:
         # The same up-front checks as the native executor (files, head shapes, --variant), so a
         # broken snapshot fails with a clear message before any of its code runs.
         checked = open_snapshot(snapshot, variant=variant)
+        # The warm-up is measured with this project's encoder, which makes the reference's
+        # token-budget check, so it never asks upstream for more than --max-length allows.
+        try:
+            encoder = Encoder.from_file(checked.tokenizer_file)
+        except Exception as exc:
+            raise StartupError(f"{checked.tokenizer_file}: cannot load the tokenizer: {exc}") \
+                from exc
+        warmup_request = warmup.choose(
+            limits, lambda request: encoder.encode(request, limits.max_length))
         target = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, target)
         device_name = str(target)
@@ -144,26 +145,31 @@ class ReleaseExecutor:
         )
         module = _import_release_module(source)
         answerer = _bind_interface(module, source, snapshot, device_name, torch_dtype, limits)
-        gdn_path = _check_bound_path(gdn_path)
+        gdn_path = _check_bound_path(gdn_path, quiet_on_cpu(target))
         info = ModelInfo(
             model=checked.variant,
             variant=checked.variant,
             device=device_name,
             dtype=DTYPE_NAMES[torch_dtype],
             gdn_path=gdn_path,
-            versions={**_versions(), RELEASE_FILE: _sha256(source)[:16]},
+            versions={**package_versions(), RELEASE_FILE: _sha256(source)[:16]},
             demo=checked.random,
             snapshot=str(snapshot),
         )
-        return cls(answerer, info, limits, module)
+        return cls(answerer, info, limits, module, warmup_request)
 
     def describe(self) -> ModelInfo:
         return self._info
 
     def warm_up(self) -> None:
-        """One representative request through the upstream code, so its first-touch costs
-        (allocations, kernel selection) are paid before `ready`."""
-        self._call(dict(_WARM_UP_REQUEST))
+        """The richest warm-up request the limits admit (clef_worker.warmup) through the
+        upstream code, so its first-touch costs (allocations, kernel selection) are paid before
+        `ready`. Upstream can only be driven with requests: when none fits, nothing is warmed."""
+        if self._warmup_request is None:
+            log.warning("no request fits --max-length %d (every request will be refused with "
+                        "422); the release code is not warmed up", self._limits.max_length)
+            return
+        self._call(copy.deepcopy(self._warmup_request))
         _synchronize(self._info.device)
 
     def answer(self, body: bytes) -> Answer:
@@ -207,8 +213,9 @@ def require_release_extra() -> None:
         )
 
 
-def _check_bound_path(chosen: str) -> str:
-    """After the release imported transformers: did it bind the kernel that was chosen?"""
+def _check_bound_path(chosen: str, why: str | None = None) -> str:
+    """After the release imported transformers: did it bind the kernel that was chosen?
+    (`why`, when given, ends the log line that says which path runs.)"""
     if MODELING_MODULE not in sys.modules:
         return chosen  # the release did not use transformers' Qwen3.5 module (yet)
     bound = bound_gdn_path()
@@ -220,7 +227,7 @@ def _check_bound_path(chosen: str) -> str:
             "(its Qwen3.5 module was imported before the guard ran); start the worker in a "
             "fresh process"
         )
-    log.info("Gated DeltaNet prefill path: %s", bound)
+    log.info("Gated DeltaNet prefill path: %s%s", bound, f": {why}" if why else "")
     return bound
 
 
@@ -308,11 +315,3 @@ def _synchronize(device: str) -> None:
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _versions() -> dict[str, str]:
-    versions = {}
-    for name in ("torch", "transformers", "tokenizers"):
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            versions[name] = importlib.metadata.version(name)
-    return versions

@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from tests.golden import GOLDEN as GOLDEN  # one owner (tests/golden.py); re-exported here
+from tests.golden import MEDIA_GOLDEN as MEDIA_GOLDEN
+
 # On CI, property tests draw the same examples every run: a red CI is then reproducible, and a
 # change cannot pass by luck. Locally they keep exploring new examples.
 settings.register_profile("ci", derandomize=True, print_blob=True)
@@ -17,8 +20,6 @@ if os.environ.get("CI"):
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 TINY_SNAPSHOT = SHARED / "fixtures" / "clef-tiny"
-GOLDEN = SHARED / "fixtures" / "clef-tiny.golden.jsonl"
-MEDIA_GOLDEN = SHARED / "fixtures" / "clef-tiny.media.golden.jsonl"
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ awaited by polling `/health` with a deadline.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -168,12 +169,16 @@ class Serve:
         """POST one request per tag, each once the previous one is visibly queued, so the
         admission order is the order of `tags`."""
         calls = []
-        depth = self.health().json()["queue_depth"]
+        depth: int = self.health().json()["queue_depth"]
         for tag in tags:
-            calls.append(background(lambda tag=tag: self.post(clef_body(tag=tag))))
+            calls.append(background(functools.partial(self.post, clef_body(tag=tag))))
             depth += 1
-            self.wait_health(lambda h, depth=depth: h["queue_depth"] == depth)
+            self.wait_health(functools.partial(_queue_depth_is, depth))
         return calls
+
+
+def _queue_depth_is(depth: int, health: dict[str, Any]) -> bool:
+    return bool(health["queue_depth"] == depth)
 
 
 @dataclass

@@ -8,11 +8,11 @@ import json
 import pytest
 
 from clef_worker.answers import answer_question, build_response, serialize
-from clef_worker.encoding import EncodedQuestion, Encoding
+from clef_worker.encoding import TYPE_IDS, EncodedQuestion, Encoding
 
 
 def _encoded(qid: str, kind: str, options: tuple[str, ...]) -> EncodedQuestion:
-    return EncodedQuestion(id=qid, type=kind, type_id={"noul": 0, "choice": 1, "score": 2}[kind],
+    return EncodedQuestion(id=qid, type=kind, type_id=TYPE_IDS[kind],
                            question_span=(0, 1), option_ids=options,
                            option_spans=tuple((i + 1, i + 2) for i in range(len(options))))
 

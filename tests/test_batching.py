@@ -51,9 +51,9 @@ def test_groups_keep_order_and_the_token_budget(lengths: list[int | None], budge
     groups = plan_groups(lengths, padded, budget)
     assert [p for group in groups for p in group] == list(range(len(lengths)))
     for group in groups:
-        real = [lengths[p] for p in group if lengths[p] is not None]
+        real = [length for p in group if (length := lengths[p]) is not None]
         if len(real) > 1:
-            assert len(real) * padded(max(real)) <= budget  # type: ignore[type-var]
+            assert len(real) * padded(max(real)) <= budget
 
 
 def test_groups_fill_up_to_the_budget() -> None:
@@ -218,7 +218,7 @@ def _pipe_with(*frames: dict[str, Any]) -> io.FileIO:
     with os.fdopen(write_fd, "wb") as writer:
         for frame in frames:
             writer.write(encode_frame(frame))
-    return os.fdopen(read_fd, "rb", buffering=0)  # type: ignore[return-value]
+    return os.fdopen(read_fd, "rb", buffering=0)
 
 
 def _replies(out: io.BytesIO) -> list[dict[str, Any]]:
@@ -282,15 +282,15 @@ def test_a_broken_device_mid_batch_fails_that_batch_and_the_worker_exits(
 def test_frame_waiting_sees_the_pipe_and_in_memory_streams() -> None:
     read_fd, write_fd = os.pipe()
     with os.fdopen(read_fd, "rb", buffering=0) as reader:
-        assert not frame_waiting(reader, 0)  # type: ignore[arg-type]
+        assert not frame_waiting(reader, 0)
         os.write(write_fd, encode_frame(messages.shutdown()))
-        assert frame_waiting(reader, 0)  # type: ignore[arg-type]
+        assert frame_waiting(reader, 0)
         os.close(write_fd)
     memory = io.BytesIO(encode_frame(messages.shutdown()))
     assert frame_waiting(memory, 0)
     read_frame_blocking(memory)
     assert not frame_waiting(memory, 0)
-    assert not frame_waiting(io.BufferedReader(io.BytesIO(b"x")), 0)  # type: ignore[arg-type]
+    assert not frame_waiting(io.BufferedReader(io.BytesIO(b"x")), 0)
 
 
 def test_the_native_executor_batches_and_test_doubles_need_not() -> None:

@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 
 from clef_worker import demo
+from clef_worker.demo import generate, layout
 from clef_worker.executor import StartupError
+from clef_worker.native import NativeExecutor
+from clef_worker.snapshot import RANDOM_MARKER
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,7 +29,7 @@ NEEDED = (
     "generation_config.json",
     "joint_head_config.json",
     "joint_head.safetensors",
-    demo.MARKER,
+    RANDOM_MARKER,
 )
 
 
@@ -93,7 +96,7 @@ def test_layout_is_complete(demo_snapshot: Path) -> None:
 
     tokenizer = Tokenizer.from_file(str(demo_snapshot / "tokenizer.json"))
     assert tokenizer.get_vocab_size(with_added_tokens=True) <= vocab_rows
-    assert "demo" in (demo_snapshot / demo.MARKER).read_text()
+    assert "demo" in (demo_snapshot / RANDOM_MARKER).read_text()
 
 
 def test_names_and_shapes_match_the_reference_fixture(demo_snapshot: Path,
@@ -128,14 +131,14 @@ def test_prompt_special_tokens_encode_to_single_ids(demo_snapshot: Path) -> None
 
 def test_cache_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = demo.ensure_demo_snapshot(tmp_path)
-    marker_mtime = (first / demo.MARKER).stat().st_mtime_ns
+    marker_mtime = (first / RANDOM_MARKER).stat().st_mtime_ns
 
     def must_not_run(*_args: object, **_kwargs: object) -> Path:
         raise AssertionError("the cached snapshot was regenerated")
 
-    monkeypatch.setattr(demo, "generate_snapshot", must_not_run)
+    monkeypatch.setattr(generate, "generate_snapshot", must_not_run)
     assert demo.ensure_demo_snapshot(tmp_path) == first
-    assert (first / demo.MARKER).stat().st_mtime_ns == marker_mtime
+    assert (first / RANDOM_MARKER).stat().st_mtime_ns == marker_mtime
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp dirs left behind
 
 
@@ -156,7 +159,7 @@ def test_a_failed_generation_leaves_nothing(tmp_path: Path,
     def crash(*_args: object, **_kwargs: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(demo, "_save_tensors", crash)
+    monkeypatch.setattr(generate, "save_tensors", crash)
     with pytest.raises(StartupError, match="disk full"):
         demo.ensure_demo_snapshot(tmp_path)
     assert list(tmp_path.iterdir()) == []
@@ -170,7 +173,7 @@ def test_a_concurrent_winner_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyP
         real_generate(final, spec)  # another worker publishes first...
         return real_generate(dest, spec)  # ...while we are still building ours
 
-    monkeypatch.setattr(demo, "generate_snapshot", race)
+    monkeypatch.setattr(generate, "generate_snapshot", race)
     assert demo.ensure_demo_snapshot(tmp_path) == final
     assert [p.name for p in tmp_path.iterdir()] == [final.name]
 
@@ -185,14 +188,13 @@ def test_unwritable_cache_is_a_startup_error(tmp_path: Path) -> None:
 def test_layout_read_in_a_child_process_is_the_same(demo_snapshot: Path) -> None:
     # The child path runs when fla is importable here; it must not change the layout.
     config_text = (demo_snapshot / "config.json").read_text()
-    assert demo._layout_in_child(config_text) == demo._layout_from_config_text(config_text)
+    assert layout._layout_in_child(config_text) == layout._layout_from_config_text(config_text)
 
 
 def test_native_executor_serves_the_demo(demo_snapshot: Path) -> None:
-    native = pytest.importorskip("clef_worker.native")
     from clef_protocol.options import RequestLimits
 
-    executor = native.NativeExecutor.load(
+    executor = NativeExecutor.load(
         demo_snapshot, variant="clef-flash", device="cpu", dtype="float32",
         gdn_prefill="torch", limits=RequestLimits(), demo=True,
     )
@@ -220,16 +222,34 @@ def test_native_executor_serves_the_demo(demo_snapshot: Path) -> None:
     assert response["usage"]["input_tokens"] > 0
 
 
-def test_an_importable_fla_sends_the_layout_to_a_child(tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    # With an unblocked fla on the path, importing the modelling module here would bind its
-    # kernel before the executor's guard: the generator must not do it in-process.
+def test_an_importable_fla_sends_the_layout_to_a_child(tmp_path: Path) -> None:
+    """With an unblocked fla on the path, importing the modelling module in-process would bind
+    its kernel before the executor's guard: generating a snapshot must leave the modelling
+    module, fla and causal_conv1d unimported in this process (the child reads the layout)."""
+    fake = tmp_path / "site"
+    (fake / "fla").mkdir(parents=True)
+    (fake / "fla" / "__init__.py").write_text("raise RuntimeError('fla imported in-process')\n")
+    code = (
+        "import sys\n"
+        "from clef_worker.backbone import MODELING_MODULE\n"
+        "from clef_worker.demo import generate_snapshot, layout\n"
+        "assert not layout._modelling_import_is_harmless()\n"
+        "generate_snapshot(sys.argv[1])\n"
+        "print(sorted(m for m in (MODELING_MODULE, 'fla', 'causal_conv1d') if m in sys.modules))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), str(REPO)])}
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "snapshot")], cwd=REPO,
+                            env=env, capture_output=True, text=True, check=False, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+    assert (tmp_path / "snapshot" / "model.safetensors").is_file()
+
+
+def test_blocked_or_absent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "fla").mkdir()
     (tmp_path / "fla" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "fla", raising=False)
-    assert not demo._blocked_or_absent("fla")
+    assert not layout._blocked_or_absent("fla")
     monkeypatch.setitem(sys.modules, "fla", None)
-    assert demo._blocked_or_absent("fla")
-    monkeypatch.delitem(sys.modules, "causal_conv1d", raising=False)
-    assert demo._blocked_or_absent("causal_conv1d")  # not installed here
+    assert layout._blocked_or_absent("fla")

@@ -13,12 +13,14 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import BinaryIO, cast
 
 import pytest
 
 from clef_protocol import messages
 from clef_protocol.frames import read_frame_blocking, write_frame_blocking
-from tests.conftest import GOLDEN, REPO
+from tests.conftest import REPO
+from tests.golden import assert_response_matches, case
 
 FAKE_KERNEL = '''
 def chunk_gated_delta_rule(*args, **kwargs):
@@ -56,14 +58,6 @@ def _python(fake: Path, code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _invoice() -> dict:
-    for line in GOLDEN.read_text(encoding="utf-8").splitlines():
-        case = json.loads(line)
-        if case["name"] == "invoice":
-            return case
-    raise AssertionError("golden case 'invoice' missing")
-
-
 def test_fla_refused_on_cpu_and_premise(fake_fla: Path, tiny_snapshot: Path) -> None:
     """--gdn-prefill fla on CPU is refused before anything binds; and the premise of the guard:
     without it, transformers binds whatever `fla` imports, without looking at the device."""
@@ -87,32 +81,67 @@ def test_fla_refused_on_cpu_and_premise(fake_fla: Path, tiny_snapshot: Path) -> 
     assert lines[-1] == "bound: fla"
 
 
-def test_worker_process_answers_on_torch_path(fake_fla: Path, tiny_snapshot: Path) -> None:
+def test_worker_process_answers_on_torch_path(fake_fla: Path, tiny_snapshot: Path,
+                                              tmp_path: Path) -> None:
     """The real worker entry point, fake fla importable: ready says torch, answers match."""
-    case = _invoice()
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "clef_worker", "--model", str(tiny_snapshot), "--device", "cpu",
-         "--gdn-prefill", "auto"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env=_env(fake_fla), cwd=REPO,
-    )
+    invoice = case("invoice")
+    # The log goes to a file, never an unread pipe: a chatty worker could fill a pipe and block.
+    log_path = tmp_path / "worker.log"
+    with log_path.open("wb") as log_file:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "clef_worker", "--model", str(tiny_snapshot), "--device",
+             "cpu", "--gdn-prefill", "auto"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
+            env=_env(fake_fla), cwd=REPO,
+        )
     try:
         assert worker.stdin is not None and worker.stdout is not None
-        ready = read_frame_blocking(worker.stdout)
+        to_worker, from_worker = cast(BinaryIO, worker.stdin), cast(BinaryIO, worker.stdout)
+        ready = read_frame_blocking(from_worker)
         assert ready is not None and ready["kind"] == messages.READY, ready
         assert ready["gdn_path"] == "torch"
         assert ready["device"] == "cpu" and ready["dtype"] == "float32"
-        write_frame_blocking(worker.stdin, messages.request(7, json.dumps(case["request"])
+        write_frame_blocking(to_worker, messages.request(7, json.dumps(invoice["request"])
                                                             .encode("utf-8")))
-        reply = read_frame_blocking(worker.stdout)
+        reply = read_frame_blocking(from_worker)
         assert reply is not None and reply["kind"] == messages.RESPONSE, reply
         assert reply["id"] == 7
-        assert json.loads(reply["body"]) == case["response"]
-        write_frame_blocking(worker.stdin, messages.shutdown())
+        assert_response_matches(json.loads(reply["body"]), invoice["response"])
+        write_frame_blocking(to_worker, messages.shutdown())
         assert worker.wait(timeout=60) == 0
     finally:
         if worker.poll() is None:
             worker.kill()
             worker.wait()
-        stderr = worker.stderr.read().decode() if worker.stderr else ""
-    assert "Gated DeltaNet prefill path: torch" in stderr
+    log_text = log_path.read_text()
+    # Said once, with the reason; transformers' advice to install CUDA-only kernels is not.
+    assert log_text.count("Gated DeltaNet prefill path: torch") == 1
+    assert "fla and causal_conv1d are CUDA kernels" in log_text
+    assert "reference PyTorch implementation because" not in log_text, log_text
+
+
+def test_kernel_advice_is_dropped_on_cpu_only() -> None:
+    import logging
+
+    import torch
+
+    from clef_worker.kernel_advice import ADVICE_LOGGER, DropKernelAdvice, quiet_on_cpu
+
+    logger = logging.getLogger(ADVICE_LOGGER)
+    before = list(logger.filters)
+    # Start from no filter whatever earlier tests in this process loaded; restored below.
+    logger.filters[:] = [f for f in before if not isinstance(f, DropKernelAdvice)]
+    try:
+        assert quiet_on_cpu(torch.device("cuda")) is None
+        assert not any(isinstance(f, DropKernelAdvice) for f in logger.filters)
+        assert quiet_on_cpu(torch.device("cpu")) is not None
+        quiet_on_cpu(torch.device("cpu"))  # idempotent: one filter
+        assert sum(isinstance(f, DropKernelAdvice) for f in logger.filters) == 1
+        advice = logger.makeRecord(ADVICE_LOGGER, logging.WARNING, __file__, 0,
+                                   "`f` is falling back to its reference PyTorch implementation "
+                                   "because `fla` is not installed.", (), None)
+        other = logger.makeRecord(ADVICE_LOGGER, logging.WARNING, __file__, 0, "other", (),
+                                  None)
+        assert not logger.filter(advice) and logger.filter(other)
+    finally:
+        logger.filters[:] = before

@@ -57,17 +57,20 @@ def test_client_that_leaves_in_flight_does_not_desync_the_channel(tmp_path: Path
 
 
 def test_stalled_body_does_not_delay_other_clients() -> None:
-    with Serve(front_args=("--body-timeout", "2")) as serve:
-        body = clef_body(tag="slow")
+    # A body timeout far longer than the test: the stalled client cannot be answered (408)
+    # before the other clients are, however slow the machine. The 408 itself is a contract test.
+    with Serve(front_args=("--body-timeout", "600")) as serve:
+        request = build_request("POST", "/v1/systemone", clef_body(tag="slow"))
+        cut = len(request) - 20  # the head and most of the body, not its last 20 bytes
         stalled = serve.connect()
-        stalled.send_raw(build_request("POST", "/v1/systemone", body)[: -len(body) // 2])
+        stalled.send_raw(request[:cut])
         tags = [serve.post(clef_body(tag=f"fast{i}")).json()["tag"] for i in range(5)]
         assert tags == [f"fast{i}" for i in range(5)]
         assert serve.health().status == 200
         assert not stalled.has_data(0.0)  # still waiting for its body, not yet answered
+        stalled.send_raw(request[cut:])  # the rest: now it is served
         response = stalled.read_response()
-        assert (response.status, response.detail) == (408, "request body timed out")
-        assert stalled.at_eof()
+        assert (response.status, response.json()["tag"]) == (200, "slow")
         stalled.close()
 
 

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.frontend_helpers import LISTENING, REPO, Serve, free_port, port_is_open
 
 
-def test_port_is_closed_until_the_worker_is_ready() -> None:
+def test_port_is_closed_until_the_worker_is_ready(tmp_path: Path) -> None:
     port = free_port()
-    with Serve("--ready-delay", "1.0", port=port, wait_listening=False) as serve:
+    gate = tmp_path / "ready-gate"
+    with Serve("--ready-gate", str(gate), port=port, wait_listening=False) as serve:
         serve.wait_for(r"started worker pid=")
-        assert not port_is_open(port)  # the worker is loading: nothing listens yet
+        # The worker is held before `ready` until the gate opens, however slow the machine.
+        assert not port_is_open(port)
         assert serve.process.poll() is None
+        gate.touch()
         match = serve.wait_for(LISTENING)
         assert int(match["port"]) == port
         serve.port = port

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from clef_frontend import responses
-from clef_frontend.admission import Admission, Deliver, Refused
+from clef_frontend.admission import Admission, Deliver, Refused, Ticket
 from clef_frontend.config import ServerConfig
 from clef_frontend.framing import reparse_without_framing, scan_framing
 from clef_frontend.responses import Reply
@@ -233,7 +233,7 @@ def test_admission_keeps_fifo_per_worker_and_answers_each_request_once(
     async def scenario() -> None:
         lanes = [FakeLane(room) for room in rooms]
         admission = Admission(capacity=1000, retry_after=1, workers=FakeWorkers(*lanes))
-        tickets = []
+        tickets: list[Ticket] = []
         answered: list[bytes] = []
         for arrive, which in script:
             if arrive:

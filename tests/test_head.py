@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.nn import functional as F
 
-from clef_worker.head import HeadConfig, HeadIndex, JointSchemaHead
+from clef_worker.head import EvidenceLayer, HeadConfig, HeadIndex, JointSchemaHead
 
 
 def randomised_head(config: HeadConfig, seed: int) -> JointSchemaHead:
@@ -19,6 +19,7 @@ def randomised_head(config: HeadConfig, seed: int) -> JointSchemaHead:
     random, so no term can hide behind an identity initialisation."""
     generator = torch.Generator().manual_seed(seed)
     head = JointSchemaHead(config).double().eval()
+    touched: set[str] = set()
     with torch.no_grad():
         for name, parameter in head.named_parameters():
             if parameter.dim() == 0:
@@ -28,7 +29,11 @@ def randomised_head(config: HeadConfig, seed: int) -> JointSchemaHead:
             else:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator,
                                             dtype=torch.float64) * 0.5)
-            assert name  # every parameter is touched
+            touched.add(name)
+    # Every tensor the head loads was randomised, and none kept an identity value (all 0 or 1).
+    assert touched == set(head.state_dict())
+    for name, parameter in head.named_parameters():
+        assert not bool(torch.all(parameter == 0)) and not bool(torch.all(parameter == 1)), name
     return head
 
 
@@ -58,6 +63,7 @@ def reference_logits(
             u = (head.option_context_projection(context) + head.option_lexical_projection(lex)
                  + head.option_question_projection(questions[k]))
             for layer in head.evidence_layers:
+                assert isinstance(layer, EvidenceLayer)
                 keys = layer.memory_norm(memory).unsqueeze(0)
                 query = layer.query_norm(u).view(1, 1, -1)
                 attended = layer.attention(query, keys, keys, need_weights=False)[0]

@@ -18,14 +18,19 @@ from clef_protocol.options import RequestLimits
 from clef_protocol.validation import RequestInvalid
 from clef_worker.native import NativeExecutor, Scored
 from clef_worker.vision import rope_positions
-from tests.conftest import MEDIA_GOLDEN
-from tests.test_golden import LOGIT_TOLERANCE, assert_response_matches
+from tests.golden import (
+    MEDIA_GOLDEN,
+    Drift,
+    answered,
+    assert_response_matches,
+    load_cases,
+    refused,
+)
 
-CASES = [json.loads(line) for line in MEDIA_GOLDEN.read_text(encoding="utf-8").splitlines()
-         if line] if MEDIA_GOLDEN.is_file() else []
-SUCCESS = [case for case in CASES if "error" not in case]
+CASES = load_cases(MEDIA_GOLDEN)
+SUCCESS = answered(MEDIA_GOLDEN)
 WITH_MEDIA = [case for case in SUCCESS if "media" in case]
-ERRORS = [case for case in CASES if "error" in case]
+ERRORS = refused(MEDIA_GOLDEN)
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +61,13 @@ def test_media_golden_file_present(executor: NativeExecutor) -> None:
 def test_tokens_spans_and_logits(executor: NativeExecutor, case: dict[str, Any]) -> None:
     scored = _scored(executor, case)
     assert scored.encoding.input_ids == case["input_ids"]
-    logits: list[float] = []
     for encoded, golden in zip(scored.encoding.questions, case["questions"], strict=True):
         assert list(encoded.question_span) == golden["question_span"]
         assert [list(span) for span in encoded.option_spans] == golden["option_spans"]
         assert list(encoded.option_ids) == golden["option_ids"]
-        logits += golden["logits"]
-    assert len(scored.logits) == len(logits)
-    for got, want in zip(scored.logits, logits, strict=True):
-        assert abs(got - want) <= LOGIT_TOLERANCE, (case["name"], got, want)
+    drift = Drift()
+    drift.add(case, scored.logits, scored.probabilities)
+    assert drift.within_tolerance, (case["name"], drift)
 
 
 @pytest.mark.parametrize("case", WITH_MEDIA, ids=[case["name"] for case in WITH_MEDIA])
@@ -130,25 +133,24 @@ def test_media_tokens_count_in_the_budget(executor: NativeExecutor) -> None:
 
 
 def test_image_warm_up_runs(executor: NativeExecutor) -> None:
-    from clef_worker.native import media_warmup_request
+    from clef_worker import warmup
 
-    scored = executor.score(media_warmup_request())
+    scored = executor.score(warmup.with_image(warmup.REPRESENTATIVE))
     assert scored.media is not None and scored.media.image_grids == ((1, 16, 16),)
 
 
 def test_warm_up_includes_an_image_request(executor: NativeExecutor,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    scored: list[dict[str, Any]] = []
-    real = executor.score
+    with_media: list[bool] = []
+    real = executor.forward
 
-    def spy(request: dict[str, Any], **kwargs: Any) -> Scored:
-        scored.append(request)
-        return real(request, **kwargs)
+    def spy(encoding: Any, media: Any = None, timings: Any = None) -> Any:
+        with_media.append(media is not None)
+        return real(encoding, media, timings)
 
-    monkeypatch.setattr(executor, "score", spy)
+    monkeypatch.setattr(executor, "forward", spy)
     executor.warm_up()
-    assert any(request.get("images") for request in scored)
-    assert any(not request.get("images") for request in scored)
+    assert True in with_media and False in with_media  # a text forward and an image forward
 
 
 def test_images_and_an_odd_video_together(executor: NativeExecutor) -> None:

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from clef_protocol.media import gradient_image, png_data_uri
-from tests.conftest import MEDIA_GOLDEN, TINY_SNAPSHOT
+from tests.conftest import TINY_SNAPSHOT
 from tests.frontend_helpers import Response, Serve
-from tests.test_server_real_worker import _assert_golden_body
+from tests.golden import MEDIA_GOLDEN, assert_response_matches, load_cases
 
-CASES = {case["name"]: case for case in map(json.loads, MEDIA_GOLDEN.read_text().splitlines())}
+CASES = {case["name"]: case for case in load_cases(MEDIA_GOLDEN)}
 BODY_LIMIT = 200_000
 
 
@@ -39,7 +39,7 @@ def _post(serve: Serve, request: dict[str, Any]) -> Response:
 def test_golden_media_answers_over_http(serve: Serve, name: str) -> None:
     response = _post(serve, CASES[name]["request"])
     assert response.status == 200, response.body
-    _assert_golden_body(response.json(), CASES[name]["response"])
+    assert_response_matches(response.json(), CASES[name]["response"])
 
 
 def test_undecodable_image_is_422(serve: Serve) -> None:

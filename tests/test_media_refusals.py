@@ -160,8 +160,11 @@ def test_file_path_is_refused_and_never_opened(tmp_path: Path,
     PICTURE.save(picture)
     opened: list[Any] = []
     real_open = Image.open
-    monkeypatch.setattr(Image, "open", lambda fp, *a, **k: (opened.append(fp),
-                                                             real_open(fp, *a, **k))[1])
+    def spy_open(fp: Any, *args: Any, **kwargs: Any) -> Any:
+        opened.append(fp)
+        return real_open(fp, *args, **kwargs)
+
+    monkeypatch.setattr(Image, "open", spy_open)
     for entry in (str(picture), f"file://{picture}", "./cat.png", "C:\\images\\cat.png"):
         detail = refusal(request(images=[entry]))
         assert detail.startswith("images[0]: "), detail

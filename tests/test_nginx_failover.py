@@ -10,6 +10,7 @@ traffic again.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import os
 import re
@@ -172,14 +173,14 @@ def test_failover_through_nginx_loses_no_request(
                             failures.append(f"{request_id}: {status} {body[:200]!r}")
                             continue
                         successes += 1
-                        who = pids.get(int(re.search(rb'"pid": (\d+)', body)[1]), "?")
+                        who = pids.get(_answering_pid(body), "?")
                         answered_by[who] = answered_by.get(who, 0) + 1
                         if successes >= KILL_AFTER:
                             under_way.set()
             finally:
                 connection.close()
 
-        clients = [background(lambda i=i: client(i)) for i in range(CLIENTS)]
+        clients = [background(functools.partial(client, i)) for i in range(CLIENTS)]
         assert under_way.wait(60), f"the load never got going: {failures}"
         victim.process.send_signal(signal.SIGKILL)
         victim.process.wait(WAIT)
@@ -205,7 +206,7 @@ def test_failover_through_nginx_loses_no_request(
             while True:
                 status, _, body = nginx.post(connection)
                 assert status == 200, body
-                if int(re.search(rb'"pid": (\d+)', body)[1]) == new_pid:
+                if _answering_pid(body) == new_pid:
                     break
                 assert time.monotonic() < deadline, "nginx never sent traffic to the replica"
                 time.sleep(0.05)  # paced probing, bounded by the deadline
@@ -213,3 +214,10 @@ def test_failover_through_nginx_loses_no_request(
             connection.close()
     finally:
         nginx.close()
+
+
+def _answering_pid(body: bytes) -> int:
+    """The fake worker's pid in its answer."""
+    match = re.search(rb'"pid": (\d+)', body)
+    assert match is not None, body
+    return int(match[1])

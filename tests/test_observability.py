@@ -53,7 +53,8 @@ def labels_of(samples: Samples, name: str) -> dict[str, str]:
 def scrape(serve: Serve) -> Samples:
     response = serve.request("GET", "/metrics")
     assert response.status == 200
-    assert response.header("Content-Type").startswith("text/plain")
+    content_type = response.header("Content-Type")
+    assert content_type is not None and content_type.startswith("text/plain")
     return parse_metrics(response.body.decode())
 
 
@@ -284,4 +285,5 @@ def test_worker_log_lines_carry_the_frame_trace_id() -> None:
     assert "bad id with spaces" not in text
     assert re.search(r"INFO shutting down", text)  # outside a request: no id
     replies = io.BytesIO(out.getvalue())
-    assert [read_frame_blocking(replies)["status"] for _ in range(2)] == [500, 500]
+    replies_read = [read_frame_blocking(replies) for _ in range(2)]
+    assert [frame["status"] if frame else None for frame in replies_read] == [500, 500]

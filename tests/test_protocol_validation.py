@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import RequestInvalid, validate_request
-from tests.conftest import GOLDEN
+from tests.golden import load_cases
 
 LIMITS = RequestLimits()
 
@@ -138,7 +137,8 @@ def test_empty_media_and_extra_keys_are_ignored() -> None:
 
 
 def test_state_may_be_any_json() -> None:
-    for state in (None, 0, False, [], {"a": [1]}, ""):
+    states: tuple[object, ...] = (None, 0, False, [], {"a": [1]}, "")
+    for state in states:
         validate_request({"model": "", "state": state, "questions": {"q": {"type": "noul"}}},
                          LIMITS)
 
@@ -147,8 +147,7 @@ def test_golden_cases_agree_with_the_reference() -> None:
     """Every golden case the reference answered passes; its refusals (but the token budget,
     which needs the tokenizer) get the reference's message."""
     seen = 0
-    for line in GOLDEN.read_text().splitlines():
-        case = json.loads(line)
+    for case in load_cases():
         error = case.get("error", {}).get("message", "")
         if error.startswith("schema requires"):
             continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
@@ -19,9 +20,10 @@ import pytest
 from clef_protocol.body import BadRequestBody
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import RequestInvalid
-from clef_worker import demo
+from clef_worker import demo, warmup
 from clef_worker.executor import StartupError
 from clef_worker.release import RELEASE_FILE, ReleaseExecutor
+from tests.conftest import REPO
 
 # Interface form A: load_release_model(...) -> (model, processor); systemone(model, processor,
 # request). The dataclass needs the module registered in sys.modules while it is executed.
@@ -146,7 +148,20 @@ def test_warm_up_goes_through_upstream(make_snapshot: MakeSnapshot) -> None:
     module = _module(executor)
     executor.warm_up()
     assert len(module.CALLS) == 1
-    assert set(module.CALLS[0][0]["questions"]) == {"late", "topic", "severity"}
+    assert module.CALLS[0][0] == warmup.REPRESENTATIVE  # default limits: the richest request
+
+
+def test_warm_up_fits_a_short_max_length(make_snapshot: MakeSnapshot) -> None:
+    """A --max-length that no request fits starts anyway; upstream is then never called."""
+    executor = _load(make_snapshot(FORM_A), limits=RequestLimits(max_length=64))
+    module = _module(executor)
+    executor.warm_up()
+    assert module.CALLS == []
+    executor = _load(make_snapshot(FORM_A, "other"), limits=RequestLimits(max_length=200))
+    module = _module(executor)
+    executor.warm_up()
+    (call,) = module.CALLS
+    assert call[1] == 200 and call[0] != warmup.REPRESENTATIVE
 
 
 @pytest.mark.parametrize("request_", [
@@ -229,16 +244,26 @@ def test_two_snapshots_do_not_share_a_module(make_snapshot: MakeSnapshot) -> Non
     assert len(second_module.CALLS) == 1
 
 
-def test_fla_is_blocked_before_the_release_module_imports(
-    make_snapshot: MakeSnapshot, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # transformers binds its Gated DeltaNet kernel when the release imports it: the guard must
-    # already be in place at that moment on CPU.
-    monkeypatch.delitem(sys.modules, "fla", raising=False)  # undo earlier tests' block
+def test_fla_is_blocked_before_the_release_module_imports(make_snapshot: MakeSnapshot) -> None:
+    """transformers binds its Gated DeltaNet kernel when the release imports it: on CPU the
+    guard must already be in place at that moment. In a fresh interpreter, so that no earlier
+    test's imports or blocks decide the outcome (and none leak out of this one)."""
     source = "import sys\nFLA_AT_IMPORT = sys.modules.get('fla', 'absent')\n" + FORM_A
-    executor = _load(make_snapshot(source))
-    assert _module(executor).FLA_AT_IMPORT is None
-    assert executor.describe().gdn_path == "torch"
+    snapshot = make_snapshot(source)
+    code = textwrap.dedent(f"""
+        import sys
+        assert "fla" not in sys.modules
+        from clef_protocol.options import RequestLimits
+        from clef_worker.release import ReleaseExecutor
+        executor = ReleaseExecutor.load({str(snapshot)!r}, variant="clef-flash", device="cpu",
+                                        dtype="float32", gdn_prefill="auto",
+                                        limits=RequestLimits())
+        print(executor.upstream_module.FLA_AT_IMPORT, executor.describe().gdn_path)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["None", "torch"]  # blocked (None), not 'absent'
 
 
 def test_fla_prefill_needs_cuda(make_snapshot: MakeSnapshot) -> None:

@@ -11,10 +11,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import GOLDEN, TINY_SNAPSHOT
+from tests.conftest import TINY_SNAPSHOT
 from tests.frontend_helpers import Response, Serve
-
-CASES = {case["name"]: case for case in map(json.loads, GOLDEN.read_text().splitlines())}
+from tests.golden import assert_response_matches, case
 
 
 @pytest.fixture(scope="module")
@@ -30,18 +29,6 @@ def _post(serve: Serve, request: dict[str, Any]) -> Response:
     return serve.post(json.dumps(request).encode())
 
 
-def _assert_golden_body(got: dict[str, Any], expected: dict[str, Any], path: str = "") -> None:
-    """Equal after json.loads; a probability may differ by one unit in the 4th decimal."""
-    if isinstance(expected, dict):
-        assert isinstance(got, dict) and list(got) == list(expected), path
-        for key in expected:
-            _assert_golden_body(got[key], expected[key], f"{path}.{key}")
-    elif isinstance(expected, float) and not isinstance(got, bool):
-        assert abs(got - expected) <= 1e-4 + 1e-12, path
-    else:
-        assert got == expected, path
-
-
 def test_health_reports_the_real_worker(serve: Serve) -> None:
     health = serve.health()
     assert health.status == 200
@@ -54,11 +41,11 @@ def test_health_reports_the_real_worker(serve: Serve) -> None:
 @pytest.mark.parametrize("name", ["invoice", "unicode_ids", "choice_sort_order", "object_state",
                                   "score_object_levels", "twelve_questions"])
 def test_golden_answers_over_http(serve: Serve, name: str) -> None:
-    case = CASES[name]
-    response = _post(serve, case["request"])
+    golden = case(name)
+    response = _post(serve, golden["request"])
     assert response.status == 200, response.body
     assert response.header("Content-Type") == "application/json"
-    _assert_golden_body(response.json(), case["response"])
+    assert_response_matches(response.json(), golden["response"])
     # The worker's compact bytes, not a re-serialisation by the front.
     assert response.body == json.dumps(response.json(), ensure_ascii=False,
                                        separators=(",", ":")).encode()
@@ -66,9 +53,9 @@ def test_golden_answers_over_http(serve: Serve, name: str) -> None:
 
 @pytest.mark.parametrize("name", ["bad_type", "empty_criteria", "missing_model", "no_questions"])
 def test_golden_refusals_over_http(serve: Serve, name: str) -> None:
-    response = _post(serve, CASES[name]["request"])
+    response = _post(serve, case(name)["request"])
     assert response.status == 422
-    assert response.detail == CASES[name]["error"]["message"]
+    assert response.detail == case(name)["error"]["message"]
 
 
 def test_token_budget_refusal_comes_from_the_worker(serve: Serve) -> None:
@@ -86,8 +73,8 @@ def test_worker_ignores_sigterm_and_sigint(serve: Serve) -> None:
     pid = serve.health().json()["worker"]["pid"]
     os.kill(pid, signal.SIGTERM)
     os.kill(pid, signal.SIGINT)
-    response = _post(serve, CASES["null_state"]["request"])
+    response = _post(serve, case("null_state")["request"])
     assert response.status == 200
-    _assert_golden_body(response.json(), CASES["null_state"]["response"])
+    assert_response_matches(response.json(), case("null_state")["response"])
     health = serve.health().json()
     assert health["worker"]["pid"] == pid and health["restarts"] == 0

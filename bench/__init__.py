@@ -1,0 +1,1 @@
+"""Benchmarks (run as scripts: `python bench/<name>.py`); see bench/README.md."""
