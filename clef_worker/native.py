@@ -286,12 +286,9 @@ class NativeExecutor:
         timings: dict[str, float] = {}
         media = self._timed(timings, "media", profile, lambda: self.prepare_media(request))
         encoding = self._timed(timings, "encode", profile, lambda: self.encode(request, media))
-        return self._score_batch([Prepared(request, encoding, media)], timings, profile)[0]
-
-    def score_batch(self, batch: Sequence[Prepared]) -> list[Scored]:
-        """One backbone forward over several encoded requests (right-padded rows), then the
-        head per request on its real rows."""
-        return self._score_batch(batch, {}, False)
+        logits, probabilities = self.forward(encoding, media, timings if profile else None)
+        return Scored(request=request, encoding=encoding, logits=logits,
+                      probabilities=probabilities, timings_ms=timings, media=media)
 
     def forward(self, encoding: Encoding, media: PreparedMedia | None = None,
                 timings: dict[str, float] | None = None) -> tuple[list[float], list[float]]:
@@ -301,15 +298,14 @@ class NativeExecutor:
         return self._forward_batch([encoding], [media], {} if timings is None else timings,
                                    profile)[0]
 
-    def _score_batch(self, batch: Sequence[Prepared], timings: dict[str, float],
-                     profile: bool) -> list[Scored]:
+    def score_batch(self, batch: Sequence[Prepared]) -> list[Scored]:
+        """One backbone forward over several encoded requests (right-padded rows), then the
+        head per request on its real rows."""
         results = self._forward_batch([item.encoding for item in batch],
-                                      [item.media for item in batch], timings, profile)
+                                      [item.media for item in batch], {}, False)
         return [Scored(request=item.request, encoding=item.encoding, logits=logits,
-                       probabilities=probabilities, timings_ms=timings if row == 0 else {},
-                       media=item.media)
-                for row, (item, (logits, probabilities)) in enumerate(zip(batch, results,
-                                                                           strict=True))]
+                       probabilities=probabilities, media=item.media)
+                for item, (logits, probabilities) in zip(batch, results, strict=True)]
 
     def _forward_batch(self, encodings: Sequence[Encoding], medias: Sequence[PreparedMedia | None],
                        timings: dict[str, float],
