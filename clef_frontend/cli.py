@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
-from clef_frontend import logs
+from clef_frontend import auth, logs
+from clef_frontend.catalogue import served_name
 from clef_frontend.config import ServerConfig
 from clef_frontend.server import serve
 from clef_frontend.version import version
@@ -146,6 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cap on the restart delay")
     worker.add_argument("--restart-reset-after", type=_seconds, default=d.restart_reset_after,
                         help="a worker up this long resets the backoff")
+    api = parser.add_argument_group("clients")
+    api.add_argument("--served-model-name", nargs="+", type=served_name, default=None,
+                     metavar="NAME",
+                     help="the model's name in /v1/models and Workers-AI paths, then aliases "
+                          "(default: the --variant)")
+    api.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help=f"require 'Authorization: Bearer <key>', keys one per line in PATH, "
+                          f"re-read on SIGHUP; also ${auth.ENV_VAR}. Never put a key on the "
+                          f"command line")
     parser.add_argument("--log-level", default="INFO",
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return parser
@@ -184,6 +196,9 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         restart_backoff=args.restart_backoff,
         restart_backoff_max=args.restart_backoff_max,
         restart_reset_after=args.restart_reset_after,
+        served_model_names=tuple(args.served_model_name or (args.variant,)),
+        api_key_file=args.api_key_file,
+        api_key=os.environ.get(auth.ENV_VAR) or None,
         devices=devices,
         workers_per_device=per_device,
         max_batch=args.max_batch,
@@ -195,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = config_from(args)
+        if config.api_key_file is not None:
+            auth.read_key_file(Path(config.api_key_file))  # refuse an unusable file up front
     except ValueError as exc:
         parser.error(str(exc))
     logs.configure(args.log_level)

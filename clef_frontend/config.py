@@ -43,6 +43,9 @@ class ServerConfig:
     restart_backoff: float = 0.5
     restart_backoff_max: float = 30.0
     restart_reset_after: float = 60.0
+    served_model_names: tuple[str, ...] = ("clef-flash",)  # the served name, then aliases
+    api_key_file: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # CLEF_API_KEY; never printed
     # Workers: one per entry of `devices` (empty: one worker with `worker_argv` as given), each
     # entry times `workers_per_device`; `max_batch` requests in flight per worker (None: by the
     # worker's device, see supervisor.default_max_batch).

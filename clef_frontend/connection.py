@@ -30,8 +30,10 @@ from http import HTTPStatus
 
 import h11
 
-from clef_frontend import logs, responses, tracing
+from clef_frontend import logs, responses, tracing, workers_ai
 from clef_frontend.admission import Admission, Refused, Ticket
+from clef_frontend.api import ApiSurface
+from clef_frontend.body_rate import BodyClock
 from clef_frontend.config import ServerConfig
 from clef_frontend.framing import FramingHeaders, reparse_without_framing, scan_framing
 from clef_frontend.health import Health
@@ -102,12 +104,14 @@ class HttpConnection:
         admission: Admission,
         health: Health,
         metrics: Metrics,
+        api: ApiSurface | None = None,
     ) -> None:
         self._reader = reader
         self._writer = writer
         self._config = config
         self._admission = admission
         self._health = health
+        self._api = api or ApiSurface()
         self._metrics = metrics
         self._exchange: Exchange | None = None  # the request being answered
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=config.header_limit)
@@ -158,6 +162,7 @@ class HttpConnection:
             self._count(exchange, 499)
             self._log(exchange, 499, 0)
             return False
+        reply = self._api.finish(exchange.target, reply)
         self._count(exchange, reply.status)
         # A head whose framing h11 refused has a body of unknown length: never read past it.
         await self._send(reply, method=exchange.method, close=not head.body_readable)
@@ -196,12 +201,19 @@ class HttpConnection:
             return responses.error(431, "request header block too large", close=True)
         found = route(request.method, request.target)
         exchange.route = route_label(
-            request.target, known=isinstance(found, Route) or found.status == 405)
-        if found is not Route.SYSTEMONE:
+            workers_ai.route_path(request.target),
+            known=isinstance(found, Route) or found.status == 405)
+        if isinstance(found, Reply) or found in (Route.HEALTH, Route.METRICS):
             self._finish_empty_body()
             if isinstance(found, Reply):
                 return found
             return self._metrics.public_reply() if found is Route.METRICS else self._health.reply()
+        # API key, Workers-AI model name, /v1/models: decided before any body byte is read.
+        decided = self._api.decide_from_head(found, request.target,
+                                             _header(request, b"authorization"))
+        if decided is not None:
+            self._finish_empty_body()
+            return decided
         # Rows 1-5, from the head alone.
         length = check_post_head(head.framing, _header(request, b"content-type"),
                                  self._config.body_limit)
@@ -275,8 +287,10 @@ class HttpConnection:
         # A malformed head is the client's fault: never a 5xx (h11 hints 501 for codings).
         status = exc.error_status_hint if 400 <= exc.error_status_hint < 500 else 400
         if status == 431:
-            return responses.error(431, "request header block too large", close=True)
-        return responses.error(status, f"malformed request: {str(exc)[:200]}", close=True)
+            reply = responses.error(431, "request header block too large", close=True)
+        else:
+            reply = responses.error(status, f"malformed request: {str(exc)[:200]}", close=True)
+        return self._api.finish(_request_target(raw), reply)
 
     async def _read_body(self, length: int) -> bytes | Reply:
         """The whole body (h11 counts Content-Length), or 408 when it comes too slowly (silence
@@ -295,6 +309,10 @@ class HttpConnection:
             if isinstance(event, h11.Data):
                 chunks.append(bytes(event.data))
                 clock.record(len(event.data), loop.time())
+                # Judged after the bytes are counted: a trickle whose bytes come faster than
+                # MIN_BODY_WAIT would otherwise never reach the timeout below.
+                if clock.received < length and clock.too_slow(loop.time()):
+                    return self._body_too_slow(clock, length, loop.time())
             elif isinstance(event, h11.EndOfMessage):
                 return b"".join(chunks)
             else:
@@ -305,12 +323,15 @@ class HttpConnection:
                                                    MIN_BODY_WAIT)):  # a timer, not a task
                         data = await self._reader.read(READ_SIZE)
                 except TimeoutError:
-                    log.info("client %s: 408 after %d of %d body bytes: %s", self._client,
-                             clock.received, length, clock.too_slow(loop.time()) or "too slow")
-                    return responses.error(408, "request body timed out", close=True)
+                    return self._body_too_slow(clock, length, loop.time())
                 except ConnectionError:
                     data = b""
                 self._conn.receive_data(data)
+
+    def _body_too_slow(self, clock: BodyClock, length: int, now: float) -> Reply:
+        log.info("client %s: 408 after %d of %d body bytes: %s", self._client, clock.received,
+                 length, clock.too_slow(now) or "too slow")
+        return responses.error(408, "request body timed out", close=True)
 
     def _finish_empty_body(self) -> None:
         """Consume the end of a bodyless request, so keep-alive continues.
@@ -442,6 +463,12 @@ def _header(request: h11.Request, name: bytes) -> bytes | None:
         if key == name:
             return bytes(value)
     return None
+
+
+def _request_target(raw: bytes) -> bytes | None:
+    """The target of a head h11 refused, from its request line, if it has one."""
+    parts = raw.split(b"\r\n", 1)[0].split(b" ")
+    return parts[1] if len(parts) == 3 else None
 
 
 @functools.cache

@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from clef_frontend.truncation import truncation_headers
+
 JSON = "application/json"
 
 log = logging.getLogger("clef_frontend.responses")
@@ -25,7 +27,9 @@ class Reply:
     """One HTTP response before h11 frames it.
 
     `close` asks for `Connection: close` (the request body was not fully read, or the server is
-    draining); `retry_after` adds `Retry-After` to a 503.
+    draining); `retry_after` adds `Retry-After` to a 503. `detail` is the text of an error body
+    (so another body shape, the Workers-AI envelope, can carry it); `extra_headers` are added
+    as given (`WWW-Authenticate`, `X-Clef-State-Truncated`).
     """
 
     status: int
@@ -33,6 +37,8 @@ class Reply:
     retry_after: int | None = None
     close: bool = False
     allow: str | None = None
+    detail: str | None = None
+    extra_headers: tuple[tuple[str, str], ...] = ()
     content_type: str = JSON
 
     def headers(self, *, close: bool) -> list[tuple[str, str]]:
@@ -42,6 +48,7 @@ class Reply:
             headers.append(("Allow", self.allow))
         if self.retry_after is not None:
             headers.append(("Retry-After", str(self.retry_after)))
+        headers.extend(self.extra_headers)
         if close or self.close:
             headers.append(("Connection", "close"))
         return headers
@@ -59,10 +66,11 @@ def error(
     close: bool = False,
     retry_after: int | None = None,
     allow: str | None = None,
+    extra_headers: tuple[tuple[str, str], ...] = (),
 ) -> Reply:
     """`{"detail": ...}` with the given status."""
     return Reply(status, json_bytes({"detail": detail}), retry_after=retry_after, close=close,
-                 allow=allow)
+                 allow=allow, detail=detail, extra_headers=extra_headers)
 
 
 def unavailable(detail: str, retry_after: int) -> Reply:
@@ -99,7 +107,8 @@ def from_worker(answer: WorkerAnswer) -> Reply:
     detail is `inference failed`.
     """
     if answer.body is not None:
-        return Reply(answer.status, answer.body)
+        return Reply(answer.status, answer.body,
+                     extra_headers=truncation_headers(answer.truncated_tokens))
     detail = answer.detail or ""
     if answer.status >= 500:
         if detail != INFERENCE_FAILED:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from enum import Enum
 
-from clef_frontend import responses
+from clef_frontend import responses, workers_ai
 from clef_frontend.framing import FramingHeaders
 from clef_frontend.responses import Reply
 from clef_protocol.body import BadRequestBody, parse_body
@@ -24,6 +24,8 @@ class Route(Enum):
 
     HEALTH = (b"/health", b"GET")
     SYSTEMONE = (b"/v1/systemone", b"POST")
+    MODELS = (b"/v1/models", b"GET")
+    WORKERS_AI = (workers_ai.PATH_TEMPLATE.encode("ascii"), b"POST")  # a pattern, not a path
     METRICS = (b"/metrics", b"GET")
 
     def __init__(self, path: bytes, method: bytes) -> None:
@@ -32,7 +34,8 @@ class Route(Enum):
 
 
 # Targets are compared as sent: `/health?x=1` is unknown.
-_BY_PATH = {known.path: known for known in Route}
+_BY_PATH: dict[bytes, Route] = {known.path: known for known in Route
+                                 if known is not Route.WORKERS_AI}
 
 _DECIMAL = re.compile(rb"[0-9]+")
 _MEDIA_TYPE = "application/json"
@@ -41,6 +44,8 @@ _MEDIA_TYPE = "application/json"
 def route(method: bytes, target: bytes) -> Route | Reply:
     """The route table: 404 for unknown targets, 405 with `Allow` for the wrong method."""
     found = _BY_PATH.get(target)
+    if found is None and workers_ai.run_target(target) is not None:
+        found = Route.WORKERS_AI
     if found is None:
         return responses.error(404, "unknown route")
     if method != found.method:

@@ -20,8 +20,12 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from clef_frontend.admission import Admission
+from clef_frontend.api import ApiSurface
+from clef_frontend.auth import ApiKeys
+from clef_frontend.catalogue import Catalogue
 from clef_frontend.config import ServerConfig
 from clef_frontend.connection import READ_SIZE, HttpConnection
 from clef_frontend.health import Health
@@ -48,6 +52,7 @@ class FrontServer:
             capacity=config.queue_size, retry_after=config.retry_after, workers=self._pool
         )
         self._health = Health(self._pool, self._admission, config.retry_after)
+        self._api = api_surface(config)
         self._metrics = Metrics(LiveState(
             queue_depth=lambda: self._admission.depth,
             in_flight=lambda: self._admission.in_flight,
@@ -61,7 +66,8 @@ class FrontServer:
         self._connections: dict[HttpConnection, asyncio.Task[None]] = {}
         self._stop_requested = asyncio.Event()
         self._force_stop = asyncio.Event()
-        self._reload_callbacks: list[Callable[[], Awaitable[None] | None]] = [self._pool.reload]
+        self._reload_callbacks: list[Callable[[], Awaitable[None] | None]] = [
+            self._api.keys.reload, self._pool.reload]
         self._reloads: set[asyncio.Future[None]] = set()
 
     def on_reload(self, callback: Callable[[], Awaitable[None] | None]) -> None:
@@ -194,6 +200,7 @@ class FrontServer:
     ) -> None:
         connection = HttpConnection(
             reader, writer, config=self._config, admission=self._admission, health=self._health,
+            api=self._api,
             metrics=self._metrics,
         )
         task = asyncio.current_task()
@@ -243,6 +250,15 @@ class FrontServer:
             log.info("%s received: stopping", name)
             self._systemd.stopping()
             self._stop_requested.set()
+
+
+def api_surface(config: ServerConfig) -> ApiSurface:
+    """Keys and served names from the config; KeyFileError if the key file is unusable."""
+    key_file = Path(config.api_key_file) if config.api_key_file is not None else None
+    keys = ApiKeys(key_file, config.api_key)
+    if keys.enabled:
+        log.info("API keys required: %d key(s) in force", keys.count)
+    return ApiSurface(keys=keys, catalogue=Catalogue(config.served_model_names))
 
 
 async def serve(config: ServerConfig) -> int:

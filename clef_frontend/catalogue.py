@@ -1,0 +1,64 @@
+"""The names this server answers to, and `GET /v1/models`, answered from memory.
+
+`--served-model-name NAME [NAME ...]`: the first name is the model's served name, the others
+are aliases (as in vLLM). The default is the variant, `clef-flash` or `clef`, which is what the
+published Clef clients put in their URLs (`@cf/cloudflare/<name>`). Every name is listed by
+`/v1/models` in the OpenAI list shape that SDKs read before their first call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from clef_frontend import responses
+from clef_frontend.responses import Reply
+
+OWNER = "cloudflare"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+
+
+def served_name(value: str) -> str:
+    """argparse type: a name that fits one URL path segment as sent."""
+    if not _NAME.fullmatch(value):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a usable model name: letters, digits, '.', '_', ':' and '-', "
+            "starting with a letter or digit, at most 128 characters"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class Catalogue:
+    """The served name first, then its aliases; `created` is when this server started."""
+
+    names: tuple[str, ...]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.names:
+            raise ValueError("at least one served model name is required")
+
+    @property
+    def served(self) -> str:
+        return self.names[0]
+
+    def knows(self, name: str) -> bool:
+        return name in self.names
+
+    def document(self) -> dict[str, Any]:
+        """The OpenAI-style model list."""
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": self.created, "owned_by": OWNER,
+                 "root": self.served}
+                for name in self.names
+            ],
+        }
+
+    def reply(self) -> Reply:
+        return responses.document(200, self.document())
