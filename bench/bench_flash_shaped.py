@@ -165,15 +165,20 @@ def median_ms(samples: list[float]) -> float:
     return round(statistics.median(samples), 2)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags `build_executor` reads (shared with bench/bench_gpu_path.py)."""
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--gdn-prefill", default="auto")
     parser.add_argument("--shape", choices=("flash", "small"), default="flash")
     parser.add_argument("--max-length", type=int, default=16384)
-    parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--layers", type=int, default=0, help="override the layer count")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_shape_arguments(parser)
+    parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--skip-warmup-probe", action="store_true")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--quick", action="store_true",
@@ -185,6 +190,7 @@ def main() -> int:
     if args.quick:
         args.device, args.shape, args.layers, args.repeat = "cpu", "small", 2, 2
         args.skip_warmup_probe, args.out = True, None
+        args.gdn_prefill, args.dtype = "torch", "float32"
         cases, fresh_extras, thread_repeats = CASES[:2], (7,), 2
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(message)s")

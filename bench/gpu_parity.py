@@ -8,6 +8,7 @@ tests use.
 
     python bench/gpu_parity.py --device cuda --dtype float32 --gdn-prefill torch
     python bench/gpu_parity.py --device cuda --dtype bfloat16 --gdn-prefill fla
+    python bench/gpu_parity.py --device cuda --dtype bfloat16 --gdn-prefill fla --cuda-graphs on
     python bench/gpu_parity.py --quick      # CI: CPU float32, exits 1 outside the test tolerance
 """
 
@@ -33,6 +34,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--gdn-prefill", default="auto")
     parser.add_argument("--fixtures", type=Path, default=GOLDEN.parent)
+    parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="off",
+                        help="on: length buckets (captured as CUDA graphs on CUDA, eager on CPU)")
     parser.add_argument("--quick", action="store_true",
                         help="CPU, float32, torch path; exit 1 unless within the test tolerance")
     args = parser.parse_args()
@@ -45,7 +48,9 @@ def main() -> int:
 
     executor = NativeExecutor.load(args.fixtures / "clef-tiny", device=args.device,
                                    dtype=args.dtype, gdn_prefill=args.gdn_prefill,
-                                   limits=RequestLimits())
+                                   limits=RequestLimits(), cuda_graphs=args.cuda_graphs)
+    if not args.quick:
+        executor.warm_up()  # with --cuda-graphs on: every bucket captured before the cases run
     cases = load_cases(args.fixtures / GOLDEN.name)
     drift = Drift()
     ids_mismatch: list[str] = []
@@ -70,7 +75,8 @@ def main() -> int:
     summary: dict[str, Any] = {
         "command": command_line(__file__),
         "device": str(executor.device), "dtype": info.dtype, "gdn_path": info.gdn_path,
-        "cases": len(cases),
+        "cases": len(cases), "cuda_graphs": info.cuda_graphs,
+        "buckets_captured": info.buckets_captured,
         "max_abs_logit_diff": drift.max_logit_diff,
         "max_abs_probability_diff": drift.max_probability_diff,
         "argmax_mismatches": drift.argmax_mismatches, "input_id_mismatches": ids_mismatch,

@@ -2,28 +2,59 @@
 # One GPU lease, one script: every device check of this project, most important first.
 # Run through the device tool from the repo root with `.gpu` carried (wheels + fixtures copy):
 #   .gpu/whl/      transformers 5.24.0 and fla-core 0.6.0 wheels (the image has torch + triton)
-#   .gpu/fixtures/ a copy of ../shared/fixtures (../shared does not travel)
-# Each step has its own time limit and writes its JSON under $OUT as it finishes.
+#   .gpu/fixtures/ a copy of ../shared/fixtures (../shared does not travel; the script links it
+#                  there for the tests)
+#   and, for the capture test, pytest + hypothesis wheels (and their pure-Python deps) in .gpu/whl
+# Each step has its own time limit and writes its JSON under $OUT as it finishes; the sum of the
+# limits of the steps before `--- optional` fits a 15-minute lease with the machine's start.
+#
+#   bash bench/gpu_session.sh              # on the GPU host
+#   bash bench/gpu_session.sh --dry-run    # here, on CPU: every step with --quick, no install
 set -u
 export PYTHONUNBUFFERED=1
+DRY=0; [ "${1:-}" = "--dry-run" ] && DRY=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .gpu/whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-F=.gpu/fixtures
+if [ $DRY = 1 ]; then
+  PY=${PYTHON:-python3}; F=${FIXTURES:-../shared/fixtures}; DEV=cpu
+else
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .gpu/whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+  PY=python3; F=.gpu/fixtures; DEV=cuda
+  [ -e ../shared/fixtures ] || { mkdir -p ../shared && ln -s "$PWD/.gpu/fixtures" ../shared/fixtures; }
+fi
+FAILED=0
 step() { local name=$1 limit=$2; shift 2; echo "=== $name"; local t0=$SECONDS
   echo "=== $name" >> "$OUT/logs.txt"
-  timeout "$limit" "$@" > /tmp/step.out 2>> "$OUT/logs.txt"; local rc=$?
-  python3 -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "rc": int(sys.argv[2]), "seconds": int(sys.argv[3]), "stdout": open("/tmp/step.out").read()[-20000:]}))' \
-    "$name" "$rc" "$((SECONDS-t0))" >> "$OUT/results.jsonl"
-  echo "rc=$rc ${name} $((SECONDS-t0))s"; tail -c 1200 /tmp/step.out; echo; }
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
-python3 -c "import sys, torch, transformers, fla, triton; print(sys.version.split()[0], torch.__version__, transformers.__version__, fla.__version__, triton.__version__, torch.cuda.get_device_name())"
-step parity_fp32_torch 90 python3 bench/gpu_parity.py --fixtures $F --device cuda --dtype float32 --gdn-prefill torch
-step parity_bf16_fla 90 python3 bench/gpu_parity.py --fixtures $F --device cuda --dtype bfloat16 --gdn-prefill fla
-step flash_fla 240 python3 bench/bench_flash_shaped.py --device cuda --gdn-prefill fla --out "$OUT/flash-shaped-fla.json"
-step http_demo_cuda 100 python3 bench/bench_http.py --requests 200 -- --model demo --device cuda
-step parity_bf16_torch 45 python3 bench/gpu_parity.py --fixtures $F --device cuda --dtype bfloat16 --gdn-prefill torch
-step flash_torch 100 python3 bench/bench_flash_shaped.py --device cuda --gdn-prefill torch --skip-warmup-probe --repeat 8 --out "$OUT/flash-shaped-torch.json"
-step flash8_fresh_lengths 200 python3 bench/bench_flash_shaped.py --device cuda --gdn-prefill fla --layers 8 --max-length 8192 --skip-warmup-probe --repeat 6 --out "$OUT/flash8-fla-fresh-lengths.json"
-echo "=== done"
+  local cmd=("$@")  # dry run: --quick right after the script (before any `--` and its flags)
+  if [ $DRY = 1 ] && [[ "${cmd[1]:-}" == bench/*.py ]]; then cmd=("${cmd[@]:0:2}" --quick "${cmd[@]:2}"); fi
+  timeout "$limit" "${cmd[@]}" > "$OUT/step.out" 2>> "$OUT/logs.txt"; local rc=$?
+  [ $rc = 0 ] || FAILED=$((FAILED+1))
+  "$PY" -c 'import json,sys; print(json.dumps({"step": sys.argv[1], "rc": int(sys.argv[2]), "seconds": int(sys.argv[3]), "stdout": open(sys.argv[4]).read()[-20000:]}))' \
+    "$name" "$rc" "$((SECONDS-t0))" "$OUT/step.out" >> "$OUT/results.jsonl"
+  echo "rc=$rc ${name} $((SECONDS-t0))s"; tail -c 1200 "$OUT/step.out"; echo; }
+if [ $DRY = 0 ]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
+  python3 -c "import sys, torch, transformers, fla, triton; print(sys.version.split()[0], torch.__version__, transformers.__version__, fla.__version__, triton.__version__, torch.cuda.get_device_name())"
+fi
+# 1. graphs replay what eager computes (the capture unit test runs only where CUDA is)
+step graphs_unit 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py -k cuda
+# 2. parity with the golden answers, eager vs graphs, float32 and bf16
+step parity_fp32_torch_eager 60 "$PY" bench/gpu_parity.py --fixtures $F --device $DEV --dtype float32 --gdn-prefill torch --cuda-graphs off
+step parity_fp32_torch_graphs 90 "$PY" bench/gpu_parity.py --fixtures $F --device $DEV --dtype float32 --gdn-prefill torch --cuda-graphs on
+step parity_bf16_fla_eager 60 "$PY" bench/gpu_parity.py --fixtures $F --device $DEV --dtype bfloat16 --gdn-prefill fla --cuda-graphs off
+step parity_bf16_fla_graphs 90 "$PY" bench/gpu_parity.py --fixtures $F --device $DEV --dtype bfloat16 --gdn-prefill fla --cuda-graphs on
+# 3. Clef-Flash shapes: warm-up (cold Triton cache), graph memory, latency by length
+#    150/370/1000/2000/7000/16000, fresh-length sweep, batched throughput C1/C4/C16/C32,
+#    graphs vs eager answers (argmax, |dprob|)
+export TRITON_CACHE_DIR=/tmp/triton-cold
+step flash_path_cold 330 "$PY" bench/bench_gpu_path.py --device $DEV --gdn-prefill fla --out "$OUT/flash_path.json"
+# 4. warm-up again with the Triton cache the previous step left on disk
+step flash_warmup_cached 100 "$PY" bench/bench_gpu_path.py --device $DEV --gdn-prefill fla --modes graphs --lengths 370 --concurrency 1 --fresh 0 --repeat 5 --out "$OUT/flash_warmup_cached.json"
+echo "--- optional (if the lease has time left)"
+# 5. batching through a real worker process (demo snapshot): C1 vs C4/C16/C32 batched/unbatched
+step worker_batching_demo 90 "$PY" bench/bench_worker_batching.py --model demo --device $DEV --requests 192 --concurrency 4 16 32
+step http_demo_cuda_batched 100 "$PY" bench/bench_http.py --requests 200 --clients 16 -- --model demo --device $DEV --max-batch 16
+step flash_torch_gdn 100 "$PY" bench/bench_flash_shaped.py --device $DEV --gdn-prefill torch --skip-warmup-probe --repeat 8 --out "$OUT/flash-shaped-torch.json"
+echo "=== done ($FAILED failed)"
+[ $FAILED = 0 ]

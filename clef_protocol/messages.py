@@ -45,6 +45,12 @@ class ModelInfo:
     versions: dict[str, str] = field(default_factory=dict)
     demo: bool = False
     snapshot: str = ""
+    # The GPU path (clef_worker.graphs): padded length buckets, whether they replay captured
+    # CUDA graphs, how many were built at warm-up and the device memory the graphs hold.
+    cuda_graphs: bool = False
+    buckets: list[int] = field(default_factory=list)
+    buckets_captured: int = 0
+    graph_memory_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,10 @@ class ReadyInfo(ModelInfo):
                 versions={str(k): str(v) for k, v in (message.get("versions") or {}).items()},
                 demo=bool(message.get("demo", False)),
                 snapshot=str(message.get("snapshot", "")),
+                cuda_graphs=bool(message.get("cuda_graphs", False)),
+                buckets=[int(length) for length in message.get("buckets") or ()],
+                buckets_captured=int(message.get("buckets_captured", 0)),
+                graph_memory_bytes=int(message.get("graph_memory_bytes", 0)),
                 pid=int(message["pid"]),
                 thread=str(message["thread"]),
                 warmup_ms=float(message["warmup_ms"]),

@@ -14,6 +14,7 @@ DEVICES_HELP = "auto, cpu, cuda or cuda:N"
 DTYPES = ("auto", "bfloat16", "float32")
 GDN_PATHS = ("auto", "fla", "torch")
 EXECUTORS = ("native", "release")
+CUDA_GRAPH_MODES = ("auto", "on", "off")
 MEDIA_MODES = ("auto", "on", "off")
 
 
@@ -51,6 +52,24 @@ def positive_int(value: str) -> int:
     return number
 
 
+def non_negative_int(value: str) -> int:
+    """argparse type: an integer >= 0."""
+    if value.strip().isdigit():
+        return int(value)
+    raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value!r}")
+
+
+def non_negative_float(value: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not 0.0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {value!r}")
+    return number
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags that choose and shape the model; the worker receives all of them."""
     group = parser.add_argument_group("model")
@@ -66,6 +85,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--executor", choices=EXECUTORS, default="native",
                        help="native (this project's code) or release (runs the snapshot's own "
                             "joint_schema_model.py: only for snapshots you trust)")
+    group.add_argument("--cuda-graphs", choices=CUDA_GRAPH_MODES, default="auto",
+                       help="pad requests to length buckets and replay one captured CUDA graph "
+                            "per bucket (auto: on for CUDA; on a CPU device, on runs the buckets "
+                            "eagerly)")
+    group.add_argument("--graph-max-length", type=non_negative_int, default=0,
+                       help="largest bucket captured; longer requests run eagerly "
+                            "(0: up to --max-length)")
+    group.add_argument("--max-batch-tokens", type=positive_int, default=16384,
+                       help="padded tokens (requests x bucket length) per batched forward")
+    group.add_argument("--batch-window-ms", type=non_negative_float, default=0.0,
+                       help="how long the worker waits for more requests before a forward")
     limits = parser.add_argument_group("request limits")
     limits.add_argument("--max-length", type=positive_int, default=RequestLimits.max_length,
                         help="token budget per request (state is cut to fit)")
@@ -112,6 +142,10 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         "--dtype", args.dtype,
         "--gdn-prefill", args.gdn_prefill,
         "--executor", args.executor,
+        "--cuda-graphs", args.cuda_graphs,
+        "--graph-max-length", str(args.graph_max_length),
+        "--max-batch-tokens", str(args.max_batch_tokens),
+        "--batch-window-ms", repr(args.batch_window_ms),
         "--max-length", str(args.max_length),
         "--max-questions", str(args.max_questions),
         "--max-options", str(args.max_options),

@@ -14,14 +14,23 @@ import signal
 import threading
 import time
 import traceback
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from clef_protocol import messages
 from clef_protocol.body import BadRequestBody
 from clef_protocol.frames import FrameError, read_frame_blocking, write_frame_blocking
 from clef_protocol.options import add_model_arguments
 from clef_protocol.validation import RequestInvalid
-from clef_worker.executor import Executor, ExecutorBroken, StartupError
+from clef_worker.batching import (
+    NO_BODY,
+    BatchingExecutor,
+    BatchPolicy,
+    Outcome,
+    answer_batch,
+    collect_waiting,
+    supports_batching,
+)
+from clef_worker.executor import Answer, Executor, ExecutorBroken, StartupError
 from clef_worker.logs import configure as configure_logs
 from clef_worker.logs import request_context
 
@@ -47,47 +56,113 @@ def handle_request(executor: Executor, request_id: int, body: object) -> tuple[d
     """Answer one request: (reply frame, whether the executor is broken and the worker must
     exit). Every outcome is a reply frame, never an exception."""
     start = time.perf_counter()
-    if not isinstance(body, bytes):
-        reply = messages.error(request_id, 400, "request frame has no body", _elapsed_ms(start))
-        return reply, False
     try:
-        answer = executor.answer(body)
-    except RequestInvalid as exc:
-        return messages.error(request_id, 422, str(exc), _elapsed_ms(start)), False
-    except BadRequestBody as exc:
-        return messages.error(request_id, 400, str(exc), _elapsed_ms(start)), False
+        if not isinstance(body, bytes):
+            raise BadRequestBody(NO_BODY)
+        outcome = Outcome(value=executor.answer(body))
     except Exception as exc:
-        # The cause goes to the log, never to the client (http-contract row 13).
-        log.error("request %s failed:\n%s", request_id, traceback.format_exc())
-        broken = isinstance(exc, ExecutorBroken)
-        return messages.error(request_id, 500, INFERENCE_FAILED, _elapsed_ms(start)), broken
-    reply = messages.response(request_id, answer.body, _elapsed_ms(start),
-                              input_tokens=answer.input_tokens,
-                              truncated_tokens=answer.truncated_tokens)
-    return reply, False
+        outcome = Outcome(error=exc)
+    return reply_for(request_id, outcome, _elapsed_ms(start))
 
 
-def serve(executor: Executor, channel_in: BinaryIO, channel_out: BinaryIO) -> int:
-    """Read request frames until EOF or `shutdown`; one reply frame per request."""
+def reply_for(request_id: int, outcome: Outcome, worker_ms: float) -> tuple[dict, bool]:
+    """The reply frame for one answered or failed request, and whether the executor broke."""
+    exc = outcome.error
+    if exc is None:
+        answer: Answer = outcome.value
+        reply = messages.response(request_id, answer.body, worker_ms,
+                                  input_tokens=answer.input_tokens,
+                                  truncated_tokens=answer.truncated_tokens)
+        return reply, False
+    if isinstance(exc, RequestInvalid):
+        return messages.error(request_id, 422, str(exc), worker_ms), False
+    if isinstance(exc, BadRequestBody):
+        return messages.error(request_id, 400, str(exc), worker_ms), False
+    # The cause goes to the log, never to the client (http-contract row 13).
+    log.error("request %s failed:", request_id, exc_info=exc)
+    broken = isinstance(exc, ExecutorBroken)
+    return messages.error(request_id, 500, INFERENCE_FAILED, worker_ms), broken
+
+
+def _stop_code(message: dict | None) -> int | None:
+    """None for a request frame; else the exit status the frame calls for."""
+    if message is None or message["kind"] == messages.SHUTDOWN:
+        log.info("shutting down")
+        return 0
+    if message["kind"] != messages.REQUEST or not isinstance(message.get("id"), int):
+        log.error("unexpected %r frame from the front, exiting", message["kind"])
+        return messages.EXIT_PROTOCOL_ERROR
+    return None
+
+
+def serve(executor: Executor, channel_in: BinaryIO, channel_out: BinaryIO,
+          policy: BatchPolicy | None = None) -> int:
+    """Read request frames until EOF or `shutdown`; one reply frame per request, in order.
+
+    With an executor that batches (clef_worker.batching), every request frame already waiting
+    after the first (up to `policy.window_ms` more) is answered by shared forwards.
+    """
+    policy = policy or BatchPolicy()
+    batching = supports_batching(executor)
     while True:
         try:
             message = read_frame_blocking(channel_in)
         except FrameError as exc:
             log.error("unreadable frame from the front, exiting: %s", exc)
             return messages.EXIT_PROTOCOL_ERROR
-        if message is None or message["kind"] == messages.SHUTDOWN:
-            log.info("shutting down")
-            return 0
-        request_id = message.get("id")
-        if message["kind"] != messages.REQUEST or not isinstance(request_id, int):
-            log.error("unexpected %r frame from the front, exiting", message["kind"])
-            return messages.EXIT_PROTOCOL_ERROR
-        with request_context(message.get("trace_id")):
-            reply, broken = handle_request(executor, request_id, message.get("body"))
-            write_frame_blocking(channel_out, reply)
+        stop = _stop_code(message)
+        if stop is not None:
+            return stop
+        assert message is not None
+        requests = [message]
+        if batching:
+            try:
+                for extra in collect_waiting(channel_in, read_frame_blocking, policy.window_ms):
+                    stop = _stop_code(extra)
+                    if stop is not None:
+                        break
+                    assert extra is not None
+                    requests.append(extra)
+            except FrameError as exc:
+                log.error("unreadable frame from the front, exiting after the batch: %s", exc)
+                stop = messages.EXIT_PROTOCOL_ERROR
+        if _answer_all(executor, requests, channel_out, policy, batching):
+            log.error("the executor cannot go on; exiting so the front starts a fresh worker")
+            return messages.EXIT_EXECUTOR_BROKEN
+        if stop is not None:
+            return stop
+
+
+def _answer_all(executor: Executor, requests: list[dict], channel_out: BinaryIO,
+                policy: BatchPolicy, batching: bool) -> bool:
+    """Write one reply per request, in order; True when the executor broke (the requests
+    not yet run then fail with 500 without touching the device)."""
+    ids = [int(request["id"]) for request in requests]
+    if not batching:
+        for position, request_id in enumerate(ids):
+            with request_context(requests[position].get("trace_id")):
+                reply, broken = handle_request(executor, request_id,
+                                               requests[position].get("body"))
+                write_frame_blocking(channel_out, reply)
             if broken:
-                log.error("the executor cannot go on; exiting so the front starts a fresh worker")
-                return messages.EXIT_EXECUTOR_BROKEN
+                _fail_rest(ids[position + 1:], channel_out)
+                return True
+        return False
+    start = time.perf_counter()
+    bodies = [request.get("body") for request in requests]
+    for position, outcome in answer_batch(cast(BatchingExecutor, executor), bodies, policy):
+        with request_context(requests[position].get("trace_id")):
+            reply, broken = reply_for(ids[position], outcome, _elapsed_ms(start))
+            write_frame_blocking(channel_out, reply)
+        if broken:
+            _fail_rest(ids[position + 1:], channel_out)
+            return True
+    return False
+
+
+def _fail_rest(ids: list[int], channel_out: BinaryIO) -> None:
+    for request_id in ids:
+        write_frame_blocking(channel_out, messages.error(request_id, 500, INFERENCE_FAILED, 0.0))
 
 
 def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:
@@ -131,4 +206,6 @@ def main(argv: list[str] | None = None) -> int:
     executor = start(args, channel_out)
     if executor is None:
         return 1
-    return serve(executor, channel_in, channel_out)
+    policy = BatchPolicy(max_batch_tokens=args.max_batch_tokens,
+                         window_ms=args.batch_window_ms)
+    return serve(executor, channel_in, channel_out, policy)

@@ -9,9 +9,10 @@ on the calling thread under `torch.inference_mode()`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,10 +36,21 @@ from clef_worker.backbone import (
     resolve_device,
     resolve_dtype,
 )
+from clef_worker.buckets import BucketTable
 from clef_worker.encoding import Encoder, Encoding
 from clef_worker.executor import Answer, ExecutorBroken, StartupError
+from clef_worker.graphs import (
+    BucketedBackbone,
+    CudaGraphCapturer,
+    EagerCapturer,
+    buckets_enabled,
+    graphs_enabled,
+    pad_token_id,
+    prepare_capture_environment,
+)
 from clef_worker.head import HeadIndex, JointSchemaHead
 from clef_worker.snapshot import Snapshot, open_snapshot
+from clef_worker.transfer import to_device_packed
 from clef_worker.versions import package_version, package_versions
 from clef_worker.vision import PreparedMedia, VisionTower, has_vision, load_vision
 
@@ -63,6 +75,15 @@ class Scored:
         return build_response(self.request, self.encoding, self.probabilities)
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A parsed, validated and encoded request, waiting for its forward (clef_worker.batching)."""
+
+    request: dict[str, Any]
+    encoding: Encoding
+    media: PreparedMedia | None = None
+
+
 class NativeExecutor:
     """Implements `clef_worker.executor.Executor` with this project's code."""
 
@@ -75,6 +96,7 @@ class NativeExecutor:
         head: JointSchemaHead,
         limits: RequestLimits,
         vision: VisionTower | None = None,
+        runner: BucketedBackbone | None = None,
     ):
         self.snapshot = snapshot
         self.encoder = encoder
@@ -83,6 +105,9 @@ class NativeExecutor:
         self.limits = limits
         self.vision = vision
         self.device = backbone.device
+        self.runner = runner
+        self.pad_id = runner.pad_id if runner is not None else pad_token_id(
+            encoder.tokenizer.token_to_id("<|endoftext|>"), snapshot.text_config)
 
     @classmethod
     def load(
@@ -96,6 +121,8 @@ class NativeExecutor:
         limits: RequestLimits | None = None,
         demo: bool = False,
         media: str = "auto",
+        cuda_graphs: str = "auto",
+        graph_max_length: int = 0,
     ) -> NativeExecutor:
         """Check and load a snapshot; StartupError says what is wrong (file, tensor, flag).
 
@@ -107,6 +134,12 @@ class NativeExecutor:
         snapshot = open_snapshot(snapshot_dir, variant=variant, demo=demo)
         target = resolve_device(device)
         weights_dtype = resolve_dtype(dtype, target)
+        try:
+            capture = graphs_enabled(cuda_graphs, target)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        if capture:
+            prepare_capture_environment()
         gdn_path = bind_gdn_path(gdn_prefill, target, weights_dtype)
         try:
             encoder = Encoder.from_file(snapshot.tokenizer_file)
@@ -118,8 +151,15 @@ class NativeExecutor:
         head_dtype = weights_dtype if target.type == "cuda" else torch.float32
         head = load_head(snapshot, target, head_dtype)
         vision = _load_media(snapshot, encoder, backbone, media)
+        runner = None
+        if buckets_enabled(cuda_graphs, target):
+            table = BucketTable.for_budget(limits.max_length, graph_max_length or None)
+            pad_id = pad_token_id(encoder.tokenizer.token_to_id("<|endoftext|>"),
+                                  snapshot.text_config)
+            capturer = CudaGraphCapturer(target) if capture else EagerCapturer()
+            runner = BucketedBackbone(backbone, table, pad_id, capturer, graphs=capture)
         executor = cls(snapshot=snapshot, encoder=encoder, backbone=backbone, head=head,
-                       limits=limits, vision=vision)
+                       limits=limits, vision=vision, runner=runner)
         log.info(
             "loaded %s from %s on %s (%s backbone, %s head, gdn %s) in %.1f s",
             variant, snapshot.root, target, DTYPE_NAMES[weights_dtype],
@@ -130,7 +170,8 @@ class NativeExecutor:
     def with_limits(self, limits: RequestLimits) -> NativeExecutor:
         """The same loaded model under other request limits (tests, benchmarks)."""
         return type(self)(snapshot=self.snapshot, encoder=self.encoder, backbone=self.backbone,
-                          head=self.head, limits=limits, vision=self.vision)
+                          head=self.head, limits=limits, vision=self.vision,
+                          runner=self.runner)
 
     # -- Executor protocol -------------------------------------------------------------------
 
@@ -147,6 +188,7 @@ class NativeExecutor:
             versions=versions,
             demo=self.snapshot.random,
             snapshot=str(self.snapshot.root),
+            **(self.runner.describe() if self.runner is not None else {}),
         )
 
     def warm_up(self) -> None:
@@ -155,6 +197,8 @@ class NativeExecutor:
         --max-length (see clef_worker.backbone); with a vision tower, the same request with an
         image."""
         started = time.perf_counter()
+        if self.runner is not None:
+            self._build_buckets(self.runner)
         request = warmup.choose(self.limits, self.encode)
         encoding = self._warmup_encoding(request)
         if encoding is None:
@@ -172,6 +216,24 @@ class NativeExecutor:
             self._warm_media(request)
         log.info("warm-up done in %.0f ms (%d tokens)", (time.perf_counter() - started) * 1000,
                  encoding.length)
+
+    def _build_buckets(self, runner: BucketedBackbone) -> None:
+        """Build (capture) every bucket. A kernel that cannot be captured must not take the
+        service down: the executor then serves eagerly and unpadded, and says so in the log
+        and in `ready` / `/health`."""
+        try:
+            built = runner.capture_all()
+        except Exception as exc:
+            if not runner.graphs or device_is_broken(exc, self.device):
+                raise
+            log.error("CUDA graph capture failed, serving without graphs: %s: %s",
+                      type(exc).__name__, exc)
+            self.runner = None
+            return
+        log.info("built %d length buckets (%s) in %.0f ms, graph memory %d bytes", len(built),
+                 "cuda graphs" if runner.graphs else "eager", runner.stats.capture_ms,
+                 runner.capturer.memory_bytes())
+
 
     def _warmup_encoding(self, request: dict[str, Any] | None) -> Encoding | None:
         if request is not None:
@@ -198,15 +260,7 @@ class NativeExecutor:
         `RequestInvalid` (422) for a request the model must refuse; the front has run both
         checks already, the worker repeats them because it trusts no input.
         """
-        request = parse_body(body)
-        try:
-            scored = self.score(request)
-            return Answer(serialize(scored.response()), input_tokens=scored.encoding.length,
-                          truncated_tokens=scored.encoding.state_dropped)
-        except Exception as exc:
-            if device_is_broken(exc, self.device):
-                raise ExecutorBroken(f"{type(exc).__name__}: {exc}") from exc
-            raise
+        return self.answer_prepared([self.prepare(body)])[0]
 
     # -- Inspectable pipeline -------------------------------------------------------------
 
@@ -233,40 +287,107 @@ class NativeExecutor:
         media = self._timed(timings, "media", profile, lambda: self.prepare_media(request))
         encoding = self._timed(timings, "encode", profile, lambda: self.encode(request, media))
         logits, probabilities = self.forward(encoding, media, timings if profile else None)
-        return Scored(
-            request=request,
-            encoding=encoding,
-            logits=logits,
-            probabilities=probabilities,
-            timings_ms=timings,
-            media=media,
-        )
+        return Scored(request=request, encoding=encoding, logits=logits,
+                      probabilities=probabilities, timings_ms=timings, media=media)
 
     def forward(self, encoding: Encoding, media: PreparedMedia | None = None,
                 timings: dict[str, float] | None = None) -> tuple[list[float], list[float]]:
         """Backbone (with the vision tower for media) and head on one encoding: per-option
         logits and probabilities; with `timings`, each stage's time is recorded there."""
         profile = timings is not None
-        timings = {} if timings is None else timings
+        return self._forward_batch([encoding], [media], {} if timings is None else timings,
+                                   profile)[0]
+
+    def score_batch(self, batch: Sequence[Prepared]) -> list[Scored]:
+        """One backbone forward over several encoded requests (right-padded rows), then the
+        head per request on its real rows."""
+        results = self._forward_batch([item.encoding for item in batch],
+                                      [item.media for item in batch], {}, False)
+        return [Scored(request=item.request, encoding=item.encoding, logits=logits,
+                       probabilities=probabilities, media=item.media)
+                for item, (logits, probabilities) in zip(batch, results, strict=True)]
+
+    def _forward_batch(self, encodings: Sequence[Encoding], medias: Sequence[PreparedMedia | None],
+                       timings: dict[str, float],
+                       profile: bool) -> list[tuple[list[float], list[float]]]:
+        """One backbone forward over right-padded rows, then the head per row on its real
+        positions; media requests run alone (vision tower, eager, unpadded)."""
+        if len(encodings) > 1 and any(media is not None for media in medias):
+            return [self._forward_batch([encoding], [media], {}, False)[0]
+                    for encoding, media in zip(encodings, medias, strict=True)]
+        lengths = [len(encoding.input_ids) for encoding in encodings]
+        width = self.padded_length(max(lengths))
         with torch.inference_mode():
-            ids = torch.tensor(encoding.input_ids, dtype=torch.long).to(self.device)
-            index = HeadIndex.build(
-                [q.question_span for q in encoding.questions],
-                [q.option_spans for q in encoding.questions],
-                [q.type_id for q in encoding.questions],
-                device=self.device,
-            )
-            if media is None or self.vision is None:
-                hidden = self._timed(timings, "backbone", profile,
-                                     lambda: self.backbone.hidden_states(ids))
-            else:
-                vision = self.vision
-                hidden = self._timed(timings, "backbone", profile,
-                                     lambda: vision.hidden_states(self.backbone, ids, media))
-            output = self._timed(timings, "head", profile, lambda: self.head(
-                hidden, ids, self.backbone.lexical_table, index))
-            logits, probabilities = torch.stack([output.logits, output.probabilities]).cpu()
-        return logits.tolist(), probabilities.tolist()
+            host_ids = torch.full((len(encodings), width), self.pad_id, dtype=torch.long)
+            indexes = []
+            for row, encoding in enumerate(encodings):
+                host_ids[row, :lengths[row]] = torch.tensor(encoding.input_ids, dtype=torch.long)
+                questions = encoding.questions
+                indexes.append(HeadIndex.build(
+                    [q.question_span for q in questions], [q.option_spans for q in questions],
+                    [q.type_id for q in questions]))
+            ids, indexes = self._to_device(host_ids, indexes)
+            rows = self._timed(timings, "backbone", profile,
+                               lambda: self._hidden_rows(ids, lengths, medias[0]))
+            outputs = self._timed(timings, "head", profile, lambda: [
+                self.head(hidden, ids[row, :lengths[row]], self.backbone.lexical_table,
+                          indexes[row])
+                for row, hidden in enumerate(rows)])
+            counts = [output.logits.shape[0] for output in outputs]
+            values = torch.cat([torch.stack([o.logits, o.probabilities]) for o in outputs],
+                               dim=1).cpu()
+        return [(logits.tolist(), probabilities.tolist())
+                for logits, probabilities in values.split(counts, dim=1)]
+
+    def padded_length(self, length: int) -> int:
+        """Row length of a forward whose longest request has `length` tokens."""
+        return self.runner.padded_length(length) if self.runner is not None else length
+
+    def _hidden_rows(self, ids: torch.Tensor, lengths: list[int],
+                     media: PreparedMedia | None) -> list[torch.Tensor]:
+        """Each request's real rows of the last hidden state ([T_b, H] each); `media` only
+        with a single request."""
+        if media is not None and self.vision is not None:
+            return [self.vision.hidden_states(self.backbone, ids[0, :lengths[0]], media)]
+        if len(lengths) == 1:
+            if self.runner is not None:
+                return [self.runner.hidden_states(ids[0], lengths[0])]
+            return [self.backbone.hidden_states(ids[0, :lengths[0]])]
+        hidden = self.backbone.model(input_ids=ids, use_cache=False).last_hidden_state
+        return [hidden[row, :length] for row, length in enumerate(lengths)]
+
+    def _to_device(self, host_ids: torch.Tensor,
+                   indexes: list[HeadIndex]) -> tuple[torch.Tensor, list[HeadIndex]]:
+        """The padded ids and every head index tensor in one host-to-device copy."""
+        names = [f.name for f in dataclasses.fields(HeadIndex)]
+        moved = to_device_packed(
+            [host_ids, *(getattr(index, name) for index in indexes for name in names)],
+            self.device)
+        per_index = iter(moved[1:])
+        rebuilt = [HeadIndex(**{name: next(per_index) for name in names}) for _ in indexes]
+        return moved[0], rebuilt
+
+    # -- Batching (clef_worker.batching) -------------------------------------------------
+
+    def prepare(self, body: bytes) -> Prepared:
+        """Parse, validate and encode one body (400 / 422 exceptions as `answer`)."""
+        request = parse_body(body)
+        media = self.prepare_media(request)
+        return Prepared(request, self.encode(request, media), media)
+
+    def prepared_length(self, prepared: Prepared) -> int:
+        return len(prepared.encoding.input_ids)
+
+    def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
+        """One forward over the batch; the answers in order."""
+        try:
+            return [Answer(serialize(scored.response()), input_tokens=scored.encoding.length,
+                           truncated_tokens=scored.encoding.state_dropped)
+                    for scored in self.score_batch(batch)]
+        except Exception as exc:
+            if device_is_broken(exc, self.device):
+                raise ExecutorBroken(f"{type(exc).__name__}: {exc}") from exc
+            raise
 
     def _timed(self, timings: dict[str, float], name: str, profile: bool,
                step: Callable[[], T]) -> T:

@@ -1,0 +1,159 @@
+"""Worker throughput with and without micro-batching, measured side by side in one run.
+
+Not a test. Starts `python -m clef_worker` directly (no HTTP front: this measures the worker's
+batching alone) and writes request frames to its stdin, keeping C requests in flight: whenever a
+reply comes back, the next request goes out, so the worker always finds up to C-1 frames waiting
+when a forward ends. Rows, each with a fresh worker:
+
+- C1: one request at a time (the baseline);
+- C8 unbatched: 8 in flight, `--max-batch-tokens 1` (every forward holds one request);
+- C8 batched: 8 in flight, the default token budget.
+
+Every batched answer is compared with the C1 answer of the same request (golden tolerance).
+
+    python bench/bench_worker_batching.py                      # tiny fixture, CPU
+    python bench/bench_worker_batching.py --concurrency 1 4 16 32 --device cuda --model demo
+    python bench/bench_worker_batching.py --quick              # CI smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, BinaryIO, cast
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from clef_protocol import messages  # noqa: E402
+from clef_protocol.frames import read_frame_blocking, write_frame_blocking  # noqa: E402
+
+TOLERANCE = 1e-4 + 1e-9
+
+
+def request_bodies(count: int) -> list[bytes]:
+    """Varied ~150-400-token requests (the three question types), different states."""
+    bodies = []
+    for i in range(count):
+        body = {
+            "model": "clef-flash",
+            "state": f"Ticket {5000 + i}: customer paid invoice #{4400 + i} twice; " * (1 + i % 4),
+            "questions": {
+                "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+                "topic": {"type": "choice", "criteria": {"billing": "payments",
+                                                         "delivery": "shipping", "other": None}},
+                "urgency": {"type": "score", "criteria": ["low", "medium", "high"]},
+            },
+        }
+        bodies.append(json.dumps(body).encode())
+    return bodies
+
+
+class Worker:
+    """A worker process spoken to over its frame channel."""
+
+    def __init__(self, flags: list[str], threads: int | None):
+        env = dict(os.environ)
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "clef_worker", *flags], cwd=REPO, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert self.process.stdin and self.process.stdout
+        self.stdin = cast(BinaryIO, self.process.stdin)
+        self.stdout = cast(BinaryIO, self.process.stdout)
+        ready = read_frame_blocking(self.stdout)
+        if not ready or ready["kind"] != messages.READY:
+            raise SystemExit(f"worker did not start: {ready}")
+        self.ready = ready
+
+    def run(self, bodies: list[bytes], in_flight: int) -> tuple[float, dict[int, dict]]:
+        """Send every body keeping `in_flight` outstanding; (seconds, replies by id)."""
+        replies: dict[int, dict] = {}
+        sent = 0
+        started = time.perf_counter()
+        while sent < min(in_flight, len(bodies)):
+            write_frame_blocking(self.stdin, messages.request(sent, bodies[sent]))
+            sent += 1
+        while len(replies) < len(bodies):
+            reply = read_frame_blocking(self.stdout)
+            assert reply is not None, "worker exited"
+            replies[reply["id"]] = reply
+            if sent < len(bodies):
+                write_frame_blocking(self.stdin, messages.request(sent, bodies[sent]))
+                sent += 1
+        return time.perf_counter() - started, replies
+
+    def close(self) -> None:
+        write_frame_blocking(self.stdin, messages.shutdown())
+        self.process.wait(timeout=60)
+
+
+def same_answer(a: bytes, b: bytes) -> bool:
+    def walk(x: Any, y: Any) -> bool:
+        if isinstance(x, dict):
+            return isinstance(y, dict) and list(x) == list(y) and all(walk(x[k], y[k]) for k in x)
+        if isinstance(x, list):
+            return isinstance(y, list) and len(x) == len(y) and all(map(walk, x, y))
+        if isinstance(x, float) and isinstance(y, float):
+            return abs(x - y) <= TOLERANCE
+        return bool(x == y)
+    return walk(json.loads(a), json.loads(b))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(REPO.parent / "shared" / "fixtures" / "clef-tiny"))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[8])
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OMP_NUM_THREADS for the worker (on a shared CPU host, 1 avoids "
+                             "OpenMP spinning against other processes)")
+    parser.add_argument("--worker-flag", action="append", default=[],
+                        help="extra worker flag (repeatable), e.g. --worker-flag=--dtype=bfloat16")
+    parser.add_argument("--quick", action="store_true",
+                        help="CI smoke run: 8 requests, C1 and C4, CPU, no output file")
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.concurrency, args.device = 8, [4], "cpu"
+    flags = ["--model", args.model, "--device", args.device, "--max-length", "2048",
+             *args.worker_flag]
+    bodies = request_bodies(args.requests)
+    rows: list[dict[str, Any]] = []
+    baseline: dict[int, dict] = {}
+    plans: list[tuple[str, int, list[str]]] = [("C1", 1, [])]
+    for c in args.concurrency:
+        if c > 1:
+            plans += [(f"C{c} unbatched", c, ["--max-batch-tokens", "1"]), (f"C{c} batched", c, [])]
+    for name, in_flight, extra in plans:
+        worker = Worker(flags + extra, args.threads)
+        worker.run(bodies[:2], 1)  # untimed: first-touch costs
+        seconds, replies = worker.run(bodies, in_flight)
+        worker.close()
+        worker_ms = [r["worker_ms"] for r in replies.values()]
+        ok = all(r["kind"] == messages.RESPONSE for r in replies.values())
+        if not baseline:
+            baseline = replies
+        equal = all(same_answer(replies[i]["body"], baseline[i]["body"]) for i in replies) \
+            if ok else False
+        rows.append({"row": name, "requests": len(bodies), "seconds": round(seconds, 3),
+                     "req_per_s": round(len(bodies) / seconds, 2),
+                     "worker_ms_p50": round(statistics.median(worker_ms), 2),
+                     "all_ok": ok, "answers_equal_to_C1": equal})
+        print(json.dumps(rows[-1]), flush=True)
+    base = rows[0]["req_per_s"]
+    summary = {"model": args.model, "device": args.device, "threads": args.threads,
+               "speedup_vs_C1": {row["row"]: round(row["req_per_s"] / base, 2) for row in rows}}
+    print(json.dumps(summary))
+    return 0 if all(row["all_ok"] and row["answers_equal_to_C1"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

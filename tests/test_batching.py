@@ -1,0 +1,337 @@
+"""Micro-batching in the worker: grouping, batched answers equal to solo answers for every golden
+case mixed in random batches (truncated and refused cases included), isolation of bad requests,
+and the serve loop taking every frame already waiting on a real pipe."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from clef_protocol import messages
+from clef_protocol.body import BadRequestBody
+from clef_protocol.frames import encode_frame, read_frame_blocking
+from clef_protocol.options import RequestLimits
+from clef_protocol.validation import RequestInvalid
+from clef_worker.batching import (
+    BatchPolicy,
+    Outcome,
+    answer_batch,
+    frame_waiting,
+    plan_groups,
+    supports_batching,
+)
+from clef_worker.executor import Answer, ExecutorBroken
+from clef_worker.main import serve
+from clef_worker.native import NativeExecutor, Prepared
+from tests.answer_compare import assert_same_response
+from tests.conftest import GOLDEN
+from tests.request_strategies import requests
+
+CASES = [json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitlines() if line]
+BIG = BatchPolicy(max_batch_tokens=1 << 30)
+
+
+# -- grouping ------------------------------------------------------------------------------------
+
+
+@given(st.lists(st.none() | st.integers(1, 3000), max_size=40), st.integers(1, 8000))
+def test_groups_keep_order_and_the_token_budget(lengths: list[int | None], budget: int) -> None:
+    def padded(n: int) -> int:
+        return -(-n // 64) * 64
+
+    groups = plan_groups(lengths, padded, budget)
+    assert [p for group in groups for p in group] == list(range(len(lengths)))
+    for group in groups:
+        real = [length for p in group if (length := lengths[p]) is not None]
+        if len(real) > 1:
+            assert len(real) * padded(max(real)) <= budget
+
+
+def test_groups_fill_up_to_the_budget() -> None:
+    assert plan_groups([64, 64, 64, 64], lambda n: n, 128) == [[0, 1], [2, 3]]
+    assert plan_groups([300, 10, None, 10], lambda n: n, 128) == [[0], [1, 2, 3]]
+    assert plan_groups([None, None], lambda n: n, 1) == [[0, 1]]
+
+
+# -- batched answers equal solo answers ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def executor(tiny_snapshot: Path) -> NativeExecutor:
+    return NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32",
+                               limits=RequestLimits())
+
+
+def _body(case: dict[str, Any]) -> bytes:
+    # the case name rides along (ignored by the model) so the test executor finds its limit
+    return json.dumps({**case["request"], "x_case": case["name"]}).encode()
+
+
+class PerCaseLimits:
+    """The real executor, with each golden case encoded under its own max_length (the golden
+    file mixes budgets; a worker has one, but the forward does not care)."""
+
+    def __init__(self, executor: NativeExecutor):
+        self.executor = executor
+        self.forwards: list[int] = []
+        self.limited = {
+            case["name"]: executor.with_limits(dataclasses.replace(
+                executor.limits, max_length=case["max_length"])) for case in CASES}
+
+    def prepare(self, body: bytes) -> Prepared:
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None  # the executor itself must refuse this body
+        name = parsed.get("x_case") if isinstance(parsed, dict) else None
+        return (self.limited.get(name) or self.executor).prepare(body)
+
+    def prepared_length(self, prepared: Prepared) -> int:
+        return self.executor.prepared_length(prepared)
+
+    def padded_length(self, length: int) -> int:
+        return self.executor.padded_length(length)
+
+    def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
+        self.forwards.append(len(batch))
+        return self.executor.answer_prepared(batch)
+
+
+def _solo(executor: NativeExecutor, case: dict[str, Any]) -> Outcome:
+    limited = executor.with_limits(dataclasses.replace(executor.limits,
+                                                       max_length=case["max_length"]))
+    try:
+        return Outcome(value=limited.answer(_body(case)))
+    except Exception as exc:
+        return Outcome(error=exc)
+
+
+_SOLO: dict[str, Outcome] = {}
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.permutations(range(len(CASES))), st.integers(1, 8), st.integers(64, 4000))
+def test_golden_cases_in_random_batches_answer_as_alone(
+        executor: NativeExecutor, order: list[int], size: int, budget: int) -> None:
+    for case in CASES:
+        if case["name"] not in _SOLO:
+            _SOLO[case["name"]] = _solo(executor, case)
+    batcher = PerCaseLimits(executor)
+    picked = [CASES[i] for i in order[:size]]
+    results = list(answer_batch(batcher, [_body(c) for c in picked],
+                                BatchPolicy(max_batch_tokens=budget)))
+    assert [position for position, _ in results] == list(range(len(picked)))
+    for case, (_, outcome) in zip(picked, results, strict=True):
+        solo = _SOLO[case["name"]]
+        if solo.error is not None:
+            assert type(outcome.error) is type(solo.error)
+            assert str(outcome.error) == str(solo.error) == case["error"]["message"]
+        else:
+            assert outcome.error is None
+            assert_same_response(outcome.value.body, solo.value.body)
+            assert (outcome.value.input_tokens, outcome.value.truncated_tokens) == \
+                (solo.value.input_tokens, solo.value.truncated_tokens)
+    refused = sum("error" in c for c in picked)
+    assert sum(batcher.forwards) == len(picked) - refused  # refused ones never reach a forward
+
+
+def test_a_full_batch_of_golden_cases_is_one_forward(executor: NativeExecutor) -> None:
+    batcher = PerCaseLimits(executor)
+    # the short cases (a batch pads every row to its longest), the truncated one among them
+    ok = [c for c in CASES if "error" not in c and len(c["input_ids"]) <= 512]
+    assert any(c["max_length"] < 16384 for c in ok)
+    results = list(answer_batch(batcher, [_body(c) for c in ok], BIG))
+    assert batcher.forwards == [len(ok)]
+    for case, (_, outcome) in zip(ok, results, strict=True):
+        assert_same_response(outcome.value.body, _solo(executor, case).value.body)
+
+
+# -- isolation -----------------------------------------------------------------------------------
+
+
+class Poisoned(PerCaseLimits):
+    """A forward that contains the request whose model is `poison` raises."""
+
+    def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
+        self.forwards.append(len(batch))
+        if any(item.request["model"] == "poison" for item in batch):
+            raise RuntimeError("kernel blew up")
+        return self.executor.answer_prepared(batch)
+
+
+def test_a_raising_forward_is_rerun_one_by_one(executor: NativeExecutor) -> None:
+    ok = [c for c in CASES if "error" not in c][:4]
+    poison = json.dumps({**ok[0]["request"], "model": "poison"}).encode()
+    bodies = [_body(ok[0]), _body(ok[1]), poison, _body(ok[2]), _body(ok[3])]
+    batcher = Poisoned(executor)
+    results = dict(answer_batch(batcher, bodies, BIG))
+    assert batcher.forwards == [5, 1, 1, 1, 1, 1]
+    assert isinstance(results[2].error, RuntimeError)
+    for position, case in zip((0, 1, 3, 4), ok, strict=True):
+        assert results[position].error is None
+        assert_same_response(results[position].value.body, _solo(executor, case).value.body)
+
+
+def test_invalid_requests_answer_alone_and_stay_out_of_the_forward(
+        executor: NativeExecutor) -> None:
+    ok = [c for c in CASES if "error" not in c][:2]
+    bodies: list[object] = [b"not json", _body(ok[0]),
+                            b'{"model": "m", "state": 1, "questions": {}}', None, _body(ok[1])]
+    batcher = PerCaseLimits(executor)
+    results = dict(answer_batch(batcher, bodies, BIG))
+    assert batcher.forwards == [2]
+    assert isinstance(results[0].error, BadRequestBody)
+    assert isinstance(results[2].error, RequestInvalid)
+    assert str(results[2].error) == "at least one question is required"
+    assert isinstance(results[3].error, BadRequestBody)
+    assert results[1].error is None and results[4].error is None
+
+
+def test_a_broken_device_fails_the_whole_group_without_reruns(executor: NativeExecutor) -> None:
+    class Broken(PerCaseLimits):
+        def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
+            self.forwards.append(len(batch))
+            raise ExecutorBroken("CUDA error: an illegal memory access was encountered")
+
+    batcher = Broken(executor)
+    ok = [c for c in CASES if "error" not in c][:3]
+    results = dict(answer_batch(batcher, [_body(c) for c in ok], BIG))
+    assert batcher.forwards == [3]
+    assert all(isinstance(outcome.error, ExecutorBroken) for outcome in results.values())
+
+
+# -- the serve loop on a real pipe --------------------------------------------------------------
+
+
+def _pipe_with(*frames: dict[str, Any]) -> io.FileIO:
+    read_fd, write_fd = os.pipe()
+    with os.fdopen(write_fd, "wb") as writer:
+        for frame in frames:
+            writer.write(encode_frame(frame))
+    return os.fdopen(read_fd, "rb", buffering=0)
+
+
+def _replies(out: io.BytesIO) -> list[dict[str, Any]]:
+    stream = io.BytesIO(out.getvalue())
+    replies = []
+    while (frame := read_frame_blocking(stream)) is not None:
+        replies.append(frame)
+    return replies
+
+
+def test_serve_takes_every_waiting_frame_into_one_forward(executor: NativeExecutor) -> None:
+    ok = [c for c in CASES if "error" not in c][:5]
+    batcher = PerCaseLimits(executor)
+    frames = [messages.request(10 + i, _body(c)) for i, c in enumerate(ok)]
+    channel = _pipe_with(*frames, messages.request(99, b"[]"), messages.shutdown())
+    out = io.BytesIO()
+    assert serve(batcher, channel, out) == 0  # type: ignore[arg-type]
+    replies = _replies(out)
+    assert [r["id"] for r in replies] == [10, 11, 12, 13, 14, 99]
+    assert batcher.forwards == [5]
+    assert [r["kind"] for r in replies] == ["response"] * 5 + ["error"]
+    assert replies[-1]["status"] == 400
+    for case, reply in zip(ok, replies[:-1], strict=True):
+        assert_same_response(reply["body"], _solo(executor, case).value.body)
+
+
+def _serve_one_per_forward(executor: NativeExecutor, batcher: PerCaseLimits,
+                           out: io.BytesIO) -> int:
+    """Serve three golden requests with a token budget that fits one of them per forward."""
+    ok = [c for c in CASES if "error" not in c and c["max_length"] == 16384][:3]
+    longest = max(len(executor.prepare(_body(c)).encoding.input_ids) for c in ok)
+    channel = _pipe_with(*(messages.request(i, _body(c)) for i, c in enumerate(ok)))
+    return serve(batcher, channel, out, BatchPolicy(max_batch_tokens=longest))  # type: ignore[arg-type]
+
+
+def test_serve_cuts_forwards_at_the_token_budget(executor: NativeExecutor) -> None:
+    batcher = PerCaseLimits(executor)
+    out = io.BytesIO()
+    assert _serve_one_per_forward(executor, batcher, out) == 0
+    assert batcher.forwards == [1, 1, 1]
+    assert [r["id"] for r in _replies(out)] == [0, 1, 2]
+
+
+def test_a_broken_device_mid_batch_fails_that_batch_and_the_worker_exits(
+        executor: NativeExecutor) -> None:
+    class Broken(PerCaseLimits):
+        def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
+            self.forwards.append(len(batch))
+            if len(self.forwards) == 2:
+                raise ExecutorBroken("CUDA error: an illegal memory access was encountered")
+            return self.executor.answer_prepared(batch)
+
+    batcher = Broken(executor)
+    out = io.BytesIO()
+    assert _serve_one_per_forward(executor, batcher, out) == 3
+    replies = _replies(out)
+    assert [(r["id"], r.get("status")) for r in replies] == [(0, 200), (1, 500), (2, 500)]
+    assert batcher.forwards == [1, 1]  # the request after the broken one never ran
+
+
+def test_frame_waiting_sees_the_pipe_and_in_memory_streams() -> None:
+    read_fd, write_fd = os.pipe()
+    with os.fdopen(read_fd, "rb", buffering=0) as reader:
+        assert not frame_waiting(reader, 0)
+        os.write(write_fd, encode_frame(messages.shutdown()))
+        assert frame_waiting(reader, 0)
+        os.close(write_fd)
+    memory = io.BytesIO(encode_frame(messages.shutdown()))
+    assert frame_waiting(memory, 0)
+    read_frame_blocking(memory)
+    assert not frame_waiting(memory, 0)
+    assert not frame_waiting(io.BufferedReader(io.BytesIO(b"x")), 0)
+
+
+def test_the_native_executor_batches_and_test_doubles_need_not() -> None:
+    assert supports_batching(NativeExecutor)
+    assert not supports_batching(object())
+
+
+def test_a_media_request_in_a_batch_answers_as_alone(executor: NativeExecutor) -> None:
+    from tests.conftest import MEDIA_GOLDEN
+
+    media_cases = [json.loads(line) for line in MEDIA_GOLDEN.read_text(encoding="utf-8")
+                   .splitlines() if line]
+    image = next(c for c in media_cases if "error" not in c and c["request"].get("images"))
+    image = {**image, "name": "media:" + image["name"]}
+    text = [c for c in CASES if "error" not in c][:2]
+    batcher = PerCaseLimits(executor)
+    batcher.limited[image["name"]] = executor.with_limits(dataclasses.replace(
+        executor.limits, max_length=image["max_length"]))
+    picked = [text[0], image, text[1]]
+    results = list(answer_batch(batcher, [_body(c) for c in picked], BIG))
+    assert batcher.forwards == [3]
+    for case, (_, outcome) in zip(picked, results, strict=True):
+        assert outcome.error is None
+        assert_same_response(outcome.value.body, _solo(executor, case).value.body)
+    assert_same_response(results[1][1].value.body, json.dumps(image["response"]).encode())
+
+
+@settings(max_examples=10, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(requests(), min_size=2, max_size=5))
+def test_random_requests_in_one_batch_answer_as_alone(executor: NativeExecutor,
+                                                      batch: list[dict[str, Any]]) -> None:
+    bodies = [json.dumps(request).encode() for request in batch]
+    results = list(answer_batch(executor, bodies, BIG))
+    for body, (_, outcome) in zip(bodies, results, strict=True):
+        try:
+            solo = executor.answer(body)
+        except RequestInvalid as refused:
+            assert isinstance(outcome.error, RequestInvalid)
+            assert str(outcome.error) == str(refused)
+            continue
+        assert outcome.error is None
+        assert_same_response(outcome.value.body, solo.body)
+        assert outcome.value.input_tokens == solo.input_tokens

@@ -1,0 +1,42 @@
+"""The whole server with the real worker on length buckets (`--cuda-graphs on` on CPU runs them
+eagerly): the flags reach the worker, warm-up builds every bucket, `/health` reports them, and
+golden answers come back unchanged, in a bucket and above the largest one."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from clef_worker.buckets import bucket_lengths
+from tests.answer_compare import assert_same_response
+from tests.conftest import GOLDEN, TINY_SNAPSHOT
+from tests.frontend_helpers import Serve
+
+CASES = {case["name"]: case for case in map(json.loads, GOLDEN.read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def serve() -> Iterator[Serve]:
+    with Serve(
+        real_worker=True, startup_wait=240,
+        front_args=("--model", str(TINY_SNAPSHOT), "--device", "cpu", "--cuda-graphs", "on",
+                    "--max-length", "2048", "--graph-max-length", "512"),
+    ) as server:
+        yield server
+
+
+def test_health_reports_the_buckets_built_at_warm_up(serve: Serve) -> None:
+    worker = serve.health().json()["worker"]
+    assert worker["cuda_graphs"] is False  # CPU: the buckets run eagerly
+    assert worker["buckets"] == [length for length in bucket_lengths(2048) if length <= 512]
+    assert worker["buckets_captured"] == len(worker["buckets"]) == 8
+    assert worker["graph_memory_bytes"] == 0
+
+
+@pytest.mark.parametrize("name", ["invoice", "twelve_questions"])  # 364 and 1,339 tokens
+def test_golden_answers_in_and_above_the_buckets(serve: Serve, name: str) -> None:
+    response = serve.post(json.dumps(CASES[name]["request"]).encode())
+    assert response.status == 200, response.body
+    assert_same_response(response.body, json.dumps(CASES[name]["response"]).encode())
