@@ -92,8 +92,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--graph-max-length", type=non_negative_int, default=0,
                        help="largest bucket captured; longer requests run eagerly "
                             "(0: up to --max-length)")
-    group.add_argument("--max-batch-tokens", type=positive_int, default=16384,
-                       help="padded tokens (requests x bucket length) per batched forward")
+    group.add_argument("--max-batch-tokens", type=non_negative_int, default=0,
+                       help="padded tokens (requests x bucket length) per batched forward "
+                            "(0: by device, 16384 on CUDA, 1024 on CPU)")
     group.add_argument("--batch-window-ms", type=non_negative_float, default=0.0,
                        help="how long the worker waits for more requests before a forward")
     limits = parser.add_argument_group("request limits")

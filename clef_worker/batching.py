@@ -37,6 +37,10 @@ from clef_worker.executor import ExecutorBroken
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH_TOKENS = 16384
+# On CPU a batch pays off only while the chunked Gated DeltaNet's [B, heads, chunks, 64, 64]
+# intermediates stay near the core's L2 cache; beyond about two ~500-token rows each row costs
+# as much as it does alone, plus the padding to the longest row (docs/benchmarks.md).
+DEFAULT_MAX_BATCH_TOKENS_CPU = 1024
 NO_BODY = "request frame has no body"
 
 
@@ -66,6 +70,12 @@ class BatchingExecutor(Protocol):
     def answer_prepared(self, batch: Sequence[Any]) -> list[Any]:
         """One forward over the batch, one answer per request, in order; raises on failure."""
         ...
+
+
+def default_max_batch_tokens(device: str) -> int:
+    """`--max-batch-tokens 0`: the budget for a worker on `device` (as its `ready` frame says
+    it), chosen by measurement (docs/benchmarks.md)."""
+    return DEFAULT_MAX_BATCH_TOKENS_CPU if device.startswith("cpu") else DEFAULT_MAX_BATCH_TOKENS
 
 
 def supports_batching(executor: object) -> bool:

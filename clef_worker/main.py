@@ -28,6 +28,7 @@ from clef_worker.batching import (
     Outcome,
     answer_batch,
     collect_waiting,
+    default_max_batch_tokens,
     supports_batching,
 )
 from clef_worker.executor import Answer, Executor, ExecutorBroken, StartupError
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     executor = start(args, channel_out)
     if executor is None:
         return 1
-    policy = BatchPolicy(max_batch_tokens=args.max_batch_tokens,
+    policy = BatchPolicy(max_batch_tokens=args.max_batch_tokens
+                         or default_max_batch_tokens(executor.describe().device),
                          window_ms=args.batch_window_ms)
     return serve(executor, channel_in, channel_out, policy)

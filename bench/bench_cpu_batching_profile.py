@@ -1,0 +1,175 @@
+"""Where a request's time goes on CPU, alone and in a batch: why batching gains little there.
+
+Not a test. Loads the native executor in this process (no worker, no pipe) and prints markdown:
+
+1. the stages of one request alone (parse + validate + tokenise, backbone, head, serialise);
+2. the backbone's cost by batch rows B and row length T, with its fixed part (a 16-token
+   forward: Python, dispatch, allocation, the per-layer loops) and the size of one chunked
+   Gated DeltaNet intermediate ([B, value heads, chunks, 64, 64] float32, several per layer),
+   set against this machine's L2 cache;
+3. the torch ops that cost most per request, alone and at B=8 (torch.profiler);
+4. the bound: a request alone costs prepare + backbone (B=1) + head + serialise; in a batch of
+   eight, even with the head free and no Python or dispatch cost at all, it costs at least
+   prepare + serialise + the torch ops' own time per row at B=8. Their ratio caps C8 / C1.
+
+    python bench/bench_cpu_batching_profile.py --threads 1     # tiny fixture
+    python bench/bench_cpu_batching_profile.py --quick         # CI smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from bench.bench_worker_batching import request_bodies  # noqa: E402
+from clef_worker.answers import build_response, serialize  # noqa: E402
+from clef_worker.native import NativeExecutor  # noqa: E402
+
+CHUNK = 64  # transformers' torch Gated DeltaNet chunk size
+
+
+def best_ms(step: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` runs: on a shared host the minimum is the least disturbed."""
+    step()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - started) * 1000)
+    return min(times)
+
+
+def l2_bytes() -> int | None:
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index2/size").read_text().strip()
+    except OSError:
+        return None
+    return int(text[:-1]) * 1024 if text.endswith("K") else int(text)
+
+
+def stage_table(executor: NativeExecutor,
+                bodies: list[bytes]) -> tuple[dict[str, float], str]:
+    """Median stage times of requests answered alone; returns (medians, table)."""
+    rows: dict[str, list[float]] = {"prepare": [], "backbone": [], "head": [], "serialise": [],
+                                    "total": []}
+    for body in bodies:
+        started = time.perf_counter()
+        prepared = executor.prepare(body)
+        prepare_ms = (time.perf_counter() - started) * 1000
+        timings: dict[str, float] = {}
+        _, probabilities = executor.forward(prepared.encoding, None, timings)
+        started = time.perf_counter()
+        serialize(build_response(prepared.request, prepared.encoding, probabilities))
+        serialise_ms = (time.perf_counter() - started) * 1000
+        started = time.perf_counter()
+        executor.answer_prepared([executor.prepare(body)])
+        rows["total"].append((time.perf_counter() - started) * 1000)
+        rows["prepare"].append(prepare_ms)
+        rows["backbone"].append(timings["backbone"])
+        rows["head"].append(timings["head"])
+        rows["serialise"].append(serialise_ms)
+    medians = {name: statistics.median(values) for name, values in rows.items()}
+    table = ["| stage | ms (median) | share of total |", "|---|---:|---:|"]
+    table += [f"| {name} | {value:.2f} | {value / medians['total']:.0%} |"
+              for name, value in medians.items()]
+    return medians, "\n".join(table)
+
+
+def backbone_table(executor: NativeExecutor, length: int, batches: list[int],
+                   repeats: int) -> tuple[dict[int, float], str]:
+    """Backbone time by (B, T); returns (best ms per row by B, T=16 under key 0; table)."""
+    model = executor.backbone.model
+    heads = int(model.config.linear_num_value_heads)
+    cache = l2_bytes()
+    table = ["| B | T | ms per forward (best) | ms per row | one GDN chunk intermediate |",
+             "|---:|---:|---:|---:|---:|"]
+    per_row: dict[int, float] = {}
+    with torch.inference_mode():
+        for rows, tokens in [(1, 16), *((b, length) for b in batches)]:
+            ids = torch.randint(0, 500, (rows, tokens))
+            def step(ids: torch.Tensor = ids) -> object:
+                return model(input_ids=ids, use_cache=False)
+            ms = best_ms(step, repeats)
+            per_row[0 if tokens == 16 else rows] = ms / rows
+            size = rows * heads * -(-tokens // CHUNK) * CHUNK * CHUNK * 4
+            note = f"{size / 2**20:.2f} MiB" + (
+                f" ({size / cache:.1f} x L2)" if cache else "")
+            table.append(f"| {rows} | {tokens} | {ms:.2f} | {ms / rows:.2f} | {note} |")
+    return per_row, "\n".join(table)
+
+
+def op_table(executor: NativeExecutor, length: int, batches: list[int],
+             top: int) -> tuple[dict[int, float], str]:
+    """The costliest torch ops, in ms per row, for each batch size; returns (all ops' self
+    time per row by B, table)."""
+    model = executor.backbone.model
+    per_batch: dict[int, dict[str, float]] = {}
+    with torch.inference_mode():
+        for rows in batches:
+            ids = torch.randint(0, 500, (rows, length))
+            for _ in range(2):  # the first profiled run pays the profiler's own set-up
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    model(input_ids=ids, use_cache=False)
+            per_batch[rows] = {event.key: event.self_cpu_time_total / 1000 / rows
+                               for event in prof.key_averages()}
+    first = per_batch[batches[0]]
+    names = sorted(first, key=first.__getitem__, reverse=True)[:top]
+    header = "| op (self CPU, ms per row) | " + " | ".join(f"B={b}" for b in batches) + " |"
+    table = [header, "|---|" + "---:|" * len(batches)]
+    for name in names:
+        table.append(f"| `{name}` | " + " | ".join(
+            f"{per_batch[b].get(name, 0.0):.2f}" for b in batches) + " |")
+    totals = {b: sum(per_batch[b].values()) for b in batches}
+    table.append("| all ops | " + " | ".join(f"{totals[b]:.2f}" for b in batches) + " |")
+    return totals, "\n".join(table)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(REPO.parent / "shared" / "fixtures" / "clef-tiny"))
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--quick", action="store_true", help="CI smoke run: few repeats")
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.repeats = 3, 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    executor = NativeExecutor.load(args.model, device="cpu")
+    executor.warm_up()
+    bodies = request_bodies(args.requests)
+    lengths = [executor.prepared_length(executor.prepare(body)) for body in bodies]
+    length = int(statistics.median(lengths))
+    batches = [1, 2, 8] if args.quick else [1, 2, 4, 8]
+    stage_ms, stages = stage_table(executor, bodies)
+    per_row, backbone = backbone_table(executor, length, batches, args.repeats)
+    op_ms, ops = op_table(executor, length, [1, 8], 10)
+    outside = stage_ms["prepare"] + stage_ms["serialise"]
+    alone = outside + per_row[1] + stage_ms["head"]
+    floor = outside + op_ms[8]
+    print(f"torch threads {torch.get_num_threads()}; requests of {min(lengths)}-{max(lengths)} "
+          f"tokens (median {length})\n")
+    print("Stages of one request alone:\n\n" + stages + "\n")
+    print("Backbone by batch rows B and row length T (T=16: the fixed part of a forward):\n\n"
+          + backbone + "\n")
+    print("Costliest ops, self CPU time per row:\n\n" + ops + "\n")
+    print(json.dumps({"alone_ms": round(alone, 2), "fixed_backbone_ms": round(per_row[0], 2),
+                      "batched_floor_ms": round(floor, 2),
+                      "c8_speedup_bound": round(alone / floor, 2)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
