@@ -166,6 +166,12 @@ def _fail_rest(ids: list[int], channel_out: BinaryIO) -> None:
         write_frame_blocking(channel_out, messages.error(request_id, 500, INFERENCE_FAILED, 0.0))
 
 
+def batch_policy(args: argparse.Namespace, device: str) -> BatchPolicy:
+    """The batching flags for a worker on `device`; `--max-batch-tokens 0` is its default."""
+    return BatchPolicy(max_batch_tokens=args.max_batch_tokens or default_max_batch_tokens(device),
+                       window_ms=args.batch_window_ms)
+
+
 def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:
     """Load and warm up; send `ready`, or `fatal` with a reason the operator can act on."""
     from clef_worker.loading import load_executor
@@ -207,7 +213,4 @@ def main(argv: list[str] | None = None) -> int:
     executor = start(args, channel_out)
     if executor is None:
         return 1
-    policy = BatchPolicy(max_batch_tokens=args.max_batch_tokens
-                         or default_max_batch_tokens(executor.describe().device),
-                         window_ms=args.batch_window_ms)
-    return serve(executor, channel_in, channel_out, policy)
+    return serve(executor, channel_in, channel_out, batch_policy(args, executor.describe().device))

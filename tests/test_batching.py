@@ -22,6 +22,7 @@ from clef_protocol.frames import encode_frame, read_frame_blocking
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import RequestInvalid
 from clef_worker.batching import (
+    DEFAULT_MAX_BATCH_TOKENS,
     BatchPolicy,
     Outcome,
     answer_batch,
@@ -30,7 +31,7 @@ from clef_worker.batching import (
     supports_batching,
 )
 from clef_worker.executor import Answer, ExecutorBroken
-from clef_worker.main import serve
+from clef_worker.main import batch_policy, parse_args, serve
 from clef_worker.native import NativeExecutor, Prepared
 from tests.answer_compare import assert_same_response
 from tests.conftest import GOLDEN
@@ -335,3 +336,15 @@ def test_random_requests_in_one_batch_answer_as_alone(executor: NativeExecutor,
         assert outcome.error is None
         assert_same_response(outcome.value.body, solo.body)
         assert outcome.value.input_tokens == solo.input_tokens
+
+
+def test_the_token_budget_defaults_by_device() -> None:
+    """On CPU two ~500-token requests share a forward and a third waits for the next one (the
+    measured optimum, docs/benchmarks.md); CUDA keeps the large budget; a given flag wins."""
+    cpu = batch_policy(parse_args(["--model", "m"]), "cpu")
+    assert plan_groups([480, 500, 470], lambda n: n, cpu.max_batch_tokens) == [[0, 1], [2]]
+    cuda = batch_policy(parse_args(["--model", "m"]), "cuda:1")
+    assert cuda.max_batch_tokens == DEFAULT_MAX_BATCH_TOKENS
+    assert plan_groups([480, 500, 470], lambda n: n, cuda.max_batch_tokens) == [[0, 1, 2]]
+    given = batch_policy(parse_args(["--model", "m", "--max-batch-tokens", "7"]), "cpu")
+    assert given.max_batch_tokens == 7
