@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Retry-After seconds on 503 answers")
     queue.add_argument("--max-batch", type=positive_int, default=None,
                        help="requests in flight to one worker, which batches them into one "
-                            "forward (default: 16 on a CUDA worker, 1 on CPU)")
+                            "forward (default: 16 on a CUDA worker, 4 on CPU)")
     queue.add_argument("--drain-timeout", type=_seconds, default=d.drain_timeout,
                        help="seconds to finish queued work after SIGTERM before answering 503")
     worker = parser.add_argument_group("worker supervision")

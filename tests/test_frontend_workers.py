@@ -16,6 +16,7 @@ import pytest
 
 from clef_frontend.cli import build_parser, workers_from
 from clef_frontend.config import ServerConfig
+from clef_frontend.supervisor import DEFAULT_MAX_BATCH_CPU
 from clef_frontend.worker_pool import plan_slots
 from tests.frontend_helpers import WAIT, Response, Serve, background, clef_body
 
@@ -202,3 +203,11 @@ def test_one_worker_failing_at_start_stops_the_start_unbound(tmp_path: Path) -> 
     assert re.search(r"not listening: worker [01]: worker could not start: GPU still held",
                      serve.stderr)
     assert "listening on http://" not in serve.stderr
+
+
+def test_max_batch_defaults_by_the_device_in_the_ready_frame() -> None:
+    """Without --max-batch, a CPU worker (the fake worker reports `cpu`) gets the CPU default,
+    chosen by measurement (docs/benchmarks.md)."""
+    with Serve(max_batch=None) as serve:
+        [worker] = serve.health().json()["workers"]
+    assert worker["max_batch"] == DEFAULT_MAX_BATCH_CPU
