@@ -53,7 +53,7 @@ step flash_path_cold 330 "$PY" bench/bench_gpu_path.py --device $DEV --gdn-prefi
 step flash_warmup_cached 100 "$PY" bench/bench_gpu_path.py --device $DEV --gdn-prefill fla --modes graphs --lengths 370 --concurrency 1 --fresh 0 --repeat 5 --out "$OUT/flash_warmup_cached.json"
 echo "--- optional (if the lease has time left)"
 # 5. batching through a real worker process (demo snapshot): C1 vs C4/C16/C32 batched/unbatched
-step worker_batching_demo 90 "$PY" bench/bench_worker_batching.py --model demo --device $DEV --requests 192 --concurrency 4 16 32
+step worker_batching_demo 90 "$PY" bench/bench_worker_batching.py --model demo --device $DEV --requests 192 --rounds 1 --concurrency 4 16 32
 step http_demo_cuda_batched 100 "$PY" bench/bench_http.py --requests 200 --clients 16 -- --model demo --device $DEV --max-batch 16
 step flash_torch_gdn 100 "$PY" bench/bench_flash_shaped.py --device $DEV --gdn-prefill torch --skip-warmup-probe --repeat 8 --out "$OUT/flash-shaped-torch.json"
 echo "=== done ($FAILED failed)"
