@@ -32,7 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.provenance import command_line  # noqa: E402
+from bench.provenance import command_line, cpu_line  # noqa: E402
 
 TINY_FIXTURE = REPO.parent / "shared" / "fixtures" / "clef-tiny"
 DOC = REPO / "docs" / "benchmarks.md"
@@ -171,15 +171,7 @@ def machine_line(device: str) -> str:
     import torch
     import transformers
 
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        cpu = platform.processor() or cpu
-    parts = [f"{os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {cpu}"]
+    parts = [cpu_line()]
     if device.startswith("cuda"):
         parts.append(f"GPU {torch.cuda.get_device_name(torch.device(device))}, "
                      f"CUDA {torch.version.cuda}")

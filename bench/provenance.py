@@ -9,6 +9,8 @@ the repository, its file name.
 
 from __future__ import annotations
 
+import os
+import platform
 import shlex
 import sys
 from pathlib import Path
@@ -39,3 +41,16 @@ def _portable_arg(arg: str) -> str:
         flag, value = arg.split("=", 1)
         return f"{flag}={portable_path(value)}"
     return portable_path(arg)
+
+
+def cpu_line() -> str:
+    """The host's CPUs as results quote them: count, affinity (what this run may use), model."""
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {cpu}"

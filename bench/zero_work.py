@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from http_load import LoadResult, run_load
+from provenance import cpu_line
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "benchmarks.md"
@@ -207,16 +208,7 @@ def _verdicts(rows: list[Row]) -> list[str]:
 
 
 def _machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {cpu}, "
-            f"Python {platform.python_version()}")
+    return f"{cpu_line()}, Python {platform.python_version()}"
 
 
 def _command() -> str:

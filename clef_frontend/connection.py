@@ -130,9 +130,11 @@ class HttpConnection:
         except Exception:
             log.exception("connection %s failed", self._client)
             if self._conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                target = self._exchange.target if self._exchange is not None else None
+                reply = self._api.finish(target, responses.error(500, "internal server error",
+                                                                 close=True))
                 with contextlib.suppress(Exception):
-                    await self._send(responses.error(500, "internal server error", close=True),
-                                     method=b"")
+                    await self._send(reply, method=b"")
         finally:
             await self._close()
 
@@ -145,6 +147,7 @@ class HttpConnection:
 
     async def _serve_one(self) -> bool:
         """Read one request and answer it; True if the connection may carry another."""
+        self._exchange = None  # nothing below may answer with the previous request's route
         head = await self._read_head()
         if head is None:
             return False
