@@ -263,7 +263,7 @@ class Encoder:
         leaves exactly what the whole text would give.
         `tests/test_encoding.py` checks this against whole-text encoding.
         """
-        window = self._state_window * budget + self._state_slack
+        window = max(self._state_window * budget + self._state_slack, 1)
         while window < len(text):
             encoding = self._tokenizer.encode(text[:window], add_special_tokens=False)
             words = encoding.word_ids
