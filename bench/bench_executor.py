@@ -32,7 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.provenance import command_line, cpu_line  # noqa: E402
+from benchlib.provenance import command_line, cpu_line  # noqa: E402
 
 TINY_FIXTURE = REPO.parent / "shared" / "fixtures" / "clef-tiny"
 DOC = REPO / "docs" / "benchmarks.md"

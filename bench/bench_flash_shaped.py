@@ -34,7 +34,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.provenance import command_line  # noqa: E402
+from benchlib.provenance import command_line  # noqa: E402
 
 log = logging.getLogger("bench_flash_shaped")
 

@@ -8,8 +8,8 @@ percentiles as JSON.
 
 `--zero-work` measures the front alone instead: clef-serve with tests/fake_worker.py (a worker
 that does no work), `GET /health` (no worker hop) beside `POST /v1/systemone`, and uvicorn serving
-a zero-work ASGI app (bench/zero_work_app.py) when uvicorn is installed, each at 1 connection and
-at 32; it prints the table and writes it into docs/benchmarks.md (see bench/zero_work.py).
+a zero-work ASGI app (benchlib/zero_work_app.py) when uvicorn is installed, each at 1 connection and
+at 32; it prints the table and writes it into docs/benchmarks.md (see benchlib/zero_work.py).
 
     python bench/bench_http.py -- --model demo --device cpu
     python bench/bench_http.py --requests 200 -- --model demo --device cuda
@@ -35,7 +35,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.provenance import command_line  # noqa: E402
+from benchlib.provenance import command_line  # noqa: E402
 
 REQUEST = {
     "model": "clef-flash",
@@ -99,7 +99,7 @@ def main() -> int:
         args.requests, args.clients, args.seconds, args.no_write = 5, 2, 1.0, True
         args.zero_work = args.zero_work or not args.server_args
     if args.zero_work:
-        from zero_work import run_zero_work
+        from benchlib.zero_work import run_zero_work
 
         return run_zero_work(args)
     port = free_port()

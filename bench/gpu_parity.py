@@ -24,7 +24,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.provenance import command_line  # noqa: E402
+from benchlib.provenance import command_line  # noqa: E402
 from tests.golden import GOLDEN, Drift, load_cases  # noqa: E402
 
 

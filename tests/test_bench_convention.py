@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from bench.provenance import command_line, portable_path
 from bench.run_quick import REPO, scripts
+from benchlib.provenance import command_line, portable_path
 
 
 def test_the_known_scripts_are_discovered() -> None:

@@ -4,7 +4,7 @@ Three servers, one after the other, each alone on the machine while it is measur
 - clef-serve with tests/fake_worker.py (it answers at once): `GET /health` is the front without
   the worker hop, `POST /v1/systemone` the whole front path (h11, the contract's checks, body
   parsing and validation, admission, a frame each way over the pipe, the access log line);
-- uvicorn with its h11 protocol serving bench/zero_work_app.py, when uvicorn is installed: what
+- uvicorn with its h11 protocol serving benchlib/zero_work_app.py, when uvicorn is installed: what
   a well-kept Python HTTP server costs for a request that does nothing.
 
 Each row is measured at 1 connection (latency) and 32 (throughput and tail), closed loop and
@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from http_load import LoadResult, run_load
-from provenance import cpu_line
+from benchlib.http_load import LoadResult, run_load
+from benchlib.provenance import cpu_line
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "benchmarks.md"
@@ -142,8 +142,8 @@ def _uvicorn_row(args: argparse.Namespace, tmp: Path) -> Row | None:
     import uvicorn
 
     port = _free_port()
-    server = _Server([sys.executable, "-m", "uvicorn", "bench.zero_work_app:app", "--http", "h11",
-                      "--port", str(port)], port, tmp / "uvicorn.log", timeout=30)
+    server = _Server([sys.executable, "-m", "uvicorn", "benchlib.zero_work_app:app",
+                      "--http", "h11", "--port", str(port)], port, tmp / "uvicorn.log", timeout=30)
     try:
         row = _measure(port, "POST", "/v1/systemone", BODY, args)
     finally:

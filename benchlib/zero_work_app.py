@@ -4,7 +4,7 @@ It answers `POST /v1/systemone` with a small fixed JSON document after reading t
 anything else with `{"status": "ready"}`, so what a benchmark of it measures is the HTTP server
 alone (uvicorn with its h11 protocol), the same job clef-serve's front does before its worker hop.
 
-    python -m uvicorn bench.zero_work_app:app --http h11 --port 8001
+    python -m uvicorn benchlib.zero_work_app:app --http h11 --port 8001
 """
 
 from __future__ import annotations

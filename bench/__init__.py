@@ -1,1 +1,0 @@
-"""Benchmarks (run as scripts: `python bench/<name>.py`); see bench/README.md."""
