@@ -281,20 +281,28 @@ def configure_attention(device: torch.device) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+def build_on_meta(snapshot: Snapshot, model_class: Any, config_part: str, what: str) -> Any:
+    """One part of the release's model (`config_part` of its Qwen3.5 config) built on the meta
+    device: shapes without memory, so tensors are checked before any is read. A config the
+    class cannot build from is a start-up error naming `config.json`."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
+
+    try:
+        part = getattr(Qwen3_5Config.from_dict(snapshot.config), config_part)
+        with torch.device("meta"):
+            return model_class(part)
+    except Exception as exc:
+        raise StartupError(f"{snapshot.root / 'config.json'}: cannot build {what}: "
+                           f"{exc}") from exc
+
+
 def load_backbone(
     snapshot: Snapshot, device: torch.device, dtype: torch.dtype, gdn_path: str
 ) -> Backbone:
     """Build the text stack on meta, check and load its tensors, load the lexical table."""
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
 
-    try:
-        text_config: Any = Qwen3_5Config.from_dict(snapshot.config).text_config
-        with torch.device("meta"):
-            model = Qwen3_5TextModel(text_config)
-    except Exception as exc:
-        raise StartupError(f"{snapshot.root / 'config.json'}: cannot build the text stack: "
-                           f"{exc}") from exc
+    model = build_on_meta(snapshot, Qwen3_5TextModel, "text_config", "the text stack")
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     files = snapshot.text_tensors()
     _check_backbone_tensors(snapshot, expected, files)
@@ -308,12 +316,12 @@ def load_backbone(
         )
 
     configure_attention(device)
-    state = _read_tensors(
+    state = read_tensors(
         {name: files[name] for name in expected}, device, dtype, prefix=TEXT_PREFIX
     )
     model.load_state_dict(state, strict=True, assign=True)
     del state
-    lexical = _read_tensors({LEXICAL_TABLE: lexical_file}, device, dtype)[LEXICAL_TABLE]
+    lexical = read_tensors({LEXICAL_TABLE: lexical_file}, device, dtype)[LEXICAL_TABLE]
     _materialise_buffers(model, device)
     model.eval()
     model.requires_grad_(False)
@@ -352,7 +360,7 @@ def _check_backbone_tensors(
                 )
 
 
-def _read_tensors(
+def read_tensors(
     files: dict[str, Path], device: torch.device, dtype: torch.dtype, prefix: str = ""
 ) -> dict[str, Tensor]:
     """Read named tensors (file key = prefix + name) straight onto the device, cast to dtype."""

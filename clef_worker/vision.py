@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from clef_protocol.media import DecodedMedia
-from clef_worker.backbone import Backbone, _read_tensors
+from clef_worker.backbone import Backbone, build_on_meta, read_tensors
 from clef_worker.encoding import Encoder
 from clef_worker.executor import StartupError
 from clef_worker.pixels import (
@@ -194,17 +194,10 @@ def rope_positions(ids: list[int], blocks: list[tuple[int, int, int]],
 def load_vision(snapshot: Snapshot, encoder: Encoder, device: torch.device,
                 dtype: torch.dtype) -> VisionTower:
     """Build the tower on meta, load `model.visual.*` (strict), read the processor settings."""
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
     settings = PixelSettings.from_file(snapshot.root / PROCESSOR_CONFIG)
-    try:
-        vision_config: Any = Qwen3_5Config.from_dict(snapshot.config).vision_config
-        with torch.device("meta"):
-            model = Qwen3_5VisionModel(vision_config)
-    except Exception as exc:
-        raise StartupError(f"{snapshot.root / 'config.json'}: cannot build the vision tower: "
-                           f"{exc}") from exc
+    model = build_on_meta(snapshot, Qwen3_5VisionModel, "vision_config", "the vision tower")
     expected = set(model.state_dict())
     files = {name[len(VISUAL_PREFIX):]: path for name, path in snapshot.weights.items()
              if name.startswith(VISUAL_PREFIX)}
@@ -212,7 +205,7 @@ def load_vision(snapshot: Snapshot, encoder: Encoder, device: torch.device,
     if missing:
         raise StartupError(f"snapshot {snapshot.root}: the vision tower lacks tensor "
                            f"{VISUAL_PREFIX}{missing[0]}")
-    state = _read_tensors({name: files[name] for name in expected}, device, dtype,
+    state = read_tensors({name: files[name] for name in expected}, device, dtype,
                           prefix=VISUAL_PREFIX)
     try:
         model.load_state_dict(state, strict=True, assign=True)
