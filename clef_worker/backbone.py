@@ -9,7 +9,9 @@ never looks at the device, so on a machine with fla and Triton but no GPU the fl
 and the first forward fails. `choose_gdn_path` therefore runs before that import and, for the
 torch path, puts `None` in `sys.modules` for `fla` and every `fla.*` (an import of them then raises
 ImportError at once), and `bound_gdn_path` reads back what the decorator actually bound. On CPU the
-same is done for `causal_conv1d` (a CUDA-only package transformers binds the same way).
+same is done for `causal_conv1d` (a CUDA-only package transformers binds the same way). A CPU
+worker then replaces transformers' torch function with `clef_worker.gated_delta`'s small-chunk
+kernel (same arithmetic, a fraction of the per-token work; see that module).
 
 Loading: the text stack is built on the meta device from `config.json`'s `text_config`, then
 its tensors (`model.language_model.*`, never `model.visual.*`) are read from the safetensors files
@@ -48,6 +50,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from clef_worker import gated_delta
 from clef_worker.executor import StartupError
 from clef_worker.kernel_advice import quiet_on_cpu
 from clef_worker.snapshot import LEXICAL_TABLE, TEXT_PREFIX, Snapshot, tensor_shapes
@@ -168,7 +171,9 @@ def bound_gdn_path() -> str:
     version wraps it differently.
     """
     module = importlib.import_module(MODELING_MODULE)
-    function = getattr(module, "torch_chunk_gated_delta_rule", None)
+    if gated_delta.is_installed(module):
+        return "torch"
+    function = getattr(module, gated_delta.KERNEL_NAME, None)
     if function is None:
         return "unknown"
     try:
@@ -196,6 +201,8 @@ def bind_gdn_path(requested: str, device: torch.device, dtype: torch.dtype) -> s
             f"transformers bound the {bound} Gated DeltaNet kernel but {chosen} was chosen"
             f"{why}; start the worker in a fresh process"
         )
+    if bound == "torch" and device.type == "cpu":
+        gated_delta.install(importlib.import_module(MODELING_MODULE))
     reason = quiet_on_cpu(device)
     log.info("Gated DeltaNet prefill path: %s (--gdn-prefill %s, device %s)%s", bound, requested,
              device, f": {reason}" if reason else "")

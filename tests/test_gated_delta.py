@@ -1,0 +1,144 @@
+"""clef's small-chunk Gated DeltaNet kernel: the same arithmetic as the per-token recurrence and as
+transformers' 64-token chunked function, and the way it is put in place on CPU."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from clef_worker import gated_delta
+from clef_worker.backbone import MODELING_MODULE, bind_gdn_path, bound_gdn_path
+from clef_worker.gated_delta import chunk_size_for, chunked_gated_delta_rule
+
+
+def recurrent_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, state: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule token by token, in float64: S <- exp(g) S; S <- S + beta k (v - S^T
+    k)^T; o = S^T q / sqrt(dk), with q and k L2-normalised. The ground truth for both kernels."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    rows, length, key_heads, key_dim = k.shape
+    value_heads, value_dim = v.shape[-2:]
+    repeat = value_heads // key_heads
+    q = torch.nn.functional.normalize(q, dim=-1, eps=0).repeat_interleave(repeat, dim=2)
+    k = torch.nn.functional.normalize(k, dim=-1, eps=0).repeat_interleave(repeat, dim=2)
+    s = (torch.zeros(rows, value_heads, key_dim, value_dim, dtype=torch.float64)
+         if state is None else state.double().clone())
+    out = torch.zeros(rows, length, value_heads, value_dim, dtype=torch.float64)
+    for t in range(length):
+        s = s * g[:, t].exp()[..., None, None]
+        kt, vt = k[:, t], v[:, t]
+        predicted = torch.einsum("bhkv,bhk->bhv", s, kt)
+        s = s + torch.einsum("bhk,bhv->bhkv", kt, (vt - predicted) * beta[:, t, :, None])
+        out[:, t] = torch.einsum("bhkv,bhk->bhv", s, q[:, t]) * key_dim**-0.5
+    return out, s
+
+
+def random_inputs(rows: int, length: int, key_heads: int, repeat: int, dim: int,
+                  seed: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    value_heads = key_heads * repeat
+    q = torch.randn(rows, length, key_heads, dim, generator=generator)
+    k = torch.randn(rows, length, key_heads, dim, generator=generator)
+    v = torch.randn(rows, length, value_heads, dim, generator=generator)
+    g = -torch.rand(rows, length, value_heads, generator=generator) * 2
+    beta = torch.rand(rows, length, value_heads, generator=generator)
+    return q, k, v, g, beta
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 3), length=st.integers(1, 70), key_heads=st.integers(1, 2),
+       repeat=st.sampled_from([1, 2]), dim=st.sampled_from([4, 8]),
+       chunk=st.sampled_from([None, 4, 16, 32]), seed=st.integers(0, 2**16),
+       with_state=st.booleans())
+def test_kernel_equals_the_token_recurrence(rows: int, length: int, key_heads: int, repeat: int,
+                                            dim: int, chunk: int | None, seed: int,
+                                            with_state: bool) -> None:
+    q, k, v, g, beta = random_inputs(rows, length, key_heads, repeat, dim, seed)
+    state = (torch.randn(rows, key_heads * repeat, dim, dim,
+                         generator=torch.Generator().manual_seed(seed + 1))
+             if with_state else None)
+    expected, expected_state = recurrent_reference(q, k, v, g, beta, state)
+    out, final = chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk, initial_state=state,
+                                          output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert out.shape == expected.shape and out.dtype == torch.float32
+    assert final is not None
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(final.double(), expected_state, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_kernel_matches_transformers_at_model_shapes(rows: int) -> None:
+    """The tiny fixture's GDN shapes (2 key heads, 4 value heads, 16 wide) at a request's length:
+    within float32 rounding of transformers' own function, and in the input dtype."""
+    module: Any = importlib.import_module(MODELING_MODULE)
+    original = getattr(module.torch_chunk_gated_delta_rule, "original",
+                       module.torch_chunk_gated_delta_rule)
+    q, k, v, g, beta = random_inputs(rows, 437, 2, 2, 16, seed=rows)
+    expected, _ = original(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    out, final = chunked_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    assert final is None
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    half, _ = chunked_gated_delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta,
+                                       use_qk_l2norm_in_kernel=True)
+    assert half.dtype == torch.bfloat16
+
+
+def test_chunk_size_by_rows() -> None:
+    assert chunk_size_for(1) == gated_delta.SINGLE_ROW_CHUNK
+    assert chunk_size_for(2) == chunk_size_for(16) == gated_delta.BATCH_CHUNK
+
+
+@pytest.fixture
+def modeling() -> Iterator[Any]:
+    """transformers' Qwen3.5 module, restored to whatever kernel it had after the test."""
+    module: Any = importlib.import_module(MODELING_MODULE)
+    before = module.torch_chunk_gated_delta_rule
+    yield module
+    module.torch_chunk_gated_delta_rule = before
+
+
+def test_install_is_idempotent_and_reversible(modeling: Any) -> None:
+    gated_delta.uninstall(modeling)
+    original = modeling.torch_chunk_gated_delta_rule
+    assert not gated_delta.is_installed(modeling)
+    gated_delta.install(modeling)
+    installed = modeling.torch_chunk_gated_delta_rule
+    gated_delta.install(modeling)
+    assert modeling.torch_chunk_gated_delta_rule is installed
+    assert installed.original is original
+    assert bound_gdn_path() == "torch"
+    gated_delta.uninstall(modeling)
+    assert modeling.torch_chunk_gated_delta_rule is original
+
+
+def test_packed_calls_keep_transformers_behaviour(modeling: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A varlen call (cu_seqlens) goes to the function that was there before; others to ours."""
+    calls: list[str] = []
+    monkeypatch.setattr(modeling, gated_delta.KERNEL_NAME,
+                        lambda *args, **kwargs: calls.append("original"))
+    gated_delta.install(modeling)
+    q, k, v, g, beta = random_inputs(1, 5, 1, 1, 4, seed=0)
+    kernel = modeling.torch_chunk_gated_delta_rule
+    kernel(q, k, v, g=g, beta=beta, cu_seqlens=torch.tensor([0, 5]))
+    assert calls == ["original"]
+    out, _ = kernel(q, k, v, g=g, beta=beta, cu_seqlens=None)
+    assert calls == ["original"] and out.shape == v.shape
+
+
+def test_a_cpu_worker_binds_the_small_chunk_kernel(modeling: Any,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    gated_delta.uninstall(modeling)
+    with caplog.at_level(logging.INFO):
+        path = bind_gdn_path("auto", torch.device("cpu"), torch.float32)
+    assert path == "torch"
+    assert gated_delta.is_installed(modeling)
+    assert "clef's chunked rule" in caplog.text
