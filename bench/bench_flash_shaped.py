@@ -91,11 +91,13 @@ def build_executor(args: argparse.Namespace) -> Any:
     from clef_worker.encoding import Encoder
     from clef_worker.head import HeadConfig, JointSchemaHead
     from clef_worker.native import NativeExecutor
+    from clef_worker.short_conv import bind_short_conv
     from clef_worker.snapshot import open_snapshot
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     gdn_path = bind_gdn_path(args.gdn_prefill, device, dtype)
+    short_conv = bind_short_conv(device, gdn_path, args.short_conv)  # as NativeExecutor.load
     configure_attention(device)  # as load_backbone does
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
@@ -126,7 +128,8 @@ def build_executor(args: argparse.Namespace) -> Any:
                         gdn_path=gdn_path)
     executor = NativeExecutor(snapshot=snapshot, encoder=Encoder.from_file(snapshot.tokenizer_file),
                               backbone=backbone, head=head,
-                              limits=RequestLimits(max_length=args.max_length))
+                              limits=RequestLimits(max_length=args.max_length),
+                              short_conv=short_conv)
     return executor, params
 
 
@@ -170,6 +173,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--gdn-prefill", default="auto")
+    parser.add_argument("--short-conv", default="auto", help="auto, fla or torch")
     parser.add_argument("--shape", choices=("flash", "small"), default="flash")
     parser.add_argument("--max-length", type=int, default=16384)
     parser.add_argument("--layers", type=int, default=0, help="override the layer count")

@@ -65,7 +65,8 @@ def with_runner(executor: Any, mode: str, max_length: int) -> Any:
                                   executor.pad_id, capturer, graphs=capture)
     return NativeExecutor(snapshot=executor.snapshot, encoder=executor.encoder,
                           backbone=executor.backbone, head=executor.head,
-                          limits=executor.limits, runner=runner)
+                          limits=executor.limits, runner=runner,
+                          short_conv=executor.short_conv)
 
 
 def measure(executor: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -74,7 +75,8 @@ def measure(executor: Any, args: argparse.Namespace) -> dict[str, Any]:
     executor.warm_up()
     out["warmup_ms"] = round((time.perf_counter() - started) * 1000, 1)
     out["info"] = {k: v for k, v in executor.describe().__dict__.items()
-                   if k in ("cuda_graphs", "buckets_captured", "graph_memory_bytes")}
+                   if k in ("cuda_graphs", "buckets_captured", "graph_memory_bytes", "gdn_path",
+                            "short_conv")}
     latency: dict[str, Any] = {}
     bodies: dict[int, bytes] = {}
     for tokens in args.lengths:

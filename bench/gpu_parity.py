@@ -75,6 +75,7 @@ def main() -> int:
     summary: dict[str, Any] = {
         "command": command_line(__file__),
         "device": str(executor.device), "dtype": info.dtype, "gdn_path": info.gdn_path,
+        "short_conv": info.short_conv,
         "cases": len(cases), "cuda_graphs": info.cuda_graphs,
         "buckets_captured": info.buckets_captured,
         "max_abs_logit_diff": drift.max_logit_diff,

@@ -12,7 +12,7 @@
 #   bash bench/gpu_session.sh --dry-run    # here, on CPU: every step with --quick, no install
 # One device command may run 10 minutes at most and the steps' limits add up to more, so a lease
 # runs it in two calls (each under 600 s), e.g.:
-#   STEPS='^(graphs_unit|parity_)' bash bench/gpu_session.sh      # steps 1-2, <= 390 s
+#   STEPS='^(graphs_unit|short_conv_unit|parity_)' bash bench/gpu_session.sh  # steps 1-2, <= 435 s
 #   STEPS='^flash_(path_cold|warmup_cached)' bash bench/gpu_session.sh   # steps 3-4, <= 430 s
 set -u
 export PYTHONUNBUFFERED=1
@@ -45,6 +45,9 @@ if [ $DRY = 0 ]; then
 fi
 # 1. graphs replay what eager computes (the capture unit test runs only where CUDA is)
 step graphs_unit 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py -k cuda
+# 1b. fla's Triton short convolution vs transformers' torch one at Clef-Flash's width, bf16, and
+#     captured in a graph (skips without CUDA + fla; one autotune of 16 configs, unmeasured)
+step short_conv_unit 45 "$PY" -m pytest -q -p no:cacheprovider tests/test_short_conv_cuda.py
 # 2. parity with the golden answers, eager vs graphs, float32 and bf16
 step parity_fp32_torch_eager 60 "$PY" bench/gpu_parity.py --fixtures $F --device $DEV --dtype float32 --gdn-prefill torch --cuda-graphs off
 step parity_fp32_torch_graphs 90 "$PY" bench/gpu_parity.py --fixtures $F --device $DEV --dtype float32 --gdn-prefill torch --cuda-graphs on

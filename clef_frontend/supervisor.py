@@ -242,10 +242,11 @@ class Supervisor:
         self.state = WorkerState.READY
         log.info(
             "worker ready: slot=%s max_batch=%d pid=%d thread=%s model=%s variant=%s device=%s "
-            "dtype=%s gdn_path=%s warmup_ms=%.1f cuda_graphs=%s buckets=%d captured=%d "
-            "graph_memory_bytes=%d",
+            "dtype=%s gdn_path=%s short_conv=%s warmup_ms=%.1f cuda_graphs=%s buckets=%d "
+            "captured=%d graph_memory_bytes=%d",
             self.slot.name, self.max_batch, info.pid, info.thread, info.model, info.variant,
-            info.device, info.dtype, info.gdn_path, info.warmup_ms, info.cuda_graphs,
+            info.device, info.dtype, info.gdn_path, info.short_conv, info.warmup_ms,
+            info.cuda_graphs,
             len(info.buckets), info.buckets_captured, info.graph_memory_bytes,
         )
         self._on_ready()

@@ -42,6 +42,9 @@ class ModelInfo:
     device: str
     dtype: str
     gdn_path: str
+    # The Gated DeltaNet short convolution (clef_worker.short_conv): fla-triton or torch; empty
+    # for an executor that does not choose it (the release executor runs its own code).
+    short_conv: str = ""
     versions: dict[str, str] = field(default_factory=dict)
     demo: bool = False
     snapshot: str = ""
@@ -71,6 +74,7 @@ class ReadyInfo(ModelInfo):
                 device=str(message["device"]),
                 dtype=str(message["dtype"]),
                 gdn_path=str(message["gdn_path"]),
+                short_conv=str(message.get("short_conv", "")),
                 versions={str(k): str(v) for k, v in (message.get("versions") or {}).items()},
                 demo=bool(message.get("demo", False)),
                 snapshot=str(message.get("snapshot", "")),

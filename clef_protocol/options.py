@@ -13,6 +13,7 @@ VARIANTS = ("clef-flash", "clef")
 DEVICES_HELP = "auto, cpu, cuda or cuda:N"
 DTYPES = ("auto", "bfloat16", "float32")
 GDN_PATHS = ("auto", "fla", "torch")
+SHORT_CONV_MODES = ("auto", "fla", "torch")
 EXECUTORS = ("native", "release")
 CUDA_GRAPH_MODES = ("auto", "on", "off")
 MEDIA_MODES = ("auto", "on", "off")
@@ -82,6 +83,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="auto: bfloat16 on CUDA, float32 on CPU")
     group.add_argument("--gdn-prefill", choices=GDN_PATHS, default="auto",
                        help="Gated DeltaNet prefill kernel: fla (CUDA only) or torch")
+    group.add_argument("--short-conv", choices=SHORT_CONV_MODES, default="auto",
+                       help="Gated DeltaNet short convolution: fla (its Triton kernel; CUDA with "
+                            "--gdn-prefill fla) or torch (auto: fla wherever it can run)")
     group.add_argument("--executor", choices=EXECUTORS, default="native",
                        help="native (this project's code) or release (runs the snapshot's own "
                             "joint_schema_model.py: only for snapshots you trust)")
@@ -142,6 +146,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         "--device", args.device,
         "--dtype", args.dtype,
         "--gdn-prefill", args.gdn_prefill,
+        "--short-conv", args.short_conv,
         "--executor", args.executor,
         "--cuda-graphs", args.cuda_graphs,
         "--graph-max-length", str(args.graph_max_length),

@@ -40,6 +40,7 @@ def load_executor(args: argparse.Namespace) -> Executor:
 
     return NativeExecutor.load(
         snapshot, variant=args.variant, device=args.device, dtype=args.dtype,
-        gdn_prefill=args.gdn_prefill, limits=limits, demo=demo, media=args.media,
+        gdn_prefill=args.gdn_prefill, short_conv=args.short_conv, limits=limits, demo=demo,
+        media=args.media,
         cuda_graphs=args.cuda_graphs, graph_max_length=args.graph_max_length,
     )

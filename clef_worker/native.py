@@ -49,6 +49,7 @@ from clef_worker.graphs import (
     prepare_capture_environment,
 )
 from clef_worker.head import HeadIndex, JointSchemaHead
+from clef_worker.short_conv import TORCH_PATH, bind_short_conv
 from clef_worker.snapshot import Snapshot, open_snapshot
 from clef_worker.transfer import to_device_packed
 from clef_worker.versions import package_version, package_versions
@@ -97,6 +98,7 @@ class NativeExecutor:
         limits: RequestLimits,
         vision: VisionTower | None = None,
         runner: BucketedBackbone | None = None,
+        short_conv: str = TORCH_PATH,
     ):
         self.snapshot = snapshot
         self.encoder = encoder
@@ -106,6 +108,7 @@ class NativeExecutor:
         self.vision = vision
         self.device = backbone.device
         self.runner = runner
+        self.short_conv = short_conv
         self.pad_id = runner.pad_id if runner is not None else pad_token_id(
             encoder.tokenizer.token_to_id("<|endoftext|>"), snapshot.text_config)
 
@@ -118,6 +121,7 @@ class NativeExecutor:
         device: str = "auto",
         dtype: str = "auto",
         gdn_prefill: str = "auto",
+        short_conv: str = "auto",
         limits: RequestLimits | None = None,
         demo: bool = False,
         media: str = "auto",
@@ -141,6 +145,7 @@ class NativeExecutor:
         if capture:
             prepare_capture_environment()
         gdn_path = bind_gdn_path(gdn_prefill, target, weights_dtype)
+        conv_path = bind_short_conv(target, gdn_path, short_conv)
         try:
             encoder = Encoder.from_file(snapshot.tokenizer_file)
         except Exception as exc:
@@ -159,7 +164,7 @@ class NativeExecutor:
             capturer = CudaGraphCapturer(target) if capture else EagerCapturer()
             runner = BucketedBackbone(backbone, table, pad_id, capturer, graphs=capture)
         executor = cls(snapshot=snapshot, encoder=encoder, backbone=backbone, head=head,
-                       limits=limits, vision=vision, runner=runner)
+                       limits=limits, vision=vision, runner=runner, short_conv=conv_path)
         log.info(
             "loaded %s from %s on %s (%s backbone, %s head, gdn %s) in %.1f s",
             variant, snapshot.root, target, DTYPE_NAMES[weights_dtype],
@@ -171,7 +176,7 @@ class NativeExecutor:
         """The same loaded model under other request limits (tests, benchmarks)."""
         return type(self)(snapshot=self.snapshot, encoder=self.encoder, backbone=self.backbone,
                           head=self.head, limits=limits, vision=self.vision,
-                          runner=self.runner)
+                          runner=self.runner, short_conv=self.short_conv)
 
     # -- Executor protocol -------------------------------------------------------------------
 
@@ -185,6 +190,7 @@ class NativeExecutor:
             device=str(self.device),
             dtype=DTYPE_NAMES[self.backbone.dtype],
             gdn_path=self.backbone.gdn_path,
+            short_conv=self.short_conv,
             versions=versions,
             demo=self.snapshot.random,
             snapshot=str(self.snapshot.root),

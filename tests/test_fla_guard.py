@@ -99,7 +99,7 @@ def test_worker_process_answers_on_torch_path(fake_fla: Path, tiny_snapshot: Pat
         to_worker, from_worker = cast(BinaryIO, worker.stdin), cast(BinaryIO, worker.stdout)
         ready = read_frame_blocking(from_worker)
         assert ready is not None and ready["kind"] == messages.READY, ready
-        assert ready["gdn_path"] == "torch"
+        assert ready["gdn_path"] == "torch" and ready["short_conv"] == "torch"
         assert ready["device"] == "cpu" and ready["dtype"] == "float32"
         write_frame_blocking(to_worker, messages.request(7, json.dumps(invoice["request"])
                                                             .encode("utf-8")))
