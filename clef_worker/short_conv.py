@@ -3,16 +3,17 @@
 Why: every Gated DeltaNet layer runs a causal depthwise convolution (width 4) over its q/k/v
 projection before the delta rule. transformers (5.x) binds that `causal_conv1d_fn` from the
 separate `causal_conv1d` package only, which has no wheel on the registry, so a CUDA worker falls
-back to `F.conv1d` with K-1 padding on both sides, a slice and a separate activation: several
-launches and a padded copy per layer. fla-core (the `cuda` extra, already imported for the delta
-rule) ships the same convolution as one Triton kernel with the activation fused.
+back to `F.conv1d` padded by K-1 on both sides (T+K-1 outputs, sliced to T) and a separate
+activation. fla-core (the `cuda` extra, already imported for the delta rule) ships the same
+convolution as one Triton kernel with the activation fused. What that saves on a GPU is not
+measured yet (docs/benchmarks.md).
 
 `bind_short_conv` runs right after `clef_worker.backbone.bind_gdn_path` and replaces the
 module-level `causal_conv1d_fn` of transformers' Qwen3.5 module, which
 `Qwen3_5GatedDeltaNet.forward` looks up at call time, with `FlaShortConv`, only when the device
 is CUDA, the fla Gated DeltaNet path was chosen and `fla.modules.convolution` imports. Anywhere
-else transformers' function stays (on CPU that is the right kernel; the per-launch cost that makes
-it slow on a GPU does not exist there).
+else transformers' function stays (fla's Triton kernels cannot run on CPU, and the torch Gated
+DeltaNet path blocks fla altogether).
 
 Layouts: transformers passes `[B, D, T]` (a transposed view of the `[B, T, D]` projection) and a
 `[D, K]` weight and wants `[B, D, T]` back; fla's `causal_conv1d` takes and returns `[B, T, D]`.
