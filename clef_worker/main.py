@@ -21,6 +21,7 @@ from clef_protocol.body import BadRequestBody
 from clef_protocol.frames import FrameError, read_frame_blocking, write_frame_blocking
 from clef_protocol.options import add_model_arguments
 from clef_protocol.validation import RequestInvalid
+from clef_worker.allocator import keep_freed_memory
 from clef_worker.batching import (
     NO_BODY,
     BatchingExecutor,
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logs()
     args = parse_args(argv)
+    keep_freed_memory()
     executor = start(args, channel_out)
     if executor is None:
         return 1
