@@ -37,10 +37,9 @@ from clef_worker.executor import ExecutorBroken
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH_TOKENS = 16384
-# On CPU a batch pays off only while the chunked Gated DeltaNet's [B, heads, chunks, 64, 64]
-# intermediates stay near the core's L2 cache; beyond about two ~500-token rows each row costs
-# as much as it does alone, plus the padding to the longest row (docs/benchmarks.md).
-DEFAULT_MAX_BATCH_TOKENS_CPU = 1024
+# On CPU a forward of about eight ~500-token rows measured best: beyond that, throughput stays
+# flat while every request in the forward waits for all of them (docs/benchmarks.md).
+DEFAULT_MAX_BATCH_TOKENS_CPU = 4096
 NO_BODY = "request frame has no body"
 
 

@@ -1,15 +1,23 @@
 """The joint schema head (spec §4) as torch modules, batched over every question and option.
 
 Parameter names are the release's tensor names (`joint_head.safetensors` loads with
-`strict=True`). One record is scored at a time; within it, all questions and all options are
-processed together: span means are segment reductions over gathered tokens, the per-question
-softmaxes run on a padded `[questions, max options]` grid, and evidence routing is one attention
-call with every option as a query. So a 64-question, 255-option request costs a handful of
-kernels more than a 1-question one, not 64 times as many.
+`strict=True`). All questions and all options are processed together: span means are segment
+reductions over gathered tokens, the per-question softmaxes run on a padded `[questions, max
+options]` grid, and evidence routing is one attention call with every option as a query. So a
+64-question, 255-option request costs a handful of kernels more than a 1-question one, not 64
+times as many.
+
+Several records (a micro-batch) go through one pass the same way (`forward_batch`): their
+tokens, questions and options are laid end to end for everything that works per token, question
+or option, and only the attention steps (options and questions attending to their own record's
+memory, questions to each other) see a padded `[records, longest, W]` layout with key padding
+masks. A batch of eight then costs about what one record costs in kernel launches and Python,
+which is most of the head's time on CPU and all of it on a GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -74,10 +82,13 @@ class EvidenceLayer(nn.Module):
             nn.Dropout(0.0),
         )
 
-    def forward(self, queries: Tensor, memory: Tensor) -> Tensor:
-        """queries [1, O, W], memory [1, T, W] -> [1, O, W]."""
+    def forward(self, queries: Tensor, memory: Tensor, memory_padding: Tensor | None = None
+                ) -> Tensor:
+        """queries [B, O, W], memory [B, T, W] (padding: [B, T], True where padded) -> [B, O,
+        W]."""
         keys = self.memory_norm(memory)
-        attended, _ = self.attention(self.query_norm(queries), keys, keys, need_weights=False)
+        attended, _ = self.attention(self.query_norm(queries), keys, keys, need_weights=False,
+                                     key_padding_mask=memory_padding)
         queries = queries + attended
         return queries + self.feedforward(self.feedforward_norm(queries))
 
@@ -147,6 +158,124 @@ class HeadIndex:
             "option_slot": option_slot,
         }
         return cls(**{name: t.to(device, non_blocking=True) for name, t in tensors.items()})
+
+
+@dataclass(frozen=True)
+class RecordSpans:
+    """One record's part of a batch: its token count and its questions' spans (half-open,
+    relative to the record's first token) and type ids."""
+
+    tokens: int
+    question_spans: Sequence[tuple[int, int]]
+    option_spans: Sequence[Sequence[tuple[int, int]]]
+    question_types: Sequence[int]
+
+
+@dataclass(frozen=True)
+class HeadBatch:
+    """Where every record's tokens, questions and options sit in one head pass.
+
+    `index` describes all records' questions and options over their tokens laid end to end
+    (record after record), so everything per token, question or option runs on flat tensors.
+    The `*_rows` tensors lay the flat rows out as `[records, longest]` for the attention steps;
+    a padded slot holds the row count itself (an extra zero row is appended before gathering),
+    which is also how the padding masks are derived on the device. The `*_place` tensors are
+    the inverse: each flat row's position in the flattened padded layout.
+    """
+
+    index: HeadIndex
+    final_tokens: Tensor  # [B] each record's last token (the final ':')
+    question_record: Tensor  # [Q] the record of each question
+    memory_rows: Tensor  # [B, T_max]
+    option_rows: Tensor  # [B, O_max]
+    question_rows: Tensor  # [B, Q_max]
+    option_place: Tensor  # [O]
+    question_place: Tensor  # [Q]
+    option_counts: tuple[int, ...]  # host-side: options per record, to split the results
+
+    TENSORS = ("final_tokens", "question_record", "memory_rows", "option_rows",
+               "question_rows", "option_place", "question_place")
+
+    @property
+    def records(self) -> int:
+        return len(self.option_counts)
+
+    @classmethod
+    def build(cls, records: Sequence[RecordSpans]) -> HeadBatch:
+        """Lay the records end to end (on the host); spans must be valid for `HeadIndex`."""
+        starts = [0]
+        for record in records[:-1]:
+            starts.append(starts[-1] + record.tokens)
+        index = HeadIndex.build(
+            [(a + start, b + start) for record, start in zip(records, starts, strict=True)
+             for a, b in record.question_spans],
+            [[(a + start, b + start) for a, b in spans]
+             for record, start in zip(records, starts, strict=True)
+             for spans in record.option_spans],
+            [t for record in records for t in record.question_types],
+        )
+        question_counts = [len(record.question_spans) for record in records]
+        option_counts = [sum(len(spans) for spans in record.option_spans) for record in records]
+        memory_rows, _ = _padded_layout([record.tokens for record in records])
+        option_rows, option_place = _padded_layout(option_counts)
+        question_rows, question_place = _padded_layout(question_counts)
+        return cls(
+            index=index,
+            final_tokens=torch.tensor([start + record.tokens - 1
+                                       for record, start in zip(records, starts, strict=True)]),
+            question_record=torch.repeat_interleave(torch.arange(len(records)),
+                                                    torch.tensor(question_counts)),
+            memory_rows=memory_rows, option_rows=option_rows, question_rows=question_rows,
+            option_place=option_place, question_place=question_place,
+            option_counts=tuple(option_counts),
+        )
+
+    def tensors(self) -> list[Tensor]:
+        """Every index tensor, in a fixed order (for the packed host-to-device copy)."""
+        return ([getattr(self.index, f.name) for f in dataclasses.fields(HeadIndex)]
+                + [getattr(self, name) for name in self.TENSORS])
+
+    def with_tensors(self, tensors: Sequence[Tensor]) -> HeadBatch:
+        """The same batch with its tensors replaced (in `tensors()` order), e.g. moved."""
+        names = [f.name for f in dataclasses.fields(HeadIndex)]
+        index = HeadIndex(**dict(zip(names, tensors[:len(names)], strict=True)))
+        rest = dict(zip(self.TENSORS, tensors[len(names):], strict=True))
+        return HeadBatch(index=index, option_counts=self.option_counts, **rest)
+
+
+def _padded_layout(counts: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """For groups of `counts` consecutive rows: a [groups, max] table of row numbers (the total
+    row count where padded) and each row's index in that table flattened."""
+    longest = max(counts)
+    total = sum(counts)
+    table = torch.full((len(counts), longest), total, dtype=torch.long)
+    place = torch.empty(total, dtype=torch.long)
+    first = 0
+    for group, count in enumerate(counts):
+        table[group, :count] = torch.arange(first, first + count)
+        place[first:first + count] = torch.arange(count) + group * longest
+        first += count
+    return table, place
+
+
+def _laid_out(rows: Tensor, table: Tensor, batch: HeadBatch) -> Tensor:
+    """Flat rows [N, W] as [records, longest, W], zeros where padded (one record: a view)."""
+    if batch.records == 1:
+        return rows.unsqueeze(0)
+    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
+    return padded.index_select(0, table.flatten()).view(*table.shape, rows.shape[-1])
+
+
+def _flattened(laid_out: Tensor, place: Tensor, batch: HeadBatch) -> Tensor:
+    """The inverse of `_laid_out`: [records, longest, W] back to the flat rows [N, W]."""
+    if batch.records == 1:
+        return laid_out.squeeze(0)
+    return laid_out.flatten(0, 1).index_select(0, place)
+
+
+def _padding(table: Tensor, rows: int, batch: HeadBatch) -> Tensor | None:
+    """The key padding mask of a layout (True where padded); None for one record."""
+    return None if batch.records == 1 else table == rows
 
 
 def _positions(spans: Sequence[tuple[int, int]]) -> tuple[Tensor, Tensor]:
@@ -231,11 +360,34 @@ class JointSchemaHead(nn.Module):
     def forward(
         self, hidden: Tensor, input_ids: Tensor, lexical_table: Tensor, index: HeadIndex
     ) -> HeadOutput:
-        """hidden [T, H] (backbone last hidden state), input_ids [T], lexical_table [vocab, H]."""
+        """One record: hidden [T, H] (backbone last hidden state), input_ids [T],
+        lexical_table [vocab, H]."""
+        tokens = hidden.shape[0]
+        device = index.grid.device
+        batch = HeadBatch(
+            index=index, final_tokens=torch.tensor([tokens - 1], device=device),
+            question_record=torch.zeros(index.questions, dtype=torch.long, device=device),
+            memory_rows=torch.arange(tokens, device=device).unsqueeze(0),
+            option_rows=torch.arange(index.options, device=device).unsqueeze(0),
+            question_rows=torch.arange(index.questions, device=device).unsqueeze(0),
+            option_place=torch.arange(index.options, device=device),
+            question_place=torch.arange(index.questions, device=device),
+            option_counts=(index.options,),
+        )
+        return self.forward_batch(hidden, input_ids, lexical_table, batch)[0]
+
+    def forward_batch(
+        self, hidden: Tensor, input_ids: Tensor, lexical_table: Tensor, batch: HeadBatch
+    ) -> list[HeadOutput]:
+        """Several records at once: hidden [sum T, H] and input_ids [sum T] hold the records'
+        real tokens end to end, as `batch` describes them; one output per record."""
         dtype = self.hidden_norm.weight.dtype
+        index = batch.index
         h = self.hidden_norm(hidden.to(dtype))
-        memory = self.memory_projection(h).unsqueeze(0)  # [1, T, W]
-        final = h[-1]  # g: the final ':' token
+        memory = _laid_out(self.memory_projection(h), batch.memory_rows, batch)  # [B, T, W]
+        memory_padding = _padding(batch.memory_rows, h.shape[0], batch)
+        final = h.index_select(0, batch.final_tokens)  # g: each record's final ':' token
+        final_of_question = final.index_select(0, batch.question_record)  # [Q, H]
         questions = span_means(h, index.question_tokens, index.question_lengths)  # [Q, H]
         contexts = span_means(h, index.option_tokens, index.option_lengths)  # [O, H]
         lexical = span_means(
@@ -245,14 +397,14 @@ class JointSchemaHead(nn.Module):
         ).to(dtype)  # l: [O, H], mean of the raw lm_head rows of each option span's tokens
 
         option_question = index.option_question
-        queries = (
+        queries = _laid_out(
             self.option_context_projection(contexts)
             + self.option_lexical_projection(lexical)
-            + self.option_question_projection(questions).index_select(0, option_question)
-        ).unsqueeze(0)
+            + self.option_question_projection(questions).index_select(0, option_question),
+            batch.option_rows, batch)
         for layer in self.evidence_layers:
-            queries = layer(queries, memory)
-        routed = queries.squeeze(0)  # r: [O, W]
+            queries = layer(queries, memory, memory_padding)
+        routed = _flattened(queries, batch.option_place, batch)  # r: [O, W]
 
         bases = self.question_projection(questions)  # b: [Q, W]
         affinity = (routed * bases.index_select(0, option_question)).sum(-1)
@@ -261,17 +413,19 @@ class JointSchemaHead(nn.Module):
             0, index.grid.flatten()
         ).view(*index.grid.shape, -1)  # [Q, S, W], zero rows in empty slots
         summary = torch.einsum("qs,qsw->qw", weights.to(routed.dtype), padded)
-        fields = (
+        fields = _laid_out(
             bases
             + self.option_summary_norm(summary)
-            + self.global_projection(final).unsqueeze(0)
-            + self.type_embedding(index.question_types)
-        ).unsqueeze(0)
+            + self.global_projection(final_of_question)
+            + self.type_embedding(index.question_types),
+            batch.question_rows, batch)
+        question_padding = _padding(batch.question_rows, index.questions, batch)
         for decoder_layer in self.layers:
-            fields = decoder_layer(fields, memory)
-        fields = self.field_norm(fields.squeeze(0))  # F: [Q, W]
+            fields = decoder_layer(fields, memory, tgt_key_padding_mask=question_padding,
+                                   memory_key_padding_mask=memory_padding)
+        fields = self.field_norm(_flattened(fields, batch.question_place, batch))  # F: [Q, W]
 
-        anchors = F.normalize(questions + final.unsqueeze(0), dim=-1, eps=NORMALIZE_EPS)
+        anchors = F.normalize(questions + final_of_question, dim=-1, eps=NORMALIZE_EPS)
         prior = (
             F.normalize(lexical, dim=-1, eps=NORMALIZE_EPS)
             * anchors.index_select(0, option_question)
@@ -288,7 +442,9 @@ class JointSchemaHead(nn.Module):
         joint = self.joint_logit_scale.clamp(max=LOG_100).exp() * cosine + residual
         logits = (prior + torch.sigmoid(self.residual_gate) * joint).float()
         probabilities = _grid_softmax(logits, index).flatten().index_select(0, index.option_slot)
-        return HeadOutput(logits=logits, probabilities=probabilities)
+        return [HeadOutput(logits=logit, probabilities=probability) for logit, probability in
+                zip(logits.split(batch.option_counts), probabilities.split(batch.option_counts),
+                    strict=True)]
 
 
 def _grid_softmax(scores: Tensor, index: HeadIndex) -> Tensor:

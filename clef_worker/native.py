@@ -9,7 +9,6 @@ on the calling thread under `torch.inference_mode()`.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -48,7 +47,7 @@ from clef_worker.graphs import (
     pad_token_id,
     prepare_capture_environment,
 )
-from clef_worker.head import HeadIndex, JointSchemaHead
+from clef_worker.head import HeadBatch, JointSchemaHead, RecordSpans
 from clef_worker.short_conv import TORCH_PATH, bind_short_conv
 from clef_worker.snapshot import Snapshot, open_snapshot
 from clef_worker.transfer import to_device_packed
@@ -325,25 +324,24 @@ class NativeExecutor:
         width = self.padded_length(max(lengths))
         with torch.inference_mode():
             host_ids = torch.full((len(encodings), width), self.pad_id, dtype=torch.long)
-            indexes = []
             for row, encoding in enumerate(encodings):
                 host_ids[row, :lengths[row]] = torch.tensor(encoding.input_ids, dtype=torch.long)
-                questions = encoding.questions
-                indexes.append(HeadIndex.build(
-                    [q.question_span for q in questions], [q.option_spans for q in questions],
-                    [q.type_id for q in questions]))
-            ids, indexes = self._to_device(host_ids, indexes)
+            real_ids = torch.cat([host_ids[row, :length] for row, length in enumerate(lengths)])
+            batch = HeadBatch.build([RecordSpans(
+                tokens=length, question_spans=[q.question_span for q in encoding.questions],
+                option_spans=[q.option_spans for q in encoding.questions],
+                question_types=[q.type_id for q in encoding.questions])
+                for encoding, length in zip(encodings, lengths, strict=True)])
+            ids, real_ids, batch = self._to_device(host_ids, real_ids, batch)
             rows = self._timed(timings, "backbone", profile,
                                lambda: self._hidden_rows(ids, lengths, medias[0]))
-            outputs = self._timed(timings, "head", profile, lambda: [
-                self.head(hidden, ids[row, :lengths[row]], self.backbone.lexical_table,
-                          indexes[row])
-                for row, hidden in enumerate(rows)])
-            counts = [output.logits.shape[0] for output in outputs]
+            outputs = self._timed(timings, "head", profile, lambda: self.head.forward_batch(
+                rows[0] if len(rows) == 1 else torch.cat(rows), real_ids,
+                self.backbone.lexical_table, batch))
             values = torch.cat([torch.stack([o.logits, o.probabilities]) for o in outputs],
                                dim=1).cpu()
         return [(logits.tolist(), probabilities.tolist())
-                for logits, probabilities in values.split(counts, dim=1)]
+                for logits, probabilities in values.split(list(batch.option_counts), dim=1)]
 
     def padded_length(self, length: int) -> int:
         """Row length of a forward whose longest request has `length` tokens."""
@@ -362,16 +360,12 @@ class NativeExecutor:
         hidden = self.backbone.model(input_ids=ids, use_cache=False).last_hidden_state
         return [hidden[row, :length] for row, length in enumerate(lengths)]
 
-    def _to_device(self, host_ids: torch.Tensor,
-                   indexes: list[HeadIndex]) -> tuple[torch.Tensor, list[HeadIndex]]:
-        """The padded ids and every head index tensor in one host-to-device copy."""
-        names = [f.name for f in dataclasses.fields(HeadIndex)]
-        moved = to_device_packed(
-            [host_ids, *(getattr(index, name) for index in indexes for name in names)],
-            self.device)
-        per_index = iter(moved[1:])
-        rebuilt = [HeadIndex(**{name: next(per_index) for name in names}) for _ in indexes]
-        return moved[0], rebuilt
+    def _to_device(self, host_ids: torch.Tensor, real_ids: torch.Tensor, batch: HeadBatch
+                   ) -> tuple[torch.Tensor, torch.Tensor, HeadBatch]:
+        """The padded ids, the real ids end to end and every head index tensor in one
+        host-to-device copy."""
+        moved = to_device_packed([host_ids, real_ids, *batch.tensors()], self.device)
+        return moved[0], moved[1], batch.with_tensors(moved[2:])
 
     # -- Batching (clef_worker.batching) -------------------------------------------------
 

@@ -11,7 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.nn import functional as F
 
-from clef_worker.head import EvidenceLayer, HeadConfig, HeadIndex, JointSchemaHead
+from clef_worker.head import (
+    EvidenceLayer,
+    HeadBatch,
+    HeadConfig,
+    HeadIndex,
+    JointSchemaHead,
+    RecordSpans,
+)
 
 
 def randomised_head(config: HeadConfig, seed: int) -> JointSchemaHead:
@@ -206,3 +213,83 @@ def test_many_questions_cost_one_pass() -> None:
         return calls["count"]
 
     assert run(64, 255) == run(1, 1)
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> tuple[HeadConfig, int, list[dict]]:
+    """One head config and 1-5 records of different token, question and option counts."""
+    first = draw(records())
+    more = draw(st.lists(records(), min_size=0, max_size=4))
+    return first["config"], first["seed"], [first, *more]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches())
+def test_one_pass_over_several_records_equals_each_alone(batch: tuple) -> None:
+    """forward_batch (records end to end, attention on a padded layout with key padding masks)
+    gives every record the logits and probabilities it gets alone."""
+    config, seed, drawn = batch
+    head = randomised_head(config, seed).float()
+    generator = torch.Generator().manual_seed(seed + 2)
+    vocab = 17
+    table = torch.randn(vocab, config.hidden_size, generator=generator)
+    hiddens = [torch.randn(r["tokens"], config.hidden_size, generator=generator) for r in drawn]
+    ids = [torch.randint(0, vocab, (r["tokens"],), generator=generator) for r in drawn]
+    spans = [RecordSpans(r["tokens"], r["question_spans"], r["option_spans"], r["types"])
+             for r in drawn]
+    with torch.inference_mode():
+        together = head.forward_batch(torch.cat(hiddens), torch.cat(ids), table,
+                                      HeadBatch.build(spans))
+        alone = [head(hidden, row_ids, table, HeadIndex.build(
+            s.question_spans, s.option_spans, s.question_types))
+            for hidden, row_ids, s in zip(hiddens, ids, spans, strict=True)]
+    assert len(together) == len(drawn)
+    for got, want in zip(together, alone, strict=True):
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.probabilities, want.probabilities, atol=1e-5, rtol=1e-5)
+
+
+def test_batch_layout() -> None:
+    """Two records of 3 and 2 tokens: spans shifted by the first record's length, and the
+    padded tables hold the row count where a record is shorter."""
+    batch = HeadBatch.build([
+        RecordSpans(3, [(0, 1)], [[(1, 2), (2, 3)]], [1]),
+        RecordSpans(2, [(0, 1)], [[(1, 2)]], [0]),
+    ])
+    assert batch.index.question_tokens.tolist() == [0, 3]
+    assert batch.index.option_tokens.tolist() == [1, 2, 4]
+    assert batch.final_tokens.tolist() == [2, 4]
+    assert batch.question_record.tolist() == [0, 1]
+    assert batch.memory_rows.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert batch.option_rows.tolist() == [[0, 1], [2, 3]]
+    assert batch.option_place.tolist() == [0, 1, 2]
+    assert batch.option_counts == (2, 1)
+    moved = batch.with_tensors([t.clone() for t in batch.tensors()])
+    assert moved.memory_rows.tolist() == batch.memory_rows.tolist()
+    assert moved.index.grid.tolist() == batch.index.grid.tolist()
+
+
+def test_a_batch_costs_the_module_calls_of_one_record() -> None:
+    config = HeadConfig(hidden_size=8, width=8, routing_layers=2, layers=2, heads=2,
+                        feedforward=8)
+    head = randomised_head(config, 0).float()
+    calls = {"count": 0}
+
+    def count(*_: object) -> None:
+        calls["count"] += 1
+
+    for module in head.modules():
+        module.register_forward_hook(count)
+
+    def run(records: int) -> int:
+        calls["count"] = 0
+        spans = [RecordSpans(10 + r, [(0, 2)], [[(3, 5), (6, 8 + r % 2)]], [1])
+                 for r in range(records)]
+        tokens = sum(s.tokens for s in spans)
+        with torch.inference_mode():
+            out = head.forward_batch(torch.randn(tokens, 8), torch.zeros(tokens, dtype=torch.long),
+                                     torch.randn(3, 8), HeadBatch.build(spans))
+        assert len(out) == records
+        return calls["count"]
+
+    assert run(6) == run(1)
