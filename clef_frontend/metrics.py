@@ -73,6 +73,7 @@ class Metrics:
         self.requests = Counter(
             "clef_http_requests", "HTTP requests answered, by route and status.",
             ["route", "status"], registry=r)
+        self._request_counters: dict[tuple[str, int], Any] = {}
         self.queue_seconds = Histogram(
             "clef_request_queue_seconds", "Time scoring requests waited for the worker.",
             buckets=LATENCY_BUCKETS, registry=r)
@@ -121,7 +122,11 @@ class Metrics:
         worker_reply: WorkerAnswer | None = None,
     ) -> None:
         """One answered request; the timing arguments are given for scoring requests only."""
-        self.requests.labels(route=route, status=str(status)).inc()
+        counter = self._request_counters.get((route, status))
+        if counter is None:  # labels() costs a lock and a dict build per call: look it up once
+            counter = self.requests.labels(route=route, status=str(status))
+            self._request_counters[(route, status)] = counter
+        counter.inc()
         if route != Route.SYSTEMONE.path.decode("ascii"):
             return
         self.duration_seconds.observe(duration_s)

@@ -160,6 +160,9 @@ class WorkerChannel:
         self._broken: asyncio.Future[WorkerFailure] = self._loop.create_future()
         self._outstanding: dict[int, _Outstanding] = {}  # insertion order: oldest first
         self._watchdog: asyncio.TimerHandle | None = None
+        # While replies are handed on, the requests they let through are framed here and written
+        # together afterwards: one pipe write for several frames (see `_on_output`).
+        self._corked: list[bytes] | None = None
 
     @classmethod
     async def spawn(
@@ -282,6 +285,9 @@ class WorkerChannel:
         if self._broken.done():
             return  # nothing after the first anomaly can be trusted
         self._frames.feed(data)
+        # Each reply frees a slot that admission fills at once, on this worker among others:
+        # the frames sent from here leave in one write once every reply in `data` is handed on.
+        self._corked = []
         try:
             while (message := self._frames.next_frame()) is not None:
                 if not self._first.done():
@@ -295,6 +301,10 @@ class WorkerChannel:
             self._lose(WorkerProtocolError(f"invalid frame from worker: {exc}"))
         except WorkerFailure as failure:
             self._lose(failure)
+        finally:
+            corked, self._corked = self._corked, None
+            if corked and not self._send_bytes(b"".join(corked)):
+                self._fail(WorkerFailure("worker closed its input"))
 
     def _on_output_end(self) -> None:
         """The worker closed its stdout (it exited, or is exiting)."""
@@ -333,12 +343,22 @@ class WorkerChannel:
         transport buffers is bounded by that many bodies; a worker that stops reading is
         caught by the request deadline.
         """
+        frame = encode_frame(message)
+        if self._corked is not None:
+            self._corked.append(frame)
+            return not self._stdin_closing()
+        return self._send_bytes(frame)
+
+    def _stdin_closing(self) -> bool:
         stdin = self.process.stdin
-        assert stdin is not None
-        if stdin.is_closing():
+        return stdin is None or stdin.is_closing()
+
+    def _send_bytes(self, data: bytes) -> bool:
+        stdin = self.process.stdin
+        if stdin is None or stdin.is_closing():
             return False
         try:
-            stdin.write(encode_frame(message))
+            stdin.write(data)
         except (ConnectionError, RuntimeError):
             return False
         return True

@@ -153,3 +153,11 @@ def write_frame_blocking(stream: BinaryIO, message: dict[str, Any]) -> None:
     """Write one frame and flush it, so the peer sees it at once."""
     stream.write(encode_frame(message))
     stream.flush()
+
+
+def write_frames(stream: BinaryIO, frames: list[bytes]) -> None:
+    """Write encoded frames in one write and flush: the peer reads them together and handles
+    them in one wake-up (the front then sends the requests they let through in one write)."""
+    if frames:
+        stream.write(b"".join(frames))
+        stream.flush()

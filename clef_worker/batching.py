@@ -147,7 +147,15 @@ class Outcome:
 
 def answer_batch(executor: BatchingExecutor, bodies: Sequence[object],
                  policy: BatchPolicy) -> Iterator[tuple[int, Outcome]]:
-    """Yield (position, outcome) for every body, in order, group by group.
+    """Yield (position, outcome) for every body, in order, group by group."""
+    for group in answer_groups(executor, bodies, policy):
+        yield from group
+
+
+def answer_groups(executor: BatchingExecutor, bodies: Sequence[object],
+                  policy: BatchPolicy) -> Iterator[list[tuple[int, Outcome]]]:
+    """Yield the (position, outcome) pairs of each forward's group as soon as it is done, in
+    order: the serve loop writes a group's replies together.
 
     A body that is not bytes (a malformed frame) gets a BadRequestBody outcome (400).
     """
@@ -167,8 +175,7 @@ def answer_batch(executor: BatchingExecutor, bodies: Sequence[object],
         members = [position for position in group if position not in outcomes]
         if members:
             outcomes.update(_run_group(executor, [prepared[p] for p in members], members))
-        for position in group:
-            yield position, outcomes.pop(position)
+        yield [(position, outcomes.pop(position)) for position in group]
 
 
 def _run_group(executor: BatchingExecutor, items: list[Any],

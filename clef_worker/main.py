@@ -18,7 +18,13 @@ from typing import BinaryIO, cast
 
 from clef_protocol import messages
 from clef_protocol.body import BadRequestBody
-from clef_protocol.frames import FrameError, read_frame_blocking, write_frame_blocking
+from clef_protocol.frames import (
+    FrameError,
+    encode_frame,
+    read_frame_blocking,
+    write_frame_blocking,
+    write_frames,
+)
 from clef_protocol.options import add_model_arguments
 from clef_protocol.validation import RequestInvalid
 from clef_worker.allocator import keep_freed_memory
@@ -27,7 +33,7 @@ from clef_worker.batching import (
     BatchingExecutor,
     BatchPolicy,
     Outcome,
-    answer_batch,
+    answer_groups,
     collect_waiting,
     default_max_batch_tokens,
     supports_batching,
@@ -152,13 +158,17 @@ def _answer_all(executor: Executor, requests: list[dict], channel_out: BinaryIO,
         return False
     start = time.perf_counter()
     bodies = [request.get("body") for request in requests]
-    for position, outcome in answer_batch(cast(BatchingExecutor, executor), bodies, policy):
-        with request_context(requests[position].get("trace_id")):
-            reply, broken = reply_for(ids[position], outcome, _elapsed_ms(start))
-            write_frame_blocking(channel_out, reply)
-        if broken:
-            _fail_rest(ids[position + 1:], channel_out)
-            return True
+    for group in answer_groups(cast(BatchingExecutor, executor), bodies, policy):
+        frames = []
+        for position, outcome in group:
+            with request_context(requests[position].get("trace_id")):
+                reply, broken = reply_for(ids[position], outcome, _elapsed_ms(start))
+            frames.append(encode_frame(reply))
+            if broken:
+                write_frames(channel_out, frames)
+                _fail_rest(ids[position + 1:], channel_out)
+                return True
+        write_frames(channel_out, frames)  # a forward's replies leave together
     return False
 
 

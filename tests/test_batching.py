@@ -230,16 +230,29 @@ def _replies(out: io.BytesIO) -> list[dict[str, Any]]:
     return replies
 
 
+class CountingOut(io.BytesIO):
+    """The worker's output, remembering how many bytes each write carried."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[int] = []
+
+    def write(self, data: Any) -> int:
+        self.writes.append(len(data))
+        return super().write(data)
+
+
 def test_serve_takes_every_waiting_frame_into_one_forward(executor: NativeExecutor) -> None:
     ok = [c for c in CASES if "error" not in c][:5]
     batcher = PerCaseLimits(executor)
     frames = [messages.request(10 + i, _body(c)) for i, c in enumerate(ok)]
     channel = _pipe_with(*frames, messages.request(99, b"[]"), messages.shutdown())
-    out = io.BytesIO()
+    out = CountingOut()
     assert serve(batcher, channel, out) == 0  # type: ignore[arg-type]
     replies = _replies(out)
     assert [r["id"] for r in replies] == [10, 11, 12, 13, 14, 99]
     assert batcher.forwards == [5]
+    assert out.writes == [len(out.getvalue())]  # the forward's six replies leave in one write
     assert [r["kind"] for r in replies] == ["response"] * 5 + ["error"]
     assert replies[-1]["status"] == 400
     for case, reply in zip(ok, replies[:-1], strict=True):
@@ -257,10 +270,11 @@ def _serve_one_per_forward(executor: NativeExecutor, batcher: PerCaseLimits,
 
 def test_serve_cuts_forwards_at_the_token_budget(executor: NativeExecutor) -> None:
     batcher = PerCaseLimits(executor)
-    out = io.BytesIO()
+    out = CountingOut()
     assert _serve_one_per_forward(executor, batcher, out) == 0
     assert batcher.forwards == [1, 1, 1]
     assert [r["id"] for r in _replies(out)] == [0, 1, 2]
+    assert len(out.writes) == 3  # each forward's reply as soon as it is done
 
 
 def test_a_broken_device_mid_batch_fails_that_batch_and_the_worker_exits(
