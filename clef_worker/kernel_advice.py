@@ -1,7 +1,8 @@
 """transformers' advice to install fla and causal_conv1d, kept out of the log where it cannot apply.
 
-On CPU the Gated DeltaNet layers always run transformers' reference PyTorch implementation: fla
-and causal_conv1d are CUDA kernels, and the worker blocks them there (see clef_worker.backbone).
+On CPU the Gated DeltaNet layers always run a PyTorch implementation (clef_worker.gated_delta's
+in the native executor, transformers' reference in the release one): fla and causal_conv1d are
+CUDA kernels, and the worker blocks them there (see clef_worker.backbone).
 transformers does not know that and, on the first forward, advises installing both "for the
 optimized kernel", which sends operators after packages that would change nothing. So on CPU the
 advice is dropped and the worker's own line says once which path runs and why. On CUDA the advice
@@ -16,8 +17,8 @@ import torch
 
 ADVICE_LOGGER = "transformers.integrations.hub_kernels"
 ADVICE_TEXT = "is falling back to its reference PyTorch implementation"
-CPU_REASON = ("fla and causal_conv1d are CUDA kernels, so on CPU transformers' reference "
-              "PyTorch implementation is the path (its advice to install them is not logged)")
+CPU_REASON = ("fla and causal_conv1d are CUDA kernels, so on CPU a PyTorch implementation is the "
+              "path (transformers' advice to install them is not logged)")
 
 
 class DropKernelAdvice(logging.Filter):
