@@ -1,16 +1,19 @@
-"""Where a request's time goes on CPU, alone and in a batch: why batching gains little there.
+"""Where a request's time goes on CPU, alone and in a batch of eight: what batching can gain.
 
-Not a test. Loads the native executor in this process (no worker, no pipe) and prints markdown:
+Not a test. Loads the native executor in this process (no worker, no pipe; the worker's
+allocator settings applied) and prints markdown:
 
 1. the stages of one request alone (parse + validate + tokenise, backbone, head, serialise);
 2. the backbone's cost by batch rows B and row length T, with its fixed part (a 16-token
    forward: Python, dispatch, allocation, the per-layer loops) and the size of one chunked
-   Gated DeltaNet intermediate ([B, value heads, chunks, 64, 64] float32, several per layer),
-   set against this machine's L2 cache;
-3. the torch ops that cost most per request, alone and at B=8 (torch.profiler);
-4. the bound: a request alone costs prepare + backbone (B=1) + head + serialise; in a batch of
-   eight, even with the head free and no Python or dispatch cost at all, it costs at least
-   prepare + serialise + the torch ops' own time per row at B=8. Their ratio caps C8 / C1.
+   Gated DeltaNet intermediate ([B, value heads, chunks, C, C] float32 with the chunk size C
+   clef_worker.gated_delta picks for B rows, several per layer), set against the L2 cache;
+3. the head alone and over a batch of eight records (one `forward_batch` pass);
+4. the torch ops that cost most per request, alone and at B=8 (torch.profiler);
+5. two bounds on C8 / C1 in the worker: measured stages (a request alone: prepare + backbone
+   at B=1 + head + serialise; in a batch of eight: prepare + serialise + the backbone and head
+   per row at B=8), and the arithmetic floor (even with no Python or dispatch cost at all, a
+   request in a batch costs prepare + serialise + the backbone ops' own time per row at B=8).
 
     python bench/bench_cpu_batching_profile.py --threads 1     # tiny fixture
     python bench/bench_cpu_batching_profile.py --quick         # CI smoke run
@@ -33,10 +36,11 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from bench.bench_worker_batching import request_bodies  # noqa: E402
+from clef_worker.allocator import keep_freed_memory  # noqa: E402
 from clef_worker.answers import build_response, serialize  # noqa: E402
+from clef_worker.gated_delta import chunk_size_for  # noqa: E402
+from clef_worker.head import HeadBatch, RecordSpans  # noqa: E402
 from clef_worker.native import NativeExecutor  # noqa: E402
-
-CHUNK = 64  # transformers' torch Gated DeltaNet chunk size
 
 
 def best_ms(step: Callable[[], object], repeats: int) -> float:
@@ -102,10 +106,37 @@ def backbone_table(executor: NativeExecutor, length: int, batches: list[int],
                 return model(input_ids=ids, use_cache=False)
             ms = best_ms(step, repeats)
             per_row[0 if tokens == 16 else rows] = ms / rows
-            size = rows * heads * -(-tokens // CHUNK) * CHUNK * CHUNK * 4
+            chunk = chunk_size_for(rows)
+            size = rows * heads * -(-tokens // chunk) * chunk * chunk * 4
             note = f"{size / 2**20:.2f} MiB" + (
                 f" ({size / cache:.1f} x L2)" if cache else "")
             table.append(f"| {rows} | {tokens} | {ms:.2f} | {ms / rows:.2f} | {note} |")
+    return per_row, "\n".join(table)
+
+
+def head_table(executor: NativeExecutor, bodies: list[bytes], repeats: int,
+               rows: int = 8) -> tuple[dict[int, float], str]:
+    """The head per record alone and in one pass over `rows` records (best of `repeats`)."""
+    encodings = [executor.prepare(body).encoding for body in bodies[:rows]]
+    hidden_size = executor.backbone.hidden_size
+    records = [RecordSpans(len(e.input_ids), [q.question_span for q in e.questions],
+                           [q.option_spans for q in e.questions],
+                           [q.type_id for q in e.questions]) for e in encodings]
+    per_row: dict[int, float] = {}
+    table = ["| records in the pass | ms per pass (best) | ms per record |", "|---:|---:|---:|"]
+    with torch.inference_mode():
+        for count in (1, rows):
+            batch = HeadBatch.build(records[:count])
+            tokens = sum(r.tokens for r in records[:count])
+            hidden = torch.randn(tokens, hidden_size)
+            ids = torch.cat([torch.tensor(e.input_ids) for e in encodings[:count]])
+            def step(hidden: torch.Tensor = hidden, ids: torch.Tensor = ids,
+                     batch: HeadBatch = batch) -> object:
+                return executor.head.forward_batch(hidden, ids, executor.backbone.lexical_table,
+                                                   batch)
+            ms = best_ms(step, repeats)
+            per_row[count] = ms / count
+            table.append(f"| {count} | {ms:.2f} | {ms / count:.2f} |")
     return per_row, "\n".join(table)
 
 
@@ -147,6 +178,7 @@ def main() -> int:
         args.requests, args.repeats = 3, 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as the worker does
     executor = NativeExecutor.load(args.model, device="cpu")
     executor.warm_up()
     bodies = request_bodies(args.requests)
@@ -155,17 +187,22 @@ def main() -> int:
     batches = [1, 2, 8] if args.quick else [1, 2, 4, 8]
     stage_ms, stages = stage_table(executor, bodies)
     per_row, backbone = backbone_table(executor, length, batches, args.repeats)
+    head_ms, heads = head_table(executor, bodies, args.repeats)
     op_ms, ops = op_table(executor, length, [1, 8], 10)
     outside = stage_ms["prepare"] + stage_ms["serialise"]
-    alone = outside + per_row[1] + stage_ms["head"]
+    alone = outside + per_row[1] + head_ms[1]
+    batched = outside + per_row[8] + head_ms[8]
     floor = outside + op_ms[8]
     print(f"torch threads {torch.get_num_threads()}; requests of {min(lengths)}-{max(lengths)} "
           f"tokens (median {length})\n")
     print("Stages of one request alone:\n\n" + stages + "\n")
     print("Backbone by batch rows B and row length T (T=16: the fixed part of a forward):\n\n"
           + backbone + "\n")
-    print("Costliest ops, self CPU time per row:\n\n" + ops + "\n")
+    print("Head alone and over a batch of eight records:\n\n" + heads + "\n")
+    print("Costliest backbone ops, self CPU time per row:\n\n" + ops + "\n")
     print(json.dumps({"alone_ms": round(alone, 2), "fixed_backbone_ms": round(per_row[0], 2),
+                      "batched_ms": round(batched, 2), "c8_speedup_stages": round(
+                          alone / batched, 2),
                       "batched_floor_ms": round(floor, 2),
                       "c8_speedup_bound": round(alone / floor, 2)}))
     return 0

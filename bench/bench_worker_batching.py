@@ -41,19 +41,23 @@ from clef_protocol.frames import read_frame_blocking, write_frame_blocking  # no
 TOLERANCE = 1e-4 + 1e-9
 
 
-def request_bodies(count: int) -> list[bytes]:
-    """Varied ~150-400-token requests (the three question types), different states."""
+QUESTIONS: dict[str, dict[str, Any]] = {
+    "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+    "topic": {"type": "choice", "criteria": {"billing": "payments", "delivery": "shipping",
+                                             "other": None}},
+    "urgency": {"type": "score", "criteria": ["low", "medium", "high"]},
+}
+
+
+def request_bodies(count: int, questions: int = 3) -> list[bytes]:
+    """Varied requests with different states: with the three question types (the issue's
+    short request, ~400-480 tokens on the tiny fixture), or with the first `questions`."""
     bodies = []
     for i in range(count):
         body = {
             "model": "clef-flash",
             "state": f"Ticket {5000 + i}: customer paid invoice #{4400 + i} twice; " * (1 + i % 4),
-            "questions": {
-                "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
-                "topic": {"type": "choice", "criteria": {"billing": "payments",
-                                                         "delivery": "shipping", "other": None}},
-                "urgency": {"type": "score", "criteria": ["low", "medium", "high"]},
-            },
+            "questions": dict(list(QUESTIONS.items())[:questions]),
         }
         bodies.append(json.dumps(body).encode())
     return bodies
@@ -117,6 +121,8 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8])
+    parser.add_argument("--questions", type=int, choices=[1, 2, 3], default=3,
+                        help="questions per request (1: a shorter request)")
     parser.add_argument("--rounds", type=int, default=5,
                         help="turns each row takes (interleaved); the median is reported")
     parser.add_argument("--budgets", type=int, nargs="*", default=[],
@@ -133,7 +139,7 @@ def main() -> int:
         args.requests, args.concurrency, args.device, args.rounds = 8, [4], "cpu", 1
     flags = ["--model", args.model, "--device", args.device, "--max-length", "2048",
              *args.worker_flag]
-    bodies = request_bodies(args.requests)
+    bodies = request_bodies(args.requests, args.questions)
     plans: list[tuple[str, int, list[str]]] = [("C1", 1, [])]
     for c in args.concurrency:
         if c > 1:
@@ -172,7 +178,10 @@ def main() -> int:
                      "all_ok": all_ok[name], "answers_equal_to_C1": equal[name]})
         print(json.dumps(rows[-1]), flush=True)
     base = rows[0]["req_per_s"]
+    tokens = sorted(int(reply.get("input_tokens", 0)) for reply in baseline.values())
     summary = {"model": args.model, "device": args.device, "threads": args.threads,
+               "questions": args.questions,
+               "request_tokens": [tokens[0], tokens[len(tokens) // 2], tokens[-1]],
                "speedup_vs_C1": {row["row"]: round(row["req_per_s"] / base, 2) for row in rows}}
     print(json.dumps(summary))
     return 0 if all(row["all_ok"] and row["answers_equal_to_C1"] for row in rows) else 1

@@ -84,6 +84,12 @@ def configure(level: str = "INFO") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+    # The logging HOWTO's "Optimization" switches for what our format never shows: each
+    # record then skips the caller lookup (a walk up the stack) and the thread and
+    # multiprocessing lookups. The access log makes a record per request.
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logMultiprocessing = False
 
 
 def printable(raw: bytes) -> str:
