@@ -305,7 +305,7 @@ class NativeExecutor:
 
     def score_batch(self, batch: Sequence[Prepared]) -> list[Scored]:
         """One backbone forward over several encoded requests (right-padded rows), then the
-        head per request on its real rows."""
+        head over all of them (one pass, `HeadBatch`)."""
         results = self._forward_batch([item.encoding for item in batch],
                                       [item.media for item in batch], {}, False)
         return [Scored(request=item.request, encoding=item.encoding, logits=logits,
@@ -315,7 +315,7 @@ class NativeExecutor:
     def _forward_batch(self, encodings: Sequence[Encoding], medias: Sequence[PreparedMedia | None],
                        timings: dict[str, float],
                        profile: bool) -> list[tuple[list[float], list[float]]]:
-        """One backbone forward over right-padded rows, then the head per row on its real
+        """One backbone forward over right-padded rows, then one head pass over the rows' real
         positions; media requests run alone (vision tower, eager, unpadded)."""
         if len(encodings) > 1 and any(media is not None for media in medias):
             return [self._forward_batch([encoding], [media], {}, False)[0]
