@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU lease, one script: every device check of this project, most important first.
+# One GPU lease, one script: every device check of this project, most important first
+# (latency and throughput, then parity; the guide says a lent GPU goes to those first).
 # Run through the device tool from the repo root with `.gpu` carried (wheels + fixtures copy):
 #   .gpu/whl/      transformers 5.24.0 and fla-core 0.6.0 wheels (the image has torch + triton)
 #   .gpu/fixtures/ a copy of ../shared/fixtures (../shared does not travel; the script links it
@@ -10,10 +11,11 @@
 #
 #   bash bench/gpu_session.sh              # on the GPU host
 #   bash bench/gpu_session.sh --dry-run    # here, on CPU: every step with --quick, no install
-# One device command may run 10 minutes at most and the steps' limits add up to more, so a lease
-# runs it in two calls (each under 600 s), e.g.:
-#   STEPS='^(graphs_unit|short_conv_unit|parity_)' bash bench/gpu_session.sh  # steps 1-2, <= 435 s
-#   STEPS='^flash_(path_cold|warmup_cached)' bash bench/gpu_session.sh   # steps 3-4, <= 430 s
+# One device command may run 10 minutes at most and the required steps' limits add up to 715 s,
+# so a lease runs it in two calls (each under 600 s; the machine's start, a minute or two, comes
+# out of the same 15 minutes):
+#   STEPS='^flash_(path_cold|warmup_cached)' bash bench/gpu_session.sh          # 1-2, <= 430 s
+#   STEPS='^(graphs_unit|short_conv_unit|parity_bf16)' bash bench/gpu_session.sh  # 3-4, <= 285 s
 set -u
 export PYTHONUNBUFFERED=1
 DRY=0; [ "${1:-}" = "--dry-run" ] && DRY=1
@@ -43,25 +45,26 @@ if [ $DRY = 0 ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
   python3 -c "import sys, torch, transformers, fla, triton; print(sys.version.split()[0], torch.__version__, transformers.__version__, fla.__version__, triton.__version__, torch.cuda.get_device_name())"
 fi
-# 1. graphs replay what eager computes (the capture unit test runs only where CUDA is)
-step graphs_unit 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py -k cuda
-# 1b. fla's Triton short convolution vs transformers' torch one at Clef-Flash's width, bf16, and
-#     captured in a graph (skips without CUDA + fla; one autotune of 16 configs, unmeasured)
-step short_conv_unit 45 "$PY" -m pytest -q -p no:cacheprovider tests/test_short_conv_cuda.py
-# 2. parity with the golden answers, eager vs graphs, float32 and bf16
-step parity_fp32_torch_eager 60 "$PY" bench/gpu_parity.py --fixtures $F --device $DEV --dtype float32 --gdn-prefill torch --cuda-graphs off
-step parity_fp32_torch_graphs 90 "$PY" bench/gpu_parity.py --fixtures $F --device $DEV --dtype float32 --gdn-prefill torch --cuda-graphs on
-step parity_bf16_fla_eager 60 "$PY" bench/gpu_parity.py --fixtures $F --device $DEV --dtype bfloat16 --gdn-prefill fla --cuda-graphs off
-step parity_bf16_fla_graphs 90 "$PY" bench/gpu_parity.py --fixtures $F --device $DEV --dtype bfloat16 --gdn-prefill fla --cuda-graphs on
-# 3. Clef-Flash shapes: warm-up (cold Triton cache), graph memory, latency by length
+# 1. Clef-Flash shapes: warm-up (cold Triton cache), graph memory, latency by length
 #    150/370/1000/2000/7000/16000, fresh-length sweep, batched throughput C1/C4/C16/C32,
 #    graphs vs eager answers (argmax, |dprob|)
 export TRITON_CACHE_DIR=/tmp/triton-cold
 step flash_path_cold 330 "$PY" bench/bench_gpu_path.py --device $DEV --gdn-prefill fla --out "$OUT/flash_path.json"
-# 4. warm-up again with the Triton cache the previous step left on disk
+# 2. warm-up again with the Triton cache the previous step left on disk
 step flash_warmup_cached 100 "$PY" bench/bench_gpu_path.py --device $DEV --gdn-prefill fla --modes graphs --lengths 370 --concurrency 1 --fresh 0 --repeat 5 --out "$OUT/flash_warmup_cached.json"
+# 3. graphs replay what eager computes (the capture unit test runs only where CUDA is)
+step graphs_unit 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py -k cuda
+# 3b. fla's Triton short convolution vs transformers' torch one at Clef-Flash's width, bf16, and
+#     captured in a graph (skips without CUDA + fla; one autotune of 16 configs, unmeasured)
+step short_conv_unit 45 "$PY" -m pytest -q -p no:cacheprovider tests/test_short_conv_cuda.py
+# 4. parity with the golden answers in bf16 (fla), eager vs graphs
+step parity_bf16_fla_eager 60 "$PY" bench/gpu_parity.py --fixtures $F --device $DEV --dtype bfloat16 --gdn-prefill fla --cuda-graphs off
+step parity_bf16_fla_graphs 90 "$PY" bench/gpu_parity.py --fixtures $F --device $DEV --dtype bfloat16 --gdn-prefill fla --cuda-graphs on
 echo "--- optional (if the lease has time left)"
-# 5. batching through a real worker process (demo snapshot): C1 vs C4/C16/C32 batched/unbatched
+# 5. parity in float32 (torch Gated DeltaNet; exact float32 parity is already pinned on CPU in CI)
+step parity_fp32_torch_eager 60 "$PY" bench/gpu_parity.py --fixtures $F --device $DEV --dtype float32 --gdn-prefill torch --cuda-graphs off
+step parity_fp32_torch_graphs 90 "$PY" bench/gpu_parity.py --fixtures $F --device $DEV --dtype float32 --gdn-prefill torch --cuda-graphs on
+# 6. batching through a real worker process (demo snapshot): C1 vs C4/C16/C32 batched/unbatched
 step worker_batching_demo 90 "$PY" bench/bench_worker_batching.py --model demo --device $DEV --requests 192 --rounds 1 --concurrency 4 16 32
 step http_demo_cuda_batched 100 "$PY" bench/bench_http.py --requests 200 --clients 16 -- --model demo --device $DEV --max-batch 16
 step flash_torch_gdn 100 "$PY" bench/bench_flash_shaped.py --device $DEV --gdn-prefill torch --skip-warmup-probe --repeat 8 --out "$OUT/flash-shaped-torch.json"
