@@ -183,7 +183,7 @@ class HttpConnection:
             queue_ms=ticket.queue_ms if ticket else None,
             worker_ms=ticket.worker_ms if ticket else None,
             bytes_in=exchange.bytes_in, bytes_out=bytes_out, client=self._client,
-            request_id=exchange.request_id,
+            request_id=exchange.request_id, batch=_batch_of(ticket),
         )
 
     def _count(self, exchange: Exchange, status: int) -> None:
@@ -480,3 +480,9 @@ def _reason(status: int) -> bytes:
         return HTTPStatus(status).phrase.encode("ascii")
     except ValueError:
         return b""
+
+
+def _batch_of(ticket: Ticket | None) -> int | None:
+    """The worker forward's size for an answered request (None: no answer from a worker)."""
+    reply = ticket.worker_reply if ticket is not None else None
+    return reply.batch_size if reply is not None and reply.body is not None else None

@@ -113,11 +113,14 @@ def request_line(
     bytes_out: int,
     client: str,
     request_id: str = "-",
+    batch: int | None = None,
 ) -> None:
-    """`request method=POST path=/v1/systemone status=200 queue_ms=0.3 worker_ms=41.2 ...`"""
+    """`request method=POST path=/v1/systemone status=200 queue_ms=0.3 worker_ms=41.2 batch=4
+    ...` (`batch`: requests in the worker forward that answered it; its `worker_ms` is that
+    forward's)."""
     access.info(
-        "request method=%s path=%s status=%d queue_ms=%s worker_ms=%s bytes_in=%d bytes_out=%d "
-        "client=%s request_id=%s",
-        printable(method), printable(target), status, _ms(queue_ms), _ms(worker_ms), bytes_in,
-        bytes_out, client, request_id,
+        "request method=%s path=%s status=%d queue_ms=%s worker_ms=%s batch=%s bytes_in=%d "
+        "bytes_out=%d client=%s request_id=%s",
+        printable(method), printable(target), status, _ms(queue_ms), _ms(worker_ms),
+        "-" if batch is None else batch, bytes_in, bytes_out, client, request_id,
     )

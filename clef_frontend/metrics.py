@@ -47,6 +47,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 
                    10.0, 30.0, 60.0, 120.0, 300.0)
 # Input tokens per request: powers of two up to above the largest token budget.
 TOKEN_BUCKETS = tuple(float(2**n) for n in range(6, 17))
+BATCH_BUCKETS = tuple(float(2**n) for n in range(7))  # 1 .. 64 requests per forward
 _LABEL_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -88,6 +89,10 @@ class Metrics:
         self.input_tokens = Histogram(
             "clef_request_input_tokens", "Tokens the model read per answered scoring request.",
             buckets=TOKEN_BUCKETS, registry=r)
+        self.batch_size = Histogram(
+            "clef_request_batch_size",
+            "Requests in the worker forward that answered each answered scoring request "
+            "(1: it ran alone).", buckets=BATCH_BUCKETS, registry=r)
         self.truncated = Counter(
             "clef_states_truncated", "Answered requests whose state was cut to fit the budget.",
             registry=r)
@@ -137,6 +142,7 @@ class Metrics:
         if worker_reply is None or worker_reply.body is None:
             return  # token counts come with answers only, not with refusals
         self.input_tokens.observe(worker_reply.input_tokens)
+        self.batch_size.observe(worker_reply.batch_size)
         if worker_reply.truncated_tokens:
             self.truncated.inc()
             self.truncated_tokens.inc(worker_reply.truncated_tokens)

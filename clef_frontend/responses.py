@@ -99,6 +99,9 @@ class WorkerAnswer(Protocol):
     @property
     def truncated_tokens(self) -> int: ...
 
+    @property
+    def batch_size(self) -> int: ...
+
 
 def from_worker(answer: WorkerAnswer) -> Reply:
     """A worker answer as HTTP: the body byte for byte, or `{"detail": ...}`.

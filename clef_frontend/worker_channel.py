@@ -78,13 +78,14 @@ class WorkerReply:
     worker_ms: float | None
     input_tokens: int = 0  # the encoded sequence's length (responses only)
     truncated_tokens: int = 0  # state tokens dropped to fit --max-length (responses only)
+    batch_size: int = 1  # requests in the worker forward that answered it (responses only)
 
 
-def _token_count(message: dict[str, Any], key: str) -> int:
-    """A response's token count: absent means 0 (an older worker); anything but a
-    non-negative integer is a protocol failure."""
-    value = message.get(key, 0)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+def _count(message: dict[str, Any], key: str, absent: int = 0, least: int = 0) -> int:
+    """A response's count (tokens, batch size): absent means `absent` (an older worker);
+    anything but an integer of at least `least` is a protocol failure."""
+    value = message.get(key, absent)
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
         raise WorkerProtocolError(f"malformed response frame ({key} {value!r})")
     return value
 
@@ -116,8 +117,9 @@ def _reply_from(message: dict[str, Any]) -> WorkerReply:
         if not isinstance(body, bytes) or not isinstance(status, int) or not 200 <= status < 300:
             raise WorkerProtocolError(f"malformed response frame (status {status!r})")
         return WorkerReply(status, body, None, worker_ms,
-                           input_tokens=_token_count(message, "input_tokens"),
-                           truncated_tokens=_token_count(message, "truncated_tokens"))
+                           input_tokens=_count(message, "input_tokens"),
+                           truncated_tokens=_count(message, "truncated_tokens"),
+                           batch_size=_count(message, "batch_size", absent=1, least=1))
     detail = message.get("detail")
     if not isinstance(status, int) or not 400 <= status < 600 or not isinstance(detail, str):
         raise WorkerProtocolError(f"malformed error frame (status {status!r})")

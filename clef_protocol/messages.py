@@ -117,16 +117,19 @@ def response(
     *,
     input_tokens: int = 0,
     truncated_tokens: int = 0,
+    batch_size: int = 1,
 ) -> dict[str, Any]:
     """A successful answer: `body` is the final JSON, forwarded to the client unchanged.
 
     `input_tokens` is the length of the encoded sequence and `truncated_tokens` how many state
     tokens were dropped to fit `--max-length` (0 where the executor cannot tell), so the front can
-    count tokens and say when a state was cut without parsing the body.
+    count tokens and say when a state was cut without parsing the body. `batch_size` is how many
+    requests the forward that answered this one held (1 when it ran alone): `worker_ms` is that
+    whole forward's time, and operators see from it whether batching happens.
     """
     return {"kind": RESPONSE, "id": request_id, "status": status, "body": body,
             "worker_ms": worker_ms, "input_tokens": input_tokens,
-            "truncated_tokens": truncated_tokens}
+            "truncated_tokens": truncated_tokens, "batch_size": batch_size}
 
 
 def error(request_id: int, status: int, detail: str, worker_ms: float) -> dict[str, Any]:

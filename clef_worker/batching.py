@@ -143,6 +143,7 @@ class Outcome:
 
     value: Any = None
     error: BaseException | None = None
+    batch_size: int = 1  # requests in the forward that produced `value`
 
 
 def answer_batch(executor: BatchingExecutor, bodies: Sequence[object],
@@ -193,8 +194,8 @@ def _run_group(executor: BatchingExecutor, items: list[Any],
                     len(items), traceback.format_exc())
         return {position: _solo(executor, item) for position, item in zip(positions, items,
                                                                             strict=True)}
-    return {position: Outcome(value=answer) for position, answer in zip(positions, answers,
-                                                                         strict=True)}
+    return {position: Outcome(value=answer, batch_size=len(items))
+            for position, answer in zip(positions, answers, strict=True)}
 
 
 def _solo(executor: BatchingExecutor, item: Any) -> Outcome:

@@ -80,7 +80,8 @@ def reply_for(request_id: int, outcome: Outcome, worker_ms: float) -> tuple[dict
         answer: Answer = outcome.value
         reply = messages.response(request_id, answer.body, worker_ms,
                                   input_tokens=answer.input_tokens,
-                                  truncated_tokens=answer.truncated_tokens)
+                                  truncated_tokens=answer.truncated_tokens,
+                                  batch_size=outcome.batch_size)
         return reply, False
     if isinstance(exc, RequestInvalid):
         return messages.error(request_id, 422, str(exc), worker_ms), False

@@ -22,6 +22,7 @@ the request body (the front validates first, so bodies are valid Clef requests p
   "error": "text"   answer an `error` frame, status 422 (or "error_status"); a 5xx is logged
                     through clef_worker.logs, tagged with the frame's trace_id
   "truncated_tokens": N   report N state tokens dropped (input_tokens is the body's length)
+  "batch_size": N   report that a forward of N requests answered it
 --log-file PATH appends each received request's `tag` (one per line) before answering.
 """
 
@@ -125,7 +126,8 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any]) -> 
     payload = json.dumps(body).encode()
     write_frame_blocking(out, messages.response(
         request_id, payload, worker_ms, input_tokens=len(message["body"]),
-        truncated_tokens=int(request.get("truncated_tokens", 0))))
+        truncated_tokens=int(request.get("truncated_tokens", 0)),
+        batch_size=int(request.get("batch_size", 1))))
 
 
 def main() -> int:

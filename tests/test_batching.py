@@ -180,6 +180,7 @@ def test_a_raising_forward_is_rerun_one_by_one(executor: NativeExecutor) -> None
     assert isinstance(results[2].error, RuntimeError)
     for position, case in zip((0, 1, 3, 4), ok, strict=True):
         assert results[position].error is None
+        assert results[position].batch_size == 1  # answered by its own forward
         assert_same_response(results[position].value.body, _solo(executor, case).value.body)
 
 
@@ -253,6 +254,7 @@ def test_serve_takes_every_waiting_frame_into_one_forward(executor: NativeExecut
     assert [r["id"] for r in replies] == [10, 11, 12, 13, 14, 99]
     assert batcher.forwards == [5]
     assert out.writes == [len(out.getvalue())]  # the forward's six replies leave in one write
+    assert [r.get("batch_size") for r in replies] == [5] * 5 + [None]  # the refusal: no forward
     assert [r["kind"] for r in replies] == ["response"] * 5 + ["error"]
     assert replies[-1]["status"] == 400
     for case, reply in zip(ok, replies[:-1], strict=True):

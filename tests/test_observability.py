@@ -151,6 +151,19 @@ def test_input_tokens_and_truncation_are_counted(serve: Serve) -> None:
     assert value(samples, "clef_state_truncated_tokens_total") == 1200
 
 
+def test_batch_sizes_are_counted_and_logged(serve: Serve) -> None:
+    """Each answered request records the size of the worker forward that answered it."""
+    assert serve.post(clef_body(batch_size=6)).status == 200
+    assert serve.post(clef_body()).status == 200  # a worker that says nothing: ran alone
+    assert serve.post(clef_body(error="refused")).status == 422  # no forward size
+    samples = scrape(serve)
+    assert value(samples, "clef_request_batch_size_count") == 2
+    assert value(samples, "clef_request_batch_size_sum") == 7
+    assert value(samples, "clef_request_batch_size_bucket", le="4.0") == 1
+    assert serve.wait_for(r"request method=POST .* status=200 .* worker_ms=\S+ batch=6 ")
+    assert serve.wait_for(r"request method=POST .* status=422 .* worker_ms=\S+ batch=- ")
+
+
 def test_metrics_port_serves_during_warm_up_and_hides_public_metrics(tmp_path: Path) -> None:
     gate = tmp_path / "ready-gate"
     with Serve("--ready-gate", str(gate), front_args=("--metrics-port", "0"),

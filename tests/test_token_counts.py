@@ -22,6 +22,19 @@ def test_absent_token_counts_read_as_zero() -> None:
     assert (reply.input_tokens, reply.truncated_tokens) == (0, 0)
 
 
+def test_batch_size_travels_and_reads_as_one_when_absent() -> None:
+    assert _reply_from(messages.response(7, b"{}", 1.0, batch_size=12)).batch_size == 12
+    older = {key: value for key, value in messages.response(7, b"{}", 1.0).items()
+             if key != "batch_size"}
+    assert _reply_from(older).batch_size == 1
+
+
+@pytest.mark.parametrize("bad", ["3", 1.5, True, 0, -1, None])
+def test_a_malformed_batch_size_breaks_the_channel(bad: object) -> None:
+    with pytest.raises(WorkerFailure, match="batch_size"):
+        _reply_from({**messages.response(7, b"{}", 1.0), "batch_size": bad})
+
+
 @pytest.mark.parametrize("bad", ["3", 1.5, True, -1, None])
 @pytest.mark.parametrize("key", ["input_tokens", "truncated_tokens"])
 def test_malformed_token_counts_break_the_channel(key: str, bad: object) -> None:
