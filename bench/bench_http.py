@@ -139,6 +139,7 @@ def main() -> int:
             with lock:
                 samples.extend(mine)
 
+        sequential_lines = len(log_lines)
         started = time.perf_counter()
         threads = [threading.Thread(target=client) for _ in range(args.clients)]
         for t in threads:
@@ -152,6 +153,13 @@ def main() -> int:
                      if (m := re.search(r"worker_ms=([\d.]+)", line))]
         if worker_ms:
             results["worker_ms"] = percentiles(worker_ms)
+        # Requests per worker forward in the concurrent phase, as the access log says (`batch=`).
+        batches = [int(m.group(1)) for line in log_lines[sequential_lines:]
+                   if (m := re.search(r" batch=(\d+) ", line))]
+        if batches:
+            results["batch_size"] = {"mean": round(statistics.mean(batches), 2),
+                                     "max": max(batches),
+                                     "requests_alone": sum(1 for b in batches if b == 1)}
     finally:
         server.terminate()
         server.wait(60)
