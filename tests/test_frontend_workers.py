@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from clef_frontend import worker_pool
 from clef_frontend.cli import build_parser, workers_from
 from clef_frontend.config import ServerConfig
 from clef_frontend.supervisor import DEFAULT_MAX_BATCH_CPU
@@ -25,7 +26,10 @@ def _parse(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(list(argv))
 
 
-def test_devices_pin_each_worker_with_cuda_visible_devices() -> None:
+def test_devices_pin_each_worker_with_cuda_visible_devices(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(worker_pool, "host_cores", lambda: 16)
     config = ServerConfig(worker_argv=("w", "--device", "auto"), devices=("cuda:0", "cuda:3"),
                           workers_per_device=2)
     slots = plan_slots(config)
@@ -34,7 +38,27 @@ def test_devices_pin_each_worker_with_cuda_visible_devices() -> None:
         [{"CUDA_VISIBLE_DEVICES": "3"}] * 2
     assert all(s.argv[-2:] == ("--device", "cuda") for s in slots)  # the last --device wins
     plain = plan_slots(ServerConfig(worker_argv=("w",), workers_per_device=2))
-    assert [(s.name, s.argv, s.env) for s in plain] == [("0", ("w",), {}), ("1", ("w",), {})]
+    split = {"OMP_NUM_THREADS": "8"}  # two unpinned workers share the 16 cores
+    assert [(s.name, s.argv, s.env) for s in plain] == [("0", ("w",), split),
+                                                         ("1", ("w",), split)]
+
+
+def test_unpinned_workers_split_the_cores_unless_the_operator_chose(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several CPU workers would each start a thread per core and fight over them."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(worker_pool, "host_cores", lambda: 2)
+    one = plan_slots(ServerConfig(worker_argv=("w", "--device", "cpu")))
+    assert [s.env for s in one] == [{}]  # one worker keeps torch's own choice
+    cpu = plan_slots(ServerConfig(worker_argv=("w",), devices=("cpu", "cuda:1"),
+                                  workers_per_device=3))
+    assert [s.env for s in cpu] == [{"OMP_NUM_THREADS": "1"}] * 3 + \
+        [{"CUDA_VISIBLE_DEVICES": "1"}] * 3
+    assert worker_pool.shared_core_env(4, environ={}, cores=18) == {"OMP_NUM_THREADS": "4"}
+    assert worker_pool.shared_core_env(2, environ={"OMP_NUM_THREADS": "3"}, cores=8) == {}
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    chosen = plan_slots(ServerConfig(worker_argv=("w",), workers_per_device=2))
+    assert [s.env for s in chosen] == [{}, {}]
 
 
 def test_worker_flags_become_devices_and_counts() -> None:
