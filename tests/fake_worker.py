@@ -86,9 +86,7 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any]) -> 
         time.sleep(0.01)  # held in flight until the test creates the file
     if request.get("crash"):
         marker = args.crash_once_file
-        if marker is None or not os.path.exists(marker):
-            if marker is not None:
-                Path(marker).touch()
+        if marker is None or _create_once(marker):
             os._exit(70)
     if request.get("garbage"):
         out.write(b"this is not a frame\n" * 4)
@@ -130,6 +128,25 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any]) -> 
         batch_size=int(request.get("batch_size", 1))))
 
 
+def _create_once(marker: str) -> bool:
+    """Create the marker file: True for the one process that created it (O_EXCL)."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def _take_once(marker: str) -> bool:
+    """Remove the marker file if it exists: True for the one process whose unlink succeeded
+    (several workers starting together may all see the file; only one may act on it)."""
+    try:
+        os.unlink(marker)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logs()
@@ -148,8 +165,7 @@ def main() -> int:
     if args.fatal is not None:
         write_frame_blocking(out, messages.fatal(args.fatal))
         return 1
-    if args.fatal_once_file is not None and os.path.exists(args.fatal_once_file):
-        os.unlink(args.fatal_once_file)
+    if args.fatal_once_file is not None and _take_once(args.fatal_once_file):
         write_frame_blocking(out, messages.fatal("GPU still held by the previous worker"))
         return 1
     if args.garbage_at_start:
