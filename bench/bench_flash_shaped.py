@@ -179,6 +179,43 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=0, help="override the layer count")
 
 
+def add_mode_arguments(parser: argparse.ArgumentParser, modes: list[str]) -> None:
+    """`--modes`, `--out` and `--quick` of the benches that compare eager and graphs."""
+    parser.add_argument("--modes", nargs="+", choices=("eager", "graphs"), default=modes)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--quick", action="store_true",
+                        help="CPU smoke run: small shapes, few iterations, no file")
+
+
+def save(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """Write the results so far to `--out` (after each mode: a step cut short keeps them)."""
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+def apply_quick(args: argparse.Namespace) -> None:
+    """--quick for the benches built on `build_executor`: small shapes on CPU, no file."""
+    args.device, args.shape, args.max_length, args.out = "cpu", "small", 512, None
+    args.gdn_prefill, args.dtype = "torch", "float32"
+
+
+def build_for_modes(args: argparse.Namespace) -> tuple[Any, int, dict[str, Any]]:
+    """For the benches that compare `--modes eager graphs`: logging, the capture environment
+    (before fla is imported, as NativeExecutor.load does), the executor and its parameter
+    count, and the results skeleton those benches fill."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(message)s")
+    args.skip_warmup_probe = True
+    if "graphs" in args.modes:
+        from clef_worker.graphs import prepare_capture_environment
+
+        prepare_capture_environment()
+    base, params = build_executor(args)
+    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
+                               "parameters": params, "modes": {}}
+    return base, params, results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_arguments(parser)

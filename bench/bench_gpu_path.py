@@ -31,7 +31,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench_flash_shaped import add_shape_arguments, build_executor, make_request  # noqa: E402
+from bench_flash_shaped import (  # noqa: E402
+    add_mode_arguments,
+    add_shape_arguments,
+    apply_quick,
+    build_for_modes,
+    make_request,
+    save,
+)
 
 log = logging.getLogger("bench_gpu_path")
 
@@ -145,41 +152,25 @@ def compare(eager: dict[str, Any], graphs: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_arguments(parser)
-    parser.add_argument("--modes", nargs="+", choices=("eager", "graphs"),
-                        default=["eager", "graphs"])
+    add_mode_arguments(parser, ["eager", "graphs"])
     parser.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--fresh", type=int, default=12)
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--quick", action="store_true",
-                        help="CPU smoke run: small shapes, two lengths, few iterations, no file")
     args = parser.parse_args()
     if args.quick:
-        args.device, args.shape, args.max_length, args.out = "cpu", "small", 512, None
-        args.gdn_prefill, args.dtype = "torch", "float32"
+        apply_quick(args)
         args.lengths, args.concurrency, args.repeat, args.fresh = [150, 370], [1, 4], 2, 2
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(message)s")
-    args.skip_warmup_probe = True
-    if "graphs" in args.modes:
-        from clef_worker.graphs import prepare_capture_environment
-
-        prepare_capture_environment()  # before fla is imported, as NativeExecutor.load does
-    base, params = build_executor(args)
-    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()},
-                               "parameters": params, "modes": {}}
+    base, _, results = build_for_modes(args)
     for mode in args.modes:
         results["modes"][mode] = measure(with_runner(base, mode, args.max_length), args)
-        if args.out:
-            args.out.write_text(json.dumps(results, indent=1))
+        save(args, results)
     if {"eager", "graphs"} <= set(results["modes"]):
         results["graphs_vs_eager"] = compare(results["modes"]["eager"],
                                              results["modes"]["graphs"])
     for mode in results["modes"].values():
         mode.pop("answers", None)
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
+    save(args, results)
     print(json.dumps(results, indent=1))
     return 0
 

@@ -11,11 +11,11 @@
 #
 #   bash bench/gpu_session.sh              # on the GPU host
 #   bash bench/gpu_session.sh --dry-run    # here, on CPU: every step with --quick, no install
-# One device command may run 10 minutes at most and the required steps' limits add up to 715 s,
+# One device command may run 10 minutes at most and the required steps' limits add up to 775 s,
 # so a lease runs it in two calls (each under 600 s; the machine's start, a minute or two, comes
 # out of the same 15 minutes):
-#   STEPS='^flash_(path_cold|warmup_cached)' bash bench/gpu_session.sh          # 1-2, <= 430 s
-#   STEPS='^(graphs_unit|short_conv_unit|parity_bf16)' bash bench/gpu_session.sh  # 3-4, <= 285 s
+#   STEPS='^flash_(path_cold|warmup_cached|profile)' bash bench/gpu_session.sh  # 1-2b, <= 520 s
+#   STEPS='^(graphs_unit|short_conv_unit|parity_bf16)' bash bench/gpu_session.sh  # 3-4, <= 255 s
 set -u
 export PYTHONUNBUFFERED=1
 DRY=0; [ "${1:-}" = "--dry-run" ] && DRY=1
@@ -52,8 +52,10 @@ export TRITON_CACHE_DIR=/tmp/triton-cold
 step flash_path_cold 330 "$PY" bench/bench_gpu_path.py --device $DEV --gdn-prefill fla --out "$OUT/flash_path.json"
 # 2. warm-up again with the Triton cache the previous step left on disk
 step flash_warmup_cached 100 "$PY" bench/bench_gpu_path.py --device $DEV --gdn-prefill fla --modes graphs --lengths 370 --concurrency 1 --fresh 0 --repeat 5 --out "$OUT/flash_warmup_cached.json"
+# 2b. the profile summary: device idle share, launches per request, top kernels, eager vs graphs
+step flash_profile 90 "$PY" bench/bench_gpu_profile.py --device $DEV --gdn-prefill fla --modes eager graphs --out "$OUT/flash_profile.json"
 # 3. graphs replay what eager computes (the capture unit test runs only where CUDA is)
-step graphs_unit 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py -k cuda
+step graphs_unit 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_graphs.py -k cuda
 # 3b. fla's Triton short convolution vs transformers' torch one at Clef-Flash's width, bf16, and
 #     captured in a graph (skips without CUDA + fla; one autotune of 16 configs, unmeasured)
 step short_conv_unit 45 "$PY" -m pytest -q -p no:cacheprovider tests/test_short_conv_cuda.py

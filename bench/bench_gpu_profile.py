@@ -1,0 +1,189 @@
+"""Issue 11's profile summary: where one short request's time goes on the device.
+
+Not a test. Builds the Clef-Flash-shaped executor with random weights (bench/bench_flash_shaped.py),
+warms it up (in graphs mode: every bucket up to --max-length captured), answers --warm requests
+of --tokens tokens, then profiles --requests more with torch.profiler and prints markdown:
+
+- wall time per request, and the device's busy and idle shares of it (kernel intervals merged
+  within each request's window: the idle share is launch and host overhead the GPU waits on);
+- kernel launches per request, as the device saw them (kernel events) and as the host issued
+  them (`cudaLaunchKernel`-style runtime calls against `cudaGraphLaunch`);
+- the top kernels by device time per request.
+
+On CPU (--quick, or --device cpu) there is no device timeline: the same tables list torch ops by
+self CPU time, and the busy/idle line is left out. The interval arithmetic is tested on CPU
+(tests/test_bench_gpu_profile.py).
+
+    python bench/bench_gpu_profile.py --device cuda --gdn-prefill fla --modes eager graphs
+    python bench/bench_gpu_profile.py --quick        # CPU smoke run, small shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+log = logging.getLogger("bench_gpu_profile")
+
+REQUEST_RANGE = "clef_request"  # the record_function around each profiled request
+# Host-side runtime calls that launch one kernel (the CUDA runtime and driver spellings).
+KERNEL_LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                       "cuLaunchKernelEx")
+GRAPH_LAUNCH_CALLS = ("cudaGraphLaunch", "cuGraphLaunch")
+
+
+@dataclass(frozen=True)
+class Interval:
+    start_us: float
+    end_us: float
+
+
+def busy_us(kernels: Iterable[Interval], window: Interval) -> float:
+    """Time within `window` during which at least one kernel ran (overlaps counted once)."""
+    clipped = sorted((max(k.start_us, window.start_us), min(k.end_us, window.end_us))
+                     for k in kernels)
+    total = 0.0
+    current_start = current_end = None
+    for start, end in clipped:
+        if end <= start:
+            continue
+        if current_end is None or start > current_end:
+            if current_end is not None and current_start is not None:
+                total += current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    if current_end is not None and current_start is not None:
+        total += current_end - current_start
+    return total
+
+
+def idle_fraction(kernels: Sequence[Interval], windows: Sequence[Interval]) -> float:
+    """The share of the requests' wall time in which the device ran no kernel."""
+    wall = sum(w.end_us - w.start_us for w in windows)
+    if wall <= 0:
+        return 0.0
+    busy = sum(busy_us(kernels, window) for window in windows)
+    return max(0.0, 1.0 - busy / wall)
+
+
+def count_calls(names: Iterable[str], wanted: Sequence[str]) -> int:
+    return sum(1 for name in names if name in wanted)
+
+
+def profile_requests(executor: Any, body: bytes, requests: int, cuda: bool) -> Any:
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(requests):
+            with record_function(REQUEST_RANGE):
+                executor.answer(body)  # ends with a device-to-host copy: synchronised
+        if cuda:
+            torch.cuda.synchronize()
+    return prof
+
+
+def summarise(prof: Any, requests: int, wall_ms: float, cuda: bool, top: int) -> dict[str, Any]:
+    """The numbers of the module docstring, from one profile of `requests` requests."""
+    from torch.autograd import DeviceType
+
+    events = list(prof.events())
+    windows = [Interval(e.time_range.start, e.time_range.end) for e in events
+               if e.name == REQUEST_RANGE and e.device_type == DeviceType.CPU]
+    summary: dict[str, Any] = {"requests": requests,
+                               "wall_ms_per_request": round(wall_ms / requests, 3)}
+    if cuda:
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        intervals = [Interval(e.time_range.start, e.time_range.end) for e in kernels]
+        summary["device_idle_fraction"] = round(idle_fraction(intervals, windows), 3)
+        summary["kernels_per_request"] = round(len(kernels) / requests, 1)
+        names = [e.name for e in events if e.device_type == DeviceType.CPU]
+        summary["host_kernel_launches_per_request"] = round(
+            count_calls(names, KERNEL_LAUNCH_CALLS) / requests, 1)
+        summary["graph_launches_per_request"] = round(
+            count_calls(names, GRAPH_LAUNCH_CALLS) / requests, 1)
+        averages = [a for a in prof.key_averages() if a.device_type == DeviceType.CUDA]
+        key = "self_device_time_total"
+    else:
+        averages = [a for a in prof.key_averages() if a.key != REQUEST_RANGE]
+        summary["ops_per_request"] = round(
+            sum(a.count for a in averages) / requests, 1)
+        key = "self_cpu_time_total"
+    ranked = sorted(averages, key=lambda a: getattr(a, key), reverse=True)[:top]
+    summary["top"] = [{"name": a.key[:90], "ms_per_request": round(
+        getattr(a, key) / 1000 / requests, 3), "calls_per_request": round(a.count / requests, 1)}
+        for a in ranked]
+    return summary
+
+
+def markdown(mode: str, summary: dict[str, Any], cuda: bool) -> str:
+    lines = [f"**{mode}**: {summary['wall_ms_per_request']} ms per request (wall)"]
+    if cuda:
+        lines.append(
+            f"device idle {summary['device_idle_fraction']:.0%} of it; "
+            f"{summary['kernels_per_request']} device operations (kernels and copies) per "
+            "request, "
+            f"{summary['host_kernel_launches_per_request']} launched one by one from the host, "
+            f"{summary['graph_launches_per_request']} graph launches")
+    else:
+        lines.append(f"{summary['ops_per_request']} torch op calls per request, nested ones "
+                     "counted (CPU: no device timeline)")
+    what = "kernel" if cuda else "op (self CPU)"
+    lines += ["", f"| {what} | ms per request | calls per request |", "|---|---:|---:|"]
+    lines += [f"| `{t['name']}` | {t['ms_per_request']} | {t['calls_per_request']} |"
+              for t in summary["top"]]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    import bench_flash_shaped as flash
+    from bench_gpu_path import with_runner
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    flash.add_shape_arguments(parser)
+    flash.add_mode_arguments(parser, ["graphs"])
+    parser.add_argument("--tokens", type=int, default=370)
+    parser.add_argument("--questions", type=int, default=3)
+    parser.add_argument("--warm", type=int, default=10)
+    parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    if args.quick:
+        flash.apply_quick(args)
+        args.warm, args.requests = 1, 2
+    elif args.max_length == 16384:
+        args.max_length = 2048  # the profiled request is short: capture only what it needs
+    base, _, results = flash.build_for_modes(args)
+    cuda = base.device.type == "cuda"
+    for mode in args.modes:
+        executor = with_runner(base, mode, args.max_length)
+        executor.warm_up()
+        body = json.dumps(flash.make_request(executor, args.tokens, args.questions)).encode()
+        for _ in range(args.warm):
+            executor.answer(body)
+        started = time.perf_counter()
+        prof = profile_requests(executor, body, args.requests, cuda)
+        wall_ms = (time.perf_counter() - started) * 1000
+        summary = summarise(prof, args.requests, wall_ms, cuda, args.top)
+        results["modes"][mode] = summary
+        print(markdown(mode, summary, cuda) + "\n", flush=True)
+        flash.save(args, results)
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
