@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One GPU lease, one script: every device check of this project, most important first
 # (latency and throughput, then parity; the guide says a lent GPU goes to those first).
-# Run through the device tool from the repo root with `.gpu` carried (wheels + fixtures copy):
-#   .gpu/whl/      transformers 5.24.0 and fla-core 0.6.0 wheels (the image has torch + triton)
+# Run through the device tool from the repo root with `.gpu` carried, which
+# `bash bench/gpu_prepare.sh` fills here first:
+#   .gpu/whl/      transformers 5.24.0 and fla-core 0.6.0 wheels (the image has torch, triton,
+#                  pytest, hypothesis and the project's other dependencies)
 #   .gpu/fixtures/ a copy of ../shared/fixtures (../shared does not travel; the script links it
 #                  there for the tests)
-#   and, for the capture test, pytest + hypothesis wheels (and their pure-Python deps) in .gpu/whl
 # Each step has its own time limit and writes its JSON under $OUT as it finishes; the sum of the
 # limits of the steps before `--- optional` fits a 15-minute lease with the machine's start.
 #
