@@ -270,6 +270,16 @@ class Client:
         return bool(readable)
 
 
+def assert_refused_as_malformed(server: Serve, raw: bytes) -> None:
+    """`raw` on a fresh connection is answered 400 `malformed request...` and closed."""
+    with server.connect() as client:
+        client.send_raw(raw)
+        response = client.read_response()
+        assert response.status == 400
+        assert response.detail.startswith("malformed request")
+        assert client.at_eof()
+
+
 def build_request(
     method: str,
     path: str,

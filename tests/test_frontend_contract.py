@@ -8,7 +8,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.frontend_helpers import Client, Serve, background, build_request, clef_body
+from tests.frontend_helpers import (
+    Client,
+    Serve,
+    assert_refused_as_malformed,
+    background,
+    build_request,
+    clef_body,
+)
 
 BODY_LIMIT = 8 * 1024 * 1024
 
@@ -346,12 +353,7 @@ def test_header_block_just_over_the_limit_is_431(serve: Serve) -> None:
     b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",  # a TLS hello on a plain port
 ])
 def test_malformed_heads_get_400_and_close(serve: Serve, raw: bytes) -> None:
-    with serve.connect() as client:
-        client.send_raw(raw)
-        response = client.read_response()
-        assert response.status == 400
-        assert response.detail.startswith("malformed request")
-        assert client.at_eof()
+    assert_refused_as_malformed(serve, raw)
 
 
 def test_stalled_head_is_dropped_without_response(serve: Serve) -> None:

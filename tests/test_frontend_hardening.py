@@ -14,7 +14,15 @@ from collections.abc import Iterator
 import pytest
 
 from clef_frontend.cli import build_parser, config_from
-from tests.frontend_helpers import WAIT, Response, Serve, background, build_request, clef_body
+from tests.frontend_helpers import (
+    WAIT,
+    Response,
+    Serve,
+    assert_refused_as_malformed,
+    background,
+    build_request,
+    clef_body,
+)
 
 
 def exact_error(detail: str) -> bytes:
@@ -145,12 +153,7 @@ def plain() -> Iterator[Serve]:
     b" folded\r\n\r\n",
 ])
 def test_malformed_head_with_a_transfer_coding_is_400_not_501(plain: Serve, raw: bytes) -> None:
-    with plain.connect() as client:
-        client.send_raw(raw)
-        response = client.read_response()
-        assert response.status == 400
-        assert response.detail.startswith("malformed request")
-        assert client.at_eof()
+    assert_refused_as_malformed(plain, raw)
 
 
 @pytest.mark.parametrize("raw", [

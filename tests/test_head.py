@@ -187,9 +187,8 @@ def test_index_refuses_empty_spans_and_optionless_questions(spans: list) -> None
         HeadIndex.build([(0, 2)], [spans], [1])
 
 
-def test_many_questions_cost_one_pass() -> None:
-    """64 questions x 255 options go through the same few batched calls as one question: the
-    head's module calls do not grow with the number of questions or options."""
+def counted_head() -> tuple[JointSchemaHead, dict[str, int]]:
+    """A small float32 head whose every module call adds one to the returned counter."""
     config = HeadConfig(hidden_size=8, width=8, routing_layers=2, layers=2, heads=2,
                         feedforward=8)
     head = randomised_head(config, 0).float()
@@ -200,6 +199,13 @@ def test_many_questions_cost_one_pass() -> None:
 
     for module in head.modules():
         module.register_forward_hook(count)
+    return head, calls
+
+
+def test_many_questions_cost_one_pass() -> None:
+    """64 questions x 255 options go through the same few batched calls as one question: the
+    head's module calls do not grow with the number of questions or options."""
+    head, calls = counted_head()
 
     def run(questions: int, options: int) -> int:
         calls["count"] = 0
@@ -270,16 +276,7 @@ def test_batch_layout() -> None:
 
 
 def test_a_batch_costs_the_module_calls_of_one_record() -> None:
-    config = HeadConfig(hidden_size=8, width=8, routing_layers=2, layers=2, heads=2,
-                        feedforward=8)
-    head = randomised_head(config, 0).float()
-    calls = {"count": 0}
-
-    def count(*_: object) -> None:
-        calls["count"] += 1
-
-    for module in head.modules():
-        module.register_forward_hook(count)
+    head, calls = counted_head()
 
     def run(records: int) -> int:
         calls["count"] = 0
