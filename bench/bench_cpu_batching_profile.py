@@ -10,7 +10,10 @@ allocator settings applied) and prints markdown:
    clef_worker.gated_delta picks for B rows, several per layer), set against the L2 cache;
 3. the head alone and over a batch of eight records (one `forward_batch` pass);
 4. the torch ops that cost most per request, alone and at B=8 (torch.profiler);
-5. C8 / C1 from the measured stages: a request alone costs prepare + backbone at B=1 + head +
+5. whole `answer_prepared` calls alone and on eight requests (median ms per request; with
+   `--glibc-defaults` the allocator's thresholds stay glibc's, to see what the worker's
+   clef_worker.allocator settings save);
+6. C8 / C1 from the measured stages: a request alone costs prepare + backbone at B=1 + head +
    serialise, one in a batch of eight prepare + serialise + the backbone and head per row at
    B=8. (The profiler's per-op times carry its own overhead per op, so they show where the
    time goes, not a floor.)
@@ -140,10 +143,8 @@ def head_table(executor: NativeExecutor, bodies: list[bytes], repeats: int,
     return per_row, "\n".join(table)
 
 
-def op_table(executor: NativeExecutor, length: int, batches: list[int],
-             top: int) -> tuple[dict[int, float], str]:
-    """The costliest torch ops, in ms per row, for each batch size; returns (all ops' self
-    time per row by B, table)."""
+def op_table(executor: NativeExecutor, length: int, batches: list[int], top: int) -> str:
+    """The costliest torch ops, in ms per row, for each batch size (a markdown table)."""
     model = executor.backbone.model
     per_batch: dict[int, dict[str, float]] = {}
     with torch.inference_mode():
@@ -163,7 +164,23 @@ def op_table(executor: NativeExecutor, length: int, batches: list[int],
             f"{per_batch[b].get(name, 0.0):.2f}" for b in batches) + " |")
     totals = {b: sum(per_batch[b].values()) for b in batches}
     table.append("| all ops | " + " | ".join(f"{totals[b]:.2f}" for b in batches) + " |")
-    return totals, "\n".join(table)
+    return "\n".join(table)
+
+
+def answered_ms(executor: NativeExecutor, bodies: list[bytes], rows: int,
+                repeats: int) -> float:
+    """Median ms per request of whole `answer_prepared` calls on `rows` requests: the median,
+    not the best, so that costs paid on most calls (page faults, allocation) show."""
+    prepared = [executor.prepare(body) for body in bodies[:rows]]
+    if len(prepared) != rows:
+        raise SystemExit(f"--requests must be at least {rows}")
+    executor.answer_prepared(prepared)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        executor.answer_prepared(prepared)
+        times.append((time.perf_counter() - started) * 1000 / rows)
+    return statistics.median(times)
 
 
 def main() -> int:
@@ -172,33 +189,41 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--glibc-defaults", action="store_true",
+                        help="leave glibc's allocator thresholds alone (the worker raises them)")
     parser.add_argument("--quick", action="store_true", help="CI smoke run: few repeats")
     args = parser.parse_args()
     if args.quick:
-        args.requests, args.repeats = 3, 2
+        args.requests, args.repeats = 8, 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    keep_freed_memory()  # as the worker does
+    if not args.glibc_defaults:
+        keep_freed_memory()  # as the worker does
     executor = NativeExecutor.load(args.model, device="cpu")
     executor.warm_up()
     bodies = request_bodies(args.requests)
     lengths = [executor.prepared_length(executor.prepare(body)) for body in bodies]
     length = int(statistics.median(lengths))
+    # First, while the allocator has seen only the warm-up: what a worker's forwards meet.
+    answered = {rows: answered_ms(executor, bodies, rows, args.repeats) for rows in (1, 8)}
     batches = [1, 2, 8] if args.quick else [1, 2, 4, 8]
     stage_ms, stages = stage_table(executor, bodies)
     per_row, backbone = backbone_table(executor, length, batches, args.repeats)
     head_ms, heads = head_table(executor, bodies, args.repeats)
-    _, ops = op_table(executor, length, [1, 8], 10)
+    ops = op_table(executor, length, [1, 8], 10)
     outside = stage_ms["prepare"] + stage_ms["serialise"]
     alone = outside + per_row[1] + head_ms[1]
     batched = outside + per_row[8] + head_ms[8]
-    print(f"torch threads {torch.get_num_threads()}; requests of {min(lengths)}-{max(lengths)} "
-          f"tokens (median {length})\n")
+    allocator = "glibc defaults" if args.glibc_defaults else "the worker's allocator thresholds"
+    print(f"torch threads {torch.get_num_threads()}, {allocator}; requests of "
+          f"{min(lengths)}-{max(lengths)} tokens (median {length})\n")
     print("Stages of one request alone:\n\n" + stages + "\n")
     print("Backbone by batch rows B and row length T (T=16: the fixed part of a forward):\n\n"
           + backbone + "\n")
     print("Head alone and over a batch of eight records:\n\n" + heads + "\n")
     print("Costliest backbone ops, self CPU time per row:\n\n" + ops + "\n")
+    print(f"Whole answer_prepared calls, median ms per request: alone {answered[1]:.2f}, "
+          f"in a batch of eight {answered[8]:.2f}\n")
     print(json.dumps({"alone_ms": round(alone, 2), "fixed_backbone_ms": round(per_row[0], 2),
                       "batched_ms": round(batched, 2), "c8_speedup_stages": round(
                           alone / batched, 2)}))

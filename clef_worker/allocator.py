@@ -4,10 +4,12 @@ Why: a CPU forward allocates and frees intermediates of several MiB (a batch of 
 rows makes Gated DeltaNet intermediates of 1-4 MiB each). glibc serves blocks above its mmap
 threshold (128 KiB at start, raised dynamically only as far as freed blocks go) with a fresh
 `mmap` and returns them with `munmap`, and trims the top of the heap on every large free; the
-next forward then page-faults every page back in, zero-filled. Measured on the tiny fixture
-(2-core AMD EPYC, one torch thread), a batch of eight cost 13.3 ms a request with glibc's
-defaults and 10.1 ms with the thresholds below; one request alone 12.6 and 12.3 ms
-(docs/benchmarks.md). PyTorch's own CPU allocator does not cache, so this is the place.
+next forward then page-faults every page back in, zero-filled. PyTorch's own CPU allocator does
+not cache, so this is the place. What it is worth depends on what else allocates: on the tiny
+fixture (2-core AMD EPYC, one torch thread) it took a batch of eight from 13.3 to 10.1 ms a
+request while the head still ran per request; with the head batched, paired worker runs gave
+C8 batched 85 and 94 req/s with it against 76 and 91 without, about the run-to-run noise
+(docs/benchmarks.md has the commands).
 
 So the worker raises the mmap threshold to glibc's maximum (32 MiB on 64-bit: larger blocks
 still get their own mapping) and the trim threshold to 1 GiB, once, before loading the model.

@@ -7,7 +7,7 @@ fixture, 128 in the release) those C x C products and the per-chunk triangular s
 the state products, and at several rows per forward the [rows, heads, chunks, 64, 64]
 intermediates outgrow the L2 cache. Chunks of 16 or 32 cut that per-token arithmetic two to four
 times; the price is more iterations of the sequential scan over chunks, a cost per forward that a
-batch shares. Measured on CPU (`bench/bench_cpu_batching_profile.py`): see docs/benchmarks.md.
+batch shares. Measured on CPU (`bench/bench_gated_delta.py`): see docs/benchmarks.md.
 
 The arithmetic is the same chunked gated delta rule (the WY form of the delta rule with decay,
 as in fla and transformers), in float32 whatever the input dtype:
