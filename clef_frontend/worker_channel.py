@@ -357,7 +357,7 @@ class WorkerChannel:
 
     def _send_bytes(self, data: bytes) -> bool:
         stdin = self.process.stdin
-        if stdin is None or stdin.is_closing():
+        if stdin is None or self._stdin_closing():
             return False
         try:
             stdin.write(data)

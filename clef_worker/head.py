@@ -230,6 +230,21 @@ class HeadBatch:
             option_counts=tuple(option_counts),
         )
 
+    @classmethod
+    def of_one(cls, index: HeadIndex, tokens: int) -> HeadBatch:
+        """One record already indexed (on the index's device): every layout is the identity."""
+        device = index.grid.device
+        return cls(
+            index=index, final_tokens=torch.tensor([tokens - 1], device=device),
+            question_record=torch.zeros(index.questions, dtype=torch.long, device=device),
+            memory_rows=torch.arange(tokens, device=device).unsqueeze(0),
+            option_rows=torch.arange(index.options, device=device).unsqueeze(0),
+            question_rows=torch.arange(index.questions, device=device).unsqueeze(0),
+            option_place=torch.arange(index.options, device=device),
+            question_place=torch.arange(index.questions, device=device),
+            option_counts=(index.options,),
+        )
+
     def tensors(self) -> list[Tensor]:
         """Every index tensor, in a fixed order (for the packed host-to-device copy)."""
         return ([getattr(self.index, f.name) for f in dataclasses.fields(HeadIndex)]
@@ -362,18 +377,7 @@ class JointSchemaHead(nn.Module):
     ) -> HeadOutput:
         """One record: hidden [T, H] (backbone last hidden state), input_ids [T],
         lexical_table [vocab, H]."""
-        tokens = hidden.shape[0]
-        device = index.grid.device
-        batch = HeadBatch(
-            index=index, final_tokens=torch.tensor([tokens - 1], device=device),
-            question_record=torch.zeros(index.questions, dtype=torch.long, device=device),
-            memory_rows=torch.arange(tokens, device=device).unsqueeze(0),
-            option_rows=torch.arange(index.options, device=device).unsqueeze(0),
-            question_rows=torch.arange(index.questions, device=device).unsqueeze(0),
-            option_place=torch.arange(index.options, device=device),
-            question_place=torch.arange(index.questions, device=device),
-            option_counts=(index.options,),
-        )
+        batch = HeadBatch.of_one(index, tokens=hidden.shape[0])
         return self.forward_batch(hidden, input_ids, lexical_table, batch)[0]
 
     def forward_batch(
