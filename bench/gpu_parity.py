@@ -42,8 +42,8 @@ def main() -> int:
     if args.quick:
         args.device, args.dtype, args.gdn_prefill = "cpu", "float32", "torch"
 
+    from clef_protocol.errors import RequestInvalid
     from clef_protocol.options import RequestLimits
-    from clef_protocol.validation import RequestInvalid
     from clef_worker.native import NativeExecutor
 
     executor = NativeExecutor.load(args.fixtures / "clef-tiny", device=args.device,

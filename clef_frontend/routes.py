@@ -14,9 +14,10 @@ from enum import Enum
 from clef_frontend import responses, workers_ai
 from clef_frontend.framing import FramingHeaders
 from clef_frontend.responses import Reply
-from clef_protocol.body import BadRequestBody, parse_body
+from clef_protocol.body import parse_body
+from clef_protocol.errors import BadRequestBody, RequestInvalid
 from clef_protocol.options import RequestLimits
-from clef_protocol.validation import RequestInvalid, validate_request
+from clef_protocol.validation import validate_request
 
 
 class Route(Enum):

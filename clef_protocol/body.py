@@ -12,6 +12,8 @@ import json
 import math
 from typing import Any
 
+from clef_protocol.errors import BadRequestBody
+
 INVALID_JSON = "request body must contain valid JSON and UTF-8 text"
 NOT_AN_OBJECT = "request must be a JSON object"
 DUPLICATE_KEYS = "duplicate JSON keys are not supported"
@@ -20,10 +22,6 @@ NON_FINITE = "non-finite JSON numbers are not supported"
 # Deeper documents are refused as row 8 ("nests too deep"). The bound keeps every later
 # recursive step (json.dumps when the worker renders a value) far from Python's recursion limit.
 MAX_DEPTH = 256
-
-
-class BadRequestBody(ValueError):
-    """The body is not an acceptable JSON object; str(exc) is the 400 detail."""
 
 
 class _Overflow(Exception):

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
+from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
-from clef_protocol.validation import RequestInvalid
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 CONTENT_TYPES = {"image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
 
 # The question types, in the order of the head's type ids (clef_worker.encoding.TYPE_IDS).
@@ -18,10 +19,6 @@ QUESTION_TYPES = ("noul", "choice", "score")
 
 MODEL_AND_STATE = "model and state are required"
 AT_LEAST_ONE_QUESTION = "at least one question is required"
-
-
-class RequestInvalid(ValueError):
-    """The request is well-formed JSON but cannot be answered; str(exc) is the 422 detail."""
 
 
 def _check_question(qid: str, question: Any, limits: RequestLimits) -> None:

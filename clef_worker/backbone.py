@@ -51,7 +51,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from clef_worker import gated_delta
-from clef_worker.executor import StartupError
+from clef_worker.errors import StartupError
 from clef_worker.kernel_advice import quiet_on_cpu
 from clef_worker.snapshot import LEXICAL_TABLE, TEXT_PREFIX, Snapshot, tensor_shapes
 

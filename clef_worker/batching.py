@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
 
-from clef_protocol.body import BadRequestBody
-from clef_worker.executor import ExecutorBroken
+from clef_protocol.errors import BadRequestBody
+from clef_worker.errors import ExecutorBroken
 
 log = logging.getLogger(__name__)
 

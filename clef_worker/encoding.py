@@ -23,7 +23,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from clef_protocol.validation import QUESTION_TYPES, RequestInvalid
+from clef_protocol.errors import RequestInvalid
+from clef_protocol.validation import QUESTION_TYPES
 
 SYSTEM_PROMPT = (
     "Read the complete state and schema. Decide every field jointly. "

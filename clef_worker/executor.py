@@ -27,22 +27,6 @@ class Answer:
     truncated_tokens: int = 0
 
 
-class StartupError(Exception):
-    """The executor cannot start (missing file, wrong shapes, missing kernel...).
-
-    The message is sent to the front in a `fatal` frame and shown to the operator verbatim, so it
-    must name what is wrong (the file, the tensor, the flag).
-    """
-
-
-class ExecutorBroken(Exception):
-    """The executor can answer nothing any more, e.g. a CUDA error left the context unusable.
-
-    Raised from `answer`: the worker replies 500 to that request and exits, so the front starts
-    a fresh worker instead of failing every later request while `/health` still says ready.
-    """
-
-
 class Executor(Protocol):
     """A loaded model that answers `/v1/systemone` bodies, one at a time, on the calling thread."""
 
@@ -57,7 +41,7 @@ class Executor(Protocol):
     def answer(self, body: bytes) -> Answer:
         """Answer one raw request body with the final response JSON bytes and token counts.
 
-        Raise `clef_protocol.validation.RequestInvalid` for a request the model must refuse (the
+        Raise `clef_protocol.errors.RequestInvalid` for a request the model must refuse (the
         worker answers 422 with its message), `ExecutorBroken` when the executor cannot go on;
         any other exception becomes a 500 and the worker keeps serving.
         """

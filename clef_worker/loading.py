@@ -10,7 +10,8 @@ import argparse
 from pathlib import Path
 
 from clef_protocol.options import limits_from
-from clef_worker.executor import Executor, StartupError
+from clef_worker.errors import StartupError
+from clef_worker.executor import Executor
 
 
 def resolve_snapshot(model: str) -> tuple[Path, bool]:

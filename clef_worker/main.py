@@ -17,7 +17,7 @@ import traceback
 from typing import BinaryIO, cast
 
 from clef_protocol import messages
-from clef_protocol.body import BadRequestBody
+from clef_protocol.errors import BadRequestBody, RequestInvalid
 from clef_protocol.frames import (
     FrameError,
     encode_frame,
@@ -26,7 +26,6 @@ from clef_protocol.frames import (
     write_frames,
 )
 from clef_protocol.options import add_model_arguments
-from clef_protocol.validation import RequestInvalid
 from clef_worker.allocator import keep_freed_memory
 from clef_worker.batching import (
     NO_BODY,
@@ -38,7 +37,8 @@ from clef_worker.batching import (
     default_max_batch_tokens,
     supports_batching,
 )
-from clef_worker.executor import Answer, Executor, ExecutorBroken, StartupError
+from clef_worker.errors import ExecutorBroken, StartupError
+from clef_worker.executor import Answer, Executor
 from clef_worker.logs import configure as configure_logs
 from clef_worker.logs import request_context
 

@@ -20,10 +20,11 @@ import torch
 from safetensors import safe_open
 
 from clef_protocol.body import parse_body
+from clef_protocol.errors import RequestInvalid
 from clef_protocol.media import decode_media, has_media
 from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
-from clef_protocol.validation import RequestInvalid, validate_request
+from clef_protocol.validation import validate_request
 from clef_worker import warmup
 from clef_worker.answers import build_response, serialize
 from clef_worker.backbone import (
@@ -37,7 +38,8 @@ from clef_worker.backbone import (
 )
 from clef_worker.buckets import BucketTable
 from clef_worker.encoding import Encoder, Encoding
-from clef_worker.executor import Answer, ExecutorBroken, StartupError
+from clef_worker.errors import ExecutorBroken, StartupError
+from clef_worker.executor import Answer
 from clef_worker.graphs import (
     BucketedBackbone,
     CudaGraphCapturer,

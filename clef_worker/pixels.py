@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 from torch.nn import functional
 
-from clef_protocol.validation import RequestInvalid
-from clef_worker.executor import StartupError
+from clef_protocol.errors import RequestInvalid
+from clef_worker.errors import StartupError
 
 PROCESSOR_CONFIG = "processor_config.json"
 BICUBIC = 3  # PIL's resample code, which processor_config.json uses

@@ -47,9 +47,10 @@ from types import ModuleType
 from typing import Any
 
 from clef_protocol.body import parse_body
+from clef_protocol.errors import RequestInvalid
 from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
-from clef_protocol.validation import RequestInvalid, validate_request
+from clef_protocol.validation import validate_request
 from clef_worker import warmup
 from clef_worker.answers import serialize
 from clef_worker.backbone import (
@@ -61,7 +62,8 @@ from clef_worker.backbone import (
     resolve_dtype,
 )
 from clef_worker.encoding import Encoder
-from clef_worker.executor import Answer, StartupError
+from clef_worker.errors import StartupError
+from clef_worker.executor import Answer
 from clef_worker.kernel_advice import quiet_on_cpu
 from clef_worker.snapshot import open_snapshot
 from clef_worker.versions import package_versions

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from clef_protocol.options import SHORT_CONV_MODES
 from clef_worker.backbone import MODELING_MODULE
-from clef_worker.executor import StartupError
+from clef_worker.errors import StartupError
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from clef_worker.executor import StartupError
+from clef_worker.errors import StartupError
 from clef_worker.head import HeadConfig, JointSchemaHead
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from torch import Tensor
 from clef_protocol.media import DecodedMedia
 from clef_worker.backbone import Backbone, build_on_meta, read_tensors
 from clef_worker.encoding import Encoder
-from clef_worker.executor import StartupError
+from clef_worker.errors import StartupError
 from clef_worker.pixels import (
     PROCESSOR_CONFIG,
     Patches,

@@ -15,9 +15,10 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import cycle, islice
 from typing import Any
 
+from clef_protocol.errors import RequestInvalid
 from clef_protocol.media import gradient_image, png_data_uri
 from clef_protocol.options import RequestLimits
-from clef_protocol.validation import RequestInvalid, validate_request
+from clef_protocol.validation import validate_request
 from clef_worker.encoding import TYPE_IDS, EncodedQuestion, Encoding
 
 # The richest candidate: ~250 tokens of state and the three question types, like a typical

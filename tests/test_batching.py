@@ -17,10 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from clef_protocol import messages
-from clef_protocol.body import BadRequestBody
+from clef_protocol.errors import BadRequestBody, RequestInvalid
 from clef_protocol.frames import encode_frame, read_frame_blocking
 from clef_protocol.options import RequestLimits
-from clef_protocol.validation import RequestInvalid
 from clef_worker.batching import (
     DEFAULT_MAX_BATCH_TOKENS,
     BatchPolicy,
@@ -30,7 +29,8 @@ from clef_worker.batching import (
     plan_groups,
     supports_batching,
 )
-from clef_worker.executor import Answer, ExecutorBroken
+from clef_worker.errors import ExecutorBroken
+from clef_worker.executor import Answer
 from clef_worker.main import batch_policy, parse_args, serve
 from clef_worker.native import NativeExecutor, Prepared
 from tests.answer_compare import assert_same_response

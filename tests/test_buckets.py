@@ -15,8 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
-from clef_protocol.validation import RequestInvalid
 from clef_worker.buckets import BucketTable, bucket_lengths
 from clef_worker.native import NativeExecutor
 from tests.answer_compare import assert_same_response

@@ -13,7 +13,7 @@ import pytest
 
 from clef_worker import demo
 from clef_worker.demo import generate, layout
-from clef_worker.executor import StartupError
+from clef_worker.errors import StartupError
 from clef_worker.native import NativeExecutor
 from clef_worker.snapshot import RANDOM_MARKER
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from clef_protocol.options import RequestLimits
-from clef_worker.executor import ExecutorBroken
+from clef_worker.errors import ExecutorBroken
 from clef_worker.native import NativeExecutor, device_is_broken
 
 CUDA = torch.device("cuda")

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clef_protocol.validation import RequestInvalid
+from clef_protocol.errors import RequestInvalid
 from clef_worker.encoding import (
     PREFIX,
     SCHEMA_HEADER,

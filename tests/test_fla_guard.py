@@ -65,7 +65,7 @@ def test_fla_refused_on_cpu_and_premise(fake_fla: Path, tiny_snapshot: Path) -> 
         import importlib.util
         assert importlib.util.find_spec("fla") is not None, "the fake fla must be importable"
         from clef_worker.backbone import bound_gdn_path
-        from clef_worker.executor import StartupError
+        from clef_worker.errors import StartupError
         from clef_worker.native import NativeExecutor
         try:
             NativeExecutor.load({str(tiny_snapshot)!r}, device="cpu", gdn_prefill="fla")

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
-from clef_protocol.validation import RequestInvalid
 from clef_worker.native import NativeExecutor, Scored
 from tests.golden import GOLDEN, Drift, answered, assert_response_matches, load_cases, refused
 
@@ -88,7 +88,7 @@ def test_body_is_compact_utf8(executor: NativeExecutor) -> None:
 
 
 def test_malformed_body_is_refused_before_the_model(executor: NativeExecutor) -> None:
-    from clef_protocol.body import BadRequestBody
+    from clef_protocol.errors import BadRequestBody
 
     with pytest.raises(BadRequestBody):
         executor.answer(b'{"model": "m", "state": ')

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
-from clef_protocol.validation import RequestInvalid
 from clef_worker.native import NativeExecutor, Scored
 from clef_worker.vision import rope_positions
 from tests.golden import (

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from clef_protocol.errors import RequestInvalid
 from clef_protocol.media import MEDIA_DISABLED, gradient_image, png_data_uri
 from clef_protocol.options import RequestLimits, add_model_arguments, limits_from, worker_argv
-from clef_protocol.validation import RequestInvalid
-from clef_worker.executor import StartupError
+from clef_worker.errors import StartupError
 from clef_worker.native import NO_VISION, NativeExecutor
 from clef_worker.pixels import PROCESSOR_CONFIG
 

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
+from clef_protocol.errors import RequestInvalid
 from clef_protocol.media import check_media, decode_media, gradient_image, png_data_uri
 from clef_protocol.options import RequestLimits
-from clef_protocol.validation import RequestInvalid, validate_request
+from clef_protocol.validation import validate_request
 
 LIMITS = RequestLimits()
 QUESTIONS = {"q": {"type": "noul"}}

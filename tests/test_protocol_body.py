@@ -14,9 +14,9 @@ from clef_protocol.body import (
     MAX_DEPTH,
     NON_FINITE,
     NOT_AN_OBJECT,
-    BadRequestBody,
     parse_body,
 )
+from clef_protocol.errors import BadRequestBody
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,9 @@ from typing import Any
 
 import pytest
 
+from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
-from clef_protocol.validation import RequestInvalid, validate_request
+from clef_protocol.validation import validate_request
 from tests.golden import load_cases
 
 LIMITS = RequestLimits()

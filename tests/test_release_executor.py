@@ -17,11 +17,10 @@ from typing import Any
 
 import pytest
 
-from clef_protocol.body import BadRequestBody
+from clef_protocol.errors import BadRequestBody, RequestInvalid
 from clef_protocol.options import RequestLimits
-from clef_protocol.validation import RequestInvalid
 from clef_worker import demo, warmup
-from clef_worker.executor import StartupError
+from clef_worker.errors import StartupError
 from clef_worker.release import RELEASE_FILE, ReleaseExecutor
 from tests.conftest import REPO
 

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from clef_protocol.options import add_model_arguments, worker_argv
 from clef_worker import short_conv
 from clef_worker.backbone import MODELING_MODULE
-from clef_worker.executor import StartupError
+from clef_worker.errors import StartupError
 from clef_worker.short_conv import FLA_CONV_MODULE, FLA_PATH, TORCH_PATH, FlaShortConv
 
 CUDA = torch.device("cuda")  # a device object only: nothing here touches CUDA

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from clef_worker.executor import StartupError
+from clef_worker.errors import StartupError
 from clef_worker.native import NativeExecutor
 from clef_worker.snapshot import RANDOM_MARKER, open_snapshot
 

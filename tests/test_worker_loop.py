@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from clef_protocol import messages
-from clef_protocol.body import BadRequestBody
+from clef_protocol.errors import BadRequestBody, RequestInvalid
 from clef_protocol.frames import encode_frame, read_frame_blocking
 from clef_protocol.messages import ModelInfo
-from clef_protocol.validation import RequestInvalid
-from clef_worker.executor import Answer, ExecutorBroken
+from clef_worker.errors import ExecutorBroken
+from clef_worker.executor import Answer
 from clef_worker.main import handle_request, serve
 
 REPO = Path(__file__).resolve().parent.parent
