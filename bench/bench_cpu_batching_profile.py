@@ -7,7 +7,7 @@ allocator settings applied) and prints markdown:
 2. the backbone's cost by batch rows B and row length T, with its fixed part (a 16-token
    forward: Python, dispatch, allocation, the per-layer loops) and the size of one chunked
    Gated DeltaNet intermediate ([B, value heads, chunks, C, C] float32 with the chunk size C
-   clef_worker.gated_delta picks for B rows, several per layer), set against the L2 cache;
+   clef_worker.model.gated_delta picks for B rows, several per layer), set against the L2 cache;
 3. the head alone and over a batch of eight records (one `forward_batch` pass);
 4. the torch ops that cost most per request, alone and at B=8 (torch.profiler);
 5. whole `answer_prepared` calls alone and on eight requests (median ms per request; with
@@ -40,9 +40,9 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from bench.bench_worker_batching import request_bodies  # noqa: E402
 from clef_worker.allocator import keep_freed_memory  # noqa: E402
-from clef_worker.answers import build_response, serialize  # noqa: E402
-from clef_worker.gated_delta import chunk_size_for  # noqa: E402
-from clef_worker.head import HeadBatch, RecordSpans  # noqa: E402
+from clef_worker.model.answers import build_response, serialize  # noqa: E402
+from clef_worker.model.gated_delta import chunk_size_for  # noqa: E402
+from clef_worker.model.head import HeadBatch, RecordSpans  # noqa: E402
 from clef_worker.native import NativeExecutor  # noqa: E402
 
 

@@ -103,7 +103,7 @@ class SnapshotResult:
 def measure(executor: Any, questions: int, warmup: int, repeats: int,
             budget_s: float) -> Row:
     """Median stage times of one request size (fewer repeats if the time budget runs out)."""
-    from clef_worker.answers import serialize
+    from clef_worker.model.answers import serialize
 
     request = make_request(questions)
     for _ in range(warmup):

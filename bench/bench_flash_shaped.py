@@ -80,19 +80,19 @@ def build_executor(args: argparse.Namespace) -> Any:
     import torch
 
     from clef_protocol.options import RequestLimits
-    from clef_worker.backbone import (
+    from clef_worker.demo import ensure_demo_snapshot
+    from clef_worker.model.backbone import (
         Backbone,
         bind_gdn_path,
         configure_attention,
         resolve_device,
         resolve_dtype,
     )
-    from clef_worker.demo import ensure_demo_snapshot
-    from clef_worker.encoding import Encoder
-    from clef_worker.head import HeadConfig, JointSchemaHead
+    from clef_worker.model.encoding import Encoder
+    from clef_worker.model.head import HeadConfig, JointSchemaHead
+    from clef_worker.model.short_conv import bind_short_conv
+    from clef_worker.model.snapshot import open_snapshot
     from clef_worker.native import NativeExecutor
-    from clef_worker.short_conv import bind_short_conv
-    from clef_worker.snapshot import open_snapshot
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -207,7 +207,7 @@ def build_for_modes(args: argparse.Namespace) -> tuple[Any, int, dict[str, Any]]
                         format="%(asctime)s %(name)s %(message)s")
     args.skip_warmup_probe = True
     if "graphs" in args.modes:
-        from clef_worker.graphs import prepare_capture_environment
+        from clef_worker.gpu.graphs import prepare_capture_environment
 
         prepare_capture_environment()
     base, params = build_executor(args)

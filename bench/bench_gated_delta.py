@@ -1,10 +1,10 @@
 """clef's small-chunk Gated DeltaNet kernel against transformers' torch fallback, one layer on CPU.
 
-Not a test. Times `clef_worker.gated_delta.chunked_gated_delta_rule` (at the chunk size it picks
-for the row count, and at 16, 32 and 64) against transformers' `torch_chunk_gated_delta_rule`
-(chunks of 64) on random q/k/v/g/beta of a layer's shapes: the tiny fixture's (2 key heads, 4
-value heads, 16 wide) and the release's (16 key heads, 32 value heads, 128 wide). Prints the
-best of `--repeat` runs in ms per row.
+Not a test. Times `clef_worker.model.gated_delta.chunked_gated_delta_rule` (at the chunk size it
+picks for the row count, and at 16, 32 and 64) against transformers' `torch_chunk_gated_delta_rule`
+(chunks of 64) on random q/k/v/g/beta of a layer's shapes: the tiny fixture's (2 key heads, 4 value
+heads, 16 wide) and the release's (16 key heads, 32 value heads, 128 wide). Prints the best of
+`--repeat` runs in ms per row.
 
     python bench/bench_gated_delta.py --threads 1
     python bench/bench_gated_delta.py --quick        # CI smoke run
@@ -26,8 +26,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from clef_worker import gated_delta  # noqa: E402
-from clef_worker.backbone import MODELING_MODULE, block_fla  # noqa: E402
+from clef_worker.model import gated_delta  # noqa: E402
+from clef_worker.model.backbone import MODELING_MODULE, block_fla  # noqa: E402
 
 SHAPES = {"tiny": (2, 4, 16), "release": (16, 32, 128)}  # key heads, value heads, head width
 

@@ -60,8 +60,8 @@ def summary(samples: list[float]) -> dict[str, float]:
 
 def with_runner(executor: Any, mode: str, max_length: int) -> Any:
     """The in-memory executor with the bucket runner `--cuda-graphs on|off` would give it."""
-    from clef_worker.buckets import BucketTable
-    from clef_worker.graphs import BucketedBackbone, CudaGraphCapturer, EagerCapturer
+    from clef_worker.gpu.buckets import BucketTable
+    from clef_worker.gpu.graphs import BucketedBackbone, CudaGraphCapturer, EagerCapturer
     from clef_worker.native import NativeExecutor
 
     runner = None

@@ -78,8 +78,8 @@ def main() -> None:
 
     from clef_protocol.media import check_media, decode_media
     from clef_protocol.options import RequestLimits
+    from clef_worker.media.pixels import PixelSettings, image_patches
     from clef_worker.native import NativeExecutor
-    from clef_worker.pixels import PixelSettings, image_patches
     from clef_worker.warmup import REPRESENTATIVE as WARMUP_REQUEST
 
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -42,13 +42,13 @@ class ModelInfo:
     device: str
     dtype: str
     gdn_path: str
-    # The Gated DeltaNet short convolution (clef_worker.short_conv): fla-triton or torch; empty
-    # for an executor that does not choose it (the release executor runs its own code).
+    # The Gated DeltaNet short convolution (clef_worker.model.short_conv): fla-triton or
+    # torch; empty for an executor that does not choose it (the release executor runs its own code).
     short_conv: str = ""
     versions: dict[str, str] = field(default_factory=dict)
     demo: bool = False
     snapshot: str = ""
-    # The GPU path (clef_worker.graphs): padded length buckets, whether they replay captured
+    # The GPU path (clef_worker.gpu.graphs): padded length buckets, whether they replay captured
     # CUDA graphs, how many were built at warm-up and the device memory the graphs hold.
     cuda_graphs: bool = False
     buckets: list[int] = field(default_factory=list)

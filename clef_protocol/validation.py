@@ -14,7 +14,7 @@ from typing import Any
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
 
-# The question types, in the order of the head's type ids (clef_worker.encoding.TYPE_IDS).
+# The question types, in the order of the head's type ids (clef_worker.model.encoding.TYPE_IDS).
 QUESTION_TYPES = ("noul", "choice", "score")
 
 MODEL_AND_STATE = "model and state are required"

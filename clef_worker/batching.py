@@ -5,7 +5,7 @@ The front may keep several requests in flight to the worker (its `--max-batch`);
 (clef_worker.main) reads the first frame, then every further request frame already in the pipe
 (waiting up to `--batch-window-ms` for more), and hands them here in admission order.
 
-Packing: right-padded `[B, T]` rows, T the bucket of the longest request (clef_worker.buckets).
+Packing: right-padded `[B, T]` rows, T the bucket of the longest request (clef_worker.gpu.buckets).
 The stack is causal, so a row's real positions never see its padding, and no attention mask is
 needed; the head then runs per request on its real rows, exactly as for a solo request. Chosen
 over packing all requests into one row with `cu_seqlens` because (1) fla's varlen path derives

@@ -26,21 +26,10 @@ from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import validate_request
 from clef_worker import warmup
-from clef_worker.answers import build_response, serialize
-from clef_worker.backbone import (
-    DTYPE_NAMES,
-    Backbone,
-    bind_gdn_path,
-    describe_kernel_lengths,
-    load_backbone,
-    resolve_device,
-    resolve_dtype,
-)
-from clef_worker.buckets import BucketTable
-from clef_worker.encoding import Encoder, Encoding
 from clef_worker.errors import ExecutorBroken, StartupError
 from clef_worker.executor import Answer
-from clef_worker.graphs import (
+from clef_worker.gpu.buckets import BucketTable
+from clef_worker.gpu.graphs import (
     BucketedBackbone,
     CudaGraphCapturer,
     EagerCapturer,
@@ -49,12 +38,23 @@ from clef_worker.graphs import (
     pad_token_id,
     prepare_capture_environment,
 )
-from clef_worker.head import HeadBatch, JointSchemaHead, RecordSpans
-from clef_worker.short_conv import TORCH_PATH, bind_short_conv
-from clef_worker.snapshot import Snapshot, open_snapshot
-from clef_worker.transfer import to_device_packed
+from clef_worker.gpu.transfer import to_device_packed
+from clef_worker.media.vision import PreparedMedia, VisionTower, has_vision, load_vision
+from clef_worker.model.answers import build_response, serialize
+from clef_worker.model.backbone import (
+    DTYPE_NAMES,
+    Backbone,
+    bind_gdn_path,
+    describe_kernel_lengths,
+    load_backbone,
+    resolve_device,
+    resolve_dtype,
+)
+from clef_worker.model.encoding import Encoder, Encoding
+from clef_worker.model.head import HeadBatch, JointSchemaHead, RecordSpans
+from clef_worker.model.short_conv import TORCH_PATH, bind_short_conv
+from clef_worker.model.snapshot import Snapshot, open_snapshot
 from clef_worker.versions import package_version, package_versions
-from clef_worker.vision import PreparedMedia, VisionTower, has_vision, load_vision
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class NativeExecutor:
         """Check and load a snapshot; StartupError says what is wrong (file, tensor, flag).
 
         Must run before anything imports transformers' Qwen3.5 modelling module in this process
-        (that import binds the Gated DeltaNet kernel; see clef_worker.backbone).
+        (that import binds the Gated DeltaNet kernel; see clef_worker.model.backbone).
         """
         started = time.perf_counter()
         limits = limits or RequestLimits()
@@ -201,7 +201,7 @@ class NativeExecutor:
     def warm_up(self) -> None:
         """A forward of the richest warm-up request the limits admit (clef_worker.warmup); on
         the fla path, also one Gated DeltaNet layer per autotune length bucket up to
-        --max-length (see clef_worker.backbone); with a vision tower, the same request with an
+        --max-length (see clef_worker.model.backbone); with a vision tower, the same request with an
         image."""
         started = time.perf_counter()
         if self.runner is not None:

@@ -52,8 +52,10 @@ from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import validate_request
 from clef_worker import warmup
-from clef_worker.answers import serialize
-from clef_worker.backbone import (
+from clef_worker.errors import StartupError
+from clef_worker.executor import Answer
+from clef_worker.model.answers import serialize
+from clef_worker.model.backbone import (
     DTYPE_NAMES,
     MODELING_MODULE,
     bound_gdn_path,
@@ -61,11 +63,9 @@ from clef_worker.backbone import (
     resolve_device,
     resolve_dtype,
 )
-from clef_worker.encoding import Encoder
-from clef_worker.errors import StartupError
-from clef_worker.executor import Answer
-from clef_worker.kernel_advice import quiet_on_cpu
-from clef_worker.snapshot import open_snapshot
+from clef_worker.model.encoding import Encoder
+from clef_worker.model.kernel_advice import quiet_on_cpu
+from clef_worker.model.snapshot import open_snapshot
 from clef_worker.versions import package_versions
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from clef_protocol.errors import RequestInvalid
 from clef_protocol.media import gradient_image, png_data_uri
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import validate_request
-from clef_worker.encoding import TYPE_IDS, EncodedQuestion, Encoding
+from clef_worker.model.encoding import TYPE_IDS, EncodedQuestion, Encoding
 
 # The richest candidate: ~250 tokens of state and the three question types, like a typical
 # small request. The state is truncated to the budget by the encoder like any request's.

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from clef_worker.answers import answer_question, build_response, serialize
-from clef_worker.encoding import TYPE_IDS, EncodedQuestion, Encoding
+from clef_worker.model.answers import answer_question, build_response, serialize
+from clef_worker.model.encoding import TYPE_IDS, EncodedQuestion, Encoding
 
 
 def _encoded(qid: str, kind: str, options: tuple[str, ...]) -> EncodedQuestion:

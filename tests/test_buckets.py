@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
-from clef_worker.buckets import BucketTable, bucket_lengths
+from clef_worker.gpu.buckets import BucketTable, bucket_lengths
 from clef_worker.native import NativeExecutor
 from tests.answer_compare import assert_same_response
 from tests.conftest import GOLDEN

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clef_protocol.errors import RequestInvalid
-from clef_worker.encoding import (
+from clef_worker.model.encoding import (
     PREFIX,
     SCHEMA_HEADER,
     SUFFIX,

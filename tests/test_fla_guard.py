@@ -64,7 +64,7 @@ def test_fla_refused_on_cpu_and_premise(fake_fla: Path, tiny_snapshot: Path) -> 
     result = _python(fake_fla, f"""
         import importlib.util
         assert importlib.util.find_spec("fla") is not None, "the fake fla must be importable"
-        from clef_worker.backbone import bound_gdn_path
+        from clef_worker.model.backbone import bound_gdn_path
         from clef_worker.errors import StartupError
         from clef_worker.native import NativeExecutor
         try:
@@ -125,7 +125,7 @@ def test_kernel_advice_is_dropped_on_cpu_only() -> None:
 
     import torch
 
-    from clef_worker.kernel_advice import ADVICE_LOGGER, DropKernelAdvice, quiet_on_cpu
+    from clef_worker.model.kernel_advice import ADVICE_LOGGER, DropKernelAdvice, quiet_on_cpu
 
     logger = logging.getLogger(ADVICE_LOGGER)
     before = list(logger.filters)

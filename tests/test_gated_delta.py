@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clef_worker import gated_delta
-from clef_worker.backbone import MODELING_MODULE, bind_gdn_path, bound_gdn_path
-from clef_worker.gated_delta import chunk_size_for, chunked_gated_delta_rule
+from clef_worker.model import gated_delta
+from clef_worker.model.backbone import MODELING_MODULE, bind_gdn_path, bound_gdn_path
+from clef_worker.model.gated_delta import chunk_size_for, chunked_gated_delta_rule
 
 
 def recurrent_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -14,17 +14,17 @@ from torch import Tensor, nn
 
 from clef_protocol.messages import ReadyInfo, ready
 from clef_protocol.options import RequestLimits
-from clef_worker.backbone import Backbone
-from clef_worker.buckets import BucketTable, bucket_lengths
-from clef_worker.graphs import (
+from clef_worker.gpu.buckets import BucketTable, bucket_lengths
+from clef_worker.gpu.graphs import (
     BucketedBackbone,
     Forward,
     buckets_enabled,
     graphs_enabled,
     pad_token_id,
 )
+from clef_worker.gpu.transfer import pack, to_device_packed, unpack
+from clef_worker.model.backbone import Backbone
 from clef_worker.native import NativeExecutor
-from clef_worker.transfer import pack, to_device_packed, unpack
 
 PAD = 7
 

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.nn import functional as F
 
-from clef_worker.head import (
+from clef_worker.model.head import (
     EvidenceLayer,
     HeadBatch,
     HeadConfig,

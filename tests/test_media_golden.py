@@ -16,8 +16,8 @@ import torch
 
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
+from clef_worker.media.vision import rope_positions
 from clef_worker.native import NativeExecutor, Scored
-from clef_worker.vision import rope_positions
 from tests.golden import (
     MEDIA_GOLDEN,
     Drift,

@@ -14,8 +14,8 @@ from clef_protocol.errors import RequestInvalid
 from clef_protocol.media import MEDIA_DISABLED, gradient_image, png_data_uri
 from clef_protocol.options import RequestLimits, add_model_arguments, limits_from, worker_argv
 from clef_worker.errors import StartupError
+from clef_worker.media.pixels import PROCESSOR_CONFIG
 from clef_worker.native import NO_VISION, NativeExecutor
-from clef_worker.pixels import PROCESSOR_CONFIG
 
 IMAGE_REQUEST = {"model": "m", "state": "s", "questions": {"q": {"type": "noul"}},
                  "images": [png_data_uri(gradient_image(40, 40))]}

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from clef_worker.buckets import bucket_lengths
+from clef_worker.gpu.buckets import bucket_lengths
 from tests.answer_compare import assert_same_response
 from tests.conftest import GOLDEN, TINY_SNAPSHOT
 from tests.frontend_helpers import Serve

@@ -1,4 +1,4 @@
-"""The short-convolution binding (clef_worker.short_conv), on CPU.
+"""The short-convolution binding (clef_worker.model.short_conv), on CPU.
 
 fla's Triton kernel needs a GPU, so these tests drive the adapter with a test double of fla's
 `causal_conv1d` written in torch to fla's documented contract ([B, T, D] in and out, a [D, W]
@@ -24,10 +24,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clef_protocol.options import add_model_arguments, worker_argv
-from clef_worker import short_conv
-from clef_worker.backbone import MODELING_MODULE
 from clef_worker.errors import StartupError
-from clef_worker.short_conv import FLA_CONV_MODULE, FLA_PATH, TORCH_PATH, FlaShortConv
+from clef_worker.model import short_conv
+from clef_worker.model.backbone import MODELING_MODULE
+from clef_worker.model.short_conv import FLA_CONV_MODULE, FLA_PATH, TORCH_PATH, FlaShortConv
 
 CUDA = torch.device("cuda")  # a device object only: nothing here touches CUDA
 CPU = torch.device("cpu")
@@ -167,7 +167,7 @@ def test_cpu_binds_nothing(modeling: Any, fake_fla: FakeFlaConv) -> None:
 def test_cuda_with_fla_binds_the_adapter_once(modeling: Any, fake_fla: FakeFlaConv,
                                               caplog: pytest.LogCaptureFixture) -> None:
     original = modeling.causal_conv1d_fn
-    with caplog.at_level(logging.INFO, logger="clef_worker.short_conv"):
+    with caplog.at_level(logging.INFO, logger="clef_worker.model.short_conv"):
         assert short_conv.bind_short_conv(CUDA, "fla") == FLA_PATH
     assert caplog.text.count("short convolution: fla-triton") == 1
     adapter = short_conv.installed(modeling)
@@ -212,7 +212,7 @@ def test_an_unusable_fla_keeps_torch(modeling: Any, monkeypatch: pytest.MonkeyPa
                                      caplog: pytest.LogCaptureFixture) -> None:
     before = modeling.causal_conv1d_fn
     monkeypatch.setitem(sys.modules, FLA_CONV_MODULE, None)  # the import raises ImportError
-    with caplog.at_level(logging.WARNING, logger="clef_worker.short_conv"):
+    with caplog.at_level(logging.WARNING, logger="clef_worker.model.short_conv"):
         assert short_conv.bind_short_conv(CUDA, "fla") == TORCH_PATH
     assert "causal_conv1d is not usable (ModuleNotFoundError" in caplog.text
     assert modeling.causal_conv1d_fn is before
@@ -220,7 +220,7 @@ def test_an_unusable_fla_keeps_torch(modeling: Any, monkeypatch: pytest.MonkeyPa
         short_conv.bind_short_conv(CUDA, "fla", "fla")
     monkeypatch.setitem(sys.modules, FLA_CONV_MODULE, types.ModuleType(FLA_CONV_MODULE))
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="clef_worker.short_conv"):
+    with caplog.at_level(logging.WARNING, logger="clef_worker.model.short_conv"):
         assert short_conv.bind_short_conv(CUDA, "fla") == TORCH_PATH
     assert "has no causal_conv1d" in caplog.text
     assert modeling.causal_conv1d_fn is before

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from clef_worker import short_conv
-from clef_worker.backbone import MODELING_MODULE
+from clef_worker.model import short_conv
+from clef_worker.model.backbone import MODELING_MODULE
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from clef_worker.errors import StartupError
+from clef_worker.model.snapshot import RANDOM_MARKER, open_snapshot
 from clef_worker.native import NativeExecutor
-from clef_worker.snapshot import RANDOM_MARKER, open_snapshot
 
 INVOICE = {
     "model": "clef-flash",

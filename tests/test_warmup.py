@@ -9,7 +9,7 @@ import pytest
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import validate_request
 from clef_worker import warmup
-from clef_worker.encoding import Encoder
+from clef_worker.model.encoding import Encoder
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from pathlib import Path
 from clef_worker.demo import generate
 from clef_worker.demo.spec import DEFAULT_SPEC, DEMO_FORMAT, DemoSpec
 from clef_worker.errors import StartupError
-from clef_worker.snapshot import RANDOM_MARKER
+from clef_worker.model.snapshot import RANDOM_MARKER
 from clef_worker.versions import package_versions
 
 log = logging.getLogger("clef_worker.demo")

@@ -16,8 +16,8 @@ from clef_worker.demo.layout import backbone_layout, head_layout
 from clef_worker.demo.spec import DEFAULT_SPEC, DEMO_FORMAT, DemoSpec
 from clef_worker.demo.tokenizer import SPECIAL_TOKENS, build_tokenizer, tokenizer_config
 from clef_worker.demo.weights import save_tensors
-from clef_worker.head import HeadConfig
-from clef_worker.snapshot import HEAD_CONFIG, RANDOM_MARKER
+from clef_worker.model.head import HeadConfig
+from clef_worker.model.snapshot import HEAD_CONFIG, RANDOM_MARKER
 from clef_worker.versions import package_versions
 
 

@@ -18,8 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from clef_worker.backbone import KERNEL_PACKAGES, MODELING_MODULE
-from clef_worker.head import HeadConfig
+from clef_worker.model.backbone import KERNEL_PACKAGES, MODELING_MODULE
+from clef_worker.model.head import HeadConfig
 
 # A tensor to generate: name -> (shape, kind). `kind` picks the initialisation (see _draw).
 Layout = dict[str, tuple[tuple[int, ...], str]]
@@ -116,12 +116,12 @@ def _layout_from_config_text(config_text: str) -> Layout:
 
 def head_layout(config: HeadConfig) -> Layout:
     """The joint head's tensors, read from `JointSchemaHead` itself built on the meta device
-    (as `clef_worker.snapshot` does to check a release head), so the demo can never drift from
+    (as `clef_worker.model.snapshot` does to check a release head), so the demo can never drift from
     the module that loads it."""
     import torch
     from torch import nn
 
-    from clef_worker.head import JointSchemaHead
+    from clef_worker.model.head import JointSchemaHead
 
     with torch.device("meta"):
         head = JointSchemaHead(config)

@@ -3,7 +3,7 @@
 Loaded with the backbone only when the snapshot has a vision tower (`model.visual.*` tensors and
 a `vision_config`) and a processor (`processor_config.json`) and `--media` is not off. The tower
 is transformers' `Qwen3_5VisionModel`, built on meta from `vision_config` and given the release
-tensors, like the text stack (clef_worker.backbone).
+tensors, like the text stack (clef_worker.model.backbone).
 
 The layout follows the release (../shared/README.md, "The media golden file"):
 
@@ -28,17 +28,17 @@ import torch
 from torch import Tensor
 
 from clef_protocol.media import DecodedMedia
-from clef_worker.backbone import Backbone, build_on_meta, read_tensors
-from clef_worker.encoding import Encoder
 from clef_worker.errors import StartupError
-from clef_worker.pixels import (
+from clef_worker.media.pixels import (
     PROCESSOR_CONFIG,
     Patches,
     PixelSettings,
     image_patches,
     video_patches,
 )
-from clef_worker.snapshot import Snapshot
+from clef_worker.model.backbone import Backbone, build_on_meta, read_tensors
+from clef_worker.model.encoding import Encoder
+from clef_worker.model.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -177,7 +177,7 @@ class Encoder:
     ) -> Encoding:
         """Encode a validated request; raise `RequestInvalid` if its schema exceeds the budget.
 
-        `media_ids` are the request's media tokens (clef_worker.vision): they go between the
+        `media_ids` are the request's media tokens (clef_worker.media.vision): they go between the
         prefix and the state and count against the budget like the schema.
         """
         segments: list[_Segment] = [self.schema_header_ids]

@@ -17,7 +17,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from clef_worker.encoding import EncodedQuestion, Encoding
+from clef_worker.model.encoding import EncodedQuestion, Encoding
 
 DECIMALS = 4
 

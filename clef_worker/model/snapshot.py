@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from clef_worker.errors import StartupError
-from clef_worker.head import HeadConfig, JointSchemaHead
+from clef_worker.model.head import HeadConfig, JointSchemaHead
 
 log = logging.getLogger(__name__)
 

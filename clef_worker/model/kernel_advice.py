@@ -1,8 +1,9 @@
 """transformers' advice to install fla and causal_conv1d, kept out of the log where it cannot apply.
 
-On CPU the Gated DeltaNet layers always run a PyTorch implementation (clef_worker.gated_delta's
+On CPU the Gated DeltaNet layers always run a PyTorch implementation
+(clef_worker.model.gated_delta's
 in the native executor, transformers' reference in the release one): fla and causal_conv1d are
-CUDA kernels, and the worker blocks them there (see clef_worker.backbone).
+CUDA kernels, and the worker blocks them there (see clef_worker.model.backbone).
 transformers does not know that and, on the first forward, advises installing both "for the
 optimized kernel", which sends operators after packages that would change nothing. So on CPU the
 advice is dropped and the worker's own line says once which path runs and why. On CUDA the advice

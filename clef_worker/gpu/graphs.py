@@ -2,7 +2,7 @@
 
 Why: a short request on a GPU is launch-bound, not compute-bound (hundreds of small kernels,
 each with host overhead). Replaying a CUDA graph launches the whole recorded forward at once.
-A graph replays fixed shapes at fixed addresses, so each bucket (clef_worker.buckets) owns a
+A graph replays fixed shapes at fixed addresses, so each bucket (clef_worker.gpu.buckets) owns a
 *static* input buffer: a request's ids (already right-padded to the bucket on the host) are copied
 into it in place, the graph replays, and the head reads the real rows of the static output.
 
@@ -29,8 +29,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from clef_worker.backbone import Backbone
-from clef_worker.buckets import BucketTable
+from clef_worker.gpu.buckets import BucketTable
+from clef_worker.model.backbone import Backbone
 
 log = logging.getLogger(__name__)
 

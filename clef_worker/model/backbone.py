@@ -10,7 +10,7 @@ and the first forward fails. `choose_gdn_path` therefore runs before that import
 torch path, puts `None` in `sys.modules` for `fla` and every `fla.*` (an import of them then raises
 ImportError at once), and `bound_gdn_path` reads back what the decorator actually bound. On CPU the
 same is done for `causal_conv1d` (a CUDA-only package transformers binds the same way). A CPU
-worker then replaces transformers' torch function with `clef_worker.gated_delta`'s small-chunk
+worker then replaces transformers' torch function with `clef_worker.model.gated_delta`'s small-chunk
 kernel (same arithmetic, a fraction of the per-token work; see that module).
 
 Loading: the text stack is built on the meta device from `config.json`'s `text_config`, then
@@ -50,10 +50,10 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from clef_worker import gated_delta
 from clef_worker.errors import StartupError
-from clef_worker.kernel_advice import quiet_on_cpu
-from clef_worker.snapshot import LEXICAL_TABLE, TEXT_PREFIX, Snapshot, tensor_shapes
+from clef_worker.model import gated_delta
+from clef_worker.model.kernel_advice import quiet_on_cpu
+from clef_worker.model.snapshot import LEXICAL_TABLE, TEXT_PREFIX, Snapshot, tensor_shapes
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ activation. fla-core (the `cuda` extra, already imported for the delta rule) shi
 convolution as one Triton kernel with the activation fused. What that saves on a GPU is not
 measured yet (docs/benchmarks.md).
 
-`bind_short_conv` runs right after `clef_worker.backbone.bind_gdn_path` and replaces the
+`bind_short_conv` runs right after `clef_worker.model.backbone.bind_gdn_path` and replaces the
 module-level `causal_conv1d_fn` of transformers' Qwen3.5 module, which
 `Qwen3_5GatedDeltaNet.forward` looks up at call time, with `FlaShortConv`, only when the device
 is CUDA, the fla Gated DeltaNet path was chosen and `fla.modules.convolution` imports. Anywhere
@@ -20,8 +20,8 @@ Layouts: transformers passes `[B, D, T]` (a transposed view of the `[B, T, D]` p
 The adapter therefore transposes in and out; both are views, so the kernel reads the projection
 where it lies and the caller's transpose back to `[B, T, D]` is free.
 
-Graph capture (clef_worker.graphs): fla-core 0.6.0's fixed-shape path (no `cu_seqlens`, which the
-adapter never passes) reads nothing from the device on the host: the grid is `cdiv(T, 64)` from
+Graph capture (clef_worker.gpu.graphs): fla-core 0.6.0's fixed-shape path (no `cu_seqlens`, which
+the adapter never passes) reads nothing from the device on the host: the grid is `cdiv(T, 64)` from
 the tensor's shape, the output is `empty_like`, the backend dispatch and `input_guard` look only at
 environment variables, strides and devices. Host syncs exist only on the packed path
 (`prepare_chunk_indices` runs `repeat_interleave` on device counts) and in Triton's autotuning on
@@ -40,8 +40,8 @@ import torch
 from torch import Tensor
 
 from clef_protocol.options import SHORT_CONV_MODES
-from clef_worker.backbone import MODELING_MODULE
 from clef_worker.errors import StartupError
+from clef_worker.model.backbone import MODELING_MODULE
 
 log = logging.getLogger(__name__)
 
