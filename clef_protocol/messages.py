@@ -1,7 +1,9 @@
 """Message kinds exchanged over the frame channel, and constructors that fix their fields.
 
 Worker -> front: `ready` (once, after warm-up), `fatal` (could not start), `response` and `error`
-(one per request). Front -> worker: `request`, `shutdown`. Request ids are chosen by the front and
+(one per request), `pong` (one per `ping`, sent between forwards). Front -> worker: `request`,
+`ping` (liveness: a worker that neither answers pings nor completes forwards is wedged),
+`shutdown`. Request ids are chosen by the front and
 echoed by the worker, so a reply can never be matched to the wrong request.
 """
 
@@ -16,6 +18,8 @@ REQUEST = "request"
 RESPONSE = "response"
 ERROR = "error"
 SHUTDOWN = "shutdown"
+PING = "ping"
+PONG = "pong"
 
 # The request id rule (`X-Request-Id`, the `trace_id` of a request frame): printable ASCII
 # without spaces, so it stays one token in a `key=value` log line, and bounded.
@@ -141,3 +145,17 @@ def error(request_id: int, status: int, detail: str, worker_ms: float) -> dict[s
 def shutdown() -> dict[str, Any]:
     """Finish the current request (if any) and exit 0."""
     return {"kind": SHUTDOWN}
+
+
+def ping(seq: int) -> dict[str, Any]:
+    """Ask the worker whether it is alive; it answers `pong` with the same `seq` between forwards.
+
+    A worker busy in a long forward answers once the forward returns, so the front judges a
+    stall by "no pong and no completed forward for `--stall-timeout`", never by one late pong.
+    """
+    return {"kind": PING, "seq": seq}
+
+
+def pong(seq: int) -> dict[str, Any]:
+    """The worker's answer to `ping(seq)`."""
+    return {"kind": PONG, "seq": seq}
