@@ -32,6 +32,7 @@ from typing import Protocol
 from clef_frontend import responses
 from clef_frontend.responses import Reply, WorkerAnswer
 from clef_frontend.worker_errors import WorkerFailure, WorkerUnavailable
+from clef_protocol.messages import INFERENCE_FAILED
 
 log = logging.getLogger("clef_frontend.admission")
 
@@ -215,7 +216,7 @@ class Admission:
         if isinstance(outcome, WorkerFailure):
             log.error("request id=%d request_id=%s failed: %s", ticket.request_id,
                       ticket.trace_id, outcome)
-            reply = responses.error(500, responses.INFERENCE_FAILED)
+            reply = responses.error(500, INFERENCE_FAILED)
         else:
             ticket.worker_ms = outcome.worker_ms
             ticket.worker_reply = outcome

@@ -19,8 +19,15 @@ from clef_frontend import auth, logs
 from clef_frontend.catalogue import served_name
 from clef_frontend.config import ServerConfig
 from clef_frontend.server import serve
+from clef_frontend.supervisor import DEFAULT_MAX_BATCH_CPU, DEFAULT_MAX_BATCH_CUDA
 from clef_frontend.version import version
-from clef_protocol.options import add_model_arguments, limits_from, positive_int, worker_argv
+from clef_protocol.options import (
+    add_model_arguments,
+    limits_from,
+    parse_device,
+    positive_int,
+    worker_argv,
+)
 
 DEFAULTS = ServerConfig(worker_argv=("clef_worker",))
 
@@ -55,14 +62,20 @@ _rate = _non_negative("bytes per second")
 
 
 def _devices(value: str) -> tuple[str, ...]:
-    items = tuple(item.strip() for item in value.split(","))
-    for item in items:
-        if item != "cpu" and not (item.startswith("cuda:") and item[5:].isdigit()):
+    """argparse type of --devices: cpu or cuda:N entries (a worker each), none twice."""
+    items: list[str] = []
+    for item in value.split(","):
+        try:
+            device = parse_device(item.strip())
+        except ValueError:
+            device = None
+        if device is None or not (device.kind == "cpu" or device.index is not None):
             raise argparse.ArgumentTypeError(
-                f"invalid device {item!r} in --devices: expected cpu or cuda:N")
+                f"invalid device {item.strip()!r} in --devices: expected cpu or cuda:N")
+        items.append(str(device))
     if len(set(items)) != len(items):
         raise argparse.ArgumentTypeError(f"a device is listed twice in --devices {value!r}")
-    return items
+    return tuple(items)
 
 
 def workers_from(args: argparse.Namespace) -> tuple[tuple[str, ...], int]:
@@ -79,7 +92,8 @@ def workers_from(args: argparse.Namespace) -> tuple[tuple[str, ...], int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="clef-serve",
-        description="Serve Clef over HTTP: an h11 front and one persistent model worker.",
+        description="Serve Clef over HTTP: an h11 front and persistent model workers, one or "
+                    "more per device, each batching the requests it holds.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"clef-serve {version()}")
@@ -120,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Retry-After seconds on 503 answers")
     queue.add_argument("--max-batch", type=positive_int, default=None,
                        help="requests in flight to one worker, which batches them into one "
-                            "forward (default: 16 on a CUDA worker, 4 on CPU)")
+                            f"forward (default: {DEFAULT_MAX_BATCH_CUDA} on a CUDA worker, "
+                            f"{DEFAULT_MAX_BATCH_CPU} on CPU)")
     queue.add_argument("--drain-timeout", type=_seconds, default=d.drain_timeout,
                        help="seconds to finish queued work after SIGTERM before answering 503")
     worker = parser.add_argument_group("worker supervision")

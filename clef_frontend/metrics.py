@@ -96,7 +96,8 @@ class Metrics:
             "clef_states_truncated", "Answered requests whose state was cut to fit the budget.",
             registry=r)
         self.truncated_tokens = Counter(
-            "clef_state_truncated_tokens", "State tokens dropped to fit the token budget.",
+            "clef_truncated_tokens",
+            "State tokens dropped to fit the token budget (the responses' truncated_tokens).",
             registry=r)
         self.restarts = Counter(
             "clef_worker_restarts", "Warm workers lost and replaced, by reason.", ["reason"],

@@ -13,13 +13,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from clef_frontend.truncation import truncation_headers
+from clef_protocol.messages import INFERENCE_FAILED
 
 JSON = "application/json"
 
 log = logging.getLogger("clef_frontend.responses")
-
-# The contract's detail for every 5xx the worker reports; its own text goes to the log only.
-INFERENCE_FAILED = "inference failed"
 
 
 @dataclass(frozen=True)

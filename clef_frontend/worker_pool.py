@@ -25,6 +25,7 @@ from typing import Any
 from clef_frontend.config import ServerConfig
 from clef_frontend.supervisor import StartupFailed, Supervisor, WorkerSlot, WorkerState
 from clef_protocol.messages import ReadyInfo
+from clef_protocol.options import parse_device
 
 log = logging.getLogger("clef_frontend.pool")
 
@@ -41,14 +42,16 @@ def plan_slots(config: ServerConfig) -> list[WorkerSlot]:
         shared = shared_core_env(per_device)
         return [WorkerSlot(str(i), "default", config.worker_argv, dict(shared))
                 for i in range(per_device)]
-    unpinned = sum(per_device for device in config.devices if not device.startswith("cuda:"))
+    gpus = {device: parse_device(device).index for device in config.devices}
+    unpinned = sum(per_device for device in config.devices if gpus[device] is None)
     shared = shared_core_env(unpinned)
     slots = []
     for device in config.devices:
         env: dict[str, str] = {}
         shown = device
-        if device.startswith("cuda:"):
-            env["CUDA_VISIBLE_DEVICES"] = device.removeprefix("cuda:")
+        index = gpus[device]
+        if index is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(index)
             device_flag = "cuda"
         else:
             env.update(shared)

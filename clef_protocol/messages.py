@@ -32,6 +32,11 @@ def is_trace_id(value: object) -> bool:
             and all("!" <= ch <= "~" for ch in value))
 
 
+# The `detail` of every 5xx a client sees for a request the worker could not answer (the
+# contract's text, sent by the worker in its `error` frames and by the front when it loses the
+# request; the cause goes to the log only).
+INFERENCE_FAILED = "inference failed"
+
 # Worker exit statuses the front tells apart (restart reasons in its metrics and logs).
 EXIT_PROTOCOL_ERROR = 2  # the front sent something the worker cannot read
 EXIT_EXECUTOR_BROKEN = 3  # a sticky device error (CUDA) left the executor unusable

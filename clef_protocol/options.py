@@ -1,7 +1,10 @@
 """Model and request-limit flags, defined once and shared by `clef-serve` and `clef_worker`.
 
 The front parses them, then hands the same values to the worker command line via `worker_argv`,
-so a flag added here reaches both processes without a second definition.
+which walks the same definitions (`add_model_arguments`), so a flag added here reaches both
+processes without a second definition. The choices of every mode flag, the device grammar and
+the per-device batch-token budgets live here too, so the help text, the front and the worker
+read one copy.
 """
 
 from __future__ import annotations
@@ -19,6 +22,34 @@ CUDA_GRAPH_MODES = ("auto", "on", "off")
 MEDIA_MODES = ("auto", "on", "off")
 
 
+# `--max-batch-tokens 0`: padded tokens (rows x bucket length) per batched forward by device.
+# On CPU a forward of about eight ~500-token rows measured best: beyond that, throughput stays
+# flat while every request in the forward waits for all of them (docs/benchmarks.md).
+DEFAULT_MAX_BATCH_TOKENS = 16384
+DEFAULT_MAX_BATCH_TOKENS_CPU = 4096
+
+
+@dataclass(frozen=True)
+class Device:
+    """A parsed device: `auto`, `cpu`, `cuda` (the current CUDA device) or `cuda:N`."""
+
+    kind: str
+    index: int | None = None
+
+    def __str__(self) -> str:
+        return self.kind if self.index is None else f"{self.kind}:{self.index}"
+
+
+def parse_device(text: str) -> Device:
+    """The device grammar, parsed in one place; ValueError names what was expected."""
+    if text in ("auto", "cpu", "cuda"):
+        return Device(text)
+    kind, colon, index = text.partition(":")
+    if kind == "cuda" and colon and index.isdigit() and index.isascii():
+        return Device("cuda", int(index))
+    raise ValueError(f"invalid device {text!r}: expected {DEVICES_HELP}")
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """Caps a request must respect before it may reach the model."""
@@ -34,12 +65,12 @@ class RequestLimits:
     max_image_pixels: int = 4096 * 4096
 
 
-def _device(value: str) -> str:
-    if value in ("auto", "cpu", "cuda"):
-        return value
-    if value.startswith("cuda:") and value[5:].isdigit():
-        return value
-    raise argparse.ArgumentTypeError(f"invalid device {value!r}: expected {DEVICES_HELP}")
+def device_arg(value: str) -> str:
+    """argparse type: a device of the grammar above, in its canonical spelling."""
+    try:
+        return str(parse_device(value))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive_int(value: str) -> int:
@@ -78,7 +109,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="snapshot directory, or 'demo' for the built-in tiny random snapshot")
     group.add_argument("--variant", choices=VARIANTS, default="clef-flash",
                        help="which release the snapshot must be (checked against its shapes)")
-    group.add_argument("--device", type=_device, default="auto", help=DEVICES_HELP)
+    group.add_argument("--device", type=device_arg, default="auto", help=DEVICES_HELP)
     group.add_argument("--dtype", choices=DTYPES, default="auto",
                        help="auto: bfloat16 on CUDA, float32 on CPU")
     group.add_argument("--gdn-prefill", choices=GDN_PATHS, default="auto",
@@ -98,7 +129,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                             "(0: up to --max-length)")
     group.add_argument("--max-batch-tokens", type=non_negative_int, default=0,
                        help="padded tokens (requests x bucket length) per batched forward "
-                            "(0: by device, 16384 on CUDA, 1024 on CPU)")
+                            f"(0: by device, {DEFAULT_MAX_BATCH_TOKENS} on CUDA, "
+                            f"{DEFAULT_MAX_BATCH_TOKENS_CPU} on CPU)")
     group.add_argument("--batch-window-ms", type=non_negative_float, default=0.0,
                        help="how long the worker waits for more requests before a forward")
     limits = parser.add_argument_group("request limits")
@@ -139,25 +171,17 @@ def limits_from(args: argparse.Namespace) -> RequestLimits:
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
-    """The model and limit flags as worker command-line arguments."""
-    return [
-        "--model", str(args.model),
-        "--variant", args.variant,
-        "--device", args.device,
-        "--dtype", args.dtype,
-        "--gdn-prefill", args.gdn_prefill,
-        "--short-conv", args.short_conv,
-        "--executor", args.executor,
-        "--cuda-graphs", args.cuda_graphs,
-        "--graph-max-length", str(args.graph_max_length),
-        "--max-batch-tokens", str(args.max_batch_tokens),
-        "--batch-window-ms", repr(args.batch_window_ms),
-        "--max-length", str(args.max_length),
-        "--max-questions", str(args.max_questions),
-        "--max-options", str(args.max_options),
-        "--max-levels", str(args.max_levels),
-        "--media", args.media,
-        "--max-images", str(args.max_images),
-        "--max-video-frames", str(args.max_video_frames),
-        "--max-image-pixels", str(args.max_image_pixels),
-    ]
+    """The model and limit flags as worker command-line arguments, read off the flag table.
+
+    Every flag `add_model_arguments` defines is passed with its parsed value, spelled so the
+    same definitions parse it back to that value (a float by `repr`, which round-trips).
+    """
+    table = argparse.ArgumentParser(add_help=False)
+    add_model_arguments(table)
+    argv: list[str] = []
+    for action in table._actions:
+        if not action.option_strings:
+            continue
+        value = getattr(args, action.dest)
+        argv += [action.option_strings[0], repr(value) if isinstance(value, float) else str(value)]
+    return argv

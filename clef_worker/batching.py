@@ -32,14 +32,11 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
 
 from clef_protocol.errors import BadRequestBody
+from clef_protocol.options import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_BATCH_TOKENS_CPU
 from clef_worker.errors import ExecutorBroken
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BATCH_TOKENS = 16384
-# On CPU a forward of about eight ~500-token rows measured best: beyond that, throughput stays
-# flat while every request in the forward waits for all of them (docs/benchmarks.md).
-DEFAULT_MAX_BATCH_TOKENS_CPU = 4096
 NO_BODY = "request frame has no body"
 
 

@@ -25,6 +25,7 @@ from clef_protocol.frames import (
     write_frame_blocking,
     write_frames,
 )
+from clef_protocol.messages import INFERENCE_FAILED
 from clef_protocol.options import add_model_arguments
 from clef_worker.allocator import keep_freed_memory
 from clef_worker.batching import (
@@ -43,8 +44,6 @@ from clef_worker.logs import configure as configure_logs
 from clef_worker.logs import request_context
 
 log = logging.getLogger("clef_worker")
-
-INFERENCE_FAILED = "inference failed"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -384,7 +384,7 @@ class NativeExecutor:
         """One forward over the batch; the answers in order."""
         try:
             return [Answer(serialize(scored.response()), input_tokens=scored.encoding.length,
-                           truncated_tokens=scored.encoding.state_dropped)
+                           truncated_tokens=scored.encoding.truncated_tokens)
                     for scored in self.score_batch(batch)]
         except Exception as exc:
             if device_is_broken(exc, self.device):

@@ -129,7 +129,7 @@ def test_budget_error_and_truncation(encoder: Encoder) -> None:
     cut = encoder.encode(request, fixed + 10)
     assert cut.length == fixed + 10 and cut.state_tokens == 10
     whole = len(encoder.tokenizer.encode("word " * 500, add_special_tokens=False).ids)
-    assert (exact.state_dropped, cut.state_dropped) == (whole, whole - 10)
+    assert (exact.truncated_tokens, cut.truncated_tokens) == (whole, whole - 10)
     full_state = encoder.tokenizer.encode("word " * 500, add_special_tokens=False).ids
     assert cut.input_ids[len(encoder.prefix_ids):len(encoder.prefix_ids) + 10] == full_state[:10]
 
@@ -182,7 +182,7 @@ def test_huge_state_is_cut_quickly(encoder: Encoder) -> None:
     assert encoding.length == 512 and encoding.state_truncated
     kept = encoding.state_tokens
     whole = len(encoder.tokenizer.encode(state, add_special_tokens=False).ids)
-    assert encoding.state_dropped == whole - kept
+    assert encoding.truncated_tokens == whole - kept
 
 
 def test_empty_instruction_span_is_refused(encoder: Encoder) -> None:

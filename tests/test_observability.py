@@ -167,7 +167,7 @@ def test_input_tokens_and_truncation_are_counted(serve: Serve) -> None:
     assert value(samples, "clef_request_input_tokens_sum") == len(short) + len(cut)
     assert value(samples, "clef_request_input_tokens_bucket", le="512.0") == 1
     assert value(samples, "clef_states_truncated_total") == 1
-    assert value(samples, "clef_state_truncated_tokens_total") == 1200
+    assert value(samples, "clef_truncated_tokens_total") == 1200
 
 
 def test_batch_sizes_are_counted_and_logged(serve: Serve) -> None:

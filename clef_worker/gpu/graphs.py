@@ -29,20 +29,19 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from clef_protocol.options import CUDA_GRAPH_MODES
 from clef_worker.gpu.buckets import BucketTable
 from clef_worker.model.backbone import Backbone
 
 log = logging.getLogger(__name__)
-
-GRAPH_MODES = ("auto", "on", "off")
 
 Forward = Callable[[], Tensor]
 
 
 def graphs_enabled(mode: str, device: torch.device) -> bool:
     """`--cuda-graphs`: auto and on capture on CUDA; CPU never captures."""
-    if mode not in GRAPH_MODES:
-        raise ValueError(f"--cuda-graphs {mode}: expected one of {', '.join(GRAPH_MODES)}")
+    if mode not in CUDA_GRAPH_MODES:
+        raise ValueError(f"--cuda-graphs {mode}: expected one of {', '.join(CUDA_GRAPH_MODES)}")
     return device.type == "cuda" and mode != "off"
 
 

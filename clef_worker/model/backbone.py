@@ -50,6 +50,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from clef_protocol.options import GDN_PATHS
 from clef_worker.errors import StartupError
 from clef_worker.model import gated_delta
 from clef_worker.model.kernel_advice import quiet_on_cpu
@@ -132,7 +133,7 @@ def choose_gdn_path(requested: str, device: torch.device, dtype: torch.dtype) ->
     auto: fla on CUDA in bfloat16 when `fla.ops` imports, torch otherwise. fla: refuse to start
     unless all of that holds. torch and every CPU run: block fla.
     """
-    if requested not in ("auto", "fla", "torch"):
+    if requested not in GDN_PATHS:
         raise StartupError(f"--gdn-prefill {requested}: expected auto, fla or torch")
     if device.type != "cuda":
         if requested == "fla":

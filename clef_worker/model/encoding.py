@@ -106,7 +106,7 @@ class Encoding:
     input_ids: list[int]
     questions: tuple[EncodedQuestion, ...]
     state_tokens: int
-    state_dropped: int = 0  # state tokens cut to fit the budget
+    truncated_tokens: int = 0  # state tokens cut to fit the budget
 
     @property
     def length(self) -> int:
@@ -114,7 +114,7 @@ class Encoding:
 
     @property
     def state_truncated(self) -> bool:
-        return self.state_dropped > 0
+        return self.truncated_tokens > 0
 
 
 # Pieces of a schema: a tuple of cached ids, or the index of a text in the batch to encode.
@@ -250,7 +250,7 @@ class Encoder:
             input_ids=input_ids,
             questions=questions,
             state_tokens=len(state_ids),
-            state_dropped=dropped,
+            truncated_tokens=dropped,
         )
 
     def _state_ids(self, text: str, budget: int) -> tuple[list[int], int]:
