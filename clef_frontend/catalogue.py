@@ -2,8 +2,12 @@
 
 `--served-model-name NAME [NAME ...]`: the first name is the model's served name, the others
 are aliases (as in vLLM). The default is the variant, `clef-flash` or `clef`, which is what the
-published Clef clients put in their URLs (`@cf/cloudflare/<name>`). Every name is listed by
-`/v1/models` in the OpenAI list shape that SDKs read before their first call.
+published Clef clients put in their URLs (`@cf/cloudflare/<name>`).
+
+`/v1/models` lists every name in one body that two kinds of clients read: the OpenAI list shape
+(`object`, `data` with `id`, `created`, `owned_by`), which OpenAI-style SDKs read before their
+first call, and the Clef shape (`models` with `name`, `description`, `release_date`), which the
+typesafe Clef SDK and jevcompat read. Each reads its own keys and ignores the other's.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import argparse
 import re
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from clef_frontend import responses
@@ -49,13 +54,28 @@ class Catalogue:
     def knows(self, name: str) -> bool:
         return name in self.names
 
+    def description(self, name: str) -> str:
+        if name == self.served:
+            return "Clef decision model: scores a state against typed questions (/v1/systemone)"
+        return f"alias of {self.served}"
+
     def document(self) -> dict[str, Any]:
-        """The OpenAI-style model list."""
+        """The model list in both shapes clients read (see the module docstring).
+
+        `release_date` is the day this server began serving the model (the date of `created`,
+        ISO 8601), since a snapshot carries no release date of its own.
+        """
+        served_since = datetime.fromtimestamp(self.created, UTC).date().isoformat()
         return {
             "object": "list",
             "data": [
                 {"id": name, "object": "model", "created": self.created, "owned_by": OWNER,
                  "root": self.served}
+                for name in self.names
+            ],
+            "models": [
+                {"name": name, "description": self.description(name),
+                 "release_date": served_since}
                 for name in self.names
             ],
         }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable, Iterator
+from datetime import UTC, date, datetime
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,18 @@ def test_models_lists_the_served_name_then_aliases(serve: Serve) -> None:
     for model in document["data"]:
         assert model["object"] == "model" and model["owned_by"] == "cloudflare"
         assert isinstance(model["created"], int) and model["root"] == "clef-flash"
+
+
+def test_models_answers_the_clef_sdk_shape_in_the_same_body(serve: Serve) -> None:
+    """The typesafe Clef SDK and jevcompat read `models[].name/description/release_date`."""
+    document = serve.request("GET", "/v1/models").json()
+    assert [model["name"] for model in document["models"]] == ["clef-flash", "flash-alias"]
+    for clef, openai in zip(document["models"], document["data"], strict=True):
+        assert set(clef) == {"name", "description", "release_date"}
+        assert clef["name"] == openai["id"] and clef["description"]
+        day = datetime.fromtimestamp(openai["created"], UTC).date()
+        assert date.fromisoformat(clef["release_date"]) == day
+    assert document["models"][1]["description"] == "alias of clef-flash"
 
 
 def test_models_default_name_is_the_variant() -> None:
