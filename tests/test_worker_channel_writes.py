@@ -49,7 +49,13 @@ def test_requests_sent_while_replies_are_handed_on_leave_in_one_write() -> None:
 
         def deliver(request_id: int) -> Deliver:
             def on_reply(reply: WorkerReply | WorkerFailure) -> None:
-                assert isinstance(reply, WorkerReply) and reply.status == 200
+                # This runs in the pipe's callback, where a raised assertion would only be
+                # logged: a wrong reply fails the wait at once instead of timing it out.
+                if not (isinstance(reply, WorkerReply) and reply.status == 200):
+                    if not done.done():
+                        done.set_exception(AssertionError(
+                            f"request {request_id} got {reply!r}"))
+                    return
                 answered.append(request_id)
                 if request_id < 3:  # each of the first three replies lets one more through
                     channel.submit(request_id + 3, b"{}", 30, deliver(request_id + 3))
