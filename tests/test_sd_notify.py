@@ -114,9 +114,20 @@ def test_notifier_speaks_to_an_abstract_socket() -> None:
 
 
 def test_a_vanished_socket_does_not_stop_the_server(tmp_path: Path) -> None:
-    notifier = Notifier(str(tmp_path / "nobody-listens"))
+    """A NOTIFY_SOCKET nobody listens on: every notification fails (reported, never raised),
+    and the server still starts, serves, keeps pinging its watchdog and stops cleanly."""
+    nobody = str(tmp_path / "nobody-listens")
+    notifier = Notifier(nobody)
     assert notifier.watchdog() is False
-    assert notifier.watchdog() is False
+    assert notifier.ready("x") is False
+    env = {"NOTIFY_SOCKET": nobody, "WATCHDOG_USEC": "100000"}  # a ping every 50 ms
+    with Serve(env=env) as serve:
+        serve.wait_for("cannot notify the service manager")
+        assert serve.health().status == 200
+        assert serve.post(clef_body()).status == 200
+        serve.terminate()
+        assert serve.wait_exit() == 0
+    assert "Traceback" not in serve.stderr
 
 
 def test_watchdog_interval_and_progress() -> None:
