@@ -1,10 +1,13 @@
-"""The clef-serve front: an asyncio + h11 HTTP/1.1 server in front of one persistent worker.
+"""The clef-serve front: an asyncio + h11 HTTP/1.1 server in front of persistent model workers.
 
-The front owns sockets, HTTP, request checks and the admission queue; the worker process owns
-the model. The front never imports torch (nor anything that pulls it in), so it starts in a
-fraction of a second and stays responsive while the worker loads, crashes or restarts.
+The front owns sockets, HTTP, request checks and the admission queue; each worker process (one
+or more per device) owns a copy of the model and batches the requests it holds into forwards.
+The front never imports torch (nor anything that pulls it in), so it starts in a fraction of a
+second and stays responsive while workers load, crash or restart.
 
-Data path, one module per step: connection (socket -> h11) -> framing and routes (the ordered
-checks of http-contract.md) -> admission (FIFO, one in flight) -> supervisor / worker_channel
-(frames to and from the worker) -> responses (what goes back on the wire).
+Data path, one module per step: connection (socket and timers) -> http1 (h11 events, no I/O)
+-> pipeline (the request's steps: routes and the ordered checks of http-contract.md, body,
+validation) -> admission (FIFO, up to `--max-batch` requests in flight on each worker) ->
+worker_pool / supervisor / worker_channel (frames to and from each worker, replies matched by
+id) -> responses (what goes back on the wire).
 """

@@ -1,11 +1,13 @@
-"""Keep one warm worker: start it, notice when it fails, replace it with backoff, stop it.
+"""Keep one worker slot warm: start its worker, notice when it fails, replace it with backoff,
+stop it.
 
 One Supervisor per worker slot (`worker_pool.py` holds one per device and per
 `--workers-per-device`); each slot is also an admission lane: `has_room` and `submit` let up to
 `max_batch` requests be outstanding on its worker, and `reload` swaps in a fresh worker with no
 gap (the new one is warm before the old one is retired).
 
-Like gunicorn's arbiter, but for exactly one child that must be warm before it counts: a worker
+Like gunicorn's arbiter, but for the one child of this slot, which must be warm before it counts
+(the pool runs a Supervisor per slot, so the server may have many workers): a worker
 is only `ready` after its `ready` frame. The first start is special: if it fails the operator
 must see why and the server must not bind its port, so `start()` raises. Later failures are
 survived: the state goes to `restarting` (so `/health` and admission refuse with 503), and a new
@@ -73,7 +75,7 @@ def _ignore() -> None:
 
 
 class Supervisor:
-    """Owns one worker process; `submit` (or `forward`) is the only way requests reach it."""
+    """Owns one worker process; `submit` is the only way requests reach it."""
 
     def __init__(
         self,

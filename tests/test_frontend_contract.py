@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.frontend_helpers import (
+    REPO,
     Client,
     Serve,
     assert_refused_as_malformed,
@@ -46,6 +47,17 @@ def test_health_ready_reports_the_worker(serve: Serve) -> None:
         assert key in document["worker"]
     assert document["queue_depth"] == 0 and document["in_flight"] == 0
     assert document["restarts"] == 0
+
+
+def test_the_documented_health_example_has_every_field_the_server_sends(serve: Serve) -> None:
+    """operations.md's `/health` example names exactly the fields of a real answer."""
+    text = (REPO / "docs" / "operations.md").read_text(encoding="utf-8")
+    section = text[text.index("## Health checks and load balancers"):]
+    example = json.loads(section.split("```json\n", 1)[1].split("```", 1)[0])
+    document = serve.health().json()
+    assert set(example) == set(document)
+    assert set(example["worker"]) == set(document["worker"])
+    assert set(example["workers"][0]) == set(document["workers"][0])
 
 
 def test_post_is_forwarded_byte_for_byte(serve: Serve) -> None:
