@@ -28,6 +28,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from clef_worker.model.encoding import TYPE_IDS
+
 LOG_100 = math.log(100.0)
 LAYER_NORM_EPS = 1e-5
 NORMALIZE_EPS = 1e-12
@@ -341,7 +343,7 @@ class JointSchemaHead(nn.Module):
         self.global_projection = nn.Linear(hidden, width, bias=False)
         self.option_context_projection = nn.Linear(hidden, width, bias=False)
         self.option_lexical_projection = nn.Linear(hidden, width, bias=False)
-        self.type_embedding = nn.Embedding(3, width)
+        self.type_embedding = nn.Embedding(len(TYPE_IDS), width)
         self.evidence_layers = nn.ModuleList(
             EvidenceLayer(width, config.heads, config.feedforward)
             for _ in range(config.routing_layers)
