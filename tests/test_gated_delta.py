@@ -13,8 +13,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from clef_worker.errors import StartupError
 from clef_worker.model import gated_delta
-from clef_worker.model.backbone import MODELING_MODULE, bind_gdn_path, bound_gdn_path
+from clef_worker.model.backbone import (
+    MODELING_MODULE,
+    bind_gdn_path,
+    bound_gdn_path,
+    check_bound_gdn_path,
+)
 from clef_worker.model.gated_delta import chunk_size_for, chunked_gated_delta_rule
 
 
@@ -173,3 +179,21 @@ def test_a_cpu_worker_binds_the_small_chunk_kernel(modeling: Any,
     assert path == "torch"
     assert gated_delta.is_installed(modeling)
     assert "clef's chunked rule" in caplog.text
+
+
+@pytest.mark.parametrize("imported_before", [False, True])
+def test_a_kernel_other_than_the_chosen_one_refuses_to_start(modeling: Any,
+                                                              imported_before: bool) -> None:
+    """Every executor checks what transformers bound against what was chosen: here transformers
+    bound the torch function (fla is not importable), so a choice of fla cannot start."""
+    gated_delta.uninstall(modeling)
+    assert bound_gdn_path() == "torch"
+    with pytest.raises(StartupError) as refusal:
+        check_bound_gdn_path("fla", requested="fla", device=torch.device("cuda"),
+                             imported_before=imported_before)
+    message = str(refusal.value)
+    assert message.startswith("transformers bound the torch Gated DeltaNet kernel but fla was "
+                              "chosen")
+    assert ("imported before the fla guard ran" in message) is imported_before
+    assert check_bound_gdn_path("torch", requested="auto", device=torch.device("cpu"),
+                                imported_before=imported_before) == "torch"

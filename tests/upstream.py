@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import shutil
 import sys
 from functools import cache
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from clef_worker.release import RELEASE_FILE
 
 # clef_finetune/_vendor/NOTICE: joint_schema_model.py of Cloudflare/clef at revision
 # 2f3de3dd85f379784083b0814d997ab627200f0c.
@@ -50,3 +53,33 @@ def upstream_module() -> ModuleType:
     sys.modules[name] = module  # its dataclasses look their module up while it executes
     spec.loader.exec_module(module)
     return module
+
+
+def release_snapshot(source: Path, directory: Path) -> Path:
+    """A copy of the snapshot at `source` holding the release's file, as a downloaded release
+    holds it."""
+    shutil.copytree(source, directory)
+    shutil.copyfile(upstream_file(), directory / RELEASE_FILE)
+    return directory
+
+
+class TextOnlyProcessor:
+    """What the release's processor is to a text-only request: its tokenizer (transformers'
+    `AutoTokenizer` for the snapshot, the one `AutoProcessor` would hold). The whole processor
+    needs torchvision built for the installed torch, which the CPU wheel lacks; a media request
+    through this one fails."""
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError("media needs the release's processor (torchvision)")
+
+
+def use_text_only_processor(patch: pytest.MonkeyPatch) -> None:
+    """Make the release's `AutoProcessor.from_pretrained` build a `TextOnlyProcessor`."""
+    from transformers import AutoProcessor
+
+    patch.setattr(AutoProcessor, "from_pretrained", TextOnlyProcessor)
