@@ -311,12 +311,13 @@ def _positions(spans: Sequence[tuple[int, int]]) -> tuple[Tensor, Tensor]:
 
 
 def span_means(values: Tensor, tokens: Tensor, lengths: Tensor) -> Tensor:
-    """Mean of `values[tokens]` over consecutive segments of `lengths`, accumulated in float32.
+    """Mean of `values[tokens]` over consecutive segments of `lengths`, accumulated in float32
+    (float64 for float64 values, so a float64 head is float64 throughout).
 
     A segmented reduction over the gathered rows: deterministic (no atomics), exact float32
     accumulation even when `values` is bf16, and independent of how many segments there are.
     """
-    gathered = values.index_select(0, tokens).float()
+    gathered = values.index_select(0, tokens).to(torch.promote_types(values.dtype, torch.float32))
     sums = torch.segment_reduce(gathered, "sum", lengths=lengths, axis=0, unsafe=True)
     return (sums / lengths.unsqueeze(1)).to(values.dtype)
 
