@@ -14,11 +14,18 @@ from typing import Any
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
 
-# The question types, in the order of the head's type ids (clef_worker.model.encoding.TYPE_IDS).
+# The question types a request may name, in the order the reference's refusal lists them. Which
+# type id the head gives each is the model's fact (clef_worker.model.encoding.TYPE_IDS), not this
+# module's.
 QUESTION_TYPES = ("noul", "choice", "score")
 
+# The reference's refusals (clef-model.md §2, checks 1-3), word for word; `{qid}` is the question
+# id. The fourth, the token budget, is the encoder's (clef_worker.model.encoding.BUDGET).
 MODEL_AND_STATE = "model and state are required"
 AT_LEAST_ONE_QUESTION = "at least one question is required"
+UNKNOWN_TYPE = f"{{qid}}: type must be {', '.join(QUESTION_TYPES[:-1])}, or {QUESTION_TYPES[-1]}"
+NO_CRITERIA = "{qid}: criteria must not be empty"
+REFERENCE_REFUSALS = (MODEL_AND_STATE, AT_LEAST_ONE_QUESTION, UNKNOWN_TYPE, NO_CRITERIA)
 
 
 def _check_question(qid: str, question: Any, limits: RequestLimits) -> None:
@@ -26,10 +33,10 @@ def _check_question(qid: str, question: Any, limits: RequestLimits) -> None:
         raise RequestInvalid(f"{qid}: question must be an object")
     qtype = question.get("type")
     if not isinstance(qtype, str) or qtype not in QUESTION_TYPES:
-        raise RequestInvalid(f"{qid}: type must be noul, choice, or score")
+        raise RequestInvalid(UNKNOWN_TYPE.format(qid=qid))
     criteria = question.get("criteria")
     if qtype != "noul" and not criteria:
-        raise RequestInvalid(f"{qid}: criteria must not be empty")
+        raise RequestInvalid(NO_CRITERIA.format(qid=qid))
     if qtype == "choice":
         if not isinstance(criteria, dict):
             raise RequestInvalid(

@@ -11,97 +11,104 @@ environment, open network connections, alter answers. Use it only with a snapsho
 you trust, verified against a pinned revision, in a directory only trusted users can write. The
 default (`--executor native`) never executes anything from the snapshot.
 
-Assumed upstream interface. We do not have the release's file, so the adapter is written against
-the smallest interface that public code calling the release relies on, and probes for it:
+The upstream interface (the release's file; the tests run the real one, tests/upstream.py):
 
-  A. module-level `load_release_model(snapshot_dir, device=..., dtype=...)` returning
-     `(model, processor)`, and module-level `systemone(model, processor, request) -> dict`;
-  B. (fallback) module-level `load(snapshot_dir, device=..., dtype=...)` returning an object with
-     a `systemone(request) -> dict` method.
+- `load_release_model(path, device=..., dtype=...)` returns `(model, processor)`: it loads the
+  backbone with `Qwen3_5ForConditionalGeneration.from_pretrained(..., device_map=...)` (which
+  needs accelerate, the `release` extra), the head, and `AutoProcessor.from_pretrained(path)`.
+  That processor includes Qwen3-VL's video processor, which transformers builds only with
+  torchvision installed, and torchvision must be built for the installed torch (the CPU torch
+  wheel has no matching torchvision on the package registry). Without one the release cannot
+  start, and says so.
+- `systemone(model, processor, request, max_length=...)` returns the response dict, whose
+  `usage.input_tokens` becomes the Answer's token count (upstream reports no truncation).
 
-`snapshot_dir` is a `pathlib.Path`, `device` a string such as "cpu" or "cuda:0", `dtype` a
-`torch.dtype`. If the `systemone` callable names a `max_length` parameter, `--max-length` is passed
-to it. The request given to it is the parsed JSON object, already checked by this project's
-validation (so an invalid request never reaches upstream code); a `ValueError` whose message is
-one of the reference's refusals (spec §2; in practice the budget check, check 4, since this
-project runs checks 1-3 first) becomes a 422 with that message; any other exception, including
-other `ValueError`s from deeper code, is a 500 whose cause stays in the log. The returned dict
-is serialised once, here. A snapshot whose module offers neither form fails start-up with a
-message saying what was looked for.
+The request given to `systemone` is the parsed JSON object, already checked by this project's
+validation (so an invalid request never reaches upstream code). A `ValueError` whose message is
+one of the reference's refusals (the owners' texts: `clef_protocol.validation.REFERENCE_REFUSALS`
+and the encoder's `BUDGET`; in practice the budget, since this project runs checks 1-3 first)
+becomes a 422 with that message; an error that broke the CUDA context becomes `ExecutorBroken`
+(the worker exits and is replaced, `clef_worker.errors.broken_device_is_fatal`); anything else,
+including other `ValueError`s from deeper code, is a 500 whose cause stays in the log. The
+returned dict is serialised once, here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import importlib.util
-import inspect
 import itertools
 import logging
 import re
+import string
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import torch
 
 from clef_protocol.body import parse_body
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
-from clef_protocol.validation import validate_request
+from clef_protocol.validation import REFERENCE_REFUSALS, validate_request
 from clef_worker import warmup
-from clef_worker.errors import StartupError
+from clef_worker.errors import StartupError, broken_device_is_fatal
 from clef_worker.executor import Answer
 from clef_worker.model.answers import serialize
 from clef_worker.model.backbone import (
     DTYPE_NAMES,
     MODELING_MODULE,
-    bound_gdn_path,
+    check_bound_gdn_path,
     choose_gdn_path,
     resolve_device,
     resolve_dtype,
 )
-from clef_worker.model.encoding import Encoder
-from clef_worker.model.kernel_advice import quiet_on_cpu
+from clef_worker.model.encoding import BUDGET, Encoder
 from clef_worker.model.snapshot import open_snapshot
 from clef_worker.versions import package_versions
 
 log = logging.getLogger(__name__)
 
 RELEASE_FILE = "joint_schema_model.py"
+LOADER = "load_release_model"
+ANSWERER = "systemone"
 _module_counter = itertools.count()
 
-Answerer = Callable[[dict[str, Any]], Any]
 
-# The reference's refusal messages (clef-model.md §2). Only these are the reference refusing a
-# request; a ValueError with any other text is an internal failure and must not reach clients.
+def _template_pattern(template: str) -> str:
+    """A refusal template (`{qid}: ...`, `{fixed}`...) as a regular expression: its text
+    literally, a numeric field as digits, the question id as anything."""
+    parts = []
+    for literal, field, _, _ in string.Formatter().parse(template):
+        parts.append(re.escape(literal))
+        if field is not None:
+            parts.append(r".*" if field == "qid" else r"\d+")
+    return "".join(parts)
+
+
+# Only these are the reference refusing a request; a ValueError with any other text is an
+# internal failure and must not reach clients as a 422.
 REFERENCE_REFUSAL = re.compile(
-    r"model and state are required"
-    r"|at least one question is required"
-    r"|.*: type must be noul, choice, or score"
-    r"|.*: criteria must not be empty"
-    r"|schema requires \d+ tokens before state; maximum is \d+",
-    re.DOTALL,
-)
+    "|".join(f"(?:{_template_pattern(t)})" for t in (*REFERENCE_REFUSALS, BUDGET)), re.DOTALL)
 
 
 class ReleaseExecutor:
     """The Executor protocol around the release's own `systemone` (see the module docstring)."""
 
-    def __init__(self, answerer: Answerer, info: ModelInfo, limits: RequestLimits,
-                 module: ModuleType, warmup_request: dict[str, Any] | None = None) -> None:
-        self._answerer = answerer
+    def __init__(self, *, module: ModuleType, model: Any, processor: Any, info: ModelInfo,
+                 limits: RequestLimits, device: torch.device,
+                 warmup_request: dict[str, Any] | None = None) -> None:
+        self.upstream_module = module  # the imported release module (for its other helpers)
+        _, self._systemone = _interface(module, RELEASE_FILE)
+        self.model = model  # the release's model object, as `load_release_model` returned it
+        self.processor = processor
+        self.device = device
         self._info = info
         self._limits = limits
-        self._module = module
         self._warmup_request = warmup_request
-
-    @property
-    def upstream_module(self) -> ModuleType:
-        """The imported release module (for comparisons that need its other helpers)."""
-        return self._module
 
     @classmethod
     def load(
@@ -137,28 +144,38 @@ class ReleaseExecutor:
             limits, lambda request: encoder.encode(request, limits.max_length))
         target = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, target)
-        device_name = str(target)
         # transformers binds the Gated DeltaNet kernel when the release module imports it: the
         # choice (and the fla block on CPU / --gdn-prefill torch) must be in place first.
+        imported_before = MODELING_MODULE in sys.modules
         gdn_path = choose_gdn_path(gdn_prefill, target, torch_dtype)
         log.warning(
             "--executor release: running %s from the snapshot; it executes with this server's "
             "rights, use only a snapshot you trust", source,
         )
         module = _import_release_module(source)
-        answerer = _bind_interface(module, source, snapshot, device_name, torch_dtype, limits)
-        gdn_path = _check_bound_path(gdn_path, quiet_on_cpu(target))
+        loader, _ = _interface(module, source)
+        model, processor = _load_model(loader, source, snapshot, str(target), torch_dtype)
+        if MODELING_MODULE in sys.modules:  # else the release did not use transformers' Qwen3.5
+            gdn_path = check_bound_gdn_path(gdn_path, requested=gdn_prefill, device=target,
+                                            imported_before=imported_before)
         info = ModelInfo(
             model=checked.variant,
             variant=checked.variant,
-            device=device_name,
+            device=str(target),
             dtype=DTYPE_NAMES[torch_dtype],
             gdn_path=gdn_path,
             versions={**package_versions(), RELEASE_FILE: _sha256(source)[:16]},
             demo=checked.random,
             snapshot=str(snapshot),
         )
-        return cls(answerer, info, limits, module, warmup_request)
+        return cls(module=module, model=model, processor=processor, info=info, limits=limits,
+                   device=target, warmup_request=warmup_request)
+
+    def with_limits(self, limits: RequestLimits) -> ReleaseExecutor:
+        """The same loaded release under other request limits (tests, comparisons)."""
+        return type(self)(module=self.upstream_module, model=self.model,
+                          processor=self.processor, info=self._info, limits=limits,
+                          device=self.device)
 
     def describe(self) -> ModelInfo:
         return self._info
@@ -172,13 +189,11 @@ class ReleaseExecutor:
                         "422); the release code is not warmed up", self._limits.max_length)
             return
         self._call(copy.deepcopy(self._warmup_request))
-        _synchronize(self._info.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def answer(self, body: bytes) -> Answer:
-        """Parse and validate here, let upstream score, serialise its dict once.
-
-        The upstream interface reports no token counts, so the Answer's counts stay 0.
-        """
+        """Parse and validate here, let upstream score, serialise its dict once."""
         request = parse_body(body)
         validate_request(request, self._limits)
         try:
@@ -190,15 +205,17 @@ class ReleaseExecutor:
                 raise RequestInvalid(str(exc)) from exc
             raise
         if not isinstance(response, dict):
-            raise TypeError(f"{RELEASE_FILE} systemone returned {type(response).__name__}, "
+            raise TypeError(f"{RELEASE_FILE} {ANSWERER} returned {type(response).__name__}, "
                             "not a dict")
-        return Answer(serialize(response))
+        usage = response.get("usage")
+        tokens = usage.get("input_tokens") if isinstance(usage, dict) else None
+        return Answer(serialize(response),
+                      input_tokens=tokens if isinstance(tokens, int) else 0)
 
     def _call(self, request: dict[str, Any]) -> Any:
-        import torch
-
-        with torch.inference_mode():
-            return self._answerer(request)
+        with broken_device_is_fatal(self.device), torch.inference_mode():
+            return self._systemone(self.model, self.processor, request,
+                             max_length=self._limits.max_length)
 
 
 RELEASE_EXTRA = ("accelerate",)
@@ -213,24 +230,6 @@ def require_release_extra() -> None:
             f"--executor release needs {', '.join(missing)} (the release loads its model with a "
             "device_map): install it with pip install 'clef-serve[release]'"
         )
-
-
-def _check_bound_path(chosen: str, why: str | None = None) -> str:
-    """After the release imported transformers: did it bind the kernel that was chosen?
-    (`why`, when given, ends the log line that says which path runs.)"""
-    if MODELING_MODULE not in sys.modules:
-        return chosen  # the release did not use transformers' Qwen3.5 module (yet)
-    bound = bound_gdn_path()
-    if bound == "unknown":
-        return chosen
-    if bound != chosen:
-        raise StartupError(
-            f"transformers bound the {bound} Gated DeltaNet kernel but {chosen} was chosen "
-            "(its Qwen3.5 module was imported before the guard ran); start the worker in a "
-            "fresh process"
-        )
-    log.info("Gated DeltaNet prefill path: %s%s", bound, f": {why}" if why else "")
-    return bound
 
 
 def _import_release_module(source: Path) -> ModuleType:
@@ -252,67 +251,37 @@ def _import_release_module(source: Path) -> ModuleType:
     return module
 
 
-def _bind_interface(
-    module: ModuleType,
-    source: Path,
-    snapshot: Path,
-    device: str,
-    dtype: Any,
-    limits: RequestLimits,
-) -> Answerer:
-    """Find one of the assumed interface forms and load the model through it."""
-    load_release_model = getattr(module, "load_release_model", None)
-    systemone = getattr(module, "systemone", None)
-    if callable(load_release_model) and callable(systemone):
-        loaded = _load_through(load_release_model, "load_release_model", source, snapshot,
-                               device, dtype)
-        if not (isinstance(loaded, tuple) and len(loaded) == 2):
-            raise StartupError(f"--executor release: {source}: load_release_model returned "
-                               f"{type(loaded).__name__}, expected (model, processor)")
-        model, processor = loaded
-        extra = _max_length_kwargs(systemone, limits)
-        return lambda request: systemone(model, processor, request, **extra)
-
-    load = getattr(module, "load", None)
-    if callable(load):
-        loaded = _load_through(load, "load", source, snapshot, device, dtype)
-        method = getattr(loaded, "systemone", None)
-        if not callable(method):
-            raise StartupError(f"--executor release: {source}: load() returned "
-                               f"{type(loaded).__name__} without a systemone method")
-        extra = _max_length_kwargs(method, limits)
-        return lambda request: method(request, **extra)
-
-    raise StartupError(
-        f"--executor release: {source} has neither load_release_model() with systemone() nor "
-        "load() returning an object with systemone(); see clef_worker/release.py for the "
-        "interface this server expects"
-    )
-
-
-def _load_through(loader: Callable[..., Any], what: str, source: Path, snapshot: Path,
-                  device: str, dtype: Any) -> Any:
-    try:
-        return loader(snapshot, device=device, dtype=dtype)
-    except Exception as exc:
+def _interface(module: ModuleType, source: Path | str) -> tuple[Any, Any]:
+    """The release's loader and answerer; StartupError when the module lacks either."""
+    loader = getattr(module, LOADER, None)
+    systemone = getattr(module, ANSWERER, None)
+    if not (callable(loader) and callable(systemone)):
         raise StartupError(
-            f"--executor release: {source}: {what}() failed: {type(exc).__name__}: {exc}"
+            f"--executor release: {source} lacks {LOADER}() or {ANSWERER}(), the release's "
+            "interface (see clef_worker/release.py)"
+        )
+    return loader, systemone
+
+
+def _load_model(loader: Any, source: Path, snapshot: Path, device: str,
+                dtype: torch.dtype) -> tuple[Any, Any]:
+    """`(model, processor)` through the release's loader; a failure is a StartupError that
+    names it (and, for the processor's torchvision, what to install)."""
+    try:
+        loaded = loader(snapshot, device=device, dtype=dtype)
+    except Exception as exc:
+        hint = (" (the release's processor needs torchvision built for the installed torch: "
+                "install it from the index torch came from)"
+                if isinstance(exc, ImportError) and "torchvision" in str(exc).lower() else "")
+        text = " ".join(str(exc).split())  # one line: it ends up in the `fatal` frame
+        raise StartupError(
+            f"--executor release: {source}: {LOADER}() failed: {type(exc).__name__}: "
+            f"{text}{hint}"
         ) from exc
-
-
-def _max_length_kwargs(function: Callable[..., Any], limits: RequestLimits) -> dict[str, int]:
-    """Pass `--max-length` only where upstream names the parameter (else it uses its default)."""
-    with contextlib.suppress(TypeError, ValueError):
-        if "max_length" in inspect.signature(function).parameters:
-            return {"max_length": limits.max_length}
-    return {}
-
-
-def _synchronize(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    if not (isinstance(loaded, tuple) and len(loaded) == 2):
+        raise StartupError(f"--executor release: {source}: {LOADER} returned "
+                           f"{type(loaded).__name__}, expected (model, processor)")
+    return loaded[0], loaded[1]
 
 
 def _sha256(path: Path) -> str:

@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 
 from clef_protocol.errors import RequestInvalid
 from clef_worker.model.encoding import (
+    BUDGET,
     PREFIX,
     SCHEMA_HEADER,
     SUFFIX,
+    TYPE_IDS,
     Encoder,
     encode_order,
     option_semantics,
@@ -190,3 +192,36 @@ def test_empty_instruction_span_is_refused(encoder: Encoder) -> None:
     span through either (the reference answers NaN there)."""
     with pytest.raises(RequestInvalid, match="encodes to no tokens"):
         encoder.encode(_request(**{"": {"type": "noul"}}), 16384)
+
+
+def test_type_ids_are_the_release_s_and_cover_the_protocol_s_names(tiny_snapshot: Path) -> None:
+    """The head's type id of each question type is the model's fact; the protocol only lists the
+    names a request may use. Both agree with each other, with the release's own code, and with
+    the number of rows of the release head's type embedding."""
+    from safetensors import safe_open
+
+    from clef_protocol.validation import QUESTION_TYPES
+    from tests.upstream import upstream_module
+
+    assert set(TYPE_IDS) == set(QUESTION_TYPES)
+    assert TYPE_IDS == upstream_module().QUESTION_TYPES
+    with safe_open(str(tiny_snapshot / "joint_head.safetensors"), framework="pt") as handle:
+        rows = handle.get_slice("type_embedding.weight").get_shape()[0]
+    assert sorted(TYPE_IDS.values()) == list(range(rows))
+
+
+def test_budget_refusal_is_the_reference_s(encoder: Encoder, tiny_snapshot: Path) -> None:
+    """The encoder's budget refusal is the release's own text, numbers included."""
+    from transformers import AutoTokenizer
+
+    from tests.upstream import upstream_module
+
+    request = _request("a state", q={"type": "choice", "instructions": "pick one",
+                                     "criteria": {"x": "the first", "y": "the second"}})
+    fixed = len(encoder.encode(_request("", **request["questions"]), 16384).input_ids)
+    with pytest.raises(RequestInvalid) as ours:
+        encoder.encode(request, fixed - 1)
+    with pytest.raises(ValueError) as theirs:
+        upstream_module().encode_record(AutoTokenizer.from_pretrained(tiny_snapshot), request,
+                                        max_length=fixed - 1)
+    assert str(ours.value) == str(theirs.value) == BUDGET.format(fixed=fixed, maximum=fixed - 1)

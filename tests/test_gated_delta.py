@@ -13,8 +13,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from clef_worker.errors import StartupError
 from clef_worker.model import gated_delta
-from clef_worker.model.backbone import MODELING_MODULE, bind_gdn_path, bound_gdn_path
+from clef_worker.model.backbone import (
+    MODELING_MODULE,
+    bind_gdn_path,
+    bound_gdn_path,
+    check_bound_gdn_path,
+)
 from clef_worker.model.gated_delta import chunk_size_for, chunked_gated_delta_rule
 
 
@@ -105,18 +111,49 @@ def modeling() -> Iterator[Any]:
     module.torch_chunk_gated_delta_rule = before
 
 
-def test_install_is_idempotent_and_reversible(modeling: Any) -> None:
+def gdn_layer(module: Any) -> Any:
+    """One Gated DeltaNet layer of transformers' Qwen3.5 module, at the tiny fixture's shapes."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    config = Qwen3_5TextConfig(
+        hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        num_hidden_layers=1, layer_types=["linear_attention"], vocab_size=16,
+        intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+    )
+    return module.Qwen3_5GatedDeltaNet(config, layer_idx=0).eval()
+
+
+def test_the_layer_runs_the_installed_kernel_once(modeling: Any,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """After `install` (once or twice), the layer's forward goes through clef's kernel exactly
+    once and its output stays transformers'; after `uninstall` it never does."""
+    calls: list[int] = []
+    real = gated_delta.chunked_gated_delta_rule
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gated_delta, "chunked_gated_delta_rule", counted)
     gated_delta.uninstall(modeling)
-    original = modeling.torch_chunk_gated_delta_rule
-    assert not gated_delta.is_installed(modeling)
-    gated_delta.install(modeling)
-    installed = modeling.torch_chunk_gated_delta_rule
-    gated_delta.install(modeling)
-    assert modeling.torch_chunk_gated_delta_rule is installed
-    assert installed.original is original
-    assert bound_gdn_path() == "torch"
-    gated_delta.uninstall(modeling)
-    assert modeling.torch_chunk_gated_delta_rule is original
+    layer = gdn_layer(modeling)
+    hidden = torch.randn(2, 45, 32, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = layer(hidden)
+        assert calls == [] and not gated_delta.is_installed(modeling)
+        for installs in (1, 2):
+            gated_delta.install(modeling)
+            calls.clear()
+            got = layer(hidden)
+            assert calls == [1], f"after {installs} install(s)"
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        assert bound_gdn_path() == "torch"
+        gated_delta.uninstall(modeling)
+        calls.clear()
+        torch.testing.assert_close(layer(hidden), expected, atol=0, rtol=0)
+    assert calls == [] and not gated_delta.is_installed(modeling)
 
 
 def test_packed_calls_keep_transformers_behaviour(modeling: Any,
@@ -142,3 +179,21 @@ def test_a_cpu_worker_binds_the_small_chunk_kernel(modeling: Any,
     assert path == "torch"
     assert gated_delta.is_installed(modeling)
     assert "clef's chunked rule" in caplog.text
+
+
+@pytest.mark.parametrize("imported_before", [False, True])
+def test_a_kernel_other_than_the_chosen_one_refuses_to_start(modeling: Any,
+                                                              imported_before: bool) -> None:
+    """Every executor checks what transformers bound against what was chosen: here transformers
+    bound the torch function (fla is not importable), so a choice of fla cannot start."""
+    gated_delta.uninstall(modeling)
+    assert bound_gdn_path() == "torch"
+    with pytest.raises(StartupError) as refusal:
+        check_bound_gdn_path("fla", requested="fla", device=torch.device("cuda"),
+                             imported_before=imported_before)
+    message = str(refusal.value)
+    assert message.startswith("transformers bound the torch Gated DeltaNet kernel but fla was "
+                              "chosen")
+    assert ("imported before the fla guard ran" in message) is imported_before
+    assert check_bound_gdn_path("torch", requested="auto", device=torch.device("cpu"),
+                                imported_before=imported_before) == "torch"

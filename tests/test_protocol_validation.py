@@ -113,11 +113,28 @@ def test_caps() -> None:
     validate_request(req({"s": {"type": "score", "criteria": [1, 2]}}), limits)
 
 
-def test_default_caps() -> None:
-    assert (LIMITS.max_questions, LIMITS.max_choice_options, LIMITS.max_score_levels) == (
-        64, 255, 10
-    )
-    assert LIMITS.max_length == 16384
+def test_default_caps_are_enforced_at_their_values() -> None:
+    """Under the default limits a request at each cap passes and one over it is refused with a
+    message naming the cap; the default token budget is the release's own default."""
+    import inspect
+
+    from tests.upstream import upstream_module
+
+    questions = {f"q{i}": {"type": "noul"} for i in range(LIMITS.max_questions + 1)}
+    validate_request(req(dict(list(questions.items())[:-1])), LIMITS)
+    assert refusal(req(questions)) == (
+        f"{len(questions)} questions; maximum is {LIMITS.max_questions}")
+    options = {f"o{i}": None for i in range(LIMITS.max_choice_options + 1)}
+    validate_request(req({"c": {"type": "choice", "criteria": dict(list(options.items())[:-1])}}),
+                     LIMITS)
+    assert refusal(req({"c": {"type": "choice", "criteria": options}})) == (
+        f"c: {len(options)} options; maximum is {LIMITS.max_choice_options}")
+    levels = list(range(LIMITS.max_score_levels + 1))
+    validate_request(req({"s": {"type": "score", "criteria": levels[:-1]}}), LIMITS)
+    assert refusal(req({"s": {"type": "score", "criteria": levels}})) == (
+        f"s: {len(levels)} levels; maximum is {LIMITS.max_score_levels}")
+    systemone = inspect.signature(upstream_module().systemone)
+    assert LIMITS.max_length == systemone.parameters["max_length"].default
 
 
 @pytest.mark.parametrize("media", [{"images": ["x.png"]}, {"videos": [{"url": "v"}]}])
@@ -159,3 +176,22 @@ def test_golden_cases_agree_with_the_reference() -> None:
             validate_request(case["request"], limits)
         seen += 1
     assert seen == 23
+
+
+@pytest.mark.parametrize("request_", [
+    {"state": "s", "questions": {"a": {"type": "noul"}}},
+    {"model": "m", "questions": {"a": {"type": "noul"}}},
+    req({}),
+    req({"a": {"type": "noul"}, "b": {"type": "maybe"}}),
+    req({"a": {"type": "choice"}}),
+    req({"a": {"type": "score", "criteria": []}}),
+    req({"a": {"type": "noul"}, "b": {"type": "choice", "criteria": {}}}),
+])
+def test_refusals_are_the_release_s_own(request_: dict[str, Any]) -> None:
+    """Where the release's `systemone` refuses a request itself (its checks run before it
+    touches the model), this validation refuses it with the same text."""
+    from tests.upstream import upstream_module
+
+    with pytest.raises(ValueError) as theirs:
+        upstream_module().systemone(None, None, request_)
+    assert refusal(request_) == str(theirs.value)

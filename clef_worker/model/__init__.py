@@ -9,6 +9,7 @@ start raises `clef_worker.errors.StartupError`; a refused request raises
 |---|---|
 | `snapshot` | locate and check a release snapshot before anything loads (spec §1) |
 | `kernel_advice` | keep transformers' kernel advice out of the log where it cannot apply |
+| `swap` | replace a kernel function transformers' Qwen3.5 module looks up at call time |
 | `gated_delta` | the CPU Gated DeltaNet prefill (small chunks, plain torch) |
 | `backbone` | the Qwen3.5 text stack: choose the kernel, build, load, run |
 | `short_conv` | the layers' short convolution on CUDA (fla's Triton kernel) |

@@ -187,26 +187,37 @@ def bound_gdn_path() -> str:
     return "fla" if root == "fla" else "torch"
 
 
-def bind_gdn_path(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Choose, import transformers' Qwen3.5 module, and check it bound what was chosen."""
-    already = MODELING_MODULE in sys.modules
-    chosen = choose_gdn_path(requested, device, dtype)
+def check_bound_gdn_path(chosen: str, *, requested: str, device: torch.device,
+                         imported_before: bool) -> str:
+    """After transformers' Qwen3.5 module is imported: the kernel it bound, which must be the one
+    `choose_gdn_path` chose (else StartupError). Shared by every executor that lets transformers
+    bind (`imported_before`: the module was already imported when the choice was made)."""
     bound = bound_gdn_path()
     if bound == "unknown":
         log.warning("cannot tell which Gated DeltaNet kernel transformers bound; assuming %s",
                     chosen)
         bound = chosen
     if bound != chosen:
-        why = (" (it was imported before the fla guard ran)" if already else "")
+        why = " (it was imported before the fla guard ran)" if imported_before else ""
         raise StartupError(
             f"transformers bound the {bound} Gated DeltaNet kernel but {chosen} was chosen"
             f"{why}; start the worker in a fresh process"
         )
-    if bound == "torch" and device.type == "cpu":
-        gated_delta.install(importlib.import_module(MODELING_MODULE))
     reason = quiet_on_cpu(device)
     log.info("Gated DeltaNet prefill path: %s (--gdn-prefill %s, device %s)%s", bound, requested,
              device, f": {reason}" if reason else "")
+    return bound
+
+
+def bind_gdn_path(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Choose, import transformers' Qwen3.5 module, and check it bound what was chosen; on CPU,
+    put clef's small-chunk kernel in place of transformers' torch function."""
+    already = MODELING_MODULE in sys.modules
+    chosen = choose_gdn_path(requested, device, dtype)
+    bound = check_bound_gdn_path(chosen, requested=requested, device=device,
+                                 imported_before=already)
+    if bound == "torch" and device.type == "cpu":
+        gated_delta.install(importlib.import_module(MODELING_MODULE))
     return bound
 
 

@@ -24,7 +24,6 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from clef_protocol.errors import RequestInvalid
-from clef_protocol.validation import QUESTION_TYPES
 
 SYSTEM_PROMPT = (
     "Read the complete state and schema. Decide every field jointly. "
@@ -39,8 +38,11 @@ OPTION_END = "\n"
 FIELD_END = "END FIELD\n"
 SUFFIX = "\n<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nJOINT SCHEMA DECISIONS:"
 
-# The head's type id of each question type: its position in the protocol's list of types.
-TYPE_IDS: dict[str, int] = {name: index for index, name in enumerate(QUESTION_TYPES)}
+# The head's type id of each question type: the row of its `type_embedding` the release was
+# trained with. A model fact: the protocol only says which names a request may use.
+TYPE_IDS: dict[str, int] = {"noul": 0, "choice": 1, "score": 2}
+# The reference's refusal when the schema leaves no room for the state (check 4).
+BUDGET = "schema requires {fixed} tokens before state; maximum is {maximum}"
 NOUL_DEFAULTS: tuple[tuple[str, str], ...] = (
     ("true", "The proposition is true or the answer is yes."),
     ("false", "The proposition is false or the answer is no."),
@@ -217,9 +219,7 @@ class Encoder:
 
         fixed = len(self.prefix_ids) + len(media_ids) + schema_length + len(self.suffix_ids)
         if fixed > max_length:
-            raise RequestInvalid(
-                f"schema requires {fixed} tokens before state; maximum is {max_length}"
-            )
+            raise RequestInvalid(BUDGET.format(fixed=fixed, maximum=max_length))
         state_ids, dropped = self._state_ids(render(request["state"]), max_length - fixed)
         offset = len(self.prefix_ids) + len(media_ids) + len(state_ids)
 

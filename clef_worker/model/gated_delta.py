@@ -20,7 +20,8 @@ as in fla and transformers), in float32 whatever the input dtype:
 
 Only the chunk size differs from transformers' function, so results agree to float32 rounding
 (about 1e-6 on the layer output; `tests/test_gated_delta.py`). `install` puts it in place of
-transformers' module-level function, which `Qwen3_5GatedDeltaNet.forward` looks up at call time.
+transformers' module-level function, which `Qwen3_5GatedDeltaNet.forward` looks up at call time
+(`clef_worker.model.swap`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.nn import functional as F
+
+from clef_worker.model import swap
 
 log = logging.getLogger(__name__)
 
@@ -138,13 +141,11 @@ def _kernel(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(*args, **kwargs)
         return chunked_gated_delta_rule(*args, **kwargs)
 
-    kernel.clef_gated_delta = True  # type: ignore[attr-defined]
-    kernel.original = original  # type: ignore[attr-defined]
     return kernel
 
 
 def is_installed(module: ModuleType) -> bool:
-    return bool(getattr(getattr(module, KERNEL_NAME, None), "clef_gated_delta", False))
+    return swap.replacement(module, KERNEL_NAME) is not None
 
 
 def install(module: ModuleType) -> None:
@@ -152,13 +153,11 @@ def install(module: ModuleType) -> None:
     Qwen3.5 modelling module). Process-wide and idempotent; only for the torch path."""
     if is_installed(module):
         return
-    setattr(module, KERNEL_NAME, _kernel(getattr(module, KERNEL_NAME)))
+    swap.replace(module, KERNEL_NAME, _kernel)
     log.info("Gated DeltaNet torch kernel: clef's chunked rule (chunks of %d, %d with several "
              "rows)", SINGLE_ROW_CHUNK, BATCH_CHUNK)
 
 
 def uninstall(module: ModuleType) -> None:
     """Restore transformers' own function (tests, and a process that must run the reference)."""
-    current = getattr(module, KERNEL_NAME, None)
-    if is_installed(module):
-        setattr(module, KERNEL_NAME, current.original)  # type: ignore[union-attr]
+    swap.restore(module, KERNEL_NAME)

@@ -28,6 +28,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from clef_worker.model.encoding import TYPE_IDS
+
 LOG_100 = math.log(100.0)
 LAYER_NORM_EPS = 1e-5
 NORMALIZE_EPS = 1e-12
@@ -309,12 +311,13 @@ def _positions(spans: Sequence[tuple[int, int]]) -> tuple[Tensor, Tensor]:
 
 
 def span_means(values: Tensor, tokens: Tensor, lengths: Tensor) -> Tensor:
-    """Mean of `values[tokens]` over consecutive segments of `lengths`, accumulated in float32.
+    """Mean of `values[tokens]` over consecutive segments of `lengths`, accumulated in float32
+    (float64 for float64 values, so a float64 head is float64 throughout).
 
     A segmented reduction over the gathered rows: deterministic (no atomics), exact float32
     accumulation even when `values` is bf16, and independent of how many segments there are.
     """
-    gathered = values.index_select(0, tokens).float()
+    gathered = values.index_select(0, tokens).to(torch.promote_types(values.dtype, torch.float32))
     sums = torch.segment_reduce(gathered, "sum", lengths=lengths, axis=0, unsafe=True)
     return (sums / lengths.unsqueeze(1)).to(values.dtype)
 
@@ -341,7 +344,7 @@ class JointSchemaHead(nn.Module):
         self.global_projection = nn.Linear(hidden, width, bias=False)
         self.option_context_projection = nn.Linear(hidden, width, bias=False)
         self.option_lexical_projection = nn.Linear(hidden, width, bias=False)
-        self.type_embedding = nn.Embedding(3, width)
+        self.type_embedding = nn.Embedding(len(TYPE_IDS), width)
         self.evidence_layers = nn.ModuleList(
             EvidenceLayer(width, config.heads, config.feedforward)
             for _ in range(config.routing_layers)

@@ -11,9 +11,9 @@ measured yet (docs/benchmarks.md).
 `bind_short_conv` runs right after `clef_worker.model.backbone.bind_gdn_path` and replaces the
 module-level `causal_conv1d_fn` of transformers' Qwen3.5 module, which
 `Qwen3_5GatedDeltaNet.forward` looks up at call time, with `FlaShortConv`, only when the device
-is CUDA, the fla Gated DeltaNet path was chosen and `fla.modules.convolution` imports. Anywhere
-else transformers' function stays (fla's Triton kernels cannot run on CPU, and the torch Gated
-DeltaNet path blocks fla altogether).
+is CUDA, the fla Gated DeltaNet path was chosen and `fla.modules.convolution` imports (through
+`clef_worker.model.swap`). Anywhere else transformers' function stays (fla's Triton kernels cannot
+run on CPU, and the torch Gated DeltaNet path blocks fla altogether).
 
 Layouts: transformers passes `[B, D, T]` (a transposed view of the `[B, T, D]` projection) and a
 `[D, K]` weight and wants `[B, D, T]` back; fla's `causal_conv1d` takes and returns `[B, T, D]`.
@@ -41,6 +41,7 @@ from torch import Tensor
 
 from clef_protocol.options import SHORT_CONV_MODES
 from clef_worker.errors import StartupError
+from clef_worker.model import swap
 from clef_worker.model.backbone import MODELING_MODULE
 
 log = logging.getLogger(__name__)
@@ -79,15 +80,13 @@ class FlaShortConv:
 
 def installed(module: ModuleType) -> FlaShortConv | None:
     """The adapter bound in `module`, or None when transformers' own function is there."""
-    current = getattr(module, FUNCTION_NAME, None)
+    current = swap.replacement(module, FUNCTION_NAME)
     return current if isinstance(current, FlaShortConv) else None
 
 
 def uninstall(module: ModuleType) -> None:
     """Put back the function that was bound before the adapter (no-op when none is bound)."""
-    adapter = installed(module)
-    if adapter is not None:
-        setattr(module, FUNCTION_NAME, adapter.original)
+    swap.restore(module, FUNCTION_NAME)
 
 
 def load_fla_kernel() -> Callable[..., Any]:
@@ -131,10 +130,12 @@ def bind_short_conv(device: torch.device, gdn_path: str, requested: str = "auto"
     """
     kernel = choose(requested, device, gdn_path)
     module = importlib.import_module(MODELING_MODULE)
-    uninstall(module)
     path = TORCH_PATH
-    if kernel is not None:
-        setattr(module, FUNCTION_NAME, FlaShortConv(kernel, getattr(module, FUNCTION_NAME)))
+    if kernel is None:
+        uninstall(module)
+    else:
+        fla_kernel = kernel
+        swap.replace(module, FUNCTION_NAME, lambda original: FlaShortConv(fla_kernel, original))
         path = FLA_PATH
     log.info("Gated DeltaNet short convolution: %s (--short-conv %s, device %s)", path,
              requested, device)
