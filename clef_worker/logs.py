@@ -4,17 +4,25 @@ While a request is being answered, every log record (the loop's, the executor's,
 carries `request_id=<the front's X-Request-Id>`, so a failure in the worker log can be matched
 to the access-log line and to what the client saw. The id comes from the request frame's
 `trace_id`; a context variable holds it for the length of the request.
+
+With `--log-format json` the lines are the front's JSON shape (`clef_protocol.logfmt`), the
+request id a key of its own; the worker is not told the W3C trace id, so its lines join a trace
+through the front's access line, which carries both. Everything else that reaches stderr in
+Python (the model libraries' own handlers, warnings, stray prints, which `stdio` sends to
+stderr) is turned into JSON lines as well, so a collector never meets a line it cannot parse.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib.util
 import logging
 import sys
 from collections.abc import Iterator
 from typing import TextIO
 
+from clef_protocol.logfmt import JsonFormatter, capture_stray_output
 from clef_protocol.messages import is_trace_id
 
 FORMAT = "%(asctime)s clef-worker[%(process)d] %(levelname)s %(trace)s%(message)s"
@@ -23,23 +31,44 @@ _current: contextvars.ContextVar[str | None] = contextvars.ContextVar("trace_id"
 
 
 class TraceFilter(logging.Filter):
-    """Adds `record.trace`: `request_id=... ` during a request, empty otherwise."""
+    """Adds `record.trace` (`request_id=... ` during a request, empty otherwise) for the text
+    format and `record.request_id` for the JSON one."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         trace_id = _current.get()
         record.trace = f"request_id={trace_id} " if trace_id else ""
+        if trace_id and not hasattr(record, "request_id"):
+            record.request_id = trace_id
         return True
 
 
-def configure(stream: TextIO | None = None, level: int = logging.INFO) -> logging.Handler:
-    """Send every log record to stderr (or `stream`) in the worker's format."""
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(logging.Formatter(FORMAT))
+def configure(stream: TextIO | None = None, level: int = logging.INFO,
+              log_format: str = "text") -> logging.Handler:
+    """Send every log record to stderr (or `stream`) in the worker's format (text or json)."""
+    if log_format == "json":
+        real_stderr = capture_stray_output()
+        handler = logging.StreamHandler(stream if stream is not None else real_stderr)
+        handler.setFormatter(JsonFormatter())
+        _adopt_transformers_logging()
+    else:
+        handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+        handler.setFormatter(logging.Formatter(FORMAT))
     handler.addFilter(TraceFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
     return handler
+
+
+def _adopt_transformers_logging() -> None:
+    """transformers writes through a handler of its own on `sys.stderr` and does not propagate;
+    send its records to ours instead, so they keep their level and logger name."""
+    if importlib.util.find_spec("transformers") is None:
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
 
 
 @contextlib.contextmanager
