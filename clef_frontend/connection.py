@@ -30,7 +30,7 @@ from http import HTTPStatus
 
 import h11
 
-from clef_frontend import logs, responses, tracing, workers_ai
+from clef_frontend import logs, otel, responses, tracing, workers_ai
 from clef_frontend.admission import Admission, Refused, Ticket
 from clef_frontend.api import ApiSurface
 from clef_frontend.body_rate import BodyClock
@@ -81,6 +81,21 @@ class Exchange:
     request_id: str = field(default_factory=tracing.new_request_id)
     route: str = "-"
     started: float = field(default_factory=time.monotonic)
+    # Traces (otel.py): the W3C trace id for the access line, the server span when tracing,
+    # and when the worker's reply arrived (the worker spans end there).
+    trace_id: str = tracing.NO_TRACE
+    span: otel.RequestSpan | None = None
+    answered_at: float | None = None
+
+    @classmethod
+    def of(cls, request: h11.Request) -> Exchange:
+        """The exchange of a parsed head: its request id and its place in a trace."""
+        request_id, context = tracing.trace_context_of(request.headers)
+        exchange = cls(request.method, request.target, request_id=request_id)
+        exchange.trace_id, exchange.span = otel.begin(
+            context, request.method, request.target, request_id, exchange.started)
+        logs.bind_request(request_id, exchange.trace_id)
+        return exchange
 
     def trace_headers(self) -> list[tuple[str, str]]:
         """`X-Request-Id`, and `Server-Timing` once the request went through the queue."""
@@ -157,8 +172,7 @@ class HttpConnection:
             await self._send(head, method=b"")
             self._log(self._exchange, head.status, len(head.body))
             return False
-        exchange = Exchange(head.request.method, head.request.target,
-                            request_id=tracing.request_id_of(head.request.headers))
+        exchange = Exchange.of(head.request)
         self._exchange = exchange
         reply = await self._answer(head, exchange)
         if reply is None:  # the client left while its request was queued or in flight
@@ -183,8 +197,10 @@ class HttpConnection:
             queue_ms=ticket.queue_ms if ticket else None,
             worker_ms=ticket.worker_ms if ticket else None,
             bytes_in=exchange.bytes_in, bytes_out=bytes_out, client=self._client,
-            request_id=exchange.request_id, batch=_batch_of(ticket),
+            request_id=exchange.request_id, batch=_batch_of(ticket), trace_id=exchange.trace_id,
         )
+        otel.end(exchange.span, status=status, route=exchange.route, ticket=ticket,
+                 answered_at=exchange.answered_at)
 
     def _count(self, exchange: Exchange, status: int) -> None:
         """The request's metrics, before its answer is written: a client that has its answer
@@ -239,7 +255,9 @@ class HttpConnection:
             exchange.ticket = self._admission.submit(body, exchange.request_id)
         except Refused as refused:
             return refused.reply
-        return await self._await_answer(exchange.ticket)
+        reply = await self._await_answer(exchange.ticket)
+        exchange.answered_at = time.monotonic()
+        return reply
 
     # -- reading -------------------------------------------------------------------------
 

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, Tracer
 
+    from clef_frontend.admission import Ticket
+
 log = logging.getLogger("clef_frontend.otel")
 
 SERVICE_NAME = "clef-serve"
@@ -145,7 +147,7 @@ class RequestSpan:
                     tracer.start_span(name, context=inside, start_time=start,
                                       attributes=attributes).end(cursor)
                     cursor = start
-            elif done.worker_ms is not None:
+            elif done.worker_ms is not None and 0 <= done.worker_ms < float("inf"):
                 tracer.start_span("worker", context=inside,
                                   start_time=cursor - int(done.worker_ms * 1e6),
                                   attributes=attributes).end(cursor)
@@ -159,7 +161,8 @@ def _valid_stages(stages: Mapping[str, float] | None) -> list[tuple[str, float]]
     found = []
     for name, key in STAGES:
         value = stages.get(key)
-        if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
+        if (not isinstance(value, int | float) or isinstance(value, bool)
+                or not 0 <= value < float("inf")):
             return None
         found.append((name, float(value)))
     return found
@@ -271,3 +274,20 @@ def begin(context: TraceContext, method: bytes, target: bytes, request_id: str,
         return context.trace_id, None
     span = _active.begin(context, method, target, request_id, started)
     return span.trace_id, span
+
+
+def end(span: RequestSpan | None, *, status: int, route: str, ticket: Ticket | None,
+        answered_at: float | None) -> None:
+    """Finish a request's spans from what the front measured (nothing when not tracing)."""
+    if span is None:
+        return
+    reply = ticket.worker_reply if ticket is not None else None
+    span.finish(Finished(
+        status=status, route=route,
+        enqueued_at=ticket.enqueued_at if ticket is not None else None,
+        sent_at=ticket.started_at if ticket is not None else None,
+        answered_at=answered_at if reply is not None else None,
+        worker_ms=ticket.worker_ms if ticket is not None else None,
+        stages=getattr(reply, "stages", None),
+        batch_size=reply.batch_size if reply is not None else None,
+    ))
