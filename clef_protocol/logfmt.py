@@ -88,7 +88,8 @@ class JsonLinesStream(io.TextIOBase):
     a traceback printed by hand. A line that already is a JSON object passes unchanged; any
     other line becomes a `logger: <name>` record of level WARNING (such writes are warnings or
     worse far more often than not). Text without a newline waits for the rest of its line.
-    Writes to file descriptor 2 from C code do not pass through Python and are not caught.
+    Writes to file descriptor 2 from native code do not pass through Python: the worker
+    catches those with a pipe (clef_worker.logs).
     """
 
     def __init__(self, target: TextIO, name: str) -> None:
@@ -101,6 +102,11 @@ class JsonLinesStream(io.TextIOBase):
     @property
     def encoding(self) -> str:  # type: ignore[override]
         return getattr(self._target, "encoding", None) or "utf-8"
+
+    def retarget(self, target: TextIO) -> None:
+        """Write to `target` from now on (the worker moves stderr to a private descriptor)."""
+        with self._lock:
+            self._target = target
 
     def writable(self) -> bool:
         return True
