@@ -11,7 +11,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -156,7 +156,7 @@ def _server_span(spans: list[ExportedSpan], request_id: str) -> ExportedSpan:
     return found[0]
 
 
-def _has_request(request_id: str, names: int) -> object:
+def _has_request(request_id: str, names: int) -> Callable[[list[ExportedSpan]], bool]:
     """A predicate: the request's server span and `names - 1` children have arrived."""
     def done(spans: list[ExportedSpan]) -> bool:
         server = [s for s in spans if s.attributes.get("clef.request_id") == request_id]
