@@ -99,8 +99,13 @@ class RequestFilter(logging.Filter):
 
 
 def bind_request(request_id: str, trace_id: str) -> None:
-    """Tag the current task's log lines (JSON) with this request until the next one."""
+    """Tag the current task's log lines (JSON) with this request until `unbind_request`."""
     _request.set((request_id, trace_id))
+
+
+def unbind_request() -> None:
+    """The request is answered: the connection's later lines are about no request."""
+    _request.set(None)
 
 
 def configure(level: str = "INFO", log_format: str = "text") -> None:
