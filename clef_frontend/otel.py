@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -202,7 +203,8 @@ class Tracing:
         resource = Resource.create()
         if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
             resource = resource.merge(Resource({"service.name": SERVICE_NAME}))
-        provider = TracerProvider(resource=resource)
+        # Our shutdown (bounded) flushes at exit, not the SDK's unbounded atexit hook.
+        provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         provider.add_span_processor(BatchSpanProcessor(exporter))
         from clef_frontend.version import version
 
@@ -237,10 +239,19 @@ class Tracing:
         return RequestSpan(self, span, name)
 
     def shutdown(self, timeout_ms: int = FLUSH_TIMEOUT_MS) -> None:
-        """Export what is pending (bounded), then stop the processor and exporter."""
-        if not self.provider.force_flush(timeout_ms):
-            log.warning("traces: spans still pending after %d ms were dropped", timeout_ms)
-        self.provider.shutdown()
+        """Export what is pending and stop, within `timeout_ms` whatever the collector does.
+
+        The provider's shutdown exports the queue, but with an unreachable collector the
+        exporter retries for its whole timeout; on a thread of its own it cannot hold the
+        process's exit past ours (the SDK's threads are daemons).
+        """
+        stopping = threading.Thread(target=self.provider.shutdown, daemon=True,
+                                    name="otel-shutdown")
+        stopping.start()
+        stopping.join(timeout_ms / 1000)
+        if stopping.is_alive():
+            log.warning("traces: export not finished after %d ms; pending spans are dropped",
+                        timeout_ms)
 
 
 _active: Tracing | None = None

@@ -23,7 +23,7 @@ from clef_frontend.tracing import (
     parse_traceparent,
     trace_context_of,
 )
-from tests.frontend_helpers import REPO, Serve, clef_body
+from tests.frontend_helpers import REPO, WAIT, Serve, clef_body, free_port
 from tests.otlp_collector import Collector, ExportedSpan, grpc_collector, http_collector
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -285,3 +285,13 @@ def test_the_access_line_of_a_refused_request_has_its_trace_too() -> None:
         line = serve.wait_for(r"request method=POST .*request_id=bad-json$").group(0)
     assert f"trace_id={TRACE}" in line
     assert json.loads(response.body)["detail"]
+
+
+def test_an_unreachable_collector_does_not_hold_the_exit() -> None:
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}",
+           "OTEL_BSP_SCHEDULE_DELAY": "600000"}
+    with Serve(env=env) as serve:
+        assert serve.post(clef_body()).status == 200
+        serve.terminate()
+        assert serve.wait_exit(otel.FLUSH_TIMEOUT_MS / 1000 + WAIT) == 0
+        serve.wait_for(r"traces: export not finished after \d+ ms; pending spans are dropped")
