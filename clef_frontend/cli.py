@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from clef_frontend import auth, logs
+from clef_frontend import auth, logs, otel
 from clef_frontend.catalogue import served_name
 from clef_frontend.config import ServerConfig
 from clef_frontend.server import serve
@@ -229,5 +229,12 @@ def main(argv: list[str] | None = None) -> int:
             auth.read_key_file(Path(config.api_key_file))  # refuse an unusable file up front
     except ValueError as exc:
         parser.error(str(exc))
-    logs.configure(args.log_level)
-    return asyncio.run(serve(config))
+    logs.configure(args.log_level, args.log_format)
+    try:
+        otel.start()
+    except otel.TracingConfigError as exc:
+        parser.error(str(exc))
+    try:
+        return asyncio.run(serve(config))
+    finally:
+        otel.stop()  # the last spans leave before the process does

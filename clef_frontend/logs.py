@@ -7,20 +7,32 @@ own lines interleave with these, each line whole.
 The access log is written once per request, so its cost is part of every request's: lines are
 formatted with a timestamp text made once per second, and the lines of one event-loop turn are
 written together, with one write, when that turn ends (`BatchingHandler`).
+
+With `--log-format json` every line is one JSON object instead (`clef_protocol.logfmt`, the
+shape the worker writes too): the access line's fields become keys, and any line written while
+a request is being served carries its `request_id` and `trace_id` (`bind_request`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import sys
 import time
 from typing import TextIO
 
+from clef_protocol.logfmt import FIELDS, JsonFormatter, capture_stray_output
+
 FORMAT = "%(asctime)s clef-serve[%(process)d] %(levelname)s %(message)s"
 _TARGET_CHARS = 200
 
 access = logging.getLogger("clef_frontend.access")
+
+# (request id, trace id) of the request the current task serves; one task per connection.
+_request: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
+    "clef_request", default=None)
+_structured = False  # --log-format json: the access line's fields go to the formatter as keys
 
 
 class _Formatter(logging.Formatter):
@@ -76,14 +88,45 @@ class BatchingHandler(logging.StreamHandler[TextIO]):
                 self.stream.flush()
 
 
-def configure(level: str = "INFO") -> None:
-    """Route every `clef_frontend.*` logger to stderr with one format."""
-    handler = BatchingHandler(sys.stderr)
-    handler.setFormatter(_Formatter(FORMAT))
+class RequestFilter(logging.Filter):
+    """Adds `request_id` and `trace_id` to a record written while a request is served."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        bound = _request.get()
+        if bound is not None and not hasattr(record, "request_id"):
+            record.request_id, record.trace_id = bound
+        return True
+
+
+def bind_request(request_id: str, trace_id: str) -> None:
+    """Tag the current task's log lines (JSON) with this request until `unbind_request`."""
+    _request.set((request_id, trace_id))
+
+
+def unbind_request() -> None:
+    """The request is answered: the connection's later lines are about no request."""
+    _request.set(None)
+
+
+def configure(level: str = "INFO", log_format: str = "text") -> None:
+    """Route every `clef_frontend.*` logger to stderr with one format; other libraries'
+    warnings (asyncio, the OpenTelemetry SDK) go the same way."""
+    global _structured
+    _structured = log_format == "json"
+    if _structured:
+        handler = BatchingHandler(capture_stray_output())
+        handler.setFormatter(JsonFormatter())
+        handler.addFilter(RequestFilter())
+    else:
+        handler = BatchingHandler(sys.stderr)
+        handler.setFormatter(_Formatter(FORMAT))
     root = logging.getLogger("clef_frontend")
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+    everything = logging.getLogger()
+    everything.handlers[:] = [handler]
+    everything.setLevel(logging.WARNING)
     # The logging HOWTO's "Optimization" switches for what our format never shows: each
     # record then skips the caller lookup (a walk up the stack) and the thread and
     # multiprocessing lookups. The access log makes a record per request.
@@ -114,13 +157,26 @@ def request_line(
     client: str,
     request_id: str = "-",
     batch: int | None = None,
+    trace_id: str = "-",
 ) -> None:
     """`request method=POST path=/v1/systemone status=200 queue_ms=0.3 worker_ms=41.2 batch=4
-    ...` (`batch`: requests in the worker forward that answered it; its `worker_ms` is that
-    forward's)."""
+    ... trace_id=4bf9... request_id=...` (`batch`: requests in the worker forward that answered
+    it; its `worker_ms` is that forward's; `trace_id`: the W3C trace, `-` when none is known).
+
+    In JSON the same fields are keys of the line (numbers as numbers, unknown ones null)."""
+    if _structured:
+        access.info("request", extra={"request_id": request_id, "trace_id": trace_id, FIELDS: {
+            "method": printable(method), "path": printable(target), "status": status,
+            "queue_ms": _round(queue_ms), "worker_ms": _round(worker_ms), "batch": batch,
+            "bytes_in": bytes_in, "bytes_out": bytes_out, "client": client}})
+        return
     access.info(
         "request method=%s path=%s status=%d queue_ms=%s worker_ms=%s batch=%s bytes_in=%d "
-        "bytes_out=%d client=%s request_id=%s",
+        "bytes_out=%d client=%s trace_id=%s request_id=%s",
         printable(method), printable(target), status, _ms(queue_ms), _ms(worker_ms),
-        "-" if batch is None else batch, bytes_in, bytes_out, client, request_id,
+        "-" if batch is None else batch, bytes_in, bytes_out, client, trace_id, request_id,
     )
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)

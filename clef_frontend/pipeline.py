@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from clef_frontend import logs, responses, tracing, workers_ai
+from clef_frontend import logs, otel, responses, tracing, workers_ai
 from clef_frontend.admission import Admission, Refused, Ticket
 from clef_frontend.api import ApiSurface
 from clef_frontend.config import ServerConfig
@@ -85,13 +85,24 @@ class RequestContext:
     body: bytes | None = None
     ticket: Ticket | None = None
     started: float = field(default_factory=time.monotonic)
+    # Traces (otel.py): the W3C trace id for the access line ("-": none known), the server
+    # span when tracing is on, and when the worker's reply arrived (its spans end there).
+    trace_id: str = tracing.NO_TRACE
+    span: otel.RequestSpan | None = None
+    answered_at: float | None = None
 
     @classmethod
     def of(cls, head: RequestHead, io: RequestIO) -> RequestContext:
-        """The context of a parsed head, with its request id (the client's, if acceptable)."""
+        """The context of a parsed head, with its request id (the client's, if acceptable)
+        and its place in a trace (the caller's `traceparent`, if valid)."""
         request = head.request
-        return cls(head, io, method=request.method, target=request.target,
-                   request_id=tracing.request_id_of(request.headers))
+        request_id, trace = tracing.trace_context_of(request.headers)
+        ctx = cls(head, io, method=request.method, target=request.target,
+                  request_id=request_id)
+        ctx.trace_id, ctx.span = otel.begin(trace, request.method, request.target, request_id,
+                                            ctx.started)
+        logs.bind_request(request_id, ctx.trace_id)
+        return ctx
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of a request header (`name` lower-case)."""
@@ -231,7 +242,9 @@ class Pipeline:
         """The worker's answer (200, 422, row 13's 500), while the client is watched."""
         ticket = ctx.ticket
         assert ticket is not None
-        return await ctx.io.wait_answer(ticket.outcome, lambda: self.admission.abandon(ticket))
+        reply = await ctx.io.wait_answer(ticket.outcome, lambda: self.admission.abandon(ticket))
+        ctx.answered_at = time.monotonic()
+        return reply
 
     # -- after the answer ---------------------------------------------------------------------
 
@@ -259,8 +272,11 @@ class Pipeline:
             queue_ms=ticket.queue_ms if ticket else None,
             worker_ms=ticket.worker_ms if ticket else None,
             bytes_in=ctx.bytes_in, bytes_out=bytes_out, client=client,
-            request_id=ctx.request_id, batch=_batch_of(ticket),
+            request_id=ctx.request_id, batch=_batch_of(ticket), trace_id=ctx.trace_id,
         )
+        otel.end(ctx.span, status=status, route=ctx.route_label, ticket=ticket,
+                 answered_at=ctx.answered_at)
+        logs.unbind_request()
 
 
 def _batch_of(ticket: Ticket | None) -> int | None:

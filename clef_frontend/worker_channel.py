@@ -79,6 +79,9 @@ class WorkerReply:
     input_tokens: int = 0  # the encoded sequence's length (responses only)
     truncated_tokens: int = 0  # state tokens dropped to fit --max-length (responses only)
     batch_size: int = 1  # requests in the worker forward that answered it (responses only)
+    # The worker's stage durations (encode_ms, forward_ms, head_ms), when it reports them; the
+    # trace spans' only source (clef_frontend.otel), so a malformed one is dropped, not fatal.
+    stages: dict[str, float] | None = None
 
 
 def _count(message: dict[str, Any], key: str, absent: int = 0, least: int = 0) -> int:
@@ -88,6 +91,16 @@ def _count(message: dict[str, Any], key: str, absent: int = 0, least: int = 0) -
     if not isinstance(value, int) or isinstance(value, bool) or value < least:
         raise WorkerProtocolError(f"malformed response frame ({key} {value!r})")
     return value
+
+
+def _stages(value: object) -> dict[str, float] | None:
+    """A response's `stages`: names to non-negative milliseconds, or None."""
+    if not isinstance(value, dict):
+        return None
+    stages = {key: float(ms) for key, ms in value.items() if isinstance(key, str)
+              and isinstance(ms, int | float) and not isinstance(ms, bool)
+              and 0 <= ms < float("inf")}
+    return stages or None
 
 
 # Called exactly once per submitted request, with its reply or with the failure that lost it.
@@ -119,7 +132,8 @@ def _reply_from(message: dict[str, Any]) -> WorkerReply:
         return WorkerReply(status, body, None, worker_ms,
                            input_tokens=_count(message, "input_tokens"),
                            truncated_tokens=_count(message, "truncated_tokens"),
-                           batch_size=_count(message, "batch_size", absent=1, least=1))
+                           batch_size=_count(message, "batch_size", absent=1, least=1),
+                           stages=_stages(message.get("stages")))
     detail = message.get("detail")
     if not isinstance(status, int) or not 400 <= status < 600 or not isinstance(detail, str):
         raise WorkerProtocolError(f"malformed error frame (status {status!r})")

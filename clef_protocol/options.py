@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from clef_protocol.logfmt import LOG_FORMATS
+
 VARIANTS = ("clef-flash", "clef")
 DEVICES_HELP = "auto, cpu, cuda or cuda:N"
 DTYPES = ("auto", "bfloat16", "float32")
@@ -155,6 +157,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         default=RequestLimits.max_image_pixels,
                         help="width x height of one image or frame, checked in its header "
                              "before decoding")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                        help="stderr lines of the front and the workers: text (key=value) or "
+                             "json (one object per line)")
 
 
 def limits_from(args: argparse.Namespace) -> RequestLimits:

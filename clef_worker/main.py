@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logs()
     args = parse_args(argv)
+    configure_logs(log_format=args.log_format)
     keep_freed_memory()
     executor = start(args, channel_out)
     if executor is None:

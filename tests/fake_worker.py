@@ -23,6 +23,8 @@ the request body (the front validates first, so bodies are valid Clef requests p
                     through clef_worker.logs, tagged with the frame's trace_id
   "truncated_tokens": N   report N state tokens dropped (input_tokens is the body's length)
   "batch_size": N   report that a forward of N requests answered it
+  "stages": {...}   send this as the response frame's `stages` (encode_ms, forward_ms, head_ms)
+--log-format json logs as the real worker does with it.
 --log-file PATH appends each received request's `tag` (one per line) before answering.
 """
 
@@ -122,10 +124,13 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any]) -> 
         "end_ns": time.monotonic_ns(),
     }
     payload = json.dumps(body).encode()
-    write_frame_blocking(out, messages.response(
+    frame = messages.response(
         request_id, payload, worker_ms, input_tokens=len(message["body"]),
         truncated_tokens=int(request.get("truncated_tokens", 0)),
-        batch_size=int(request.get("batch_size", 1))))
+        batch_size=int(request.get("batch_size", 1)))
+    if "stages" in request:
+        frame["stages"] = request["stages"]
+    write_frame_blocking(out, frame)
 
 
 def _create_once(marker: str) -> bool:
@@ -151,6 +156,7 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logs()
     args = parse_args()
+    configure_logs(log_format=args.log_format)
     out, inp = _CHANNEL_OUT, _CHANNEL_IN
     time.sleep(args.ready_delay)
     while args.ready_gate and not os.path.exists(args.ready_gate):
