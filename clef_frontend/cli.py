@@ -51,6 +51,17 @@ def _non_negative(unit: str) -> Callable[[str], float]:
 
 
 _seconds = _non_negative("seconds")
+
+
+def _count(value: str) -> int:
+    """An argparse type: a whole number >= 0."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}")
+    return number
 _rate = _non_negative("bytes per second")
 
 
@@ -121,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     queue.add_argument("--max-batch", type=positive_int, default=None,
                        help="requests in flight to one worker, which batches them into one "
                             "forward (default: 16 on a CUDA worker, 4 on CPU)")
+    queue.add_argument("--queue-timeout", type=_seconds, default=None,
+                       help="seconds a request may wait for a worker before 504 (default: no "
+                            "limit; X-Clef-Deadline-Ms sets one per request)")
+    queue.add_argument("--answer-cache", type=_count, default=d.answer_cache,
+                       metavar="ENTRIES",
+                       help="answers kept for identical repeats of a key's requests, and "
+                            "identical requests in flight share one forward; 0 turns both off")
     queue.add_argument("--drain-timeout", type=_seconds, default=d.drain_timeout,
                        help="seconds to finish queued work after SIGTERM before answering 503")
     worker = parser.add_argument_group("worker supervision")
@@ -141,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds the worker may take to answer one request; past it the "
                              "worker counts as hung: it is killed and replaced, and the request "
                              "gets 500")
+    worker.add_argument("--stall-timeout", type=_seconds, default=d.stall_timeout,
+                        help="seconds a worker may stay silent (no pong, no reply) while the "
+                             "front waits on it; past it the worker counts as stalled: it is "
+                             "killed and replaced, and its requests are sent again")
     worker.add_argument("--shutdown-grace", type=_seconds, default=d.shutdown_grace,
                         help="seconds a worker may take to exit after 'shutdown' before SIGKILL")
     worker.add_argument("--restart-backoff", type=_seconds, default=d.restart_backoff,
@@ -202,6 +224,9 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         devices=devices,
         workers_per_device=per_device,
         max_batch=args.max_batch,
+        stall_timeout=args.stall_timeout,
+        queue_timeout=args.queue_timeout or None,
+        answer_cache=args.answer_cache,
     )
 
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from clef_frontend.admission import Admission
+from clef_frontend.admission import Admission, AdmissionEvents
 from clef_frontend.api import ApiSurface
 from clef_frontend.auth import ApiKeys
 from clef_frontend.catalogue import Catalogue
@@ -49,12 +49,14 @@ class FrontServer:
         self._pool = WorkerPool(config, on_all_lost=self._worker_lost,
                                 on_ready=self._worker_ready, on_worker_failed=self._worker_failed)
         self._admission = Admission(
-            capacity=config.queue_size, retry_after=config.retry_after, workers=self._pool
+            capacity=config.queue_size, retry_after=config.retry_after, workers=self._pool,
+            queue_timeout=config.queue_timeout, resend_timeout=config.request_timeout,
+            events=AdmissionEvents(resent=self._request_resent, expired=self._deadline_expired),
         )
         self._health = Health(self._pool, self._admission, config.retry_after)
         self._api = api_surface(config)
         self._metrics = Metrics(LiveState(
-            queue_depth=lambda: self._admission.depth,
+            queue_depth=lambda priority: self._admission.depth_of(priority),
             in_flight=lambda: self._admission.in_flight,
             queue_capacity=config.queue_size,
             worker_ready=lambda: self._pool.unavailable_reason() is None,
@@ -213,7 +215,7 @@ class FrontServer:
 
     def _worker_lost(self) -> None:
         """The last ready worker is gone: what waits would wait for a whole warm-up."""
-        self._admission.refuse_waiting("worker is restarting")
+        self._admission.refuse_waiting("worker is restarting", resent_too=False)
 
     def _worker_ready(self) -> None:
         """A worker became ready (first start, restart, reload): it can take waiting tickets."""
@@ -240,6 +242,12 @@ class FrontServer:
 
     def _worker_failed(self, reason: str) -> None:
         self._metrics.worker_failed(reason)
+
+    def _request_resent(self, reason: str) -> None:
+        self._metrics.request_resent(reason)
+
+    def _deadline_expired(self, priority: str) -> None:
+        self._metrics.expired(priority)
 
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name

@@ -228,6 +228,7 @@ class Supervisor:
         except BaseException:
             await asyncio.shield(channel.kill())
             raise
+        channel.watch_liveness(self._config.stall_timeout)
         return channel, info
 
     async def _launch(self) -> None:

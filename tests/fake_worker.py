@@ -84,6 +84,8 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any]) -> 
         time.sleep(delay)
     while request.get("hold_until") and not os.path.exists(request["hold_until"]):
         time.sleep(0.01)  # held in flight until the test creates the file
+    while request.get("wedge"):
+        time.sleep(3600)  # alive, silent, reading nothing: only a kill ends it
     if request.get("crash"):
         marker = args.crash_once_file
         if marker is None or _create_once(marker):
@@ -182,6 +184,9 @@ def main() -> int:
         message = read_frame_blocking(inp)
         if message is None or message["kind"] == messages.SHUTDOWN:
             return 0
+        if message["kind"] == messages.PING:
+            write_frame_blocking(out, messages.pong(message["seq"]))
+            continue
         with request_context(message.get("trace_id")):
             answer(args, out, message)
 
