@@ -38,7 +38,6 @@ from prometheus_client.registry import Collector
 from clef_frontend import responses
 from clef_frontend.priority import CLASSES, INTERACTIVE
 from clef_frontend.responses import Reply, WorkerAnswer
-from clef_frontend.routes import Route
 from clef_frontend.worker_channel import RESTART_REASONS
 from clef_protocol.messages import ReadyInfo
 
@@ -166,13 +165,15 @@ class Metrics:
         route: str,
         status: int,
         duration_s: float,
+        scoring: bool = False,
         queue_ms: float | None = None,
         worker_ms: float | None = None,
         worker_reply: WorkerAnswer | None = None,
         key: str = "-",
         priority: str = INTERACTIVE,
     ) -> None:
-        """One answered request; the timing arguments are given for scoring requests only.
+        """One answered request; `scoring` (the route's `Route.is_scoring`) puts it in the
+        latency, token and batch histograms, whichever route it came by.
 
         `key` is the key's name (never the key), `-` without one; `priority` its class.
         """
@@ -181,7 +182,7 @@ class Metrics:
             counter = self.requests.labels(route=route, status=str(status), key=key)
             self._request_counters[(route, status, key)] = counter
         counter.inc()
-        if route != Route.SYSTEMONE.path.decode("ascii"):
+        if not scoring:
             return
         self.duration_seconds.observe(duration_s)
         if queue_ms is not None:

@@ -33,6 +33,14 @@ class Route(Enum):
         self.path = path
         self.method = method
 
+    @property
+    def is_scoring(self) -> bool:
+        """Whether requests on this route are scored by a worker (and measured as such)."""
+        return self in _SCORING
+
+
+_SCORING = frozenset({Route.SYSTEMONE, Route.WORKERS_AI})
+
 
 # Targets are compared as sent: `/health?x=1` is unknown.
 _BY_PATH: dict[bytes, Route] = {known.path: known for known in Route

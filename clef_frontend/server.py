@@ -30,6 +30,7 @@ from clef_frontend.config import ServerConfig
 from clef_frontend.connection import READ_SIZE, HttpConnection
 from clef_frontend.health import Health
 from clef_frontend.metrics import LiveState, Metrics
+from clef_frontend.pipeline import Pipeline
 from clef_frontend.sd_notify import Notifier, ServiceNotifier, making_progress, watchdog_interval
 from clef_frontend.supervisor import StartupFailed
 from clef_frontend.version import version
@@ -62,6 +63,8 @@ class FrontServer:
             worker_ready=lambda: self._pool.unavailable_reason() is None,
             worker_info=self._pool.ready_info,
         ), version=version(), separate_port=config.metrics_port is not None)
+        self._pipeline = Pipeline(config=config, admission=self._admission, health=self._health,
+                                  metrics=self._metrics, api=self._api)
         self._address = ""
         self._systemd = ServiceNotifier(
             Notifier.from_environment(), status=self._service_status, healthy=self._healthy)
@@ -200,11 +203,8 @@ class FrontServer:
     async def _serve_client(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        connection = HttpConnection(
-            reader, writer, config=self._config, admission=self._admission, health=self._health,
-            api=self._api,
-            metrics=self._metrics,
-        )
+        connection = HttpConnection(reader, writer, config=self._config,
+                                    pipeline=self._pipeline)
         task = asyncio.current_task()
         assert task is not None
         self._connections[connection] = task

@@ -9,31 +9,33 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from clef_frontend.config import ServerConfig
 from clef_frontend.connection import HttpConnection
+from clef_frontend.pipeline import Pipeline, RequestContext
 
 RUN = b"/accounts/acct-1/ai/run/@cf/cloudflare/clef-flash"
 
 
-class ExplodingConnection(HttpConnection):
-    """A connection whose answer step fails the way an unforeseen bug would."""
-
-    async def _answer(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("a bug nobody foresaw")
+async def _explode(ctx: RequestContext) -> None:
+    """A step that fails the way an unforeseen bug would."""
+    raise RuntimeError("a bug nobody foresaw")
 
 
 async def _exchange(target: bytes) -> tuple[int, dict[str, Any]]:
     served = asyncio.Event()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connection = ExplodingConnection(
-            reader, writer, config=ServerConfig(worker_argv=("unused",)),
-            admission=None, health=None, metrics=None,  # type: ignore[arg-type]
-        )
+        config = ServerConfig(worker_argv=("unused",))
+        not_draining = SimpleNamespace(draining=False)
+        pipeline = Pipeline(config=config, admission=not_draining,  # type: ignore[arg-type]
+                            health=None, metrics=None)  # type: ignore[arg-type]
+        pipeline.steps = [pipeline.route, _explode]  # routed (so the form is known), then a bug
+        connection = HttpConnection(reader, writer, config=config, pipeline=pipeline)
         await connection.run()
         served.set()
 

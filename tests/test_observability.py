@@ -99,6 +99,25 @@ def test_metrics_parse_and_move_with_requests_and_refusals(serve: Serve) -> None
     assert value(after, "clef_requests_in_flight") == 0.0
 
 
+def test_workers_ai_requests_are_measured_like_systemone(serve: Serve) -> None:
+    """The Workers-AI route is a scoring route: its requests reach the latency histograms (and
+    the alerts built on them) under the route's template, never a client's account id."""
+    before = scrape(serve)
+    run = "/accounts/acct-7/ai/run/@cf/cloudflare/clef-flash"
+    assert serve.request("POST", run, clef_body()).status == 200
+    after = scrape(serve)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    template = "/accounts/{account_id}/ai/run/@cf/cloudflare/{model}"
+    assert moved("clef_http_requests_total", route=template, status="200") == 1
+    assert moved("clef_request_duration_seconds_count") == 1
+    assert moved("clef_request_queue_seconds_count") == 1
+    assert moved("clef_request_worker_seconds_count") == 1
+    assert moved("clef_request_input_tokens_count") == 1
+
+
 def test_queue_full_refusals_are_counted_as_503(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     with Serve(front_args=("--queue-size", "1")) as serve:

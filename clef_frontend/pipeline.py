@@ -1,0 +1,269 @@
+"""The request pipeline: what happens to one request, as plain async steps over a context.
+
+The connection (connection.py) turns bytes into a `RequestContext` and a `Reply` back into
+bytes; everything in between is here, one step per stage of http-contract.md, in contract order:
+
+    head size -> route -> head decisions (key, model name, /v1/models) -> POST head checks
+    -> body read -> body validation -> admission -> the worker's answer
+
+Each step takes the context and returns a `Reply` that ends the request, or None to go on; a
+step may fill in the context for the steps after it (the route, the body length, the body, the
+ticket). The steps are a list (`Pipeline.steps`), so a stage is added by inserting an async
+function at its place, and each can be driven by a test without a socket: the only I/O a step
+may need, reading the body and waiting for the worker while watching the client, goes through
+the `RequestIO` the connection provides (a test passes its own).
+
+After the answer, `finish` gives it its route's form (the Workers-AI envelope), `count` records
+its metrics before it is written and `log` writes its access-log line after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from clef_frontend import logs, responses, tracing, workers_ai
+from clef_frontend.admission import Admission, Refused, Ticket
+from clef_frontend.api import ApiSurface
+from clef_frontend.config import ServerConfig
+from clef_frontend.http1 import RequestHead
+from clef_frontend.metrics import Metrics, route_label
+from clef_frontend.responses import Reply
+from clef_frontend.routes import Route, check_body, check_post_head, route
+
+# Bodies above this are parsed and validated in a thread, so a large JSON document does not
+# stall the event loop (and every other client) for the length of its parse.
+INLINE_CHECK_BYTES = 64 * 1024
+
+
+class ClientGone(Exception):
+    """The client left before its answer: nothing is sent, the request counts as 499."""
+
+
+class RequestIO(Protocol):
+    """The I/O a step may need, provided by the connection (or by a test)."""
+
+    async def read_body(self, length: int) -> bytes | Reply:
+        """The whole body of `length` bytes, or the reply that ends the request (408, 400)."""
+        ...
+
+    def skip_body(self) -> None:
+        """The request's body will not be read (a bodyless route)."""
+        ...
+
+    async def wait_answer(
+        self, answer: asyncio.Future[Reply], on_gone: Callable[[], None]
+    ) -> Reply:
+        """`answer`'s reply; if the client leaves first, call `on_gone` and raise ClientGone."""
+        ...
+
+
+class HealthReply(Protocol):
+    def reply(self) -> Reply: ...
+
+
+@dataclass
+class RequestContext:
+    """Everything known about one request, filled in step by step.
+
+    `key` is the identity of the API key the request presented (None while no step sets it);
+    `route` is None until routed (and stays None for unknown targets and malformed heads).
+    """
+
+    head: RequestHead | None
+    io: RequestIO
+    method: bytes = b"-"
+    target: bytes = b"-"
+    request_id: str = field(default_factory=tracing.new_request_id)
+    route: Route | None = None
+    route_label: str = "-"
+    key: str | None = None
+    body_length: int | None = None
+    body: bytes | None = None
+    ticket: Ticket | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def of(cls, head: RequestHead, io: RequestIO) -> RequestContext:
+        """The context of a parsed head, with its request id (the client's, if acceptable)."""
+        request = head.request
+        return cls(head, io, method=request.method, target=request.target,
+                   request_id=tracing.request_id_of(request.headers))
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of a request header (`name` lower-case)."""
+        return self.head.header(name) if self.head is not None else None
+
+    @property
+    def bytes_in(self) -> int:
+        return len(self.body) if self.body is not None else 0
+
+    @property
+    def scoring(self) -> bool:
+        return self.route is not None and self.route.is_scoring
+
+    def trace_headers(self) -> list[tuple[str, str]]:
+        """`X-Request-Id`, and `Server-Timing` once the request went through the queue."""
+        ticket = self.ticket
+        timing = None
+        if ticket is not None:
+            total_ms = (time.monotonic() - self.started) * 1000.0
+            timing = tracing.server_timing(ticket.queue_ms, ticket.worker_ms, total_ms)
+        return tracing.response_headers(self.request_id, timing)
+
+
+Step = Callable[[RequestContext], Awaitable[Reply | None]]
+
+
+class Pipeline:
+    """The steps every request goes through, and the services they consult.
+
+    One per server, shared by every connection: it holds no per-request state.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: ServerConfig,
+        admission: Admission,
+        health: HealthReply,
+        metrics: Metrics,
+        api: ApiSurface | None = None,
+    ) -> None:
+        self.config = config
+        self.admission = admission
+        self.health = health
+        self.metrics = metrics
+        self.api = api or ApiSurface()
+        self.steps: list[Step] = [
+            self.check_head_size, self.route, self.decide_from_head, self.check_post_head,
+            self.read_body, self.validate, self.admit, self.await_worker,
+        ]
+
+    @property
+    def draining(self) -> bool:
+        """Every answer says `Connection: close` while the server drains."""
+        return self.admission.draining
+
+    async def answer(self, ctx: RequestContext) -> Reply | None:
+        """Run the steps until one answers; None if the client left first."""
+        try:
+            for step in self.steps:
+                reply = await step(ctx)
+                if reply is not None:
+                    return reply
+        except ClientGone:
+            return None
+        raise RuntimeError("no step answered the request")
+
+    # -- the steps, in contract order -----------------------------------------------------------
+
+    async def check_head_size(self, ctx: RequestContext) -> Reply | None:
+        """Row 0: a head over the header limit (h11 enforces it only on incomplete heads)."""
+        if ctx.head is not None and ctx.head.size > self.config.header_limit:
+            return responses.error(431, "request header block too large", close=True)
+        return None
+
+    async def route(self, ctx: RequestContext) -> Reply | None:
+        """The route table (404, 405); `/health` and `/metrics` are answered here."""
+        found = route(ctx.method, ctx.target)
+        ctx.route = found if isinstance(found, Route) else None
+        known = isinstance(found, Route) or found.status == 405
+        ctx.route_label = route_label(workers_ai.route_path(ctx.target), known=known)
+        if isinstance(found, Reply):
+            ctx.io.skip_body()
+            return found
+        if found is Route.HEALTH:
+            ctx.io.skip_body()
+            return self.health.reply()
+        if found is Route.METRICS:
+            ctx.io.skip_body()
+            return self.metrics.public_reply()
+        return None
+
+    async def decide_from_head(self, ctx: RequestContext) -> Reply | None:
+        """API key (401), Workers-AI model name (404), `/v1/models`: before any body byte."""
+        assert ctx.route is not None
+        decided = self.api.decide_from_head(ctx.route, ctx.target, ctx.header(b"authorization"))
+        if decided is not None:
+            ctx.io.skip_body()
+        return decided
+
+    async def check_post_head(self, ctx: RequestContext) -> Reply | None:
+        """Rows 1-5, from the head alone: the body's length, or the refusal."""
+        assert ctx.head is not None
+        length = check_post_head(ctx.head.framing, ctx.header(b"content-type"),
+                                 self.config.body_limit)
+        if isinstance(length, Reply):
+            return length
+        ctx.body_length = length
+        return None
+
+    async def read_body(self, ctx: RequestContext) -> Reply | None:
+        """Rows 6-7: the whole body, before anything else happens to it."""
+        assert ctx.body_length is not None
+        body = await ctx.io.read_body(ctx.body_length)
+        if isinstance(body, Reply):
+            return body
+        ctx.body = body
+        return None
+
+    async def validate(self, ctx: RequestContext) -> Reply | None:
+        """Rows 8-12: parse and validate before admission, so a bad request never waits."""
+        assert ctx.body is not None
+        if len(ctx.body) > INLINE_CHECK_BYTES:
+            return await asyncio.to_thread(check_body, ctx.body, self.config.limits)
+        return check_body(ctx.body, self.config.limits)
+
+    async def admit(self, ctx: RequestContext) -> Reply | None:
+        """Row 14: the queue takes the request, or refuses it (503)."""
+        assert ctx.body is not None
+        try:
+            ctx.ticket = self.admission.submit(ctx.body, ctx.request_id)
+        except Refused as refused:
+            return refused.reply
+        return None
+
+    async def await_worker(self, ctx: RequestContext) -> Reply | None:
+        """The worker's answer (200, 422, row 13's 500), while the client is watched."""
+        ticket = ctx.ticket
+        assert ticket is not None
+        return await ctx.io.wait_answer(ticket.outcome, lambda: self.admission.abandon(ticket))
+
+    # -- after the answer ---------------------------------------------------------------------
+
+    def finish(self, ctx: RequestContext, reply: Reply) -> Reply:
+        """The reply in its route's form (the Workers-AI envelope on that route)."""
+        return self.api.finish(ctx.target if ctx.target != b"-" else None, reply)
+
+    def count(self, ctx: RequestContext, status: int) -> None:
+        """The request's metrics, before its answer is written: a client that has its answer
+        (and scrapes next) always finds its request counted."""
+        ticket = ctx.ticket
+        self.metrics.request_done(
+            route=ctx.route_label, status=status, scoring=ctx.scoring,
+            duration_s=time.monotonic() - ctx.started,
+            queue_ms=ticket.queue_ms if ticket else None,
+            worker_ms=ticket.worker_ms if ticket else None,
+            worker_reply=ticket.worker_reply if ticket else None,
+        )
+
+    def log(self, ctx: RequestContext, status: int, bytes_out: int, client: str) -> None:
+        """The access-log line, once the request is answered (or abandoned)."""
+        ticket = ctx.ticket
+        logs.request_line(
+            method=ctx.method, target=ctx.target, status=status,
+            queue_ms=ticket.queue_ms if ticket else None,
+            worker_ms=ticket.worker_ms if ticket else None,
+            bytes_in=ctx.bytes_in, bytes_out=bytes_out, client=client,
+            request_id=ctx.request_id, batch=_batch_of(ticket),
+        )
+
+
+def _batch_of(ticket: Ticket | None) -> int | None:
+    """The worker forward's size for an answered request (None: no answer from a worker)."""
+    reply = ticket.worker_reply if ticket is not None else None
+    return reply.batch_size if reply is not None and reply.body is not None else None

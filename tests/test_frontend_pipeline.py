@@ -1,0 +1,284 @@
+"""The request pipeline and the HTTP/1.1 session, driven without a socket.
+
+`Http1Session` is fed bytes and asked for events; the pipeline's steps are run on a context
+whose I/O (body bytes, the wait for the worker) is a test double, with the real admission
+queue, metrics and API surface behind them. A worker is a lane the test answers by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+
+import pytest
+
+from clef_frontend import responses, workers_ai
+from clef_frontend.admission import Admission, Deliver
+from clef_frontend.config import ServerConfig
+from clef_frontend.http1 import BODY_END, Http1Session, Need, RefusedHead, RequestHead
+from clef_frontend.metrics import LiveState, Metrics
+from clef_frontend.pipeline import ClientGone, Pipeline, RequestContext
+from clef_frontend.responses import Reply
+from clef_frontend.routes import Route
+from clef_frontend.worker_channel import WorkerReply
+from tests.test_frontend_units import FakeLane, FakeWorkers
+
+BODY = json.dumps({"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}).encode()
+RUN = "/accounts/acct-1/ai/run/@cf/cloudflare/clef-flash"
+
+
+def raw_request(method: str, target: str, body: bytes = b"", *headers: str) -> bytes:
+    lines = [f"{method} {target} HTTP/1.1", "Host: t", *headers]
+    if method == "POST":
+        lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def parse_head(raw: bytes) -> tuple[Http1Session, RequestHead]:
+    session = Http1Session(16 * 1024)
+    session.receive(raw)
+    head = session.next_head()
+    assert isinstance(head, RequestHead)
+    return session, head
+
+
+class FakeIO:
+    """The connection's side of the pipeline: a body given up front, a client that stays (or
+    leaves the moment the pipeline starts waiting for the worker)."""
+
+    def __init__(self, body: bytes | Reply = b"", *, client_leaves: bool = False) -> None:
+        self.body = body
+        self.client_leaves = client_leaves
+        self.body_reads: list[int] = []
+        self.skipped = False
+
+    async def read_body(self, length: int) -> bytes | Reply:
+        self.body_reads.append(length)
+        return self.body
+
+    def skip_body(self) -> None:
+        self.skipped = True
+
+    async def wait_answer(
+        self, answer: asyncio.Future[Reply], on_gone: Callable[[], None]
+    ) -> Reply:
+        if self.client_leaves:
+            on_gone()
+            raise ClientGone
+        return await answer
+
+
+class Health:
+    def reply(self) -> Reply:
+        return responses.document(200, {"status": "ready"})
+
+
+class SignallingLane(FakeLane):
+    """A FakeLane that says when a request reaches it."""
+
+    def __init__(self, room: int) -> None:
+        super().__init__(room)
+        self.reached = asyncio.Event()
+
+    def submit(self, request_id: int, body: bytes, deliver: Deliver, trace_id: str = "") -> None:
+        super().submit(request_id, body, deliver, trace_id)
+        self.reached.set()
+
+
+class Rig:
+    """A pipeline over the real admission and metrics, with one hand-answered lane."""
+
+    def __init__(self, room: int = 1) -> None:
+        self.lane = SignallingLane(room)
+        self.admission = Admission(capacity=4, retry_after=1, workers=FakeWorkers(self.lane))
+        self.metrics = Metrics(LiveState(
+            queue_depth=lambda: self.admission.depth, in_flight=lambda: self.admission.in_flight,
+            queue_capacity=4, worker_ready=lambda: True, worker_info=lambda: None,
+        ), version="test")
+        self.pipeline = Pipeline(config=ServerConfig(worker_argv=("unused",)),
+                                 admission=self.admission, health=Health(), metrics=self.metrics)
+
+    def context(self, method: str, target: str, body: bytes = b"", *headers: str,
+                io: FakeIO | None = None) -> RequestContext:
+        _, head = parse_head(raw_request(method, target, body, *headers))
+        return RequestContext.of(head, io or FakeIO(body))
+
+    async def serve(self, ctx: RequestContext) -> Reply | None:
+        """The whole request as the connection runs it: answer, finish, count."""
+        reply = await self.pipeline.answer(ctx)
+        if reply is not None:
+            reply = self.pipeline.finish(ctx, reply)
+        self.pipeline.count(ctx, reply.status if reply is not None else 499)
+        return reply
+
+    def sample(self, name: str, **labels: str) -> float:
+        value = self.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+async def answered_by_lane(rig: Rig, ctx: RequestContext) -> Reply | None:
+    """Serve `ctx` while the lane answers the request it receives."""
+    rig.lane.reached.clear()
+    task = asyncio.ensure_future(rig.serve(ctx))
+    reached = asyncio.ensure_future(rig.lane.reached.wait())
+    await asyncio.wait({task, reached}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    reached.cancel()
+    if rig.lane.held:
+        _, _, deliver = rig.lane.held.pop(0)
+        deliver(WorkerReply(200, b'{"answers": 1}', None, 12.0, input_tokens=40,
+                            truncated_tokens=3, batch_size=2))
+    return await asyncio.wait_for(task, 10)
+
+
+def test_session_keeps_the_raw_framing_of_each_pipelined_head() -> None:
+    first = raw_request("POST", "/v1/systemone", BODY)
+    second = raw_request("GET", "/health")
+    session, head = parse_head(first + second)
+    assert head.framing.content_lengths == (str(len(BODY)).encode(),)
+    assert head.header(b"content-type") == b"application/json"
+    assert session.next_body_event() == BODY
+    assert session.next_body_event() is BODY_END
+    frame = session.frame(Reply(200, b"{}"), method=b"POST", close=False, extra=[])
+    assert frame is not None and frame.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert session.start_next_cycle()
+    assert session.head_begun  # the pipelined head is already buffered
+    nxt = session.next_head()
+    assert isinstance(nxt, RequestHead) and nxt.request.target == b"/health"
+    assert nxt.size == len(second)
+
+
+def test_session_refuses_a_malformed_head_with_its_target() -> None:
+    session = Http1Session(16 * 1024)
+    session.receive(b"POST " + RUN.encode() + b" HTTP/1.1\r\nBad Header\r\n\r\n")
+    refused = session.next_head()
+    assert isinstance(refused, RefusedHead)
+    assert refused.reply.status == 400 and refused.target == RUN.encode()
+
+
+def test_session_closes_after_an_answer_given_before_the_body() -> None:
+    session, _ = parse_head(raw_request("POST", "/v1/systemone", BODY)[:-5])
+    frame = session.frame(Reply(413, b"{}"), method=b"POST", close=False, extra=[])
+    assert frame is not None and b"Connection: close" in frame
+    assert session.client_may_be_sending
+    assert not session.start_next_cycle()
+    empty = Http1Session(16 * 1024)
+    assert empty.next_head() is Need.DATA
+
+
+def test_a_valid_request_goes_through_every_step_to_the_worker() -> None:
+    async def scenario() -> None:
+        rig = Rig()
+        ctx = rig.context("POST", "/v1/systemone", BODY, "X-Request-Id: abc-1")
+        reply = await answered_by_lane(rig, ctx)
+        assert reply is not None and (reply.status, reply.body) == (200, b'{"answers": 1}')
+        assert rig.lane.sent == [BODY]
+        assert ctx.route is Route.SYSTEMONE and ctx.request_id == "abc-1"
+        assert ctx.bytes_in == len(BODY)
+        assert dict(ctx.trace_headers())["X-Request-Id"] == "abc-1"
+        assert "worker;dur=12.0" in dict(ctx.trace_headers())["Server-Timing"]
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("body", "status"), [(b"{", 400), (b'{"state": 1}', 422)])
+def test_a_bad_body_is_refused_before_admission(body: bytes, status: int) -> None:
+    async def scenario() -> None:
+        rig = Rig()
+        reply = await rig.serve(rig.context("POST", "/v1/systemone", body))
+        assert reply is not None and reply.status == status
+        assert rig.lane.sent == [] and rig.admission.depth == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_body_that_fails_to_arrive_ends_the_request_before_validation() -> None:
+    async def scenario() -> None:
+        rig = Rig()
+        slow = responses.error(408, "request body timed out", close=True)
+        ctx = rig.context("POST", "/v1/systemone", BODY, io=FakeIO(slow))
+        assert await rig.serve(ctx) is slow
+        assert ctx.body is None and rig.lane.sent == []
+
+    asyncio.run(scenario())
+
+
+def test_bodyless_routes_answer_from_the_head_and_skip_the_body() -> None:
+    async def scenario() -> None:
+        rig = Rig()
+        for method, target, status, label in [
+            ("GET", "/health", 200, "/health"),
+            ("GET", "/nowhere", 404, "unknown"),
+            ("POST", "/health", 405, "/health"),
+            ("GET", "/v1/models", 200, "/v1/models"),
+        ]:
+            io = FakeIO()
+            ctx = rig.context(method, target, io=io)
+            reply = await rig.serve(ctx)
+            assert reply is not None and reply.status == status, target
+            assert io.skipped and io.body_reads == [] and ctx.route_label == label
+        assert rig.lane.sent == []
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_leaves_takes_its_ticket_out_of_the_queue() -> None:
+    async def scenario() -> None:
+        rig = Rig(room=0)  # the worker has no room: the request waits in the queue
+        ctx = rig.context("POST", "/v1/systemone", BODY, io=FakeIO(BODY, client_leaves=True))
+        assert await rig.serve(ctx) is None
+        assert rig.admission.depth == 0 and rig.lane.sent == []
+        assert rig.sample("clef_http_requests_total", route="/v1/systemone", status="499") == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_step_inserted_before_admission_runs_in_its_place() -> None:
+    """The plug-in point for further stages: a plain async function over the context."""
+
+    async def quota(ctx: RequestContext) -> Reply | None:
+        if ctx.header(b"x-tenant") == b"greedy":
+            return responses.error(429, "over quota", retry_after=1)
+        return None
+
+    async def scenario() -> None:
+        rig = Rig()
+        steps = rig.pipeline.steps
+        steps.insert(steps.index(rig.pipeline.admit), quota)
+        refused = await rig.serve(rig.context("POST", "/v1/systemone", BODY, "X-Tenant: greedy"))
+        assert refused is not None and refused.status == 429 and rig.lane.sent == []
+        served = await answered_by_lane(rig, rig.context("POST", "/v1/systemone", BODY))
+        assert served is not None and served.status == 200
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("target", ["/v1/systemone", RUN])
+def test_scoring_requests_are_measured_on_both_routes(target: str) -> None:
+    async def scenario() -> None:
+        rig = Rig()
+        ctx = rig.context("POST", target, BODY)
+        reply = await answered_by_lane(rig, ctx)
+        assert reply is not None and reply.status == 200
+        if target == RUN:
+            assert json.loads(reply.body)["result"] == {"answers": 1}
+        label = target if target != RUN else workers_ai.PATH_TEMPLATE
+        assert rig.sample("clef_http_requests_total", route=label, status="200") == 1
+        assert rig.sample("clef_request_duration_seconds_count") == 1
+        assert rig.sample("clef_request_queue_seconds_count") == 1
+        assert rig.sample("clef_request_worker_seconds_count") == 1
+        assert rig.sample("clef_request_input_tokens_sum") == 40
+        assert rig.sample("clef_request_batch_size_sum") == 2
+
+    asyncio.run(scenario())
+
+
+def test_routes_that_are_not_scored_stay_out_of_the_latency_histograms() -> None:
+    async def scenario() -> None:
+        rig = Rig()
+        await rig.serve(rig.context("GET", "/health"))
+        await rig.serve(rig.context("GET", "/v1/models"))
+        assert rig.sample("clef_request_duration_seconds_count") == 0
+        assert [r for r in Route if r.is_scoring] == [Route.SYSTEMONE, Route.WORKERS_AI]
+
+    asyncio.run(scenario())
