@@ -177,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the model's name in /v1/models and Workers-AI paths, then aliases "
                           "(default: the --variant)")
     api.add_argument("--api-key-file", default=None, metavar="PATH",
-                     help=f"require 'Authorization: Bearer <key>', keys one per line in PATH, "
-                          f"re-read on SIGHUP; also ${auth.ENV_VAR}. Never put a key on the "
+                     help=f"require 'Authorization: Bearer <key>': keys one per line in PATH, "
+                          f"or named keys with quotas in a PATH ending in .toml; re-read when "
+                          f"the file changes; also ${auth.ENV_VAR}. Never put a key on the "
                           f"command line")
     parser.add_argument("--log-level", default="INFO",
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from(args)
         if config.api_key_file is not None:
-            auth.read_key_file(Path(config.api_key_file))  # refuse an unusable file up front
+            auth.load_key_file(Path(config.api_key_file))  # refuse an unusable file up front
     except ValueError as exc:
         parser.error(str(exc))
     logs.configure(args.log_level)

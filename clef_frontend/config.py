@@ -57,6 +57,8 @@ class ServerConfig:
     # for repeats (0: no cache, and no sharing of identical requests in flight).
     stall_timeout: float = 30.0
     queue_timeout: float | None = None
+    # A modest bound (answers are a few KiB): enough for retries and score-then-compact pairs,
+    # not for whole eval sweeps.
     answer_cache: int = 1024
 
     def __post_init__(self) -> None:

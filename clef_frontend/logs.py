@@ -114,13 +114,14 @@ def request_line(
     client: str,
     request_id: str = "-",
     batch: int | None = None,
+    key: str = "-",
 ) -> None:
     """`request method=POST path=/v1/systemone status=200 queue_ms=0.3 worker_ms=41.2 batch=4
     ...` (`batch`: requests in the worker forward that answered it; its `worker_ms` is that
-    forward's)."""
+    forward's; `key`: the API key's name, `-` without one)."""
     access.info(
         "request method=%s path=%s status=%d queue_ms=%s worker_ms=%s batch=%s bytes_in=%d "
-        "bytes_out=%d client=%s request_id=%s",
+        "bytes_out=%d client=%s key=%s request_id=%s",
         printable(method), printable(target), status, _ms(queue_ms), _ms(worker_ms),
-        "-" if batch is None else batch, bytes_in, bytes_out, client, request_id,
+        "-" if batch is None else batch, bytes_in, bytes_out, client, key, request_id,
     )

@@ -31,6 +31,7 @@ from clef_frontend.api import ApiSurface
 from clef_frontend.config import ServerConfig
 from clef_frontend.http1 import RequestHead
 from clef_frontend.metrics import Metrics, route_label
+from clef_frontend.priority import INTERACTIVE
 from clef_frontend.responses import Reply
 from clef_frontend.routes import Route, check_body, check_post_head, route
 
@@ -81,6 +82,8 @@ class RequestContext:
     route: Route | None = None
     route_label: str = "-"
     key: str | None = None
+    priority: str = INTERACTIVE  # X-Clef-Priority, else the key's class (traffic.py)
+    deadline: float | None = None  # X-Clef-Deadline-Ms as time.monotonic() (traffic.py)
     body_length: int | None = None
     body: bytes | None = None
     ticket: Ticket | None = None
@@ -219,10 +222,12 @@ class Pipeline:
         return check_body(ctx.body, self.config.limits)
 
     async def admit(self, ctx: RequestContext) -> Reply | None:
-        """Row 14: the queue takes the request, or refuses it (503)."""
+        """Row 14: the queue takes the request, or refuses it (503); a request whose deadline
+        passes while it waits gets 504 instead of a worker."""
         assert ctx.body is not None
         try:
-            ctx.ticket = self.admission.submit(ctx.body, ctx.request_id)
+            ctx.ticket = self.admission.submit(ctx.body, ctx.request_id, priority=ctx.priority,
+                                               deadline=ctx.deadline)
         except Refused as refused:
             return refused.reply
         return None
@@ -249,6 +254,7 @@ class Pipeline:
             queue_ms=ticket.queue_ms if ticket else None,
             worker_ms=ticket.worker_ms if ticket else None,
             worker_reply=ticket.worker_reply if ticket else None,
+            key=ctx.key or "-", priority=ctx.priority,
         )
 
     def log(self, ctx: RequestContext, status: int, bytes_out: int, client: str) -> None:
@@ -259,7 +265,7 @@ class Pipeline:
             queue_ms=ticket.queue_ms if ticket else None,
             worker_ms=ticket.worker_ms if ticket else None,
             bytes_in=ctx.bytes_in, bytes_out=bytes_out, client=client,
-            request_id=ctx.request_id, batch=_batch_of(ticket),
+            request_id=ctx.request_id, batch=_batch_of(ticket), key=ctx.key or "-",
         )
 
 

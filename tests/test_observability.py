@@ -111,9 +111,9 @@ def test_workers_ai_requests_are_measured_like_systemone(serve: Serve) -> None:
         return value(after, name, **labels) - value(before, name, **labels)
 
     template = "/accounts/{account_id}/ai/run/@cf/cloudflare/{model}"
-    assert moved("clef_http_requests_total", route=template, status="200") == 1
+    assert moved("clef_http_requests_total", route=template, status="200", key="-") == 1
     assert moved("clef_request_duration_seconds_count") == 1
-    assert moved("clef_request_queue_seconds_count") == 1
+    assert moved("clef_request_queue_seconds_count", **{"class": "interactive"}) == 1
     assert moved("clef_request_worker_seconds_count") == 1
     assert moved("clef_request_input_tokens_count") == 1
 
