@@ -59,11 +59,15 @@ class Flight:
         self.callers.append(mine)
         return mine
 
+    def all_gone(self) -> bool:
+        """Every caller's client has left (admission then never sends the request)."""
+        return bool(self.callers) and all(caller.done() for caller in self.callers)
+
     def leave(self, mine: asyncio.Future[Reply]) -> None:
         """A caller's client has gone: cancel its wait; the last one out gives up the request."""
         if not mine.done():
             mine.cancel()
-        if all(caller.done() for caller in self.callers) and self.on_all_gone is not None:
+        if self.all_gone() and self.on_all_gone is not None:
             self.on_all_gone()
 
 
@@ -91,10 +95,8 @@ class AnswerCache:
             return answer
         return self._flights.get(key)
 
-    def start(self, key: bytes, outcome: asyncio.Future[Reply],
-              on_all_gone: Callable[[], None]) -> Flight:
-        """The first of its kind is admitted: others join its flight until `outcome` is set."""
-        flight = Flight(on_all_gone=on_all_gone)
+    def start(self, key: bytes, flight: Flight, outcome: asyncio.Future[Reply]) -> Flight:
+        """The first of its kind was admitted: others join its flight until `outcome` is set."""
         self._flights[key] = flight
         generation = self._generation
         outcome.add_done_callback(lambda done: self._landed(key, flight, done, generation))
@@ -110,8 +112,10 @@ class AnswerCache:
                 generation: int) -> None:
         if self._flights.get(key) is flight:
             del self._flights[key]
-        if outcome.cancelled():
-            return  # every caller left; nothing to hand on
+        if outcome.cancelled():  # every caller left (or the request was given up)
+            for caller in flight.callers:
+                caller.cancel()
+            return
         reply = outcome.result()
         for caller in flight.callers:
             if not caller.done():

@@ -61,6 +61,11 @@ class RequestIO(Protocol):
         """`answer`'s reply; if the client leaves first, call `on_gone` and raise ClientGone."""
         ...
 
+    def client_gone(self) -> bool:
+        """Whether the client has already closed its side (asked right before the request's
+        frame is written, so a request whose client left is never sent to a worker)."""
+        ...
+
 
 class HealthReply(Protocol):
     def reply(self) -> Reply: ...
@@ -221,13 +226,15 @@ class Pipeline:
             return await asyncio.to_thread(check_body, ctx.body, self.config.limits)
         return check_body(ctx.body, self.config.limits)
 
-    async def admit(self, ctx: RequestContext) -> Reply | None:
+    async def admit(self, ctx: RequestContext,
+                    gone: Callable[[], bool] | None = None) -> Reply | None:
         """Row 14: the queue takes the request, or refuses it (503); a request whose deadline
         passes while it waits gets 504 instead of a worker."""
         assert ctx.body is not None
         try:
             ctx.ticket = self.admission.submit(ctx.body, ctx.request_id, priority=ctx.priority,
-                                               deadline=ctx.deadline)
+                                               deadline=ctx.deadline,
+                                               gone=gone or ctx.io.client_gone)
         except Refused as refused:
             return refused.reply
         return None

@@ -80,14 +80,16 @@ class TrafficSteps:
             self._metrics.answer_cache_lookup(COALESCED)
             return await self._wait(ctx, found)
         self._metrics.answer_cache_lookup(MISS)
-        refused = await self._pipeline.admit(ctx)
+        flight = Flight()
+        # The request is wanted while any caller of it is: not only while this client is.
+        refused = await self._pipeline.admit(ctx, gone=flight.all_gone)
         if refused is not None:
             return refused
         ticket = ctx.ticket
         assert ticket is not None
         admission = self._pipeline.admission
-        return await self._wait(ctx, self.cache.start(key, ticket.outcome,
-                                                      lambda: admission.abandon(ticket)))
+        flight.on_all_gone = lambda: admission.abandon(ticket)
+        return await self._wait(ctx, self.cache.start(key, flight, ticket.outcome))
 
     async def _wait(self, ctx: RequestContext, flight: Flight) -> Reply:
         mine = flight.join()

@@ -8,7 +8,7 @@ import json
 import signal
 from pathlib import Path
 
-from clef_frontend.answer_cache import AnswerCache, request_key
+from clef_frontend.answer_cache import AnswerCache, Flight, request_key
 from clef_frontend.responses import Reply
 from tests.frontend_helpers import Serve, background, clef_body, clef_request
 from tests.traffic_helpers import metric, wait_until
@@ -83,7 +83,7 @@ def test_one_caller_leaving_does_not_cancel_the_others() -> None:
         outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         abandoned: list[bool] = []
         key = request_key("-", json.dumps(clef_request()).encode())
-        flight = cache.start(key, outcome, lambda: abandoned.append(True))
+        flight = cache.start(key, Flight(on_all_gone=lambda: abandoned.append(True)), outcome)
         first = flight.join()
         found = cache.lookup(key)
         assert found is flight
@@ -93,8 +93,9 @@ def test_one_caller_leaving_does_not_cancel_the_others() -> None:
         outcome.set_result(Reply(200, b'{"ok": 1}'))
         assert (await second).body == b'{"ok": 1}'
         assert isinstance(cache.lookup(key), Reply)  # kept for repeats
-        other = cache.start(request_key("-", b"{}"), asyncio.get_running_loop().create_future(),
-                            lambda: abandoned.append(True))
+        other = cache.start(request_key("-", b"{}"),
+                            Flight(on_all_gone=lambda: abandoned.append(True)),
+                            asyncio.get_running_loop().create_future())
         mine = other.join()
         other.leave(mine)
         assert abandoned == [True]  # the last caller out gives the request up

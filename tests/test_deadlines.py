@@ -3,11 +3,14 @@ passes gets 504 and never reaches a worker (the fake worker's request log)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
+from clef_frontend.admission import Admission
 from tests.frontend_helpers import Serve, background, clef_body
+from tests.test_frontend_units import FakeLane, FakeWorkers
 from tests.traffic_helpers import metric
 
 
@@ -49,3 +52,23 @@ def test_a_malformed_deadline_is_400() -> None:
             assert refused.status == 400
             assert refused.detail == ("X-Clef-Deadline-Ms must be a whole number of "
                                       f"milliseconds from 1 to 86400000, got {value!r}")
+
+
+def test_a_request_whose_client_left_is_not_sent_even_before_the_socket_is_watched() -> None:
+    """Right before the frame, admission asks whether the client is still there."""
+
+    async def scenario() -> tuple[list[bytes], bool]:
+        lane = FakeLane(room=1)
+        admission = Admission(capacity=4, retry_after=1, workers=FakeWorkers(lane))
+        admission.submit(b"busy")
+        client_left = False
+        left = admission.submit(b"left", gone=lambda: client_left)
+        stays = admission.submit(b"stays")
+        client_left = True  # its EOF arrived; no watcher has read it yet
+        while lane.held:
+            lane.answer_oldest()
+        await stays.outcome
+        return lane.sent, left.outcome.cancelled()
+
+    sent, cancelled = asyncio.run(scenario())
+    assert sent == [b"busy", b"stays"] and cancelled

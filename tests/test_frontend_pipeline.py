@@ -52,6 +52,7 @@ class FakeIO:
         self.client_leaves = client_leaves
         self.body_reads: list[int] = []
         self.skipped = False
+        self.gone = False
 
     async def read_body(self, length: int) -> bytes | Reply:
         self.body_reads.append(length)
@@ -59,6 +60,9 @@ class FakeIO:
 
     def skip_body(self) -> None:
         self.skipped = True
+
+    def client_gone(self) -> bool:
+        return self.gone
 
     async def wait_answer(
         self, answer: asyncio.Future[Reply], on_gone: Callable[[], None]
