@@ -6,10 +6,12 @@ deadlines are kept by one watchdog timer aimed at the oldest outstanding request
 per request: the timeout is the same for all, so the oldest is always the first to expire.
 
 Liveness: once the worker is ready the channel pings it (`ping`/`pong`, every third of the
-stall timeout); the worker answers between forwards. A worker that sends nothing (no pong, no
-reply) for `--stall-timeout` while a ping or a request waits on it is wedged (SIGSTOP, a stuck
-driver call, a deadlock outside the request timeout's reach): the channel breaks with
-`WorkerStalled`, so the supervisor kills and replaces it and admission sends its requests again.
+stall timeout) if its ready frame says it answers pings; it answers between forwards. A worker
+that sends nothing (no pong, no reply) for `--stall-timeout` while a ping or a request waits on
+it is wedged (SIGSTOP, a stuck driver call, a deadlock outside the request timeout's reach): the
+channel breaks with `WorkerStalled`, so the supervisor kills and replaces it and admission sends
+its requests again. A worker that does not answer pings is judged by its requests alone: a wedged
+one is found once a request waits on it, not while it is idle.
 
 The channel trusts nothing it reads. End of stream, a truncated, oversize or undecodable frame,
 an unexpected kind, or a reply for an id that is not outstanding all break the channel for
@@ -194,6 +196,7 @@ class WorkerChannel:
         self._ping_seq = 0
         self._ping_waiting: int | None = None
         self._pinger: asyncio.TimerHandle | None = None
+        self._pings = False  # whether the worker answers pings (its ready frame's `pings`)
 
     @classmethod
     async def spawn(
@@ -264,9 +267,11 @@ class WorkerChannel:
         self._last_life = self._loop.time()
         return info
 
-    def watch_liveness(self, stall_timeout: float) -> None:
-        """Start pinging the (ready) worker; declare it stalled after `stall_timeout` silent."""
+    def watch_liveness(self, stall_timeout: float, *, pings: bool) -> None:
+        """Declare the (ready) worker stalled after `stall_timeout` silent while the front waits
+        on it; ping it meanwhile if it answers pings (its ready frame says so)."""
         self._stall_timeout = stall_timeout
+        self._pings = pings
         self._last_life = self._loop.time()
         if self._pinger is None and not self._broken.done():
             self._pinger = self._loop.call_later(stall_timeout / PINGS_PER_STALL_TIMEOUT,
@@ -288,6 +293,8 @@ class WorkerChannel:
             return
         if request_id in self._outstanding:
             raise RuntimeError(f"request id {request_id} is already in flight on this worker")
+        if not self._outstanding and self._ping_waiting is None:
+            self._last_life = self._loop.time()  # silence counts only while the front waits
         self._outstanding[request_id] = _Outstanding(deliver, self._loop.time() + timeout,
                                                     timeout)
         if self._watchdog is None:
@@ -435,16 +442,18 @@ class WorkerChannel:
             self._fail(WorkerStalled(f"no pong and no reply within {timeout:g}s "
                                      f"({len(self._outstanding)} request(s) in flight)"))
             return
-        if self._ping_waiting is None:
+        if self._ping_waiting is None and self._pings:
             self._ping_seq += 1
             self._ping_waiting = self._ping_seq
             if not self._write(messages.ping(self._ping_seq)):
                 self._fail(WorkerExited("worker closed its input"))
                 return
-        # The next look comes a third of the timeout later, or right when the silence would
-        # reach the timeout, whichever is sooner.
-        self._pinger = self._loop.call_at(
-            min(now + timeout / PINGS_PER_STALL_TIMEOUT, self._last_life + timeout), self._tick)
+        # The next look comes a third of the timeout later, or, while the front waits on the
+        # worker, right when the silence would reach the timeout, whichever is sooner.
+        later = now + timeout / PINGS_PER_STALL_TIMEOUT
+        if self._ping_waiting is not None or self._outstanding:
+            later = min(later, self._last_life + timeout)
+        self._pinger = self._loop.call_at(later, self._tick)
 
     def _stop_liveness(self) -> None:
         self._stall_timeout = None

@@ -69,6 +69,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--demo", action="store_true")
     parser.add_argument("--replacement-ready-gate", default=None)
     parser.add_argument("--ready-gate", default=None)
+    parser.add_argument("--no-pings", action="store_true")
     return parser.parse_args()
 
 
@@ -178,7 +179,7 @@ def main() -> int:
     write_frame_blocking(out, messages.ready(messages.ReadyInfo(
         pid=os.getpid(), thread=threading.current_thread().name, model="fake",
         variant=args.variant, device="cpu", dtype="float32", gdn_path="none", warmup_ms=0.0,
-        versions={"fake_worker": "1"}, demo=args.demo, snapshot="",
+        versions={"fake_worker": "1"}, demo=args.demo, snapshot="", pings=not args.no_pings,
     )))
     while True:
         message = read_frame_blocking(inp)

@@ -4,8 +4,10 @@ replaced (restart reason `stalled`) and its requests are sent again (fake worker
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
+import time
 from pathlib import Path
 
 from tests.frontend_helpers import WAIT, Serve, background, clef_body
@@ -67,3 +69,24 @@ def test_a_worker_that_answers_pings_is_never_declared_stalled() -> None:
         assert metric(serve, "clef_worker_restarts_total", reason="stalled") == 0
         assert serve.health().json()["worker"]["pid"] == pid
         assert serve.post(clef_body()).status == 200
+
+
+def test_a_worker_without_pings_is_judged_by_its_requests_alone() -> None:
+    """A worker whose ready frame does not offer pings is never sent one (an older worker
+    exits on a frame it does not know); a wedged one is still found once a request waits on it,
+    and that request is answered by its replacement."""
+    with Serve("--no-pings", front_args=("--stall-timeout", str(STALL),
+                                         "--log-level", "DEBUG")) as serve:
+        pid = serve.health().json()["worker"]["pid"]
+        assert serve.post(clef_body(tag="before")).status == 200
+        # The scenario itself, not a synchronisation: the worker stays idle (silent) for longer
+        # than the stall timeout, which must not count against it.
+        time.sleep(STALL * 1.5)
+        after_idle = serve.post(clef_body(tag="after idle"))
+        assert after_idle.status == 200 and after_idle.json()["pid"] == pid
+        os.kill(pid, signal.SIGSTOP)
+        rescued = serve.post(clef_body(tag="rescued"))
+        assert rescued.status == 200 and rescued.json()["pid"] != pid
+        serve.wait_for(rf"worker pid={pid} failed .*no pong and no reply within 1s "
+                       r"\(1 request\(s\) in flight\)")
+        assert not re.search(r": pong \d+", serve.stderr)  # never pinged
