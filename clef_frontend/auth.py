@@ -51,6 +51,7 @@ log = logging.getLogger("clef_frontend.auth")
 
 ENV_VAR = "CLEF_API_KEY"
 ENV_KEY_NAME = "env"
+NO_KEY = "-"  # the key name of a request that presented no key in force (auth off, or refused)
 UNAUTHORIZED_DETAIL = "missing or invalid API key"
 # How often the key file is looked at for a change: a rotated key works within this long.
 KEY_POLL_SECONDS = 1.0

@@ -28,6 +28,7 @@ from typing import Protocol
 from clef_frontend import logs, responses, tracing, workers_ai
 from clef_frontend.admission import Admission, Refused, Ticket
 from clef_frontend.api import ApiSurface
+from clef_frontend.auth import NO_KEY
 from clef_frontend.config import ServerConfig
 from clef_frontend.http1 import RequestHead
 from clef_frontend.metrics import Metrics, route_label
@@ -261,7 +262,7 @@ class Pipeline:
             queue_ms=ticket.queue_ms if ticket else None,
             worker_ms=ticket.worker_ms if ticket else None,
             worker_reply=ticket.worker_reply if ticket else None,
-            key=ctx.key or "-", priority=ctx.priority,
+            key=ctx.key or NO_KEY, priority=ctx.priority,
         )
 
     def log(self, ctx: RequestContext, status: int, bytes_out: int, client: str) -> None:
@@ -272,7 +273,7 @@ class Pipeline:
             queue_ms=ticket.queue_ms if ticket else None,
             worker_ms=ticket.worker_ms if ticket else None,
             bytes_in=ctx.bytes_in, bytes_out=bytes_out, client=client,
-            request_id=ctx.request_id, batch=_batch_of(ticket), key=ctx.key or "-",
+            request_id=ctx.request_id, batch=_batch_of(ticket), key=ctx.key or NO_KEY,
         )
 
 

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 from clef_frontend import deadlines, priority
 from clef_frontend.answer_cache import COALESCED, HIT, MISS, AnswerCache, Flight, request_key
-from clef_frontend.auth import ApiKeys
+from clef_frontend.auth import NO_KEY, ApiKeys
 from clef_frontend.metrics import Metrics
 from clef_frontend.pipeline import Pipeline, RequestContext
 from clef_frontend.quotas import Quotas
 from clef_frontend.responses import Reply
-
-NO_KEY = "-"  # the key name of a request on a server without keys
 
 
 class TrafficSteps:
