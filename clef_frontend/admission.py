@@ -1,17 +1,32 @@
-"""FIFO admission: requests go to the workers in arrival order, the rest wait in that order.
+"""Admission: requests go to the workers by class and arrival order, the rest wait.
 
 Why a queue and not a "busy" refusal: each worker runs its model on one thread (one CUDA
 context, no per-thread cost), so concurrency belongs in front of it, not in it. Each worker (a
 `Lane`) may hold up to its `max_batch` requests at once, which it batches into one forward; a
 request goes to the next worker with room, and waits in the queue only while none has room. A
 request is refused (503 with Retry-After) only when the queue is full, no worker is warm, or the
-server is draining. A ticket whose client has gone while it waits is taken out of the queue and
-never reaches a worker; once a ticket is in flight its reply is always read (the channel matches
-replies by id), so a reply can never be mistaken for someone else's.
+server is draining. A ticket whose client has gone is taken out of the queue and never reaches a
+worker (checked again right before its frame is written); once a ticket is in flight its reply
+is always read (the channel matches replies by id), so a reply can never be mistaken for
+someone else's.
+
+Shared traffic (priority.py names the classes): waiting `interactive` tickets go before waiting
+`bulk` ones, FIFO within a class, except that one admission in every `BULK_EVERY` goes to bulk
+while both wait, so bulk never starves. A ticket may carry a deadline (`X-Clef-Deadline-Ms`,
+`--queue-timeout`): one timer, aimed at the earliest, answers a ticket still waiting at its
+deadline with 504, and it never reaches a worker.
+
+No request lost to a worker's death: an answer is a pure function of the request, so tickets in
+flight on a worker that is lost (`WorkerLost`: died, stalled, hung, broke the protocol) are sent
+again, once, before anything else, each alone on an idle worker. A poison request thus kills at
+most two workers (the one it shared, the one it ran alone on) and gets a 500; its companions are
+answered. While a resent ticket waits for an idle worker nothing new is sent, so one drains.
+Resent tickets also wait through a restart of the last worker (bounded by their deadline, or
+`resend_timeout`), where new tickets would get 503.
 
 Admission knows the workers only through the `Workers` and `Lane` protocols below and tells a
-503 from a 500 by the two exceptions of `worker_errors`; it never imports the supervisor, the
-pool or the channel, so they can change shape behind it.
+503 from a 500 by the exceptions of `worker_errors`; it never imports the supervisor, the pool
+or the channel, so they can change shape behind it.
 
 Everything here is driven by events and runs no task of its own: a ticket is sent the moment it
 is admitted if a worker has room, and each reply (a callback from the worker channel) answers
@@ -21,6 +36,7 @@ its ticket and sends the next waiting one. No dispatcher task, no task per reque
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
 import time
@@ -29,9 +45,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from clef_frontend import responses
+from clef_frontend import deadlines, responses
+from clef_frontend.priority import BULK, CLASSES, INTERACTIVE
 from clef_frontend.responses import Reply, WorkerAnswer
-from clef_frontend.worker_errors import WorkerFailure, WorkerUnavailable
+from clef_frontend.worker_errors import WorkerFailure, WorkerLost, WorkerUnavailable
 from clef_protocol.messages import INFERENCE_FAILED
 
 log = logging.getLogger("clef_frontend.admission")
@@ -39,11 +56,19 @@ log = logging.getLogger("clef_frontend.admission")
 # Called once per submitted request with its answer, or with the failure that lost it.
 Deliver = Callable[[WorkerAnswer | WorkerFailure], None]
 
+# While both classes wait, one admission in this many goes to the oldest bulk ticket: an
+# interactive request waits behind at most one bulk request per BULK_EVERY - 1 interactive ones,
+# and a bulk flood still moves at 1/BULK_EVERY of the workers under sustained interactive load.
+BULK_EVERY = 8
+
 
 class Lane(Protocol):
     """One worker as admission sees it (a Supervisor)."""
 
     def has_room(self) -> bool: ...
+
+    @property
+    def in_flight(self) -> int: ...
 
     def submit(
         self, request_id: int, body: bytes, deliver: Deliver, trace_id: str = ""
@@ -67,18 +92,34 @@ class Refused(Exception):
         self.reply = reply
 
 
+def _never_gone() -> bool:
+    return False
+
+
+def _ignore(_: str) -> None:
+    """Default for the event callbacks."""
+
+
 @dataclass(eq=False)
 class Ticket:
-    """One admitted request, from the queue to its reply."""
+    """One admitted request, from the queue to its reply.
+
+    `gone` says whether the client has left (checked right before the frame is written);
+    `deadline` is when a still waiting ticket is answered 504 (`time.monotonic()`; None: never).
+    """
 
     request_id: int
     body: bytes
     outcome: asyncio.Future[Reply]
     trace_id: str = ""
+    priority: str = INTERACTIVE
+    deadline: float | None = None
+    gone: Callable[[], bool] = _never_gone
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     worker_ms: float | None = None
     worker_reply: WorkerAnswer | None = None
+    resent: bool = False  # sent again after its worker was lost (it never is a second time)
 
     @property
     def queue_ms(self) -> float:
@@ -87,17 +128,36 @@ class Ticket:
         return (end - self.enqueued_at) * 1000.0
 
 
+@dataclass(frozen=True)
+class AdmissionEvents:
+    """What admission reports to the metrics: a resend (its reason) and a deadline that
+    passed while waiting (the ticket's class)."""
+
+    resent: Callable[[str], None] = _ignore
+    expired: Callable[[str], None] = _ignore
+
+
 class Admission:
     """The queue, and the hand-over of each ticket to the next worker with room."""
 
-    def __init__(self, *, capacity: int, retry_after: int, workers: Workers) -> None:
+    def __init__(self, *, capacity: int, retry_after: int, workers: Workers,
+                 queue_timeout: float | None = None, resend_timeout: float = 300.0,
+                 events: AdmissionEvents | None = None) -> None:
         self._capacity = capacity
         self._retry_after = retry_after
         self._workers = workers
-        self._waiting: deque[Ticket] = deque()
+        self._queue_timeout = queue_timeout
+        self._resend_timeout = resend_timeout
+        self._events = events or AdmissionEvents()
+        self._waiting: dict[str, deque[Ticket]] = {name: deque() for name in CLASSES}
+        self._resend: deque[Ticket] = deque()  # lost with their worker: next, each alone
+        self._alone: dict[Lane, Ticket] = {}  # lanes running a resent ticket, and which
         self._sent: dict[Ticket, None] = {}  # in flight, oldest first
         self._next_lane = 0
+        self._turn = 0  # admissions made while both classes waited (see BULK_EVERY)
         self._ids = itertools.count(1)
+        self._deadlines: list[tuple[float, int, Ticket]] = []  # a heap; stale entries skipped
+        self._deadline_timer: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
@@ -105,7 +165,11 @@ class Admission:
     @property
     def depth(self) -> int:
         """Tickets waiting (not counting those in flight)."""
-        return len(self._waiting)
+        return sum(len(q) for q in self._waiting.values()) + len(self._resend)
+
+    def depth_of(self, priority: str) -> int:
+        """Tickets of one class waiting (a resent ticket counts in its class)."""
+        return len(self._waiting[priority]) + sum(t.priority == priority for t in self._resend)
 
     @property
     def draining(self) -> bool:
@@ -121,7 +185,6 @@ class Admission:
     def capacity(self) -> int:
         return self._capacity
 
-
     @property
     def in_flight_since(self) -> float | None:
         """`time.monotonic()` at which the oldest request now in flight was sent (None: idle)."""
@@ -129,41 +192,57 @@ class Admission:
             return ticket.started_at
         return None
 
-    def submit(self, body: bytes, trace_id: str = "") -> Ticket:
-        """Admit a checked body (sent at once if a worker has room), or raise Refused (row 14)."""
+    def submit(self, body: bytes, trace_id: str = "", *, priority: str = INTERACTIVE,
+               deadline: float | None = None,
+               gone: Callable[[], bool] = _never_gone) -> Ticket:
+        """Admit a checked body (sent at once if a worker has room), or raise Refused (row 14).
+
+        A ticket whose deadline has already passed is answered 504 at once.
+        """
         reason = "server is draining" if self._draining else self._workers.unavailable_reason()
         lane = None
-        if reason is None and not self._waiting:
+        if reason is None and not self.depth:
             lane = self._lane_with_room()
-        if reason is None and lane is None and len(self._waiting) >= self._capacity:
+        if reason is None and lane is None and self.depth >= self._capacity:
             reason = "queue is full"
         if reason is not None:
             raise Refused(responses.unavailable(reason, self._retry_after))
+        now = time.monotonic()
         ticket = Ticket(next(self._ids), body, asyncio.get_running_loop().create_future(),
-                        trace_id)
+                        trace_id, priority,
+                        deadlines.earliest(deadline, now, self._queue_timeout), gone,
+                        enqueued_at=now)
+        if ticket.deadline is not None and ticket.deadline <= now:
+            self._expire(ticket)
+            return ticket
         self._idle.clear()
         if lane is not None:
             self._send(ticket, lane)
         else:
-            self._waiting.append(ticket)
+            self._wait(ticket)
         return ticket
 
     def abandon(self, ticket: Ticket) -> None:
         """The client has gone: drop the ticket if it still waits; if in flight, let it finish."""
-        if ticket in self._waiting:
-            self._waiting.remove(ticket)
+        if self._unqueue(ticket):
             log.info("request id=%d request_id=%s dropped from the queue: client gone",
                      ticket.request_id, ticket.trace_id)
             self._update_idle()
         if not ticket.outcome.done():
             ticket.outcome.cancel()
 
-    def refuse_waiting(self, reason: str) -> None:
-        """Answer every waiting ticket with 503 (no worker is left, or the drain timed out)."""
-        while self._waiting:
-            ticket = self._waiting.popleft()
-            if not ticket.outcome.done():
-                ticket.outcome.set_result(responses.unavailable(reason, self._retry_after))
+    def refuse_waiting(self, reason: str, *, resent_too: bool = True) -> None:
+        """Answer every waiting ticket with 503 (no worker is left, or the drain timed out).
+
+        With `resent_too=False` (the last worker was lost and is being replaced) resent tickets
+        keep waiting for the replacement: they were admitted while a worker was ready.
+        """
+        queues = [*self._waiting.values(), *([self._resend] if resent_too else [])]
+        for queue in queues:
+            while queue:
+                ticket = queue.popleft()
+                if not ticket.outcome.done():
+                    ticket.outcome.set_result(responses.unavailable(reason, self._retry_after))
         self._update_idle()
 
     def start_draining(self) -> None:
@@ -175,58 +254,183 @@ class Admission:
         await self._idle.wait()
 
     def pump(self) -> None:
-        """Send waiting tickets, oldest first, while some worker has room.
+        """Send waiting tickets while some worker has room: resent ones first, each alone on an
+        idle worker; then by class (see BULK_EVERY), oldest first within a class.
 
         Called after every reply and whenever a worker becomes ready.
         """
-        while self._waiting:
-            lane = self._lane_with_room()
+        while self._resend:
+            lane = self._idle_lane()
             if lane is None:
                 break
-            self._send(self._waiting.popleft(), lane)
+            ticket = self._resend.popleft()
+            if self._still_wanted(ticket):
+                self._send(ticket, lane, alone=True)
+        if not self._resend:  # a resent ticket waiting for an idle worker holds the rest back
+            while self.depth:
+                lane = self._lane_with_room()
+                if lane is None:
+                    break
+                ticket = self._next_waiting()
+                if self._still_wanted(ticket):
+                    self._send(ticket, lane)
         self._update_idle()
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _lane_with_room(self) -> Lane | None:
-        """The next worker with room, round robin from the one after the last used."""
+    def _wait(self, ticket: Ticket) -> None:
+        """Queue a ticket (in its class) and keep its deadline."""
+        self._waiting[ticket.priority].append(ticket)
+        self._keep_deadline(ticket)
+
+    def _keep_deadline(self, ticket: Ticket) -> None:
+        if ticket.deadline is None:
+            return
+        heapq.heappush(self._deadlines, (ticket.deadline, ticket.request_id, ticket))
+        if self._deadlines[0][2] is ticket:  # the new earliest: aim the timer at it
+            self._arm_deadline_timer()
+
+    def _arm_deadline_timer(self) -> None:
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
+        if self._deadlines:
+            self._deadline_timer = asyncio.get_running_loop().call_at(
+                _loop_time(self._deadlines[0][0]), self._expire_due)
+
+    def _expire_due(self) -> None:
+        """The deadline timer: answer 504 to every waiting ticket whose deadline has passed."""
+        self._deadline_timer = None
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, ticket = heapq.heappop(self._deadlines)
+            if self._unqueue(ticket):
+                self._expire(ticket)
+        self._arm_deadline_timer()
+        self._update_idle()
+
+    def _expire(self, ticket: Ticket) -> None:
+        log.info("request id=%d request_id=%s class=%s: deadline passed after %.0f ms waiting, "
+                 "not sent", ticket.request_id, ticket.trace_id, ticket.priority,
+                 ticket.queue_ms)
+        self._events.expired(ticket.priority)
+        if not ticket.outcome.done():
+            ticket.outcome.set_result(deadlines.expired())
+
+    def _unqueue(self, ticket: Ticket) -> bool:
+        """Take a waiting ticket out of its queue; False if it was not waiting."""
+        for queue in (self._waiting[ticket.priority], self._resend):
+            if ticket in queue:
+                queue.remove(ticket)
+                return True
+        return False
+
+    def _next_waiting(self) -> Ticket:
+        """The next ticket to send: interactive first, one in BULK_EVERY bulk while both wait."""
+        interactive, bulk = self._waiting[INTERACTIVE], self._waiting[BULK]
+        if interactive and bulk:
+            self._turn += 1
+            return (bulk if self._turn % BULK_EVERY == 0 else interactive).popleft()
+        return (interactive or bulk).popleft()
+
+    def _still_wanted(self, ticket: Ticket) -> bool:
+        """Right before the frame: a ticket whose client left or whose deadline passed is
+        answered here instead of being sent."""
+        if ticket.outcome.done():
+            return False
+        if ticket.gone():
+            log.info("request id=%d request_id=%s not sent: client gone", ticket.request_id,
+                     ticket.trace_id)
+            ticket.outcome.cancel()
+            return False
+        if ticket.deadline is not None and ticket.deadline <= time.monotonic():
+            self._expire(ticket)
+            return False
+        return True
+
+    def _pick_lane(self, fits: Callable[[Lane], bool]) -> Lane | None:
+        """The next worker that `fits` and runs no resent ticket, round robin from the one
+        after the last used."""
         lanes = self._workers.lanes
         count = len(lanes)
         for step in range(count):
             index = (self._next_lane + step) % count
-            if lanes[index].has_room():
+            lane = lanes[index]
+            if lane not in self._alone and fits(lane):
                 self._next_lane = (index + 1) % count
-                return lanes[index]
+                return lane
         return None
 
-    def _send(self, ticket: Ticket, lane: Lane) -> None:
+    def _lane_with_room(self) -> Lane | None:
+        """The next worker with room."""
+        return self._pick_lane(_has_room)
+
+    def _idle_lane(self) -> Lane | None:
+        """A ready worker with nothing in flight, for a resent ticket to run alone on."""
+        return self._pick_lane(_is_idle)
+
+    def _send(self, ticket: Ticket, lane: Lane, *, alone: bool = False) -> None:
         ticket.started_at = time.monotonic()
         self._sent[ticket] = None
+        if alone:
+            self._alone[lane] = ticket
         try:
             lane.submit(ticket.request_id, ticket.body,
-                        lambda outcome: self._done(ticket, outcome), ticket.trace_id)
+                        lambda outcome: self._done(ticket, lane, outcome), ticket.trace_id)
         except WorkerUnavailable as exc:  # has_room said yes; nothing was sent
             del self._sent[ticket]
+            self._alone.pop(lane, None)
             if not ticket.outcome.done():
                 ticket.outcome.set_result(responses.unavailable(str(exc), self._retry_after))
 
-    def _done(self, ticket: Ticket, outcome: WorkerAnswer | WorkerFailure) -> None:
+    def _done(self, ticket: Ticket, lane: Lane,
+              outcome: WorkerAnswer | WorkerFailure) -> None:
         """A worker answered the ticket (or failed with it in flight): reply, send the next."""
         self._sent.pop(ticket, None)
-        if isinstance(outcome, WorkerFailure):
+        if self._alone.get(lane) is ticket:
+            del self._alone[lane]
+        if isinstance(outcome, WorkerLost) and not ticket.resent and not ticket.outcome.done():
+            self._resend_later(ticket, outcome)
+        elif isinstance(outcome, WorkerFailure):
             log.error("request id=%d request_id=%s failed: %s", ticket.request_id,
                       ticket.trace_id, outcome)
-            reply = responses.error(500, INFERENCE_FAILED)
+            if not ticket.outcome.done():
+                ticket.outcome.set_result(responses.error(500, INFERENCE_FAILED))
         else:
             ticket.worker_ms = outcome.worker_ms
             ticket.worker_reply = outcome
-            reply = responses.from_worker(outcome)
-        if not ticket.outcome.done():
-            ticket.outcome.set_result(reply)
+            if not ticket.outcome.done():
+                ticket.outcome.set_result(responses.from_worker(outcome))
         self.pump()
 
+    def _resend_later(self, ticket: Ticket, failure: WorkerLost) -> None:
+        """Queue a ticket lost with its worker to be sent again, alone, before anything else."""
+        log.warning("request id=%d request_id=%s lost with its worker (%s): sending it again, "
+                    "alone", ticket.request_id, ticket.trace_id, failure)
+        self._events.resent(failure.reason)
+        ticket.resent = True
+        ticket.started_at = None  # waiting again
+        if ticket.deadline is None:  # bounded even while the last worker is replaced
+            ticket.deadline = time.monotonic() + self._resend_timeout
+        self._resend.append(ticket)
+        self._keep_deadline(ticket)
+
     def _update_idle(self) -> None:
-        if not self._waiting and not self._sent:
+        if not self.depth and not self._sent:
             self._idle.set()
         else:
             self._idle.clear()
+
+
+def _has_room(lane: Lane) -> bool:
+    return lane.has_room()
+
+
+def _is_idle(lane: Lane) -> bool:
+    return lane.has_room() and lane.in_flight == 0
+
+
+def _loop_time(monotonic: float) -> float:
+    """A `time.monotonic()` instant on the event loop's clock (they may differ in origin)."""
+    loop = asyncio.get_running_loop()
+    return loop.time() + (monotonic - time.monotonic())

@@ -58,6 +58,17 @@ def _non_negative(unit: str) -> Callable[[str], float]:
 
 
 _seconds = _non_negative("seconds")
+
+
+def _count(value: str) -> int:
+    """An argparse type: a whole number >= 0."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}")
+    return number
 _rate = _non_negative("bytes per second")
 
 
@@ -136,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests in flight to one worker, which batches them into one "
                             f"forward (default: {DEFAULT_MAX_BATCH_CUDA} on a CUDA worker, "
                             f"{DEFAULT_MAX_BATCH_CPU} on CPU)")
+    queue.add_argument("--queue-timeout", type=_seconds, default=None,
+                       help="seconds a request may wait for a worker before 504 (default: no "
+                            "limit; X-Clef-Deadline-Ms sets one per request)")
+    queue.add_argument("--answer-cache", type=_count, default=d.answer_cache,
+                       metavar="ENTRIES",
+                       help="answers kept for identical repeats of a key's requests, and "
+                            "identical requests in flight share one forward; 0 turns both off")
     queue.add_argument("--drain-timeout", type=_seconds, default=d.drain_timeout,
                        help="seconds to finish queued work after SIGTERM before answering 503")
     worker = parser.add_argument_group("worker supervision")
@@ -156,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds the worker may take to answer one request; past it the "
                              "worker counts as hung: it is killed and replaced, and the request "
                              "gets 500")
+    worker.add_argument("--stall-timeout", type=_seconds, default=d.stall_timeout,
+                        help="seconds a worker may stay silent (no pong, no reply) while the "
+                             "front waits on it; past it the worker counts as stalled: it is "
+                             "killed and replaced, and its requests are sent again")
     worker.add_argument("--shutdown-grace", type=_seconds, default=d.shutdown_grace,
                         help="seconds a worker may take to exit after 'shutdown' before SIGKILL")
     worker.add_argument("--restart-backoff", type=_seconds, default=d.restart_backoff,
@@ -170,8 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the model's name in /v1/models and Workers-AI paths, then aliases "
                           "(default: the --variant)")
     api.add_argument("--api-key-file", default=None, metavar="PATH",
-                     help=f"require 'Authorization: Bearer <key>', keys one per line in PATH, "
-                          f"re-read on SIGHUP; also ${auth.ENV_VAR}. Never put a key on the "
+                     help=f"require 'Authorization: Bearer <key>': keys one per line in PATH, "
+                          f"or named keys with quotas in a PATH ending in .toml; re-read when "
+                          f"the file changes; also ${auth.ENV_VAR}. Never put a key on the "
                           f"command line")
     parser.add_argument("--log-level", default="INFO",
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -217,6 +240,9 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         devices=devices,
         workers_per_device=per_device,
         max_batch=args.max_batch,
+        stall_timeout=args.stall_timeout,
+        queue_timeout=args.queue_timeout or None,
+        answer_cache=args.answer_cache,
     )
 
 
@@ -226,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from(args)
         if config.api_key_file is not None:
-            auth.read_key_file(Path(config.api_key_file))  # refuse an unusable file up front
+            auth.load_key_file(Path(config.api_key_file))  # refuse an unusable file up front
     except ValueError as exc:
         parser.error(str(exc))
     logs.configure(args.log_level, args.log_format)

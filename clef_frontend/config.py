@@ -52,6 +52,14 @@ class ServerConfig:
     devices: tuple[str, ...] = ()
     workers_per_device: int = 1
     max_batch: int | None = None
+    # Shared traffic: a worker silent this long (no pong, no reply) is wedged; requests wait
+    # at most `queue_timeout` seconds for a worker (None: no limit); `answer_cache` answers kept
+    # for repeats (0: no cache, and no sharing of identical requests in flight).
+    stall_timeout: float = 30.0
+    queue_timeout: float | None = None
+    # A modest bound (answers are a few KiB): enough for retries and score-then-compact pairs,
+    # not for whole eval sweeps.
+    answer_cache: int = 1024
 
     def __post_init__(self) -> None:
         # A body that fits the HTTP limit must also fit one frame, or the worker channel would
@@ -71,7 +79,7 @@ class ServerConfig:
         for name in (
             "header_timeout", "body_timeout", "keepalive_timeout", "send_timeout",
             "startup_timeout", "request_timeout", "shutdown_grace", "restart_backoff_max",
-            "restart_reset_after",
+            "restart_reset_after", "stall_timeout",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
@@ -79,6 +87,10 @@ class ServerConfig:
             raise ValueError("--body-min-rate and --body-rate-grace must be >= 0")
         if self.drain_timeout < 0 or self.restart_backoff < 0 or self.retry_after < 0:
             raise ValueError("--drain-timeout, --restart-backoff and --retry-after must be >= 0")
+        if self.queue_timeout is not None and self.queue_timeout <= 0:
+            raise ValueError("--queue-timeout must be positive")
+        if self.answer_cache < 0:
+            raise ValueError("--answer-cache must be >= 0")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not a TCP port")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

@@ -195,6 +195,11 @@ class HttpConnection:
                  length, clock.too_slow(now) or "too slow")
         return responses.error(408, "request body timed out", close=True)
 
+    def client_gone(self) -> bool:
+        """The client's end of input has been seen (a half-close counts as leaving, as for a
+        waiting request), or the socket is closing."""
+        return self._reader.at_eof() or self._writer.transport.is_closing()
+
     def skip_body(self) -> None:
         self._http.skip_empty_body()
 

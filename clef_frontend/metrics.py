@@ -14,6 +14,7 @@ public side. Names follow the Prometheus conventions: a `clef_` prefix, base uni
 
 from __future__ import annotations
 
+import functools
 import logging
 import platform
 import re
@@ -35,6 +36,7 @@ from prometheus_client.core import InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from clef_frontend import responses
+from clef_frontend.priority import CLASSES, INTERACTIVE
 from clef_frontend.responses import Reply, WorkerAnswer
 from clef_frontend.worker_channel import RESTART_REASONS
 from clef_protocol.messages import ReadyInfo
@@ -54,7 +56,7 @@ _LABEL_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 class LiveState:
     """Where the gauges read live state at scrape time (wired by the server)."""
 
-    queue_depth: Callable[[], int]
+    queue_depth: Callable[[str], int]  # waiting requests of one priority class
     in_flight: Callable[[], int]
     queue_capacity: int
     worker_ready: Callable[[], bool]
@@ -71,11 +73,12 @@ class Metrics:
         self._thread: threading.Thread | None = None
         r = self.registry
         self.requests = Counter(
-            "clef_http_requests", "HTTP requests answered, by route and status.",
-            ["route", "status"], registry=r)
-        self._request_counters: dict[tuple[str, int], Any] = {}
+            "clef_http_requests", "HTTP requests answered, by route, status and key name "
+            "(`-`: no key).", ["route", "status", "key"], registry=r)
+        self._request_counters: dict[tuple[str, int, str], Any] = {}
         self.queue_seconds = Histogram(
-            "clef_request_queue_seconds", "Time scoring requests waited for the worker.",
+            "clef_request_queue_seconds",
+            "Time scoring requests waited for the worker, by priority class.", ["class"],
             buckets=LATENCY_BUCKETS, registry=r)
         self.worker_seconds = Histogram(
             "clef_request_worker_seconds",
@@ -104,8 +107,11 @@ class Metrics:
             registry=r)
         for reason in RESTART_REASONS:
             self.restarts.labels(reason=reason)
-        Gauge("clef_queue_depth", "Requests waiting for the worker.",
-              registry=r).set_function(lambda: float(live.queue_depth()))
+        depth = Gauge("clef_queue_depth", "Requests waiting for the worker, by priority class.",
+                      ["class"], registry=r)
+        for name in CLASSES:
+            self.queue_seconds.labels(name)
+            depth.labels(name).set_function(functools.partial(_as_float, live.queue_depth, name))
         Gauge("clef_queue_capacity", "Requests that may wait (--queue-size).",
               registry=r).set(live.queue_capacity)
         Gauge("clef_requests_in_flight", "Requests the worker is answering now.",
@@ -113,6 +119,44 @@ class Metrics:
         Gauge("clef_worker_ready", "1 while a warm worker accepts requests, else 0.",
               registry=r).set_function(lambda: 1.0 if live.worker_ready() else 0.0)
         r.register(_InfoCollector(version, live.worker_info))
+        self._shared_traffic_metrics()
+
+    # -- shared traffic: quotas, answer cache, deadlines, resends -----------------------------
+
+    def _shared_traffic_metrics(self) -> None:
+        """The metrics of keys' quotas, the answer cache, deadlines and resent requests."""
+        r = self.registry
+        self.quota_refusals = Counter(
+            "clef_quota_refusals", "Requests refused 429 because their key was over its rate, "
+            "by key name.", ["key"], registry=r)
+        self.answer_cache = Counter(
+            "clef_answer_cache", "Answer cache lookups of scoring requests: `hit` (answered from "
+            "the cache), `coalesced` (shared an identical request's forward), `miss`.",
+            ["result"], registry=r)
+        for result in ("hit", "coalesced", "miss"):
+            self.answer_cache.labels(result=result)
+        self.deadline_expired = Counter(
+            "clef_deadline_expired", "Requests answered 504 because their deadline passed while "
+            "they waited, by priority class.", ["class"], registry=r)
+        self.resent = Counter(
+            "clef_requests_resent", "Requests sent again because their worker was lost with "
+            "them in flight, by why it was lost.", ["reason"], registry=r)
+        for name in CLASSES:
+            self.deadline_expired.labels(name)
+        for reason in RESEND_REASONS:
+            self.resent.labels(reason=reason)
+
+    def quota_refused(self, key: str) -> None:
+        self.quota_refusals.labels(key=key).inc()
+
+    def answer_cache_lookup(self, result: str) -> None:
+        self.answer_cache.labels(result=result).inc()
+
+    def expired(self, priority: str) -> None:
+        self.deadline_expired.labels(priority).inc()
+
+    def request_resent(self, reason: str) -> None:
+        self.resent.labels(reason=reason).inc()
 
     # -- recording --------------------------------------------------------------------------
 
@@ -126,19 +170,24 @@ class Metrics:
         queue_ms: float | None = None,
         worker_ms: float | None = None,
         worker_reply: WorkerAnswer | None = None,
+        key: str = "-",
+        priority: str = INTERACTIVE,
     ) -> None:
         """One answered request; `scoring` (the route's `Route.is_scoring`) puts it in the
-        latency, token and batch histograms, whichever route it came by."""
-        counter = self._request_counters.get((route, status))
+        latency, token and batch histograms, whichever route it came by.
+
+        `key` is the key's name (never the key), `-` without one; `priority` its class.
+        """
+        counter = self._request_counters.get((route, status, key))
         if counter is None:  # labels() costs a lock and a dict build per call: look it up once
-            counter = self.requests.labels(route=route, status=str(status))
-            self._request_counters[(route, status)] = counter
+            counter = self.requests.labels(route=route, status=str(status), key=key)
+            self._request_counters[(route, status, key)] = counter
         counter.inc()
         if not scoring:
             return
         self.duration_seconds.observe(duration_s)
         if queue_ms is not None:
-            self.queue_seconds.observe(queue_ms / 1000.0)
+            self.queue_seconds.labels(priority).observe(queue_ms / 1000.0)
         if worker_ms is not None:
             self.worker_seconds.observe(worker_ms / 1000.0)
         if worker_reply is None or worker_reply.body is None:
@@ -175,6 +224,14 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+# Why a request was sent again: `WorkerLost.reason` (worker_channel.py's failure kinds).
+RESEND_REASONS = ("crash", "hung", "protocol", "stalled")
+
+
+def _as_float(read: Callable[[str], int], name: str) -> float:
+    return float(read(name))
 
 
 def route_label(target: bytes, known: bool) -> str:

@@ -28,9 +28,11 @@ from typing import Protocol
 from clef_frontend import logs, otel, responses, tracing, workers_ai
 from clef_frontend.admission import Admission, Refused, Ticket
 from clef_frontend.api import ApiSurface
+from clef_frontend.auth import NO_KEY
 from clef_frontend.config import ServerConfig
 from clef_frontend.http1 import RequestHead
 from clef_frontend.metrics import Metrics, route_label
+from clef_frontend.priority import INTERACTIVE
 from clef_frontend.responses import Reply
 from clef_frontend.routes import Route, check_body, check_post_head, route
 
@@ -60,6 +62,11 @@ class RequestIO(Protocol):
         """`answer`'s reply; if the client leaves first, call `on_gone` and raise ClientGone."""
         ...
 
+    def client_gone(self) -> bool:
+        """Whether the client has already closed its side (asked right before the request's
+        frame is written, so a request whose client left is never sent to a worker)."""
+        ...
+
 
 class HealthReply(Protocol):
     def reply(self) -> Reply: ...
@@ -81,6 +88,8 @@ class RequestContext:
     route: Route | None = None
     route_label: str = "-"
     key: str | None = None
+    priority: str = INTERACTIVE  # X-Clef-Priority, else the key's class (traffic.py)
+    deadline: float | None = None  # X-Clef-Deadline-Ms as time.monotonic() (traffic.py)
     body_length: int | None = None
     body: bytes | None = None
     ticket: Ticket | None = None
@@ -229,11 +238,15 @@ class Pipeline:
             return await asyncio.to_thread(check_body, ctx.body, self.config.limits)
         return check_body(ctx.body, self.config.limits)
 
-    async def admit(self, ctx: RequestContext) -> Reply | None:
-        """Row 14: the queue takes the request, or refuses it (503)."""
+    async def admit(self, ctx: RequestContext,
+                    gone: Callable[[], bool] | None = None) -> Reply | None:
+        """Row 14: the queue takes the request, or refuses it (503); a request whose deadline
+        passes while it waits gets 504 instead of a worker."""
         assert ctx.body is not None
         try:
-            ctx.ticket = self.admission.submit(ctx.body, ctx.request_id)
+            ctx.ticket = self.admission.submit(ctx.body, ctx.request_id, priority=ctx.priority,
+                                               deadline=ctx.deadline,
+                                               gone=gone or ctx.io.client_gone)
         except Refused as refused:
             return refused.reply
         return None
@@ -262,6 +275,7 @@ class Pipeline:
             queue_ms=ticket.queue_ms if ticket else None,
             worker_ms=ticket.worker_ms if ticket else None,
             worker_reply=ticket.worker_reply if ticket else None,
+            key=ctx.key or NO_KEY, priority=ctx.priority,
         )
 
     def log(self, ctx: RequestContext, status: int, bytes_out: int, client: str) -> None:
@@ -273,6 +287,7 @@ class Pipeline:
             worker_ms=ticket.worker_ms if ticket else None,
             bytes_in=ctx.bytes_in, bytes_out=bytes_out, client=client,
             request_id=ctx.request_id, batch=_batch_of(ticket), trace_id=ctx.trace_id,
+            key=ctx.key or NO_KEY,
         )
         otel.end(ctx.span, status=status, route=ctx.route_label, ticket=ticket,
                  answered_at=ctx.answered_at)

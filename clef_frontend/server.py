@@ -7,9 +7,10 @@ Order matters and is the point of this module:
    (bounded by the drain timeout; a second signal cuts it short) while existing connections
    are answered with `Connection: close` (`/health` says `draining`, new POSTs get 503), then
    ask the worker to shut down, reap it, close idle connections, and exit 0.
-3. SIGHUP calls every reload callback registered with `on_reload` (the worker pool rolls its
-   workers onto the snapshot now at --model; other parts may re-read their files), so several
-   features share the one signal without knowing about each other.
+3. SIGHUP has one job: roll the workers onto the snapshot now at --model (and flush the answer
+   cache, whose answers came from the old one); it calls every callback registered with
+   `on_reload`, so parts that need the roll hear of it. API keys need no signal: their file is
+   watched and re-read when it changes (auth.py), without touching a worker.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from clef_frontend.admission import Admission
+from clef_frontend.admission import Admission, AdmissionEvents
+from clef_frontend.answer_cache import AnswerCache
 from clef_frontend.api import ApiSurface
 from clef_frontend.auth import ApiKeys
 from clef_frontend.catalogue import Catalogue
@@ -33,6 +35,7 @@ from clef_frontend.metrics import LiveState, Metrics
 from clef_frontend.pipeline import Pipeline
 from clef_frontend.sd_notify import Notifier, ServiceNotifier, making_progress, watchdog_interval
 from clef_frontend.supervisor import StartupFailed
+from clef_frontend.traffic import TrafficSteps
 from clef_frontend.version import version
 from clef_frontend.worker_pool import WorkerPool
 
@@ -50,12 +53,14 @@ class FrontServer:
         self._pool = WorkerPool(config, on_all_lost=self._worker_lost,
                                 on_ready=self._worker_ready, on_worker_failed=self._worker_failed)
         self._admission = Admission(
-            capacity=config.queue_size, retry_after=config.retry_after, workers=self._pool
+            capacity=config.queue_size, retry_after=config.retry_after, workers=self._pool,
+            queue_timeout=config.queue_timeout, resend_timeout=config.request_timeout,
+            events=AdmissionEvents(resent=self._request_resent, expired=self._deadline_expired),
         )
         self._health = Health(self._pool, self._admission, config.retry_after)
         self._api = api_surface(config)
         self._metrics = Metrics(LiveState(
-            queue_depth=lambda: self._admission.depth,
+            queue_depth=lambda priority: self._admission.depth_of(priority),
             in_flight=lambda: self._admission.in_flight,
             queue_capacity=config.queue_size,
             worker_ready=lambda: self._pool.unavailable_reason() is None,
@@ -63,6 +68,9 @@ class FrontServer:
         ), version=version(), separate_port=config.metrics_port is not None)
         self._pipeline = Pipeline(config=config, admission=self._admission, health=self._health,
                                   metrics=self._metrics, api=self._api)
+        self._cache = AnswerCache(config.answer_cache)
+        TrafficSteps(self._pipeline, self._api.keys, self._metrics, self._cache).install()
+        self._snapshots: tuple[str, ...] | None = None  # the workers' snapshots, last seen
         self._address = ""
         self._systemd = ServiceNotifier(
             Notifier.from_environment(), status=self._service_status, healthy=self._healthy)
@@ -70,7 +78,7 @@ class FrontServer:
         self._stop_requested = asyncio.Event()
         self._force_stop = asyncio.Event()
         self._reload_callbacks: list[Callable[[], Awaitable[None] | None]] = [
-            self._api.keys.reload, self._pool.reload]
+            self._roll_workers]
         self._reloads: set[asyncio.Future[None]] = set()
 
     def on_reload(self, callback: Callable[[], Awaitable[None] | None]) -> None:
@@ -84,6 +92,7 @@ class FrontServer:
             loop.add_signal_handler(signum, self._on_signal, signum)
         loop.add_signal_handler(signal.SIGHUP, self.reload)
         watchdog = asyncio.create_task(self._systemd.watch(watchdog_interval()), name="sd-notify")
+        key_watch = asyncio.create_task(self._api.keys.watch(), name="key-file")
         try:
             if self._config.metrics_port is not None and not self._serve_metrics():
                 return 1
@@ -112,6 +121,7 @@ class FrontServer:
             return 0
         finally:
             watchdog.cancel()
+            key_watch.cancel()
             for task in self._reloads:
                 task.cancel()
             await self._pool.stop()
@@ -213,11 +223,28 @@ class FrontServer:
 
     def _worker_lost(self) -> None:
         """The last ready worker is gone: what waits would wait for a whole warm-up."""
-        self._admission.refuse_waiting("worker is restarting")
+        self._admission.refuse_waiting("worker is restarting", resent_too=False)
 
     def _worker_ready(self) -> None:
-        """A worker became ready (first start, restart, reload): it can take waiting tickets."""
+        """A worker became ready (first start, restart, reload): it can take waiting tickets.
+
+        A restart loads whatever snapshot is at --model now: if the workers' snapshots changed,
+        the kept answers may be another model's, so they go.
+        """
+        snapshots = tuple(lane.info.snapshot if lane.info else "" for lane in self._pool.lanes)
+        if self._snapshots is not None and snapshots != self._snapshots:
+            self._cache.flush()
+        self._snapshots = snapshots
         self._admission.pump()
+
+    async def _roll_workers(self) -> None:
+        """SIGHUP's job: every worker onto the snapshot at --model; the answers kept from the
+        old one are flushed before and after the roll (old workers answer during it)."""
+        self._cache.flush()
+        try:
+            await self._pool.reload()
+        finally:
+            self._cache.flush()
 
     def reload(self) -> None:
         """What SIGHUP does: run every reload callback; one failing does not stop the others."""
@@ -241,6 +268,12 @@ class FrontServer:
     def _worker_failed(self, reason: str) -> None:
         self._metrics.worker_failed(reason)
 
+    def _request_resent(self, reason: str) -> None:
+        self._metrics.request_resent(reason)
+
+    def _deadline_expired(self, priority: str) -> None:
+        self._metrics.expired(priority)
+
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
         if self._stop_requested.is_set():
@@ -257,7 +290,8 @@ def api_surface(config: ServerConfig) -> ApiSurface:
     key_file = Path(config.api_key_file) if config.api_key_file is not None else None
     keys = ApiKeys(key_file, config.api_key)
     if keys.enabled:
-        log.info("API keys required: %d key(s) in force", keys.count)
+        log.info("API keys required: %d key(s) in force%s", keys.count,
+                 f", watching {key_file} for changes" if key_file is not None else "")
     return ApiSurface(keys=keys, catalogue=Catalogue(config.served_model_names))
 
 

@@ -230,6 +230,7 @@ class Supervisor:
         except BaseException:
             await asyncio.shield(channel.kill())
             raise
+        channel.watch_liveness(self._config.stall_timeout, pings=info.pings)
         return channel, info
 
     async def _launch(self) -> None:

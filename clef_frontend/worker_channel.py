@@ -5,6 +5,14 @@ pipe); each reply is matched to its request by id, and each request has its own 
 deadlines are kept by one watchdog timer aimed at the oldest outstanding request, not one timer
 per request: the timeout is the same for all, so the oldest is always the first to expire.
 
+Liveness: once the worker is ready the channel pings it (`ping`/`pong`, every third of the
+stall timeout) if its ready frame says it answers pings; it answers between forwards. A worker
+that sends nothing (no pong, no reply) for `--stall-timeout` while a ping or a request waits on
+it is wedged (SIGSTOP, a stuck driver call, a deadlock outside the request timeout's reach): the
+channel breaks with `WorkerStalled`, so the supervisor kills and replaces it and admission sends
+its requests again. A worker that does not answer pings is judged by its requests alone: a wedged
+one is found once a request waits on it, not while it is idle.
+
 The channel trusts nothing it reads. End of stream, a truncated, oversize or undecodable frame,
 an unexpected kind, or a reply for an id that is not outstanding all break the channel for
 good: every outstanding request fails at once with `WorkerFailure` (exactly those, nothing
@@ -22,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from clef_frontend.worker_errors import WorkerFailure
+from clef_frontend.worker_errors import WorkerFailure, WorkerLost
 from clef_protocol import messages
 from clef_protocol.frames import MAX_FRAME_BYTES, FrameBuffer, FrameError, encode_frame
 from clef_protocol.messages import ReadyInfo
@@ -30,36 +38,52 @@ from clef_protocol.messages import ReadyInfo
 log = logging.getLogger("clef_frontend.worker")
 
 
-class WorkerExited(WorkerFailure):
+class WorkerExited(WorkerLost):
     """The worker closed its output: it has exited (or is exiting) on its own."""
 
 
-class WorkerHung(WorkerFailure):
+class WorkerHung(WorkerLost):
     """The worker did not answer a request within the request timeout."""
 
+    reason = "hung"
 
-class WorkerProtocolError(WorkerFailure):
+
+class WorkerProtocolError(WorkerLost):
     """The worker wrote something that is not a valid frame or reply (it broke the protocol)."""
+
+    reason = "protocol"
+
+
+class WorkerStalled(WorkerLost):
+    """The worker answered neither a ping nor a request for the stall timeout (wedged)."""
+
+    reason = "stalled"
 
 
 def failure_reason(failure: WorkerFailure, exit_code: int | None) -> str:
     """Why a warm worker was lost, as one of a few fixed words (a metric label, a log token).
 
     `cuda_error`: it exited with the status the worker uses after a sticky device error;
-    `hung`: it did not answer within the request timeout; `protocol`: it wrote something that is
+    `hung`: it did not answer within the request timeout; `stalled`: it answered neither
+    pings nor requests for the stall timeout; `protocol`: it wrote something that is
     not a valid frame, or exited because the front's frame was unreadable; `crash`: anything
     else (it died, was killed, or closed its output).
     """
     if exit_code == messages.EXIT_EXECUTOR_BROKEN:
         return "cuda_error"
-    if isinstance(failure, WorkerHung):
-        return "hung"
+    if isinstance(failure, WorkerHung | WorkerStalled):
+        return failure.reason
     if isinstance(failure, WorkerProtocolError) or exit_code == messages.EXIT_PROTOCOL_ERROR:
         return "protocol"
     return "crash"
 
 
-RESTART_REASONS = ("crash", "hung", "protocol", "cuda_error")
+RESTART_REASONS = ("crash", "hung", "protocol", "cuda_error", "stalled")
+
+
+# Pings per stall timeout: a ping goes out every third of it, so a worker that answers pings is
+# never close to the limit, and a wedged one is declared stalled within the timeout plus a third.
+PINGS_PER_STALL_TIMEOUT = 3
 
 
 # How long a worker that closed its output gets to finish exiting before SIGKILL. Waiting for
@@ -179,6 +203,14 @@ class WorkerChannel:
         # While replies are handed on, the requests they let through are framed here and written
         # together afterwards: one pipe write for several frames (see `_on_output`).
         self._corked: list[bytes] | None = None
+        # Liveness (see the module docstring): the last sign of life (a reply or a pong), the
+        # ping awaiting its pong (None: none), and the one timer that sends pings and judges.
+        self._stall_timeout: float | None = None
+        self._last_life = self._loop.time()
+        self._ping_seq = 0
+        self._ping_waiting: int | None = None
+        self._pinger: asyncio.TimerHandle | None = None
+        self._pings = False  # whether the worker answers pings (its ready frame's `pings`)
 
     @classmethod
     async def spawn(
@@ -246,7 +278,18 @@ class WorkerChannel:
         except ValueError as exc:
             raise WorkerFailure(str(exc)) from None
         self._started = True
+        self._last_life = self._loop.time()
         return info
+
+    def watch_liveness(self, stall_timeout: float, *, pings: bool) -> None:
+        """Declare the (ready) worker stalled after `stall_timeout` silent while the front waits
+        on it; ping it meanwhile if it answers pings (its ready frame says so)."""
+        self._stall_timeout = stall_timeout
+        self._pings = pings
+        self._last_life = self._loop.time()
+        if self._pinger is None and not self._broken.done():
+            self._pinger = self._loop.call_later(stall_timeout / PINGS_PER_STALL_TIMEOUT,
+                                                 self._tick)
 
     def submit(
         self, request_id: int, body: bytes, timeout: float, deliver: Deliver, trace_id: str = ""
@@ -264,12 +307,14 @@ class WorkerChannel:
             return
         if request_id in self._outstanding:
             raise RuntimeError(f"request id {request_id} is already in flight on this worker")
+        if not self._outstanding and self._ping_waiting is None:
+            self._last_life = self._loop.time()  # silence counts only while the front waits
         self._outstanding[request_id] = _Outstanding(deliver, self._loop.time() + timeout,
                                                     timeout)
         if self._watchdog is None:
             self._arm_watchdog()
         if not self._write(messages.request(request_id, body, trace_id)):
-            self._fail(WorkerFailure("worker closed its input"))
+            self._fail(WorkerExited("worker closed its input"))
 
     async def broken(self) -> WorkerFailure:
         """Resolve when the channel breaks (the worker died or misbehaved)."""
@@ -277,6 +322,7 @@ class WorkerChannel:
 
     async def stop(self, grace: float) -> int | None:
         """Ask the worker to finish and exit (`shutdown`, then EOF); kill it after `grace`."""
+        self._stop_liveness()  # a retiring worker finishes what it holds, however long
         if not self._broken.done():
             self._write(messages.shutdown())
         if self.process.stdin is not None:
@@ -320,7 +366,7 @@ class WorkerChannel:
         finally:
             corked, self._corked = self._corked, None
             if corked and not self._send_bytes(b"".join(corked)):
-                self._fail(WorkerFailure("worker closed its input"))
+                self._fail(WorkerExited("worker closed its input"))
 
     def _on_output_end(self) -> None:
         """The worker closed its stdout (it exited, or is exiting)."""
@@ -344,6 +390,14 @@ class WorkerChannel:
 
     def _deliver(self, message: dict[str, Any]) -> None:
         kind = message["kind"]
+        self._last_life = self._loop.time()  # any valid frame is a sign of life
+        if kind == messages.PONG:
+            if self._ping_waiting is None or message.get("seq") != self._ping_waiting:
+                raise WorkerProtocolError(f"unsolicited pong from worker (seq "
+                                          f"{message.get('seq')!r})")
+            self._ping_waiting = None
+            log.debug("worker pid=%d: pong %d", self.pid, message["seq"])
+            return
         if kind not in (messages.RESPONSE, messages.ERROR):
             raise WorkerProtocolError(f"unexpected {kind!r} frame from worker")
         request_id = message.get("id")
@@ -390,10 +444,42 @@ class WorkerChannel:
             self._watchdog = self._loop.call_at(waiting.deadline, self._arm_watchdog)
             return
 
+    def _tick(self) -> None:
+        """The liveness timer: judge the silence, then ping if no ping is waiting."""
+        self._pinger = None
+        timeout = self._stall_timeout
+        if self._broken.done() or timeout is None:
+            return
+        now = self._loop.time()
+        waiting_on_worker = self._ping_waiting is not None or bool(self._outstanding)
+        if waiting_on_worker and now - self._last_life >= timeout:
+            self._fail(WorkerStalled(f"no pong and no reply within {timeout:g}s "
+                                     f"({len(self._outstanding)} request(s) in flight)"))
+            return
+        if self._ping_waiting is None and self._pings:
+            self._ping_seq += 1
+            self._ping_waiting = self._ping_seq
+            if not self._write(messages.ping(self._ping_seq)):
+                self._fail(WorkerExited("worker closed its input"))
+                return
+        # The next look comes a third of the timeout later, or, while the front waits on the
+        # worker, right when the silence would reach the timeout, whichever is sooner.
+        later = now + timeout / PINGS_PER_STALL_TIMEOUT
+        if self._ping_waiting is not None or self._outstanding:
+            later = min(later, self._last_life + timeout)
+        self._pinger = self._loop.call_at(later, self._tick)
+
+    def _stop_liveness(self) -> None:
+        self._stall_timeout = None
+        if self._pinger is not None:
+            self._pinger.cancel()
+            self._pinger = None
+
     def _fail(self, failure: WorkerFailure) -> None:
         """Break the channel for good; every outstanding request gets `failure`, once."""
         if not self._broken.done():
             self._broken.set_result(failure)
+        self._stop_liveness()
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None

@@ -16,3 +16,14 @@ class WorkerFailure(Exception):
 
 class WorkerUnavailable(Exception):
     """No warm worker right now, so nothing was sent (answer 503); str() is the short detail."""
+
+
+class WorkerLost(WorkerFailure):
+    """The worker was lost (it died, stalled, hung or broke the protocol) with the request in
+    flight: nothing says the request itself was at fault, and an answer is a pure function of
+    the request, so admission may send it again, once, to another worker.
+
+    `reason` is one word for metrics and logs (`clef_requests_resent_total{reason}`).
+    """
+
+    reason = "crash"

@@ -72,6 +72,10 @@ class ReadyInfo(ModelInfo):
     pid: int = 0
     thread: str = ""
     warmup_ms: float = 0.0
+    # The worker answers `ping` with `pong` between forwards. The front pings only a worker that
+    # says so: an older worker (a --worker-command from before pings) exits on a frame it does
+    # not know. Either way a worker silent with requests in flight is judged by --stall-timeout.
+    pings: bool = False
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> ReadyInfo:
@@ -94,6 +98,7 @@ class ReadyInfo(ModelInfo):
                 pid=int(message["pid"]),
                 thread=str(message["thread"]),
                 warmup_ms=float(message["warmup_ms"]),
+                pings=bool(message.get("pings", False)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"malformed ready frame: {exc!r}") from None

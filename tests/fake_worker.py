@@ -71,6 +71,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--demo", action="store_true")
     parser.add_argument("--replacement-ready-gate", default=None)
     parser.add_argument("--ready-gate", default=None)
+    parser.add_argument("--no-pings", action="store_true")
     return parser.parse_args()
 
 
@@ -86,6 +87,8 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any]) -> 
         time.sleep(delay)
     while request.get("hold_until") and not os.path.exists(request["hold_until"]):
         time.sleep(0.01)  # held in flight until the test creates the file
+    while request.get("wedge"):
+        time.sleep(3600)  # alive, silent, reading nothing: only a kill ends it
     if request.get("crash"):
         marker = args.crash_once_file
         if marker is None or _create_once(marker):
@@ -182,12 +185,15 @@ def main() -> int:
     write_frame_blocking(out, messages.ready(messages.ReadyInfo(
         pid=os.getpid(), thread=threading.current_thread().name, model="fake",
         variant=args.variant, device="cpu", dtype="float32", gdn_path="none", warmup_ms=0.0,
-        versions={"fake_worker": "1"}, demo=args.demo, snapshot="",
+        versions={"fake_worker": "1"}, demo=args.demo, snapshot="", pings=not args.no_pings,
     )))
     while True:
         message = read_frame_blocking(inp)
         if message is None or message["kind"] == messages.SHUTDOWN:
             return 0
+        if message["kind"] == messages.PING:
+            write_frame_blocking(out, messages.pong(message["seq"]))
+            continue
         with request_context(message.get("trace_id")):
             answer(args, out, message)
 

@@ -54,15 +54,19 @@ class Serve:
         startup_wait: float = WAIT,
         env: dict[str, str] | None = None,
         max_batch: int | None = 1,
+        answer_cache: int | None = 0,
     ) -> None:
         # One request in flight per worker unless a test says otherwise (`max_batch`, or
         # `--max-batch` in `front_args`, which comes later and wins): the queue tests count on
         # it, and the CPU default (clef_frontend.supervisor) may change with measurements.
+        # No answer cache unless a test says otherwise (`answer_cache`, None for the server's
+        # default): most tests send the same body again and count on each reaching a worker.
         worker = shlex.join([sys.executable, str(FAKE_WORKER), *worker_switches])
         argv = [
             sys.executable, "-m", "clef_frontend", "--port", str(port),
             *(() if real_worker else ("--worker-command", worker)),
             *(() if max_batch is None else ("--max-batch", str(max_batch))),
+            *(() if answer_cache is None else ("--answer-cache", str(answer_cache))),
             "--restart-backoff", "0.05", "--shutdown-grace", "5", *front_args,
         ]
         environment = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))

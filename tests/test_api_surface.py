@@ -218,6 +218,6 @@ def test_metrics_label_the_route_by_its_template(serve: Serve) -> None:
     assert serve.request("GET", "/accounts/acct-label-test/ai/run/@cf/cloudflare/x").status == 405
     metrics = serve.request("GET", "/metrics").body.decode()
     template = "/accounts/{account_id}/ai/run/@cf/cloudflare/{model}"
-    assert f'clef_http_requests_total{{route="{template}",status="200"}}' in metrics
-    assert f'clef_http_requests_total{{route="{template}",status="405"}}' in metrics
+    assert f'clef_http_requests_total{{key="-",route="{template}",status="200"}}' in metrics
+    assert f'clef_http_requests_total{{key="-",route="{template}",status="405"}}' in metrics
     assert "acct-label-test" not in metrics  # client-chosen path parts never become labels

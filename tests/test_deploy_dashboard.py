@@ -15,7 +15,6 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,13 +26,6 @@ from tests.frontend_helpers import Serve, clef_body
 from tests.test_deploy_alerts import RULES, SCORING, scoring_matcher
 
 DASHBOARD = REPO / "deploy" / "grafana" / "clef-serve.json"
-# Metrics the dashboard and rules use that come with the shared-traffic work (answer cache,
-# quotas, deadlines, resends, the renamed truncated-token counter). Checked by their own test,
-# which runs once the server exports `clef_answer_cache_total`.
-SHARED_TRAFFIC = {
-    "clef_answer_cache_total", "clef_quota_refusals_total", "clef_deadline_expired_total",
-    "clef_requests_resent_total", "clef_truncated_tokens_total",
-}
 # Grafana's variables, replaced by values a query would run with.
 VARIABLES = {"$job": ".*", "$instance": ".*", "$__rate_interval": "1m"}
 LABEL_VALUES = re.compile(r"^label_values\((.+),\s*\w+\)$")
@@ -121,21 +113,11 @@ def test_the_dashboard_covers_what_operators_watch() -> None:
         assert label in texts
 
 
-def test_todays_metrics_are_exported() -> None:
+def test_every_metric_named_is_exported() -> None:
+    """Every metric the dashboard or the alert rules name is on a real front's /metrics."""
     families = scrape()
     named = named_metrics(queries(dashboard()) + rule_expressions())
-    missing = sorted(name for name in named - SHARED_TRAFFIC if not exported(name, families))
-    assert not missing, f"named by the dashboard or rules, not exported: {missing}"
-
-
-def test_shared_traffic_metrics_are_exported() -> None:
-    families = scrape()
-    if not exported("clef_answer_cache_total", families):
-        pytest.skip("this build exports no clef_answer_cache_total (shared-traffic metrics not "
-                    "merged yet)")
-    named = named_metrics(queries(dashboard()) + rule_expressions())
-    assert named >= SHARED_TRAFFIC, "a shared-traffic metric is no longer used: drop it here"
-    missing = sorted(name for name in SHARED_TRAFFIC if not exported(name, families))
+    missing = sorted(name for name in named if not exported(name, families))
     assert not missing, f"named by the dashboard or rules, not exported: {missing}"
 
 

@@ -106,7 +106,9 @@ def test_backoff_resets_after_a_worker_served_and_grows_in_a_crash_loop() -> Non
     def crash_after(ok: int, restarts: int) -> None:
         for _ in range(ok):
             assert serve.post(clef_body()).status == 200
-        assert serve.post(clef_body(crash=True)).status == 500
+        # A worker that answers 500 and exits (a sticky device error): one death per request
+        # (a request lost with a crashed worker would be sent again, and kill a second one).
+        assert serve.post(clef_body(cuda_error=True)).status == 500
         serve.wait_health(lambda h: h["status"] == "ready" and h["restarts"] == restarts)
 
     with Serve(front_args=("--restart-backoff", "0.05", "--restart-backoff-max", "1")) as serve:

@@ -52,6 +52,7 @@ class FakeIO:
         self.client_leaves = client_leaves
         self.body_reads: list[int] = []
         self.skipped = False
+        self.gone = False
 
     async def read_body(self, length: int) -> bytes | Reply:
         self.body_reads.append(length)
@@ -59,6 +60,9 @@ class FakeIO:
 
     def skip_body(self) -> None:
         self.skipped = True
+
+    def client_gone(self) -> bool:
+        return self.gone
 
     async def wait_answer(
         self, answer: asyncio.Future[Reply], on_gone: Callable[[], None]
@@ -93,7 +97,7 @@ class Rig:
         self.lane = SignallingLane(room)
         self.admission = Admission(capacity=4, retry_after=1, workers=FakeWorkers(self.lane))
         self.metrics = Metrics(LiveState(
-            queue_depth=lambda: self.admission.depth, in_flight=lambda: self.admission.in_flight,
+            queue_depth=self.admission.depth_of, in_flight=lambda: self.admission.in_flight,
             queue_capacity=4, worker_ready=lambda: True, worker_info=lambda: None,
         ), version="test")
         self.pipeline = Pipeline(config=ServerConfig(worker_argv=("unused",)),
@@ -228,7 +232,8 @@ def test_a_client_that_leaves_takes_its_ticket_out_of_the_queue() -> None:
         ctx = rig.context("POST", "/v1/systemone", BODY, io=FakeIO(BODY, client_leaves=True))
         assert await rig.serve(ctx) is None
         assert rig.admission.depth == 0 and rig.lane.sent == []
-        assert rig.sample("clef_http_requests_total", route="/v1/systemone", status="499") == 1
+        assert rig.sample("clef_http_requests_total", route="/v1/systemone", status="499",
+                          key="-") == 1
 
     asyncio.run(scenario())
 
@@ -263,9 +268,9 @@ def test_scoring_requests_are_measured_on_both_routes(target: str) -> None:
         if target == RUN:
             assert json.loads(reply.body)["result"] == {"answers": 1}
         label = target if target != RUN else workers_ai.PATH_TEMPLATE
-        assert rig.sample("clef_http_requests_total", route=label, status="200") == 1
+        assert rig.sample("clef_http_requests_total", route=label, status="200", key="-") == 1
         assert rig.sample("clef_request_duration_seconds_count") == 1
-        assert rig.sample("clef_request_queue_seconds_count") == 1
+        assert rig.sample("clef_request_queue_seconds_count", **{"class": "interactive"}) == 1
         assert rig.sample("clef_request_worker_seconds_count") == 1
         assert rig.sample("clef_request_input_tokens_sum") == 40
         assert rig.sample("clef_request_batch_size_sum") == 2

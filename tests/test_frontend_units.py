@@ -179,6 +179,10 @@ class FakeLane:
     def has_room(self) -> bool:
         return self.ready and len(self.held) < self.room
 
+    @property
+    def in_flight(self) -> int:
+        return len(self.held)
+
     def submit(self, request_id: int, body: bytes, deliver: Deliver, trace_id: str = "") -> None:
         self.held.append((request_id, body, deliver))
         self.sent.append(body)

@@ -105,9 +105,9 @@ def test_two_workers_answer_every_request_exactly_once_in_order_per_worker(
         assert ends == sorted(ends)
 
 
-def test_a_crash_mid_batch_fails_only_that_batch_and_the_queue_resumes(tmp_path: Path) -> None:
-    gate0, gate1 = tmp_path / "gate0", tmp_path / "gate1"
-    with Serve("--crash-once-file", str(tmp_path / "crashed"),
+def test_a_crash_mid_batch_sends_that_batch_again_each_alone(tmp_path: Path) -> None:
+    gate0, gate1, log = tmp_path / "gate0", tmp_path / "gate1", tmp_path / "requests.log"
+    with Serve("--crash-once-file", str(tmp_path / "crashed"), "--log-file", str(log),
                front_args=("--workers", "2", "--max-batch", "2")) as serve:
         pid0, pid1 = (w["pid"] for w in serve.health().json()["workers"])
 
@@ -123,18 +123,23 @@ def test_a_crash_mid_batch_fails_only_that_batch_and_the_queue_resumes(tmp_path:
         d = send(4, tag="d")
         e = background(lambda: serve.post(clef_body(tag="e")))
         serve.wait_health(lambda h: h["queue_depth"] == 1)
-        gate0.touch()  # worker 0 crashes with a and c in flight
-        assert [(r.status, r.detail) for r in (a.result(), c.result())] == \
-            [(500, "inference failed")] * 2
-        # The replacement of worker 0 comes up; worker 1 still holds b and d, e still waits.
-        health = serve.wait_health(lambda h: h["workers"][0]["status"] == "ready")
-        assert health["workers"][0]["pid"] != pid0 and health["workers"][1]["in_flight"] == 2
+        gate0.touch()  # worker 0 crashes with a and c in flight: both are sent again
+        again = [a.result(), c.result()]
+        assert [(r.status, r.json()["tag"]) for r in again] == [(200, "a"), (200, "c")]
+        replacement = serve.health().json()["workers"][0]["pid"]
+        assert replacement not in (pid0, pid1)
+        assert {r.json()["pid"] for r in again} == {replacement}
+        # Each ran alone on the replacement: c was sent only once a was answered.
+        assert again[1].json()["start_ns"] >= again[0].json()["end_ns"]
         gate1.touch()
         answered = [r.result() for r in (b, d, e)]
         assert [r.status for r in answered] == [200, 200, 200]
         assert [r.json()["tag"] for r in answered] == ["b", "d", "e"]
         assert {r.json()["pid"] for r in answered[:2]} == {pid1}
-        assert health["workers"][1]["pid"] == pid1
+        # The dead worker read a (c was still on its pipe); worker 1 read b, then d after it.
+        lines = log.read_text().split()
+        assert lines[:4] == ["a", "b", "a", "c"] and sorted(lines[4:]) == ["d", "e"]
+        serve.wait_for(r"request id=\d+ request_id=\S+ lost with its worker .*sending it again")
 
 
 def test_killing_one_worker_leaves_the_other_serving_without_503(tmp_path: Path) -> None:

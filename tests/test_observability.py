@@ -18,6 +18,7 @@ from clef_frontend.worker_channel import (
     WorkerExited,
     WorkerHung,
     WorkerProtocolError,
+    WorkerStalled,
     failure_reason,
 )
 from clef_frontend.worker_errors import WorkerFailure
@@ -86,15 +87,15 @@ def test_metrics_parse_and_move_with_requests_and_refusals(serve: Serve) -> None
         return value(after, name, **labels) - value(before, name, **labels)
 
     route = "/v1/systemone"
-    assert moved("clef_http_requests_total", route=route, status="200") == 2
-    assert moved("clef_http_requests_total", route=route, status="422") == 2
-    assert moved("clef_http_requests_total", route="unknown", status="404") == 1
-    assert moved("clef_http_requests_total", route="/metrics", status="200") == 1
+    assert moved("clef_http_requests_total", route=route, status="200", key="-") == 2
+    assert moved("clef_http_requests_total", route=route, status="422", key="-") == 2
+    assert moved("clef_http_requests_total", route="unknown", status="404", key="-") == 1
+    assert moved("clef_http_requests_total", route="/metrics", status="200", key="-") == 1
     # Every scoring request has a total time; only the three the worker saw have queue/worker.
     assert moved("clef_request_duration_seconds_count") == 4
-    assert moved("clef_request_queue_seconds_count") == 3
+    assert moved("clef_request_queue_seconds_count", **{"class": "interactive"}) == 3
     assert moved("clef_request_worker_seconds_count") == 3
-    assert value(after, "clef_queue_depth") == 0.0
+    assert value(after, "clef_queue_depth", **{"class": "interactive"}) == 0.0
     assert value(after, "clef_requests_in_flight") == 0.0
 
 
@@ -110,9 +111,9 @@ def test_workers_ai_requests_are_measured_like_systemone(serve: Serve) -> None:
         return value(after, name, **labels) - value(before, name, **labels)
 
     template = "/accounts/{account_id}/ai/run/@cf/cloudflare/{model}"
-    assert moved("clef_http_requests_total", route=template, status="200") == 1
+    assert moved("clef_http_requests_total", route=template, status="200", key="-") == 1
     assert moved("clef_request_duration_seconds_count") == 1
-    assert moved("clef_request_queue_seconds_count") == 1
+    assert moved("clef_request_queue_seconds_count", **{"class": "interactive"}) == 1
     assert moved("clef_request_worker_seconds_count") == 1
     assert moved("clef_request_input_tokens_count") == 1
 
@@ -124,10 +125,10 @@ def test_queue_full_refusals_are_counted_as_503(tmp_path: Path) -> None:
         queued = serve.queue(["waiting"])
         assert serve.post(clef_body()).status == 503
         samples = scrape(serve)
-        assert value(samples, "clef_queue_depth") == 1.0
+        assert value(samples, "clef_queue_depth", **{"class": "interactive"}) == 1.0
         assert value(samples, "clef_requests_in_flight") == 1.0
         assert value(samples, "clef_http_requests_total", route="/v1/systemone",
-                     status="503") == 1
+                     status="503", key="-") == 1
         gate.touch()
         assert running.result().status == 200
         assert queued[0].result().status == 200
@@ -138,12 +139,15 @@ def test_queue_full_refusals_are_counted_as_503(tmp_path: Path) -> None:
     [("crash", "crash"), ("garbage", "protocol"), ("cuda_error", "cuda_error")],
 )
 def test_worker_restarts_are_counted_by_reason(marker: str, reason: str) -> None:
+    # A worker lost with the request in flight gets it sent again (a poison request costs two
+    # workers); one that answered 500 before exiting (cuda_error) does not.
+    lost = 1 if reason == "cuda_error" else 2
     with Serve() as serve:
         assert serve.post(clef_body(**{marker: True})).status == 500
-        serve.wait_health(lambda h: h["status"] == "ready" and h["restarts"] == 1)
+        serve.wait_health(lambda h: h["status"] == "ready" and h["restarts"] == lost)
         samples = scrape(serve)
-        for known in ("crash", "hung", "protocol", "cuda_error"):
-            expected = 1.0 if known == reason else 0.0
+        for known in ("crash", "hung", "protocol", "cuda_error", "stalled"):
+            expected = float(lost) if known == reason else 0.0
             assert value(samples, "clef_worker_restarts_total", reason=known) == expected
         assert serve.wait_for(rf"reason={reason}\)")
 
@@ -152,8 +156,10 @@ def test_a_hung_worker_counts_as_hung(tmp_path: Path) -> None:
     never = tmp_path / "never-created"
     with Serve(front_args=("--request-timeout", "1")) as serve:
         assert serve.post(clef_body(hold_until=str(never))).status == 500
-        serve.wait_health(lambda h: h["status"] == "ready" and h["restarts"] == 1)
-        assert value(scrape(serve), "clef_worker_restarts_total", reason="hung") == 1.0
+        serve.wait_health(lambda h: h["status"] == "ready" and h["restarts"] == 2)
+        samples = scrape(serve)
+        assert value(samples, "clef_worker_restarts_total", reason="hung") == 2.0
+        assert value(samples, "clef_requests_resent_total", reason="hung") == 1.0
 
 
 def test_input_tokens_and_truncation_are_counted(serve: Serve) -> None:
@@ -199,7 +205,7 @@ def test_metrics_port_serves_during_warm_up_and_hides_public_metrics(tmp_path: P
             ready = parse_metrics(answer.read().decode())
         assert value(ready, "clef_worker_ready") == 1.0
         assert value(ready, "clef_http_requests_total", route="/v1/systemone",
-                     status="200") == 1
+                     status="200", key="-") == 1
         public = serve.request("GET", "/metrics")
         assert (public.status, public.detail) == (404, "unknown route")
 
@@ -292,7 +298,8 @@ def test_request_id_rule() -> None:
     ("failure", "code", "reason"),
     [(WorkerExited("closed"), 3, "cuda_error"), (WorkerExited("closed"), -9, "crash"),
      (WorkerHung("no reply"), -9, "hung"), (WorkerProtocolError("bad frame"), None, "protocol"),
-     (WorkerExited("closed"), 2, "protocol"), (WorkerFailure("killed"), 70, "crash")],
+     (WorkerExited("closed"), 2, "protocol"), (WorkerFailure("killed"), 70, "crash"),
+     (WorkerStalled("silent"), -9, "stalled")],
 )
 def test_failure_reasons(failure: WorkerFailure, code: int | None, reason: str) -> None:
     assert failure_reason(failure, code) == reason

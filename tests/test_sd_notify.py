@@ -15,7 +15,7 @@ import pytest
 
 from clef_frontend.sd_notify import Notifier, making_progress, watchdog_interval
 from tests.conftest import REPO
-from tests.frontend_helpers import WAIT, Serve, clef_body, free_port, port_is_open
+from tests.frontend_helpers import WAIT, Serve, background, clef_body, free_port, port_is_open
 
 UNIT = REPO / "deploy" / "clef-serve.service"
 
@@ -87,11 +87,13 @@ def test_status_follows_a_worker_restart(systemd: FakeSystemd, tmp_path: Path) -
     with Serve("--crash-once-file", str(crashed), "--replacement-ready-gate", str(gate),
                env=env) as serve:
         systemd.wait_for("READY")
-        assert serve.post(clef_body(crash=True)).status == 500
-        # The replacement holds its `ready` until the gate opens: the state is observable.
+        # The request the worker dies with waits for the replacement, which holds its `ready`
+        # until the gate opens: the state is observable meanwhile.
+        crashing = background(lambda: serve.post(clef_body(crash=True)))
         assert systemd.wait_for("STATUS")["STATUS"] == "worker restarting"
         gate.touch()
         assert systemd.wait_for("STATUS")["STATUS"] == f"serving on 127.0.0.1:{serve.port}"
+        assert crashing.result().status == 200  # sent again, answered by the replacement
 
 
 def test_no_notify_socket_means_no_notifications() -> None:

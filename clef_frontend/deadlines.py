@@ -1,0 +1,45 @@
+"""Per-request deadlines: `X-Clef-Deadline-Ms` and `--queue-timeout`, as one point in time.
+
+A request that is still waiting for a worker when its deadline passes is answered 504 and never
+reaches a worker (admission.py keeps the timer): a client that gives up after N ms gains nothing
+from an answer computed after that, and the worker's time goes to someone still waiting. The
+deadline runs from the end of the request head, the moment the front knows it, so a slow body
+upload counts against it too.
+"""
+
+from __future__ import annotations
+
+from clef_frontend import responses
+from clef_frontend.responses import Reply
+
+HEADER = b"x-clef-deadline-ms"
+# The longest deadline a header may ask for (one day): beyond it the number is a mistake.
+MAX_DEADLINE_MS = 86_400_000
+EXPIRED_DETAIL = "deadline passed before a worker was free"
+
+
+def from_header(value: bytes | None, head_end: float) -> float | Reply | None:
+    """The deadline (`time.monotonic()` seconds) `X-Clef-Deadline-Ms` sets, None without the
+    header, or a 400 saying what is wrong with it."""
+    if value is None:
+        return None
+    text = value.decode("latin-1").strip()
+    if not text.isdigit() or not 0 < int(text) <= MAX_DEADLINE_MS:
+        return responses.error(
+            400, f"X-Clef-Deadline-Ms must be a whole number of milliseconds from 1 to "
+                 f"{MAX_DEADLINE_MS}, got {text[:40]!r}")
+    return head_end + int(text) / 1000.0
+
+
+def earliest(deadline: float | None, enqueued_at: float, queue_timeout: float | None
+             ) -> float | None:
+    """The deadline that applies: the request's own or the server's queue timeout, whichever
+    comes first (None: neither)."""
+    limits = [d for d in (deadline, None if queue_timeout is None
+                          else enqueued_at + queue_timeout) if d is not None]
+    return min(limits) if limits else None
+
+
+def expired() -> Reply:
+    """The 504 a request gets when its deadline passes while it waits."""
+    return responses.error(504, EXPIRED_DETAIL)

@@ -1,0 +1,76 @@
+"""Duplicates under load: C8 clients send, over and over, one of five distinct requests (an
+eval re-run, retries). With the answer cache on, each distinct request is computed once: the
+fake worker's request log holds five lines, and every answer is 200 and that request's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from stress.common import Connection, Report, build_request, clef_body, main_for
+
+DISTINCT = 5
+
+
+def scenario(report: Report) -> None:
+    rounds = 25 if report.quick else 250
+    with tempfile.TemporaryDirectory() as scratch:
+        log = Path(scratch) / "requests.log"
+        with report.serve("--delay", "0.01", "--log-file", str(log),
+                          front_args=("--answer-cache", "64", "--max-batch", "4")) as serve:
+            statuses, mismatched, lookups = asyncio.run(run(serve.port, rounds))
+        computed = Counter(log.read_text().split())
+    report.add("requests", sum(statuses.values()))
+    report.add("statuses", dict(statuses))
+    report.add("forwards by request", dict(computed))
+    report.add("lookups", lookups)
+    report.check(statuses == Counter({200: 8 * rounds}), "every request was answered 200")
+    report.check(mismatched == 0, "every answer was its own request's")
+    report.check(computed == Counter({f"q{i}": 1 for i in range(DISTINCT)}),
+                 "each distinct request was computed exactly once")
+    report.check(lookups.get("miss") == DISTINCT and sum(lookups.values()) == 8 * rounds,
+                 "the cache counted one miss per distinct request and a lookup per request")
+
+
+async def cache_lookups(port: int) -> dict[str, int]:
+    """`clef_answer_cache_total` by result, from /metrics."""
+    probe = Connection(port)
+    try:
+        text = (await probe.exchange(build_request("GET", "/metrics"))).body.decode()
+    finally:
+        await probe.close()
+    return {sample.labels["result"]: int(sample.value)
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "clef_answer_cache_total"}
+
+
+async def run(port: int, rounds: int) -> tuple[Counter[int], int, dict[str, int]]:
+    statuses: Counter[int] = Counter()
+    mismatched = 0
+
+    async def client(n: int) -> None:
+        nonlocal mismatched
+        connection = Connection(port)
+        try:
+            for i in range(rounds):
+                tag = f"q{(n + i) % DISTINCT}"
+                answer = await connection.post(clef_body(tag=tag))
+                statuses[answer.status] += 1
+                if answer.status == 200 and json.loads(answer.body)["tag"] != tag:
+                    mismatched += 1
+        finally:
+            await connection.close()
+
+    await asyncio.gather(*(client(n) for n in range(8)))
+    return statuses, mismatched, await cache_lookups(port)
+
+
+main = main_for("answer_cache", scenario)
+
+if __name__ == "__main__":
+    raise SystemExit(main(None))

@@ -1,0 +1,105 @@
+"""Duplicates answered once: identical concurrent requests share one forward, a repeat costs
+none, another key never shares, and a reload flushes (fake worker's request log)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from pathlib import Path
+
+from clef_frontend.answer_cache import AnswerCache, Flight, request_key
+from clef_frontend.responses import Reply
+from tests.frontend_helpers import Serve, background, clef_body, clef_request
+from tests.traffic_helpers import metric, wait_until
+
+KEY_A = "sk-tenant-a-111111"
+KEY_B = "sk-tenant-b-222222"
+
+
+def bearer(key: str) -> list[tuple[str, str]]:
+    return [("Authorization", f"Bearer {key}")]
+
+
+def test_eight_identical_concurrent_requests_cost_one_forward_and_a_repeat_none(
+        tmp_path: Path) -> None:
+    gate, log = tmp_path / "gate", tmp_path / "requests.log"
+    body = clef_body(tag="same", hold_until=str(gate))
+    with Serve("--log-file", str(log), answer_cache=None) as serve:
+        calls = [background(lambda: serve.post(body)) for _ in range(8)]
+        wait_until(lambda: metric(serve, "clef_answer_cache_total", result="coalesced") == 7,
+                   "seven requests to join the first")
+        gate.touch()
+        answers = [call.result() for call in calls]
+        assert [a.status for a in answers] == [200] * 8
+        assert len({a.body for a in answers}) == 1  # one answer, handed to all eight
+        assert log.read_text().split() == ["same"]  # one forward
+        # A repeat, even with its keys in another order and other spacing, costs none.
+        reordered = json.dumps(dict(reversed(list(json.loads(body).items()))), indent=2)
+        again = serve.post(reordered.encode())
+        assert again.status == 200 and again.body == answers[0].body
+        assert log.read_text().split() == ["same"]
+        assert metric(serve, "clef_answer_cache_total", result="hit") == 1
+        assert metric(serve, "clef_answer_cache_total", result="miss") == 1
+        # A different request is computed.
+        assert serve.post(clef_body(tag="other")).status == 200
+        assert log.read_text().split() == ["same", "other"]
+
+
+def test_another_key_never_shares_an_answer(tmp_path: Path) -> None:
+    keys, log = tmp_path / "keys.toml", tmp_path / "requests.log"
+    keys.write_text(f'[keys.a]\nkey = "{KEY_A}"\n[keys.b]\nkey = "{KEY_B}"\n')
+    body = clef_body(tag="asked")
+    with Serve("--log-file", str(log), answer_cache=None,
+               front_args=("--api-key-file", str(keys))) as serve:
+        assert serve.post(body, headers=bearer(KEY_A)).status == 200
+        assert serve.post(body, headers=bearer(KEY_A)).status == 200  # a's repeat: a hit
+        assert serve.post(body, headers=bearer(KEY_B)).status == 200  # b: computed anew
+        assert log.read_text().split() == ["asked", "asked"]
+        assert metric(serve, "clef_answer_cache_total", result="hit") == 1
+
+
+def test_a_reload_flushes_the_cache_and_zero_turns_it_off(tmp_path: Path) -> None:
+    log = tmp_path / "requests.log"
+    with Serve("--log-file", str(log), answer_cache=None) as serve:
+        assert serve.post(clef_body(tag="x")).status == 200
+        assert serve.post(clef_body(tag="x")).status == 200
+        assert log.read_text().split() == ["x"]
+        serve.process.send_signal(signal.SIGHUP)
+        serve.wait_for(r"reload finished: 1 of 1 worker\(s\) replaced")
+        fresh = serve.post(clef_body(tag="x"))
+        assert fresh.status == 200 and fresh.json()["pid"] == serve.health().json()["worker"]["pid"]
+        assert log.read_text().split() == ["x", "x"]
+    log.unlink()
+    with Serve("--log-file", str(log), answer_cache=0) as serve:
+        assert [serve.post(clef_body(tag="y")).status for _ in range(3)] == [200] * 3
+        assert log.read_text().split() == ["y", "y", "y"]
+        assert metric(serve, "clef_answer_cache_total", result="miss") == 0
+
+
+def test_one_caller_leaving_does_not_cancel_the_others() -> None:
+    async def scenario() -> None:
+        cache = AnswerCache(4)
+        outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        abandoned: list[bool] = []
+        key = request_key("-", json.dumps(clef_request()).encode())
+        flight = cache.start(key, Flight(on_all_gone=lambda: abandoned.append(True)), outcome)
+        first = flight.join()
+        found = cache.lookup(key)
+        assert found is flight
+        second = flight.join()
+        flight.leave(first)  # the first client went away
+        assert first.cancelled() and not abandoned  # the request still has a caller
+        outcome.set_result(Reply(200, b'{"ok": 1}'))
+        assert (await second).body == b'{"ok": 1}'
+        assert isinstance(cache.lookup(key), Reply)  # kept for repeats
+        other = cache.start(request_key("-", b"{}"),
+                            Flight(on_all_gone=lambda: abandoned.append(True)),
+                            asyncio.get_running_loop().create_future())
+        mine = other.join()
+        other.leave(mine)
+        assert abandoned == [True]  # the last caller out gives the request up
+        cache.flush()
+        assert cache.lookup(key) is None
+
+    asyncio.run(scenario())

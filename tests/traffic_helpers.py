@@ -1,0 +1,48 @@
+"""What the shared-traffic tests share: a metric read from a live server, load from a few
+client threads, and waiting on a condition with a bound (never a fixed sleep)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.frontend_helpers import WAIT, Response, Serve
+
+
+def metric(serve: Serve, name: str, **labels: str) -> float:
+    """One sample of `/metrics` (0.0 when the series does not exist yet)."""
+    response = serve.request("GET", "/metrics")
+    assert response.status == 200
+    for family in text_string_to_metric_families(response.body.decode()):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return 0.0
+
+
+def wait_until(condition: Callable[[], Any], what: str, timeout: float = WAIT) -> Any:
+    """Poll `condition` until it returns something true; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)  # polling interval, not a synchronisation guess
+
+
+def load(serve: Serve, bodies: list[bytes], clients: int = 4) -> list[tuple[Response, float]]:
+    """POST every body from `clients` threads at once; each answer with its latency (s)."""
+
+    def post(body: bytes) -> tuple[Response, float]:
+        began = time.monotonic()
+        response = serve.post(body)
+        return response, time.monotonic() - began
+
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        return list(pool.map(post, bodies))
