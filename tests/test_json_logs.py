@@ -118,7 +118,8 @@ def test_front_and_fake_worker_lines_are_all_json(tmp_path: Path) -> None:
         "time": None, "level": "INFO", "logger": "clef_frontend.access", "message": "request",
         "request_id": "json-ok", "trace_id": TRACE, "method": "POST",
         "path": "/v1/systemone", "status": 200, "queue_ms": None, "worker_ms": None,
-        "batch": 1, "bytes_in": len(clef_body()), "bytes_out": len(ok.body), "client": None}
+        "batch": 1, "bytes_in": len(clef_body()), "bytes_out": len(ok.body), "client": None,
+        "key": "-"}
     assert isinstance(line["queue_ms"], float) and isinstance(line["worker_ms"], float)
     assert _access(documents, "json-500")["trace_id"] == "-"
     # The worker's own line about the failed request carries its request id.
