@@ -54,6 +54,6 @@ def test_native_answer_reports_a_broken_device(
         raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(executor, "score_batch", fail)
-    monkeypatch.setattr(executor, "device", CUDA)  # as if it ran on a GPU
+    monkeypatch.setattr(executor.backbone, "device", CUDA)  # as if it ran on a GPU
     with pytest.raises(ExecutorBroken, match="illegal memory access"):
         executor.answer(body)
