@@ -42,6 +42,7 @@ from clef_worker.gpu.graphs import (
     plan_shapes,
     prepare_capture_environment,
 )
+from clef_worker.gpu.kernel_cache import prepare_kernel_cache
 from clef_worker.media.vision import PreparedMedia, VisionTower, has_vision, load_vision
 from clef_worker.model.answers import build_response, serialize
 from clef_worker.model.backbone import (
@@ -112,6 +113,7 @@ class NativeExecutor:
         self.short_conv = short_conv
         self.row_counts = tuple(row_counts)  # batch sizes the fla kernels are warmed for
         self.graph_failure = ""  # why capture failed at warm-up (the worker then runs eagerly)
+        self.kernel_cache = ""  # warm / cold: the on-disk kernel cache at load (CUDA only)
         self._planned_shapes: list[list[int]] = []
 
     # The loaded model's parts, for tests, benchmarks and comparisons.
@@ -169,6 +171,7 @@ class NativeExecutor:
             raise StartupError(str(exc)) from None
         if capture:
             prepare_capture_environment()
+        kernels = prepare_kernel_cache() if target.type == "cuda" else None
         gdn_path = bind_gdn_path(gdn_prefill, target, weights_dtype)
         conv_path = bind_short_conv(target, gdn_path, short_conv)
         try:
@@ -193,6 +196,7 @@ class NativeExecutor:
         runner = ModelRunner(backbone, head, pad_id, vision, graphs)
         executor = cls(snapshot=snapshot, encoder=encoder, runner=runner, limits=limits,
                        short_conv=conv_path, row_counts=graph_row_counts())
+        executor.kernel_cache = kernels.state if kernels is not None else ""
         log.info(
             "loaded %s from %s on %s (%s backbone, %s head, gdn %s) in %.1f s",
             variant, snapshot.root, target, DTYPE_NAMES[weights_dtype],
@@ -228,6 +232,7 @@ class NativeExecutor:
             versions=versions,
             demo=self.snapshot.random,
             snapshot=str(self.snapshot.root),
+            kernel_cache=self.kernel_cache,
             **shapes,
         )
 
