@@ -138,6 +138,19 @@ class NativeExecutor:
         return self.runner.pad_id
 
     @classmethod
+    def from_parts(cls, *, snapshot: Snapshot, encoder: Encoder, backbone: Backbone,
+                   head: JointSchemaHead, limits: RequestLimits, short_conv: str = TORCH_PATH,
+                   vision: VisionTower | None = None,
+                   graphs: GraphRunner | None = None) -> NativeExecutor:
+        """An executor over parts loaded or built elsewhere (benchmarks of model shapes that
+        have no snapshot); the pad id comes from the snapshot's tokenizer, as `load` takes it."""
+        pad_id = graphs.pad_id if graphs is not None else pad_token_id(
+            encoder.tokenizer.token_to_id("<|endoftext|>"), snapshot.text_config)
+        return cls(snapshot=snapshot, encoder=encoder, limits=limits, short_conv=short_conv,
+                   runner=ModelRunner(backbone, head, pad_id, vision, graphs),
+                   row_counts=graph_row_counts())
+
+    @classmethod
     def load(
         cls,
         snapshot_dir: Path | str,
@@ -206,8 +219,11 @@ class NativeExecutor:
 
     def with_limits(self, limits: RequestLimits) -> NativeExecutor:
         """The same loaded model under other request limits (tests, benchmarks)."""
-        return type(self)(snapshot=self.snapshot, encoder=self.encoder, runner=self.runner,
-                          limits=limits, short_conv=self.short_conv, row_counts=self.row_counts)
+        limited = type(self)(snapshot=self.snapshot, encoder=self.encoder, runner=self.runner,
+                             limits=limits, short_conv=self.short_conv,
+                             row_counts=self.row_counts)
+        limited.kernel_cache = self.kernel_cache
+        return limited
 
     # -- Executor protocol -------------------------------------------------------------------
 
@@ -364,11 +380,14 @@ class NativeExecutor:
         return Scored(request=request, encoding=encoding, logits=row.logits,
                       probabilities=row.probabilities, timings_ms=timings, media=media)
 
-    def forward(self, encoding: Encoding, media: PreparedMedia | None = None
-                ) -> tuple[list[float], list[float]]:
+    def forward(self, encoding: Encoding, media: PreparedMedia | None = None,
+                timings: dict[str, float] | None = None) -> tuple[list[float], list[float]]:
         """Backbone (with the vision tower for media) and head on one encoding: per-option
-        logits and probabilities."""
-        row = self.runner.run([encoding], [media]).rows[0]
+        logits and probabilities; with `timings`, the backbone's and head's times go there."""
+        output = self.runner.run([encoding], [media])
+        if timings is not None:
+            timings.update(backbone=output.stages["forward_ms"], head=output.stages["head_ms"])
+        row = output.rows[0]
         return row.logits, row.probabilities
 
     def score_batch(self, batch: Sequence[Prepared]) -> tuple[list[Scored], list[int],

@@ -6,6 +6,7 @@ each request ran in is the one reported. Also: warming every batch size the batc
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -77,17 +78,20 @@ def assert_batch_answers_as_alone(plain: NativeExecutor, runner: ModelRunner,
         assert_same_response(json.dumps(got).encode(), json.dumps(want).encode())
 
 
-@pytest.mark.parametrize("size", [2, 3, 4])
 def test_golden_cases_padded_to_a_batched_shape_answer_as_alone(
-        plain: NativeExecutor, batched: ModelRunner, size: int) -> None:
-    """3 requests pad to the 4-row shape: a pad row rides along and changes nothing."""
-    for start in range(0, len(SHORT) - size + 1, size):
-        picked = SHORT[start:start + size]
-        assert_batch_answers_as_alone(plain, batched, [c["request"] for c in picked],
-                                      [c["max_length"] for c in picked])
+        plain: NativeExecutor, batched: ModelRunner) -> None:
+    """Every short golden case once, in batches of 3, 4 and 2: 3 requests pad to the 4-row
+    shape, so a pad row rides along and changes nothing."""
+    position, sizes = 0, itertools.cycle((3, 4, 2))
+    while position < len(SHORT):
+        picked = SHORT[position:position + next(sizes)]
+        position += len(picked)
+        if len(picked) > 1:
+            assert_batch_answers_as_alone(plain, batched, [c["request"] for c in picked],
+                                          [c["max_length"] for c in picked])
 
 
-@settings(max_examples=8, deadline=None,
+@settings(max_examples=4, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(requests(), min_size=2, max_size=4))
 def test_random_requests_padded_to_a_batched_shape_answer_as_alone(
