@@ -372,13 +372,13 @@ class NativeExecutor:
         prepared = time.perf_counter()
         encoding = self.encode(request, media)
         encoded = time.perf_counter()
-        output = self.runner.run([encoding], [media])
+        stages: dict[str, float] = {}
+        logits, probabilities = self.forward(encoding, media, stages)
         if profile:
             timings = {"media": (prepared - started) * 1000, "encode": (encoded - prepared) * 1000,
-                       "backbone": output.stages["forward_ms"], "head": output.stages["head_ms"]}
-        row = output.rows[0]
-        return Scored(request=request, encoding=encoding, logits=row.logits,
-                      probabilities=row.probabilities, timings_ms=timings, media=media)
+                       **stages}
+        return Scored(request=request, encoding=encoding, logits=logits,
+                      probabilities=probabilities, timings_ms=timings, media=media)
 
     def forward(self, encoding: Encoding, media: PreparedMedia | None = None,
                 timings: dict[str, float] | None = None) -> tuple[list[float], list[float]]:
