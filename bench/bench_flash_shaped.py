@@ -126,10 +126,9 @@ def build_executor(args: argparse.Namespace) -> Any:
     snapshot = open_snapshot(demo, variant="clef-flash", demo=True)
     backbone = Backbone(model=model, lexical_table=lexical, device=device, dtype=dtype,
                         gdn_path=gdn_path)
-    executor = NativeExecutor(snapshot=snapshot, encoder=Encoder.from_file(snapshot.tokenizer_file),
-                              backbone=backbone, head=head,
-                              limits=RequestLimits(max_length=args.max_length),
-                              short_conv=short_conv)
+    executor = NativeExecutor.from_parts(
+        snapshot=snapshot, encoder=Encoder.from_file(snapshot.tokenizer_file), backbone=backbone,
+        head=head, limits=RequestLimits(max_length=args.max_length), short_conv=short_conv)
     return executor, params
 
 

@@ -60,20 +60,22 @@ def summary(samples: list[float]) -> dict[str, float]:
 
 def with_runner(executor: Any, mode: str, max_length: int) -> Any:
     """The in-memory executor with the bucket runner `--cuda-graphs on|off` would give it."""
+    from clef_worker.batching import default_max_batch_tokens
     from clef_worker.gpu.buckets import BucketTable
-    from clef_worker.gpu.graphs import BucketedBackbone, CudaGraphCapturer, EagerCapturer
+    from clef_worker.gpu.graphs import CudaGraphCapturer, EagerCapturer, GraphRunner, plan_shapes
     from clef_worker.native import NativeExecutor
 
-    runner = None
+    graphs = None
     if mode == "graphs":
         capture = executor.device.type == "cuda"
         capturer = CudaGraphCapturer(executor.device) if capture else EagerCapturer()
-        runner = BucketedBackbone(executor.backbone, BucketTable.for_budget(max_length),
-                                  executor.pad_id, capturer, graphs=capture)
-    return NativeExecutor(snapshot=executor.snapshot, encoder=executor.encoder,
-                          backbone=executor.backbone, head=executor.head,
-                          limits=executor.limits, runner=runner,
-                          short_conv=executor.short_conv)
+        table = BucketTable.for_budget(max_length)
+        graphs = GraphRunner(executor.backbone, table, executor.pad_id, capturer,
+                             plan_shapes(table, default_max_batch_tokens(str(executor.device))))
+    return NativeExecutor.from_parts(snapshot=executor.snapshot, encoder=executor.encoder,
+                                     backbone=executor.backbone, head=executor.head,
+                                     limits=executor.limits, short_conv=executor.short_conv,
+                                     graphs=graphs)
 
 
 def measure(executor: Any, args: argparse.Namespace) -> dict[str, Any]:

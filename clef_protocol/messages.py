@@ -63,6 +63,18 @@ class ModelInfo:
     buckets: list[int] = field(default_factory=list)
     buckets_captured: int = 0
     graph_memory_bytes: int = 0
+    # The `[rows, tokens]` shapes built at warm-up (one row per request: `[1, tokens]`), and
+    # those of them recorded as CUDA graphs: with graphs on, equal lists mean every shape was
+    # captured; a CPU worker with `--cuda-graphs on` builds the shapes eagerly, captures none.
+    graph_shapes: list[list[int]] = field(default_factory=list)
+    captured_shapes: list[list[int]] = field(default_factory=list)
+    # Whether the on-disk kernel caches (Triton, fla autotune) held entries at start-up:
+    # "warm", "cold", or empty where no kernel is compiled (CPU).
+    kernel_cache: str = ""
+
+
+def _shapes(value: Any) -> list[list[int]]:
+    return [[int(rows), int(tokens)] for rows, tokens in value or ()]
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,9 @@ class ReadyInfo(ModelInfo):
                 buckets=[int(length) for length in message.get("buckets") or ()],
                 buckets_captured=int(message.get("buckets_captured", 0)),
                 graph_memory_bytes=int(message.get("graph_memory_bytes", 0)),
+                graph_shapes=_shapes(message.get("graph_shapes")),
+                captured_shapes=_shapes(message.get("captured_shapes")),
+                kernel_cache=str(message.get("kernel_cache", "")),
                 pid=int(message["pid"]),
                 thread=str(message["thread"]),
                 warmup_ms=float(message["warmup_ms"]),
@@ -132,18 +147,28 @@ def response(
     input_tokens: int = 0,
     truncated_tokens: int = 0,
     batch_size: int = 1,
+    stages: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """A successful answer: `body` is the final JSON, forwarded to the client unchanged.
 
     `input_tokens` is the length of the encoded sequence and `truncated_tokens` how many state
     tokens were dropped to fit `--max-length` (0 where the executor cannot tell), so the front can
     count tokens and say when a state was cut without parsing the body. `batch_size` is how many
-    requests the forward that answered this one held (1 when it ran alone): `worker_ms` is that
-    whole forward's time, and operators see from it whether batching happens.
+    requests the forward that answered this one held (1 when it ran alone), so operators see
+    whether batching happens. `worker_ms` is the worker's time for this request, from reading its
+    frame to having its reply ready (waiting for company, earlier forwards of the same read, its
+    own forward): the one meaning every executor's replies share.
+
+    `stages` (optional, absent when not given) is the worker's part for tracing spans:
+    `encode_ms` (this request's parse, validation and encoding), `forward_ms` and `head_ms`
+    (the forward that answered it, shared by every request in it).
     """
-    return {"kind": RESPONSE, "id": request_id, "status": status, "body": body,
-            "worker_ms": worker_ms, "input_tokens": input_tokens,
-            "truncated_tokens": truncated_tokens, "batch_size": batch_size}
+    frame = {"kind": RESPONSE, "id": request_id, "status": status, "body": body,
+             "worker_ms": worker_ms, "input_tokens": input_tokens,
+             "truncated_tokens": truncated_tokens, "batch_size": batch_size}
+    if stages:
+        frame["stages"] = dict(stages)
+    return frame
 
 
 def error(request_id: int, status: int, detail: str, worker_ms: float) -> dict[str, Any]:

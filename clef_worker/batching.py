@@ -34,6 +34,7 @@ from typing import Any, BinaryIO, Protocol
 from clef_protocol.errors import BadRequestBody
 from clef_protocol.options import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_BATCH_TOKENS_CPU
 from clef_worker.errors import ExecutorBroken
+from clef_worker.executor import Answer, Executor
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +50,12 @@ class BatchPolicy:
 
 
 class BatchingExecutor(Protocol):
-    """What an executor offers to be batched (NativeExecutor); others answer one at a time."""
+    """What the serve loop runs requests through: prepare each body, then answer groups of
+    prepared requests with shared forwards. `NativeExecutor` implements it; an executor that
+    only answers one body at a time is adapted by `OneAtATime`, so there is one serve path."""
 
     def prepare(self, body: bytes) -> Any:
-        """Parse, validate and encode; raises like `answer` does for a refused request."""
+        """Parse, validate and encode; raises like `Executor.answer` does for a refused request."""
         ...
 
     def prepared_length(self, prepared: Any) -> int:
@@ -63,9 +66,45 @@ class BatchingExecutor(Protocol):
         """The row length a forward of requests up to `length` tokens runs at."""
         ...
 
-    def answer_prepared(self, batch: Sequence[Any]) -> list[Any]:
-        """One forward over the batch, one answer per request, in order; raises on failure."""
+    def runs_alone(self, prepared: Any) -> bool:
+        """Whether this request must have a forward of its own (media, an unbatched executor)."""
         ...
+
+    def answer_prepared(self, batch: Sequence[Any]) -> list[Answer]:
+        """Forwards over the batch, one answer per request, in order; raises on failure. Each
+        answer's `batch_size` says how many requests the forward that produced it held."""
+        ...
+
+
+class OneAtATime:
+    """Adapts an executor that answers one raw body at a time (the release executor, test
+    doubles) to `BatchingExecutor`: the body is its own prepared form and every request runs
+    alone, so the serve loop, its error mapping and its timing are the same for every executor."""
+
+    def __init__(self, executor: Executor):
+        self.executor = executor
+
+    def prepare(self, body: bytes) -> bytes:
+        return body
+
+    def prepared_length(self, prepared: bytes) -> int:
+        return 1
+
+    def padded_length(self, length: int) -> int:
+        return length
+
+    def runs_alone(self, prepared: bytes) -> bool:
+        return True
+
+    def answer_prepared(self, batch: Sequence[bytes]) -> list[Answer]:
+        return [self.executor.answer(body) for body in batch]
+
+
+def as_batching(executor: object) -> BatchingExecutor:
+    """The executor itself when it batches, else adapted by `OneAtATime`."""
+    if supports_batching(executor):
+        return executor  # type: ignore[return-value]
+    return OneAtATime(executor)  # type: ignore[arg-type]
 
 
 def default_max_batch_tokens(device: str) -> int:
@@ -74,9 +113,11 @@ def default_max_batch_tokens(device: str) -> int:
     return DEFAULT_MAX_BATCH_TOKENS_CPU if device.startswith("cpu") else DEFAULT_MAX_BATCH_TOKENS
 
 
+BATCHING_METHODS = ("prepare", "prepared_length", "padded_length", "runs_alone", "answer_prepared")
+
+
 def supports_batching(executor: object) -> bool:
-    return all(callable(getattr(executor, name, None)) for name in
-               ("prepare", "prepared_length", "padded_length", "answer_prepared"))
+    return all(callable(getattr(executor, name, None)) for name in BATCHING_METHODS)
 
 
 # -- which frames are waiting --------------------------------------------------------------------
@@ -94,40 +135,35 @@ def frame_waiting(stream: BinaryIO, timeout_s: float) -> bool:
     return bool(readable)
 
 
-def collect_waiting(
-    stream: BinaryIO, read: Callable[[BinaryIO], dict[str, Any] | None], window_ms: float
-) -> Iterator[dict[str, Any] | None]:
-    """Yield every frame already waiting (None for EOF), waiting up to `window_ms` in all for
-    more; the caller stops iterating at the first frame that is not a request."""
-    deadline = time.monotonic() + window_ms / 1000.0
-    while frame_waiting(stream, deadline - time.monotonic()):
-        yield read(stream)
-
-
 # -- grouping and answering ----------------------------------------------------------------------
 
 
 def plan_groups(lengths: Sequence[int | None], padded_length: Callable[[int], int],
-                max_tokens: int) -> list[list[int]]:
+                max_tokens: int, alone: Sequence[bool] = ()) -> list[list[int]]:
     """Cut requests (in order) into consecutive groups whose padded cost, rows x padded length
-    of the longest, stays within `max_tokens`; a request over the budget alone forms a group.
+    of the longest, stays within `max_tokens`; a request over the budget alone forms a group,
+    and so does a request marked in `alone` (it must run by itself).
     `None` marks a request that failed before the forward: it joins the current group free."""
     groups: list[list[int]] = []
     current: list[int] = []
     rows = 0
     longest = 0
+    solo = False  # the current group holds a request that must run alone
     for position, length in enumerate(lengths):
         if length is None:
             current.append(position)
             continue
         grown = max(longest, length)
-        if rows and (rows + 1) * padded_length(grown) > max_tokens:
+        must_be_alone = position < len(alone) and alone[position]
+        if rows and (solo or must_be_alone or (rows + 1) * padded_length(grown) > max_tokens):
             groups.append(current)
             current, rows, longest = [], 0, 0
             grown = length
         current.append(position)
         rows += 1
         longest = grown
+        if rows == 1:
+            solo = must_be_alone
     if current:
         groups.append(current)
     return groups
@@ -136,11 +172,24 @@ def plan_groups(lengths: Sequence[int | None], padded_length: Callable[[int], in
 @dataclass
 class Outcome:
     """One request's result: an answer or the exception it raised (the serve loop maps it to a
-    reply frame)."""
+    reply frame), and the milliseconds its preparation (parse, validate, encode) took."""
 
-    value: Any = None
+    value: Any = None  # the Answer (Any: tests and callers read it without narrowing)
     error: BaseException | None = None
-    batch_size: int = 1  # requests in the forward that produced `value`
+    encode_ms: float = 0.0
+
+    @property
+    def batch_size(self) -> int:
+        """Requests in the forward that produced the answer (1 for an error)."""
+        return self.value.batch_size if self.value is not None else 1
+
+    def stages(self) -> dict[str, float]:
+        """The worker's stage times for tracing: the request's own preparation, then the
+        forward's and the head's (shared by every request of a batched forward); empty when the
+        executor does not time its stages."""
+        if self.value is None or not self.value.stages:
+            return {}
+        return {"encode_ms": round(self.encode_ms, 3), **self.value.stages}
 
 
 def answer_batch(executor: BatchingExecutor, bodies: Sequence[object],
@@ -158,8 +207,10 @@ def answer_groups(executor: BatchingExecutor, bodies: Sequence[object],
     A body that is not bytes (a malformed frame) gets a BadRequestBody outcome (400).
     """
     prepared: list[Any] = []
+    encode_ms: list[float] = []
     outcomes: dict[int, Outcome] = {}
     for position, body in enumerate(bodies):
+        started = time.perf_counter()
         try:
             if not isinstance(body, bytes):
                 raise BadRequestBody(NO_BODY)
@@ -167,12 +218,17 @@ def answer_groups(executor: BatchingExecutor, bodies: Sequence[object],
         except Exception as exc:
             prepared.append(None)
             outcomes[position] = Outcome(error=exc)
+        encode_ms.append((time.perf_counter() - started) * 1000.0)
     lengths = [None if position in outcomes else executor.prepared_length(item)
                for position, item in enumerate(prepared)]
-    for group in plan_groups(lengths, executor.padded_length, policy.max_batch_tokens):
+    alone = [position not in outcomes and executor.runs_alone(item)
+             for position, item in enumerate(prepared)]
+    for group in plan_groups(lengths, executor.padded_length, policy.max_batch_tokens, alone):
         members = [position for position in group if position not in outcomes]
         if members:
             outcomes.update(_run_group(executor, [prepared[p] for p in members], members))
+        for position in members:
+            outcomes[position].encode_ms = encode_ms[position]
         yield [(position, outcomes.pop(position)) for position in group]
 
 
@@ -191,7 +247,7 @@ def _run_group(executor: BatchingExecutor, items: list[Any],
                     len(items), traceback.format_exc())
         return {position: _solo(executor, item) for position, item in zip(positions, items,
                                                                             strict=True)}
-    return {position: Outcome(value=answer, batch_size=len(items))
+    return {position: Outcome(value=answer)
             for position, answer in zip(positions, answers, strict=True)}
 
 

@@ -7,7 +7,7 @@ double, changes nothing else in the worker.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from clef_protocol.messages import ModelInfo
@@ -20,11 +20,18 @@ class Answer:
     `input_tokens` (the encoded sequence's length) and `truncated_tokens` (state tokens dropped
     to fit `--max-length`) travel to the front in the `response` frame, for token counters and
     the `X-Clef-State-Truncated` header. An executor that cannot tell leaves them 0.
+
+    `batch_size` is how many requests the forward that produced this answer held, and `stages`
+    that forward's own times (`forward_ms`, `head_ms`): both describe what actually ran, so a
+    request the runner answered alone says 1 even when it arrived with others. An executor that
+    does not time its stages leaves `stages` empty.
     """
 
     body: bytes
     input_tokens: int = 0
     truncated_tokens: int = 0
+    batch_size: int = 1
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 class Executor(Protocol):

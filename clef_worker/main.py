@@ -14,7 +14,8 @@ import signal
 import threading
 import time
 import traceback
-from typing import BinaryIO, cast
+from dataclasses import dataclass
+from typing import BinaryIO
 
 from clef_protocol import messages
 from clef_protocol.errors import BadRequestBody, RequestInvalid
@@ -29,17 +30,16 @@ from clef_protocol.messages import INFERENCE_FAILED
 from clef_protocol.options import add_model_arguments
 from clef_worker.allocator import keep_freed_memory
 from clef_worker.batching import (
-    NO_BODY,
     BatchingExecutor,
     BatchPolicy,
     Outcome,
     answer_groups,
-    collect_waiting,
+    as_batching,
     default_max_batch_tokens,
-    supports_batching,
+    frame_waiting,
 )
 from clef_worker.errors import ExecutorBroken, StartupError
-from clef_worker.executor import Answer, Executor
+from clef_worker.executor import Executor
 from clef_worker.logs import configure as configure_logs
 from clef_worker.logs import request_context
 
@@ -59,16 +59,12 @@ def _elapsed_ms(start: float) -> float:
     return round((time.perf_counter() - start) * 1000.0, 3)
 
 
-def handle_request(executor: Executor, request_id: int, body: object) -> tuple[dict, bool]:
-    """Answer one request: (reply frame, whether the executor is broken and the worker must
-    exit). Every outcome is a reply frame, never an exception."""
+def handle_request(executor: Executor | BatchingExecutor, request_id: int,
+                   body: object) -> tuple[dict, bool]:
+    """Answer one request on the serve loop's path: (reply frame, whether the executor is
+    broken and the worker must exit). Every outcome is a reply frame, never an exception."""
     start = time.perf_counter()
-    try:
-        if not isinstance(body, bytes):
-            raise BadRequestBody(NO_BODY)
-        outcome = Outcome(value=executor.answer(body))
-    except Exception as exc:
-        outcome = Outcome(error=exc)
+    [[(_, outcome)]] = list(answer_groups(as_batching(executor), [body], BatchPolicy()))
     return reply_for(request_id, outcome, _elapsed_ms(start))
 
 
@@ -76,11 +72,12 @@ def reply_for(request_id: int, outcome: Outcome, worker_ms: float) -> tuple[dict
     """The reply frame for one answered or failed request, and whether the executor broke."""
     exc = outcome.error
     if exc is None:
-        answer: Answer = outcome.value
+        answer = outcome.value
+        assert answer is not None
         reply = messages.response(request_id, answer.body, worker_ms,
                                   input_tokens=answer.input_tokens,
                                   truncated_tokens=answer.truncated_tokens,
-                                  batch_size=outcome.batch_size)
+                                  batch_size=answer.batch_size, stages=outcome.stages())
         return reply, False
     if isinstance(exc, RequestInvalid):
         return messages.error(request_id, 422, str(exc), worker_ms), False
@@ -92,83 +89,113 @@ def reply_for(request_id: int, outcome: Outcome, worker_ms: float) -> tuple[dict
     return messages.error(request_id, 500, INFERENCE_FAILED, worker_ms), broken
 
 
-def _stop_code(message: dict | None) -> int | None:
-    """None for a request frame; else the exit status the frame calls for."""
-    if message is None or message["kind"] == messages.SHUTDOWN:
-        log.info("shutting down")
-        return 0
-    if message["kind"] != messages.REQUEST or not isinstance(message.get("id"), int):
-        log.error("unexpected %r frame from the front, exiting", message["kind"])
-        return messages.EXIT_PROTOCOL_ERROR
-    return None
+@dataclass
+class Received:
+    """A request frame and when it was read (its `worker_ms` counts from then)."""
+
+    frame: dict
+    read_at: float
 
 
-def serve(executor: Executor, channel_in: BinaryIO, channel_out: BinaryIO,
+class FrameReader:
+    """Reads the front's frames: requests are queued for the next forwards, every `ping` is
+    answered with `pong` at once (so a ping never waits behind, nor holds up, the requests being
+    gathered), and `shutdown`, EOF or a bad frame set `stop`, the exit status to end with once
+    the requests already read are answered."""
+
+    def __init__(self, channel_in: BinaryIO, channel_out: BinaryIO):
+        self.channel_in = channel_in
+        self.channel_out = channel_out
+        self.pending: list[Received] = []
+        self.stop: int | None = None
+
+    def next_requests(self, window_ms: float) -> list[Received]:
+        """Block until a request (or a stop) arrives, then take every frame already waiting,
+        waiting up to `window_ms` for more; returns the requests read, in order."""
+        while not self.pending and self.stop is None:
+            self._read_one()
+        if self.stop is None:
+            self._read_waiting(window_ms)
+        requests, self.pending = self.pending, []
+        return requests
+
+    def poll(self) -> None:
+        """Between forwards: answer the pings already waiting (requests are kept for later)."""
+        if self.stop is None:
+            self._read_waiting(0.0)
+
+    def _read_waiting(self, window_ms: float) -> None:
+        deadline = time.monotonic() + window_ms / 1000.0
+        while self.stop is None and frame_waiting(self.channel_in, deadline - time.monotonic()):
+            self._read_one()
+
+    def _read_one(self) -> None:
+        try:
+            message = read_frame_blocking(self.channel_in)
+        except FrameError as exc:
+            log.error("unreadable frame from the front, exiting%s: %s",
+                      " after the requests already read" if self.pending else "", exc)
+            self.stop = messages.EXIT_PROTOCOL_ERROR
+            return
+        if message is None or message["kind"] == messages.SHUTDOWN:
+            log.info("shutting down")
+            self.stop = 0
+        elif message["kind"] == messages.PING and _is_int(message.get("seq")):
+            write_frame_blocking(self.channel_out, messages.pong(message["seq"]))
+        elif message["kind"] == messages.REQUEST and _is_int(message.get("id")):
+            self.pending.append(Received(message, time.perf_counter()))
+        else:
+            log.error("unexpected %r frame from the front, exiting", message["kind"])
+            self.stop = messages.EXIT_PROTOCOL_ERROR
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def serve(executor: Executor | BatchingExecutor, channel_in: BinaryIO, channel_out: BinaryIO,
           policy: BatchPolicy | None = None) -> int:
-    """Read request frames until EOF or `shutdown`; one reply frame per request, in order.
+    """Read frames until EOF or `shutdown`; one reply frame per request, in order.
 
-    With an executor that batches (clef_worker.batching), every request frame already waiting
-    after the first (up to `policy.window_ms` more) is answered by shared forwards.
+    One path for every executor: an executor that does not batch is adapted (`OneAtATime`).
+    Every request frame already waiting after the first (up to `policy.window_ms` more) is
+    prepared together and answered by as few forwards as the token budget allows; pings are
+    answered while gathering and between forwards.
     """
     policy = policy or BatchPolicy()
-    batching = supports_batching(executor)
+    batcher = as_batching(executor)
+    reader = FrameReader(channel_in, channel_out)
     while True:
-        try:
-            message = read_frame_blocking(channel_in)
-        except FrameError as exc:
-            log.error("unreadable frame from the front, exiting: %s", exc)
-            return messages.EXIT_PROTOCOL_ERROR
-        stop = _stop_code(message)
-        if stop is not None:
-            return stop
-        assert message is not None
-        requests = [message]
-        if batching:
-            try:
-                for extra in collect_waiting(channel_in, read_frame_blocking, policy.window_ms):
-                    stop = _stop_code(extra)
-                    if stop is not None:
-                        break
-                    assert extra is not None
-                    requests.append(extra)
-            except FrameError as exc:
-                log.error("unreadable frame from the front, exiting after the batch: %s", exc)
-                stop = messages.EXIT_PROTOCOL_ERROR
-        if _answer_all(executor, requests, channel_out, policy, batching):
+        requests = reader.next_requests(policy.window_ms)
+        if requests and _answer_all(batcher, requests, reader, policy):
             log.error("the executor cannot go on; exiting so the front starts a fresh worker")
             return messages.EXIT_EXECUTOR_BROKEN
-        if stop is not None:
-            return stop
+        if reader.stop is not None and not reader.pending:
+            return reader.stop
 
 
-def _answer_all(executor: Executor, requests: list[dict], channel_out: BinaryIO,
-                policy: BatchPolicy, batching: bool) -> bool:
+def _answer_all(batcher: BatchingExecutor, requests: list[Received], reader: FrameReader,
+                policy: BatchPolicy) -> bool:
     """Write one reply per request, in order; True when the executor broke (the requests
     not yet run then fail with 500 without touching the device)."""
-    ids = [int(request["id"]) for request in requests]
-    if not batching:
-        for position, request_id in enumerate(ids):
-            with request_context(requests[position].get("trace_id")):
-                reply, broken = handle_request(executor, request_id,
-                                               requests[position].get("body"))
-                write_frame_blocking(channel_out, reply)
-            if broken:
-                _fail_rest(ids[position + 1:], channel_out)
-                return True
-        return False
-    start = time.perf_counter()
-    bodies = [request.get("body") for request in requests]
-    for group in answer_groups(cast(BatchingExecutor, executor), bodies, policy):
+    ids = [int(request.frame["id"]) for request in requests]
+    bodies = [request.frame.get("body") for request in requests]
+    channel_out = reader.channel_out
+    for group in answer_groups(batcher, bodies, policy):
         frames = []
         for position, outcome in group:
-            with request_context(requests[position].get("trace_id")):
-                reply, broken = reply_for(ids[position], outcome, _elapsed_ms(start))
+            with request_context(requests[position].frame.get("trace_id")):
+                reply, broken = reply_for(ids[position], outcome,
+                                          _elapsed_ms(requests[position].read_at))
             frames.append(encode_frame(reply))
             if broken:
                 write_frames(channel_out, frames)
                 _fail_rest(ids[position + 1:], channel_out)
+                _fail_rest([int(r.frame["id"]) for r in reader.pending], channel_out)
+                reader.pending.clear()
                 return True
         write_frames(channel_out, frames)  # a forward's replies leave together
+        reader.poll()
     return False
 
 
@@ -201,7 +228,10 @@ def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:
         ready = messages.ReadyInfo(
             **dataclasses.asdict(executor.describe()),
             pid=os.getpid(), thread=threading.current_thread().name, warmup_ms=warmup_ms,
+            pings=True,  # `serve` answers every ping between forwards
         )
+        log.info("ready in %.0f ms%s", warmup_ms, f" (kernel cache {ready.kernel_cache} at start)"
+                 if ready.kernel_cache else "")
         write_frame_blocking(channel_out, messages.ready(ready))
         return executor
     log.error("cannot start: %s", reason)

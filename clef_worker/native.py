@@ -3,7 +3,9 @@
 `NativeExecutor.load` checks the snapshot, chooses and enforces the Gated DeltaNet kernel before
 transformers binds it, loads the text stack, lexical table, tokenizer and head onto one device;
 `answer` turns a raw body into the final response bytes; `score` exposes the intermediate values
-(token ids, spans, logits, probabilities) for tests, benchmarks and comparisons. Everything runs
+(token ids, spans, logits, probabilities) for tests, benchmarks and comparisons. The executor is
+thin: it parses, validates and encodes requests and builds replies; the model itself runs in a
+`clef_worker.runner.ModelRunner` (host tensors, packed copy, hidden rows, head). Everything runs
 on the calling thread under `torch.inference_mode()`.
 """
 
@@ -14,10 +16,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from clef_protocol.body import parse_body
 from clef_protocol.errors import RequestInvalid
@@ -26,19 +27,25 @@ from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import validate_request
 from clef_worker import warmup
-from clef_worker.errors import ExecutorBroken, StartupError
+from clef_worker.batching import default_max_batch_tokens
+from clef_worker.errors import (
+    StartupError,
+    broken_device_is_fatal,
+)
 from clef_worker.executor import Answer
 from clef_worker.gpu.buckets import BucketTable
 from clef_worker.gpu.graphs import (
-    BucketedBackbone,
     CudaGraphCapturer,
     EagerCapturer,
+    GraphRunner,
     buckets_enabled,
+    graph_row_counts,
     graphs_enabled,
     pad_token_id,
+    plan_shapes,
     prepare_capture_environment,
 )
-from clef_worker.gpu.transfer import to_device_packed
+from clef_worker.gpu.kernel_cache import prepare_kernel_cache
 from clef_worker.media.vision import PreparedMedia, VisionTower, has_vision, load_vision
 from clef_worker.model.answers import build_response, serialize
 from clef_worker.model.backbone import (
@@ -47,18 +54,19 @@ from clef_worker.model.backbone import (
     bind_gdn_path,
     describe_kernel_lengths,
     load_backbone,
+    read_tensors,
     resolve_device,
     resolve_dtype,
 )
 from clef_worker.model.encoding import Encoder, Encoding
-from clef_worker.model.head import HeadBatch, JointSchemaHead, RecordSpans
+from clef_worker.model.head import JointSchemaHead
 from clef_worker.model.short_conv import TORCH_PATH, bind_short_conv
 from clef_worker.model.snapshot import Snapshot, open_snapshot
+from clef_worker.runner import ModelRunner, warm_row_counts
 from clef_worker.versions import package_version, package_versions
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Scored:
@@ -87,31 +95,63 @@ class Prepared:
 
 
 class NativeExecutor:
-    """Implements `clef_worker.executor.Executor` with this project's code."""
+    """Implements `clef_worker.executor.Executor` (and `clef_worker.batching.BatchingExecutor`)
+    with this project's code: request bodies in, response bytes out; the model runs in its
+    `ModelRunner` (clef_worker.runner)."""
 
     def __init__(
         self,
         *,
         snapshot: Snapshot,
         encoder: Encoder,
-        backbone: Backbone,
-        head: JointSchemaHead,
+        runner: ModelRunner,
         limits: RequestLimits,
-        vision: VisionTower | None = None,
-        runner: BucketedBackbone | None = None,
         short_conv: str = TORCH_PATH,
+        row_counts: Sequence[int] = (1,),
     ):
         self.snapshot = snapshot
         self.encoder = encoder
-        self.backbone = backbone
-        self.head = head
-        self.limits = limits
-        self.vision = vision
-        self.device = backbone.device
         self.runner = runner
+        self.limits = limits
         self.short_conv = short_conv
-        self.pad_id = runner.pad_id if runner is not None else pad_token_id(
+        self.row_counts = tuple(row_counts)  # batch sizes the fla kernels are warmed for
+        self.graph_failure = ""  # why capture failed at warm-up (the worker then runs eagerly)
+        self.kernel_cache = ""  # warm / cold: the on-disk kernel cache at load (CUDA only)
+        self._planned_shapes: list[list[int]] = []
+
+    # The loaded model's parts, for tests, benchmarks and comparisons.
+    @property
+    def backbone(self) -> Backbone:
+        return self.runner.backbone
+
+    @property
+    def head(self) -> JointSchemaHead:
+        return self.runner.head
+
+    @property
+    def vision(self) -> VisionTower | None:
+        return self.runner.vision
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def pad_id(self) -> int:
+        return self.runner.pad_id
+
+    @classmethod
+    def from_parts(cls, *, snapshot: Snapshot, encoder: Encoder, backbone: Backbone,
+                   head: JointSchemaHead, limits: RequestLimits, short_conv: str = TORCH_PATH,
+                   vision: VisionTower | None = None,
+                   graphs: GraphRunner | None = None) -> NativeExecutor:
+        """An executor over parts loaded or built elsewhere (benchmarks of model shapes that
+        have no snapshot); the pad id comes from the snapshot's tokenizer, as `load` takes it."""
+        pad_id = graphs.pad_id if graphs is not None else pad_token_id(
             encoder.tokenizer.token_to_id("<|endoftext|>"), snapshot.text_config)
+        return cls(snapshot=snapshot, encoder=encoder, limits=limits, short_conv=short_conv,
+                   runner=ModelRunner(backbone, head, pad_id, vision, graphs),
+                   row_counts=graph_row_counts())
 
     @classmethod
     def load(
@@ -128,11 +168,13 @@ class NativeExecutor:
         media: str = "auto",
         cuda_graphs: str = "auto",
         graph_max_length: int = 0,
+        max_batch_tokens: int = 0,
     ) -> NativeExecutor:
         """Check and load a snapshot; StartupError says what is wrong (file, tensor, flag).
 
         Must run before anything imports transformers' Qwen3.5 modelling module in this process
         (that import binds the Gated DeltaNet kernel; see clef_worker.model.backbone).
+        `max_batch_tokens` (0: by device) bounds the batched shapes built at warm-up.
         """
         started = time.perf_counter()
         limits = limits or RequestLimits()
@@ -145,6 +187,7 @@ class NativeExecutor:
             raise StartupError(str(exc)) from None
         if capture:
             prepare_capture_environment()
+        kernels = prepare_kernel_cache() if target.type == "cuda" else None
         gdn_path = bind_gdn_path(gdn_prefill, target, weights_dtype)
         conv_path = bind_short_conv(target, gdn_path, short_conv)
         try:
@@ -157,15 +200,19 @@ class NativeExecutor:
         head_dtype = weights_dtype if target.type == "cuda" else torch.float32
         head = load_head(snapshot, target, head_dtype)
         vision = _load_media(snapshot, encoder, backbone, media)
-        runner = None
+        pad_id = pad_token_id(encoder.tokenizer.token_to_id("<|endoftext|>"),
+                              snapshot.text_config)
+        budget = max_batch_tokens or default_max_batch_tokens(str(target))
+        graphs = None
         if buckets_enabled(cuda_graphs, target):
             table = BucketTable.for_budget(limits.max_length, graph_max_length or None)
-            pad_id = pad_token_id(encoder.tokenizer.token_to_id("<|endoftext|>"),
-                                  snapshot.text_config)
             capturer = CudaGraphCapturer(target) if capture else EagerCapturer()
-            runner = BucketedBackbone(backbone, table, pad_id, capturer, graphs=capture)
-        executor = cls(snapshot=snapshot, encoder=encoder, backbone=backbone, head=head,
-                       limits=limits, vision=vision, runner=runner, short_conv=conv_path)
+            graphs = GraphRunner(backbone, table, pad_id, capturer,
+                                 plan_shapes(table, budget))
+        runner = ModelRunner(backbone, head, pad_id, vision, graphs)
+        executor = cls(snapshot=snapshot, encoder=encoder, runner=runner, limits=limits,
+                       short_conv=conv_path, row_counts=graph_row_counts())
+        executor.kernel_cache = kernels.state if kernels is not None else ""
         log.info(
             "loaded %s from %s on %s (%s backbone, %s head, gdn %s) in %.1f s",
             variant, snapshot.root, target, DTYPE_NAMES[weights_dtype],
@@ -175,9 +222,11 @@ class NativeExecutor:
 
     def with_limits(self, limits: RequestLimits) -> NativeExecutor:
         """The same loaded model under other request limits (tests, benchmarks)."""
-        return type(self)(snapshot=self.snapshot, encoder=self.encoder, backbone=self.backbone,
-                          head=self.head, limits=limits, vision=self.vision,
-                          runner=self.runner, short_conv=self.short_conv)
+        limited = type(self)(snapshot=self.snapshot, encoder=self.encoder, runner=self.runner,
+                             limits=limits, short_conv=self.short_conv,
+                             row_counts=self.row_counts)
+        limited.kernel_cache = self.kernel_cache
+        return limited
 
     # -- Executor protocol -------------------------------------------------------------------
 
@@ -185,6 +234,13 @@ class NativeExecutor:
         versions = package_versions()
         if self.backbone.gdn_path == "fla":
             versions["fla"] = package_version("fla-core")
+        graphs = self.runner.graphs
+        if graphs is not None:
+            shapes = graphs.describe()
+        elif self.graph_failure:  # planned, none serving: benches see the shapes were lost
+            shapes = {"graph_shapes": self._planned_shapes}
+        else:
+            shapes = {}
         return ModelInfo(
             model=self.snapshot.variant,
             variant=self.snapshot.variant,
@@ -195,17 +251,20 @@ class NativeExecutor:
             versions=versions,
             demo=self.snapshot.random,
             snapshot=str(self.snapshot.root),
-            **(self.runner.describe() if self.runner is not None else {}),
+            kernel_cache=self.kernel_cache,
+            **shapes,
         )
 
     def warm_up(self) -> None:
-        """A forward of the richest warm-up request the limits admit (clef_worker.warmup); on
-        the fla path, also one Gated DeltaNet layer per autotune length bucket up to
-        --max-length (see clef_worker.model.backbone); with a vision tower, the same request with an
-        image."""
+        """Build every graph shape (the only time shapes are captured), then a forward of the
+        richest warm-up request the limits admit (clef_worker.warmup); on the fla path, also one
+        Gated DeltaNet layer per autotune length bucket up to --max-length (see
+        clef_worker.model.backbone) and per batch size the batcher forms; then replay every
+        graph once (first hits are clean, and the replay times become the costs the batched-vs-
+        sequential choice compares); with a vision tower, the same request with an image."""
         started = time.perf_counter()
-        if self.runner is not None:
-            self._build_buckets(self.runner)
+        if self.runner.graphs is not None:
+            self._build_graphs(self.runner.graphs)
         request = warmup.choose(self.limits, self.encode)
         encoding = self._warmup_encoding(request)
         if encoding is None:
@@ -215,32 +274,52 @@ class NativeExecutor:
         self.forward(encoding)
         lengths = describe_kernel_lengths(self.backbone, self.limits.max_length)
         if lengths:
-            log.info("warming fla kernels for %d length buckets: %s", len(lengths), lengths)
+            log.info("warming fla kernels for %d length buckets: %s, and batch sizes %s",
+                     len(lengths), lengths, list(self.row_counts))
             with torch.inference_mode():
                 self.backbone.warm_gdn(lengths)
+            warm_row_counts(self.backbone, self.row_counts, lengths[0])
             self.forward(encoding)
+        if self.runner.graphs is not None:
+            costs = self.runner.graphs.replay_all()
+            log.info("replayed %d shapes once; replay ms by [rows, tokens]: %s", len(costs),
+                     {f"{r}x{t}": round(ms, 2) for (r, t), ms in sorted(costs.items())})
         if self.vision is not None and request is not None:
             self._warm_media(request)
         log.info("warm-up done in %.0f ms (%d tokens)", (time.perf_counter() - started) * 1000,
                  encoding.length)
 
-    def _build_buckets(self, runner: BucketedBackbone) -> None:
-        """Build (capture) every bucket. A kernel that cannot be captured must not take the
-        service down: the executor then serves eagerly and unpadded, and says so in the log
-        and in `ready` / `/health`."""
-        try:
-            built = runner.capture_all()
-        except Exception as exc:
-            if not runner.graphs or device_is_broken(exc, self.device):
-                raise
-            log.error("CUDA graph capture failed, serving without graphs: %s: %s",
-                      type(exc).__name__, exc)
-            self.runner = None
-            return
-        log.info("built %d length buckets (%s) in %.0f ms, graph memory %d bytes", len(built),
-                 "cuda graphs" if runner.graphs else "eager", runner.stats.capture_ms,
-                 runner.capturer.memory_bytes())
+    def _build_graphs(self, graphs: GraphRunner,
+                      device_usable: Callable[[torch.device], bool] | None = None) -> None:
+        """Build (capture) every shape.
 
+        When recording CUDA graphs fails, torch raises `torch.AcceleratorError` for a CUDA
+        error (a kernel that launches something capture forbids, or syncs with the host, fails
+        with `cudaErrorStreamCaptureUnsupported` / `...Invalidated`) and ordinary exceptions
+        (RuntimeError, ...) for checks of its own. Either way, if the device still works
+        (`device_usable`: a synchronisation succeeds) the executor serves eagerly and unpadded,
+        logs the failure at ERROR and says so in `ready` / `/health` (`cuda_graphs` false,
+        `captured_shapes` empty while `graph_shapes` lists the planned shapes), so a bench
+        asserting every shape was captured fails instead of timing eager forwards as graphs.
+        If the device does not work, or the shapes ran eagerly (nothing to fall back from),
+        the error stands and the worker does not start.
+        """
+        try:
+            built = graphs.build_all()
+        except Exception as exc:
+            usable = device_usable or _device_usable
+            if not graphs.graphs or not usable(self.device):
+                raise
+            log.error("CUDA graph capture failed after %d of %d shapes, serving eagerly and "
+                      "without graphs: %s: %s", len(graphs.stats.built), len(graphs.planned),
+                      type(exc).__name__, exc)
+            self.graph_failure = f"{type(exc).__name__}: {exc}"
+            self._planned_shapes = [list(shape) for shape in sorted(graphs.planned)]
+            self.runner.graphs = None
+            return
+        log.info("built %d shapes [rows, tokens] (%s) in %.0f ms, graph memory %d bytes",
+                 len(built), "cuda graphs" if graphs.graphs else "eager",
+                 graphs.stats.capture_ms, graphs.capturer.memory_bytes())
 
     def _warmup_encoding(self, request: dict[str, Any] | None) -> Encoding | None:
         if request is not None:
@@ -288,86 +367,47 @@ class NativeExecutor:
         return self.vision.prepare(decode_media(request, self.limits))
 
     def score(self, request: dict[str, Any], *, profile: bool = False) -> Scored:
-        """Validate, encode, run backbone and head; with `profile`, time each stage (syncing
-        the device between stages, which costs a little)."""
+        """Validate, encode, run backbone and head; with `profile`, each stage's time (media,
+        encode, backbone, head) in `timings_ms`."""
         timings: dict[str, float] = {}
-        media = self._timed(timings, "media", profile, lambda: self.prepare_media(request))
-        encoding = self._timed(timings, "encode", profile, lambda: self.encode(request, media))
-        logits, probabilities = self.forward(encoding, media, timings if profile else None)
+        started = time.perf_counter()
+        media = self.prepare_media(request)
+        prepared = time.perf_counter()
+        encoding = self.encode(request, media)
+        encoded = time.perf_counter()
+        stages: dict[str, float] = {}
+        logits, probabilities = self.forward(encoding, media, stages)
+        if profile:
+            timings = {"media": (prepared - started) * 1000, "encode": (encoded - prepared) * 1000,
+                       **stages}
         return Scored(request=request, encoding=encoding, logits=logits,
                       probabilities=probabilities, timings_ms=timings, media=media)
 
     def forward(self, encoding: Encoding, media: PreparedMedia | None = None,
                 timings: dict[str, float] | None = None) -> tuple[list[float], list[float]]:
         """Backbone (with the vision tower for media) and head on one encoding: per-option
-        logits and probabilities; with `timings`, each stage's time is recorded there."""
-        profile = timings is not None
-        return self._forward_batch([encoding], [media], {} if timings is None else timings,
-                                   profile)[0]
+        logits and probabilities; with `timings`, the backbone's and head's times go there."""
+        output = self.runner.run([encoding], [media])
+        if timings is not None:
+            timings.update(backbone=output.stages["forward_ms"], head=output.stages["head_ms"])
+        row = output.rows[0]
+        return row.logits, row.probabilities
 
-    def score_batch(self, batch: Sequence[Prepared]) -> list[Scored]:
-        """One backbone forward over several encoded requests (right-padded rows), then the
-        head over all of them (one pass, `HeadBatch`)."""
-        results = self._forward_batch([item.encoding for item in batch],
-                                      [item.media for item in batch], {}, False)
-        return [Scored(request=item.request, encoding=item.encoding, logits=logits,
-                       probabilities=probabilities, media=item.media)
-                for item, (logits, probabilities) in zip(batch, results, strict=True)]
-
-    def _forward_batch(self, encodings: Sequence[Encoding], medias: Sequence[PreparedMedia | None],
-                       timings: dict[str, float],
-                       profile: bool) -> list[tuple[list[float], list[float]]]:
-        """One backbone forward over right-padded rows, then one head pass over the rows' real
-        positions; media requests run alone (vision tower, eager, unpadded)."""
-        if len(encodings) > 1 and any(media is not None for media in medias):
-            return [self._forward_batch([encoding], [media], {}, False)[0]
-                    for encoding, media in zip(encodings, medias, strict=True)]
-        lengths = [len(encoding.input_ids) for encoding in encodings]
-        width = self.padded_length(max(lengths))
-        with torch.inference_mode():
-            host_ids = torch.full((len(encodings), width), self.pad_id, dtype=torch.long)
-            for row, encoding in enumerate(encodings):
-                host_ids[row, :lengths[row]] = torch.tensor(encoding.input_ids, dtype=torch.long)
-            real_ids = torch.cat([host_ids[row, :length] for row, length in enumerate(lengths)])
-            batch = HeadBatch.build([RecordSpans(
-                tokens=length, question_spans=[q.question_span for q in encoding.questions],
-                option_spans=[q.option_spans for q in encoding.questions],
-                question_types=[q.type_id for q in encoding.questions])
-                for encoding, length in zip(encodings, lengths, strict=True)])
-            ids, real_ids, batch = self._to_device(host_ids, real_ids, batch)
-            rows = self._timed(timings, "backbone", profile,
-                               lambda: self._hidden_rows(ids, lengths, medias[0]))
-            outputs = self._timed(timings, "head", profile, lambda: self.head.forward_batch(
-                rows[0] if len(rows) == 1 else torch.cat(rows), real_ids,
-                self.backbone.lexical_table, batch))
-            values = torch.cat([torch.stack([o.logits, o.probabilities]) for o in outputs],
-                               dim=1).cpu()
-        return [(logits.tolist(), probabilities.tolist())
-                for logits, probabilities in values.split(list(batch.option_counts), dim=1)]
+    def score_batch(self, batch: Sequence[Prepared]) -> tuple[list[Scored], list[int],
+                                                              dict[str, float]]:
+        """The model runner over several encoded requests (as few forwards as its plan says),
+        then the head over all of them in one pass: each request's values, the size of the
+        forward that answered it, and the group's stage times."""
+        output = self.runner.run([item.encoding for item in batch],
+                                 [item.media for item in batch])
+        scored = [Scored(request=item.request, encoding=item.encoding, logits=row.logits,
+                         probabilities=row.probabilities, media=item.media)
+                  for item, row in zip(batch, output.rows, strict=True)]
+        return scored, [row.batch_size for row in output.rows], output.stages
 
     def padded_length(self, length: int) -> int:
         """Row length of a forward whose longest request has `length` tokens."""
-        return self.runner.padded_length(length) if self.runner is not None else length
-
-    def _hidden_rows(self, ids: torch.Tensor, lengths: list[int],
-                     media: PreparedMedia | None) -> list[torch.Tensor]:
-        """Each request's real rows of the last hidden state ([T_b, H] each); `media` only
-        with a single request."""
-        if media is not None and self.vision is not None:
-            return [self.vision.hidden_states(self.backbone, ids[0, :lengths[0]], media)]
-        if len(lengths) == 1:
-            if self.runner is not None:
-                return [self.runner.hidden_states(ids[0], lengths[0])]
-            return [self.backbone.hidden_states(ids[0, :lengths[0]])]
-        hidden = self.backbone.model(input_ids=ids, use_cache=False).last_hidden_state
-        return [hidden[row, :length] for row, length in enumerate(lengths)]
-
-    def _to_device(self, host_ids: torch.Tensor, real_ids: torch.Tensor, batch: HeadBatch
-                   ) -> tuple[torch.Tensor, torch.Tensor, HeadBatch]:
-        """The padded ids, the real ids end to end and every head index tensor in one
-        host-to-device copy."""
-        moved = to_device_packed([host_ids, real_ids, *batch.tensors()], self.device)
-        return moved[0], moved[1], batch.with_tensors(moved[2:])
+        return self.runner.padded_length(length)
 
     # -- Batching (clef_worker.batching) -------------------------------------------------
 
@@ -380,27 +420,18 @@ class NativeExecutor:
     def prepared_length(self, prepared: Prepared) -> int:
         return len(prepared.encoding.input_ids)
 
-    def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
-        """One forward over the batch; the answers in order."""
-        try:
-            return [Answer(serialize(scored.response()), input_tokens=scored.encoding.length,
-                           truncated_tokens=scored.encoding.truncated_tokens)
-                    for scored in self.score_batch(batch)]
-        except Exception as exc:
-            if device_is_broken(exc, self.device):
-                raise ExecutorBroken(f"{type(exc).__name__}: {exc}") from exc
-            raise
+    def runs_alone(self, prepared: Prepared) -> bool:
+        """Media requests run alone: the vision tower runs eagerly and unpadded."""
+        return prepared.media is not None
 
-    def _timed(self, timings: dict[str, float], name: str, profile: bool,
-               step: Callable[[], T]) -> T:
-        if not profile:
-            return step()
-        started = time.perf_counter()
-        result = step()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        timings[name] = (time.perf_counter() - started) * 1000
-        return result
+    def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
+        """The batch's forwards; the answers in order."""
+        with broken_device_is_fatal(self.device):
+            scored, sizes, stages = self.score_batch(batch)
+            return [Answer(serialize(item.response()), input_tokens=item.encoding.length,
+                           truncated_tokens=item.encoding.truncated_tokens, batch_size=size,
+                           stages=stages)
+                    for item, size in zip(scored, sizes, strict=True)]
 
 
 NO_VISION = ("this server's model snapshot has no vision tower or processor: images and videos "
@@ -422,29 +453,24 @@ def _load_media(snapshot: Snapshot, encoder: Encoder, backbone: Backbone,
     return load_vision(snapshot, encoder, backbone.device, backbone.dtype)
 
 
-def device_is_broken(exc: BaseException, device: torch.device) -> bool:
-    """Whether an exception means the device context is unusable (sticky CUDA errors).
-
-    Out-of-memory is not: it fails one request and the next may fit. An illegal memory access,
-    a device-side assert or a lost device poison the CUDA context for the whole process, and
-    every later kernel launch would fail too.
-    """
-    if device.type != "cuda" or isinstance(exc, torch.OutOfMemoryError):
-        return False
-    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8
-    if accelerator_error is not None and isinstance(exc, accelerator_error):
+def _device_usable(device: torch.device) -> bool:
+    """Whether the device still runs work after an error (a sticky CUDA error fails this)."""
+    if device.type != "cuda":
         return True
-    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:
+        return False
+    return True
 
 
 def load_head(snapshot: Snapshot, device: torch.device, dtype: torch.dtype) -> JointSchemaHead:
-    """Build the head on meta and assign the release tensors (strict: every name, no extra)."""
+    """Build the head on meta and assign the release tensors (strict: every name; the snapshot
+    check has already refused a head file with missing or extra tensors)."""
     with torch.device("meta"):
         head = JointSchemaHead(snapshot.head_config)
-    target = str(device) if device.type == "cuda" else "cpu"
+    state = read_tensors(dict.fromkeys(head.state_dict(), snapshot.head_file), device, dtype)
     try:
-        with safe_open(str(snapshot.head_file), framework="pt", device=target) as handle:
-            state = {name: handle.get_tensor(name).to(dtype) for name in handle.keys()}  # noqa: SIM118 (not a dict)
         head.load_state_dict(state, strict=True, assign=True)
     except Exception as exc:
         raise StartupError(f"{snapshot.head_file}: cannot load the head: {exc}") from exc

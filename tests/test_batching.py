@@ -23,11 +23,13 @@ from clef_protocol.options import RequestLimits
 from clef_worker.batching import (
     DEFAULT_MAX_BATCH_TOKENS,
     BatchPolicy,
+    OneAtATime,
     Outcome,
     answer_batch,
+    answer_groups,
+    as_batching,
     frame_waiting,
     plan_groups,
-    supports_batching,
 )
 from clef_worker.errors import ExecutorBroken
 from clef_worker.executor import Answer
@@ -101,6 +103,9 @@ class PerCaseLimits:
 
     def padded_length(self, length: int) -> int:
         return self.executor.padded_length(length)
+
+    def runs_alone(self, prepared: Prepared) -> bool:
+        return self.executor.runs_alone(prepared)
 
     def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
         self.forwards.append(len(batch))
@@ -249,12 +254,19 @@ def test_serve_takes_every_waiting_frame_into_one_forward(executor: NativeExecut
     frames = [messages.request(10 + i, _body(c)) for i, c in enumerate(ok)]
     channel = _pipe_with(*frames, messages.request(99, b"[]"), messages.shutdown())
     out = CountingOut()
-    assert serve(batcher, channel, out) == 0  # type: ignore[arg-type]
+    assert serve(batcher, channel, out) == 0
     replies = _replies(out)
     assert [r["id"] for r in replies] == [10, 11, 12, 13, 14, 99]
     assert batcher.forwards == [5]
     assert out.writes == [len(out.getvalue())]  # the forward's six replies leave in one write
     assert [r.get("batch_size") for r in replies] == [5] * 5 + [None]  # the refusal: no forward
+    # the shared forward's stage times travel with each of its replies, with the request's own
+    # encoding time
+    stages = [r["stages"] for r in replies[:-1]]
+    assert all(set(s) == {"encode_ms", "forward_ms", "head_ms"} for s in stages)
+    assert len({(s["forward_ms"], s["head_ms"]) for s in stages}) == 1
+    assert all(s["forward_ms"] > 0 and s["encode_ms"] > 0 for s in stages)
+    assert "stages" not in replies[-1]
     assert [r["kind"] for r in replies] == ["response"] * 5 + ["error"]
     assert replies[-1]["status"] == 400
     for case, reply in zip(ok, replies[:-1], strict=True):
@@ -267,7 +279,7 @@ def _serve_one_per_forward(executor: NativeExecutor, batcher: PerCaseLimits,
     ok = [c for c in CASES if "error" not in c and c["max_length"] == 16384][:3]
     longest = max(len(executor.prepare(_body(c)).encoding.input_ids) for c in ok)
     channel = _pipe_with(*(messages.request(i, _body(c)) for i, c in enumerate(ok)))
-    return serve(batcher, channel, out, BatchPolicy(max_batch_tokens=longest))  # type: ignore[arg-type]
+    return serve(batcher, channel, out, BatchPolicy(max_batch_tokens=longest))
 
 
 def test_serve_cuts_forwards_at_the_token_budget(executor: NativeExecutor) -> None:
@@ -310,12 +322,36 @@ def test_frame_waiting_sees_the_pipe_and_in_memory_streams() -> None:
     assert not frame_waiting(io.BufferedReader(io.BytesIO(b"x")), 0)
 
 
-def test_the_native_executor_batches_and_test_doubles_need_not() -> None:
-    assert supports_batching(NativeExecutor)
-    assert not supports_batching(object())
+def test_a_request_that_must_run_alone_gets_a_group_of_its_own() -> None:
+    alone = [False, True, False, False, True, True]
+    groups = plan_groups([10, 10, 10, 10, 10, 10], lambda n: n, 1000, alone)
+    assert groups == [[0], [1], [2, 3], [4], [5]]
+    assert plan_groups([10, None, 10], lambda n: n, 1000, [True, False, False]) == [[0, 1], [2]]
 
 
-def test_a_media_request_in_a_batch_answers_as_alone(executor: NativeExecutor) -> None:
+class OneBody:
+    """An executor that only answers raw bodies (like the release executor)."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+
+    def answer(self, body: bytes) -> Answer:
+        self.bodies.append(body)
+        return Answer(body[::-1])
+
+
+def test_an_executor_that_does_not_batch_is_adapted_to_one_forward_per_request() -> None:
+    plain = OneBody()
+    adapted = as_batching(plain)
+    assert isinstance(adapted, OneAtATime)
+    results = list(answer_groups(adapted, [b"ab", b"cd", None], BIG))
+    assert [[(p, o.value.body if o.value else type(o.error)) for p, o in g] for g in results] == [
+        [(0, b"ba")], [(1, b"dc"), (2, BadRequestBody)]]
+    assert plain.bodies == [b"ab", b"cd"]
+    assert all(o.batch_size == 1 and o.stages() == {} for g in results for _, o in g)
+
+
+def test_a_media_request_runs_alone_and_says_so(executor: NativeExecutor) -> None:
     from tests.conftest import MEDIA_GOLDEN
 
     media_cases = [json.loads(line) for line in MEDIA_GOLDEN.read_text(encoding="utf-8")
@@ -326,13 +362,14 @@ def test_a_media_request_in_a_batch_answers_as_alone(executor: NativeExecutor) -
     batcher = PerCaseLimits(executor)
     batcher.limited[image["name"]] = executor.with_limits(dataclasses.replace(
         executor.limits, max_length=image["max_length"]))
-    picked = [text[0], image, text[1]]
+    picked = [text[0], text[1], image]
     results = list(answer_batch(batcher, [_body(c) for c in picked], BIG))
-    assert batcher.forwards == [3]
+    assert batcher.forwards == [2, 1]
+    assert [outcome.batch_size for _, outcome in results] == [2, 2, 1]
     for case, (_, outcome) in zip(picked, results, strict=True):
         assert outcome.error is None
         assert_same_response(outcome.value.body, _solo(executor, case).value.body)
-    assert_same_response(results[1][1].value.body, json.dumps(image["response"]).encode())
+    assert_same_response(results[2][1].value.body, json.dumps(image["response"]).encode())
 
 
 @settings(max_examples=10, deadline=None,

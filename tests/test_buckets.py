@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
 from clef_worker.gpu.buckets import BucketTable, bucket_lengths
+from clef_worker.gpu.graphs import GraphRunner
 from clef_worker.native import NativeExecutor
 from tests.answer_compare import assert_same_response
 from tests.conftest import GOLDEN
@@ -33,8 +34,11 @@ LOGIT_TOLERANCE = 1e-5  # well inside the golden tolerance (1e-4)
 def test_default_table_is_dense_to_1024_then_grows_by_a_quarter() -> None:
     lengths = bucket_lengths(16384)
     assert lengths[:16] == tuple(range(64, 1025, 64))
+    # 15,552 would sit within 10 % of 16,384: dropped
     assert lengths[16:] == (1280, 1600, 2048, 2560, 3200, 4032, 5056, 6336, 7936, 9920, 12416,
-                            15552, 16384)
+                            16384)
+    assert bucket_lengths(4096)[-3:] == (2560, 3200, 4096)  # 4,032 dropped beside 4,096
+    assert bucket_lengths(1000)[-2:] == (960, 1000)  # dense buckets stay
 
 
 @given(st.integers(1, 70000))
@@ -46,6 +50,10 @@ def test_table_invariants(max_length: int) -> None:
     for smaller, larger in itertools.pairwise(lengths[:-1]):
         # padding waste under a quarter above the dense range, one step within it
         assert larger - smaller == 64 or larger <= smaller * 1.25 + 64
+    if len(lengths) > 1 and lengths[-2] >= 1024:
+        # the last step may also span a dropped bucket within 10 % of max_length
+        assert lengths[-1] <= (lengths[-2] * 1.25 + 64) / 0.9
+        assert lengths[-2] <= 1024 or lengths[-2] <= max_length * 0.9
 
 
 @given(st.integers(1, 20000), st.integers(1, 20000))
@@ -91,22 +99,41 @@ def _cases() -> list[dict[str, Any]]:
 CASES = _cases()
 
 
-def _load(snapshot: Path, mode: str, max_length: int = 4096) -> NativeExecutor:
-    return NativeExecutor.load(snapshot, device="cpu", dtype="float32",
-                               limits=RequestLimits(max_length=max_length), cuda_graphs=mode)
+def _load(snapshot: Path, mode: str, max_length: int = 4096,
+          graph_max_length: int = 0) -> NativeExecutor:
+    """The executor; with buckets, its one-row shapes built as warm-up builds them (a token
+    budget of 1 plans no batched shapes, which these tests do not use)."""
+    executor = NativeExecutor.load(snapshot, device="cpu", dtype="float32",
+                                   limits=RequestLimits(max_length=max_length), cuda_graphs=mode,
+                                   graph_max_length=graph_max_length, max_batch_tokens=1)
+    if executor.runner.graphs is not None:
+        executor.runner.graphs.build_all()
+    return executor
+
+
+def _graphs(executor: NativeExecutor) -> GraphRunner:
+    assert executor.runner.graphs is not None
+    return executor.runner.graphs
+
+
+def _hidden(executor: NativeExecutor, padded: torch.Tensor, length: int) -> torch.Tensor:
+    """The real rows of one request's padded ids, replayed from its built one-row shape."""
+    width = len(padded)
+    with torch.inference_mode():
+        return _graphs(executor).run(padded.view(1, width), (1, width))[0, :length].clone()
 
 
 @pytest.fixture(scope="module")
 def plain(tiny_snapshot: Path) -> NativeExecutor:
     executor = _load(tiny_snapshot, "auto")
-    assert executor.runner is None  # auto on CPU: no padding
+    assert executor.runner.graphs is None  # auto on CPU: no padding
     return executor
 
 
 @pytest.fixture(scope="module")
 def bucketed(tiny_snapshot: Path) -> NativeExecutor:
     executor = _load(tiny_snapshot, "on")
-    assert executor.runner is not None and not executor.runner.graphs
+    assert not _graphs(executor).graphs
     return executor
 
 
@@ -123,10 +150,9 @@ def assert_same_answers(plain: NativeExecutor, bucketed: NativeExecutor,
         with pytest.raises(RequestInvalid, match=str(refused).replace("(", r"\(")):
             _limited(bucketed, max_length).score(request)
         return
-    assert bucketed.runner is not None
-    replays = sum(bucketed.runner.stats.replays.values())
+    replays = sum(_graphs(bucketed).stats.replays.values())
     got = _limited(bucketed, max_length).score(request)
-    assert sum(bucketed.runner.stats.replays.values()) == replays + 1  # really went padded
+    assert sum(_graphs(bucketed).stats.replays.values()) == replays + 1  # really went padded
     assert got.encoding == want.encoding
     assert max(abs(a - b) for a, b in zip(got.logits, want.logits, strict=True)) \
         <= LOGIT_TOLERANCE
@@ -139,7 +165,7 @@ def assert_same_answers(plain: NativeExecutor, bucketed: NativeExecutor,
     padded[:length] = ids
     with torch.inference_mode():
         reference = plain.backbone.hidden_states(ids)
-        hidden = bucketed.runner.hidden_states(padded, length).clone()
+    hidden = _hidden(bucketed, padded, length)
     assert hidden.shape == reference.shape
     assert torch.allclose(hidden, reference, atol=HIDDEN_TOLERANCE, rtol=0)
 
@@ -165,29 +191,25 @@ def test_the_pad_token_is_the_tokenizers_pad_and_any_pad_gives_the_same_rows(
     assert bucketed.pad_id == bucketed.encoder.tokenizer.token_to_id("<|endoftext|>")
     ids = torch.tensor(bucketed.encode(CASES[0]["request"]).input_ids)
     length = len(ids)
-    assert bucketed.runner is not None
     width = bucketed.runner.padded_length(length)
     assert width > length
     rows = []
     for pad in (bucketed.pad_id, 0, int(ids[0])):
         padded = torch.full((width,), pad)
         padded[:length] = ids
-        with torch.inference_mode():
-            rows.append(bucketed.runner.hidden_states(padded, length).clone())
+        rows.append(_hidden(bucketed, padded, length))
     assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2])
 
 
 def test_above_the_largest_bucket_runs_unpadded(tiny_snapshot: Path,
                                                 plain: NativeExecutor) -> None:
-    capped = NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32",
-                                 limits=RequestLimits(max_length=4096), cuda_graphs="on",
-                                 graph_max_length=128)
-    assert capped.runner is not None and capped.runner.table.largest == 128
+    capped = _load(tiny_snapshot, "on", 4096, graph_max_length=128)
+    assert _graphs(capped).table.largest == 128
     request = CASES[0]["request"]
     assert len(capped.encode(request).input_ids) > 128
     got = capped.score(request)
-    assert capped.runner.stats.eager_fallbacks == 1
-    assert capped.runner.stats.replays == {}
+    assert _graphs(capped).stats.eager_fallbacks == 1
+    assert _graphs(capped).stats.replays == {}
     assert got.response() == plain.score(request).response()
 
 

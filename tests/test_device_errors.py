@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from clef_protocol.options import RequestLimits
-from clef_worker.errors import ExecutorBroken
-from clef_worker.native import NativeExecutor, device_is_broken
+from clef_worker.errors import ExecutorBroken, device_is_broken
+from clef_worker.native import NativeExecutor
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
@@ -54,6 +54,6 @@ def test_native_answer_reports_a_broken_device(
         raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(executor, "score_batch", fail)
-    monkeypatch.setattr(executor, "device", CUDA)  # as if it ran on a GPU
+    monkeypatch.setattr(executor.backbone, "device", CUDA)  # as if it ran on a GPU
     with pytest.raises(ExecutorBroken, match="illegal memory access"):
         executor.answer(body)

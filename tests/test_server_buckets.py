@@ -22,7 +22,8 @@ def serve() -> Iterator[Serve]:
     with Serve(
         real_worker=True, startup_wait=240,
         front_args=("--model", str(TINY_SNAPSHOT), "--device", "cpu", "--cuda-graphs", "on",
-                    "--max-length", "2048", "--graph-max-length", "512"),
+                    "--max-length", "2048", "--graph-max-length", "512",
+                    "--max-batch-tokens", "512"),
     ) as server:
         yield server
 
@@ -31,7 +32,13 @@ def test_health_reports_the_buckets_built_at_warm_up(serve: Serve) -> None:
     worker = serve.health().json()["worker"]
     assert worker["cuda_graphs"] is False  # CPU: the buckets run eagerly
     assert worker["buckets"] == [length for length in bucket_lengths(2048) if length <= 512]
-    assert worker["buckets_captured"] == len(worker["buckets"]) == 8
+    assert len(worker["buckets"]) == 8
+    # one row at every bucket, and 2, 4 and 8 rows where rows x tokens fits 512 tokens
+    shapes = [[1, t] for t in worker["buckets"]] + [[2, t] for t in (64, 128, 192, 256)] + \
+        [[4, 64], [4, 128], [8, 64]]
+    assert worker["graph_shapes"] == sorted(shapes)
+    assert worker["buckets_captured"] == len(shapes)
+    assert worker["captured_shapes"] == []  # built eagerly: nothing recorded
     assert worker["graph_memory_bytes"] == 0
 
 

@@ -36,6 +36,8 @@ def test_health_reports_the_real_worker(serve: Serve) -> None:
     assert worker["thread"] == "MainThread"
     assert (worker["device"], worker["dtype"], worker["gdn_path"]) == ("cpu", "float32", "torch")
     assert worker["demo"] is True  # the fixture is marked as a tiny random model
+    # The real worker answers pings, so the front watches it for stalls even while it is idle.
+    assert worker["pings"] is True
 
 
 @pytest.mark.parametrize("name", ["invoice", "unicode_ids", "choice_sort_order", "object_state",

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -113,16 +114,88 @@ def test_serve_answers_in_order_and_keeps_serving_after_failures() -> None:
 
 def test_a_broken_executor_answers_500_then_the_worker_exits() -> None:
     out = io.BytesIO()
-    code = serve(ScriptedExecutor(), _frames(
+    executor = ScriptedExecutor()
+    code = serve(executor, _frames(
         messages.request(1, b'{"do": "poisoned"}'),
-        messages.request(2, b'{"n": 2}'),  # never reaches the broken executor
+        messages.request(2, b'{"n": 2}'),  # read with it, never reaches the broken executor
     ), out)
     assert code == 3
+    replies = _replies(out)
+    assert [(r["id"], r["status"], r["detail"]) for r in replies] == [
+        (1, 500, "inference failed"), (2, 500, "inference failed")]
+    assert len(executor.threads) == 1
+
+
+def _replies(out: io.BytesIO) -> list[dict]:
     stream = io.BytesIO(out.getvalue())
-    reply = read_frame_blocking(stream)
-    assert reply is not None
-    assert (reply["id"], reply["status"], reply["detail"]) == (1, 500, "inference failed")
-    assert read_frame_blocking(stream) is None
+    replies = []
+    while (frame := read_frame_blocking(stream)) is not None:
+        replies.append(frame)
+    return replies
+
+
+def test_every_ping_gets_its_pong_and_requests_are_not_held_up() -> None:
+    """Pings before, between and after requests (one arriving while the requests are being
+    gathered for one forward) are each answered with their own seq, and every request still
+    gets its reply, in order."""
+    out = io.BytesIO()
+    code = serve(ScriptedExecutor(), _frames(
+        messages.ping(1),
+        messages.request(1, b'{"n": 1}'),
+        messages.ping(2),
+        messages.request(2, b'{"n": 2}'),
+        messages.ping(3),
+        messages.shutdown(),
+    ), out)
+    assert code == 0
+    replies = _replies(out)
+    assert sorted(r["seq"] for r in replies if r["kind"] == "pong") == [1, 2, 3]
+    assert [(r["id"], r["status"]) for r in replies if r["kind"] != "pong"] == [(1, 200),
+                                                                                (2, 200)]
+
+
+def test_a_ping_waiting_during_a_forward_is_answered_before_the_next_forward() -> None:
+    """Two requests read together run as two forwards (this executor does not batch); a ping
+    that arrives during the first is answered before the second forward runs."""
+    out = io.BytesIO()
+    channel = _frames(messages.request(1, b'{"n": 1}'), messages.request(2, b'{"n": 2}'))
+
+    class PingDuringFirst(ScriptedExecutor):
+        def answer(self, body: bytes) -> Answer:
+            if json.loads(body).get("n") == 1:  # the front pings while this forward runs
+                position = channel.tell()
+                channel.seek(0, io.SEEK_END)
+                channel.write(encode_frame(messages.ping(7)))
+                channel.seek(position)
+            return super().answer(body)
+
+    assert serve(PingDuringFirst(), channel, out) == 0
+    kinds = [(r["kind"], r.get("seq", r.get("id"))) for r in _replies(out)]
+    assert kinds == [("response", 1), ("pong", 7), ("response", 2)]
+
+
+def test_a_ping_without_an_integer_seq_is_a_protocol_error() -> None:
+    assert serve(ScriptedExecutor(), _frames({"kind": "ping", "seq": "x"}), io.BytesIO()) == 2
+
+
+def test_worker_ms_counts_from_reading_the_frame_for_every_executor() -> None:
+    """One meaning of worker_ms: the second of two requests read together waits for the
+    first's forward, and its worker_ms says so (the adapted one-at-a-time executor here)."""
+
+    class Slow(ScriptedExecutor):
+        def answer(self, body: bytes) -> Answer:
+            started = time.perf_counter()
+            while time.perf_counter() - started < 0.02:  # 20 ms of work, measured not slept
+                pass
+            return super().answer(body)
+
+    out = io.BytesIO()
+    assert serve(Slow(), _frames(messages.request(1, b"{}"), messages.request(2, b"{}")),
+                 out) == 0
+    first, second = _replies(out)
+    assert first["worker_ms"] >= 20 and second["worker_ms"] >= first["worker_ms"] + 20
+    assert first["batch_size"] == second["batch_size"] == 1
+    assert "stages" not in first  # this executor does not time its stages
 
 
 def test_serve_ends_cleanly_on_eof() -> None:

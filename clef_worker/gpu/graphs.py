@@ -1,20 +1,30 @@
-"""The backbone forward over padded length buckets, captured as CUDA graphs on CUDA.
+"""The backbone forward over padded `[rows, tokens]` shapes, captured as CUDA graphs on CUDA.
 
 Why: a short request on a GPU is launch-bound, not compute-bound (hundreds of small kernels,
 each with host overhead). Replaying a CUDA graph launches the whole recorded forward at once.
-A graph replays fixed shapes at fixed addresses, so each bucket (clef_worker.gpu.buckets) owns a
-*static* input buffer: a request's ids (already right-padded to the bucket on the host) are copied
-into it in place, the graph replays, and the head reads the real rows of the static output.
+A graph replays fixed shapes at fixed addresses, so each shape owns a *static* input buffer: a
+forward's ids (already right-padded on the host to the shape's tokens, and with pad rows up to
+its rows) are copied into it in place, the graph replays, and the head reads the real rows of
+the static output.
 
-The logic (which bucket, which buffer, capture order, fallback, warm-up count) is independent of
-how a bucket is run, so it takes a `Capturer`: `CudaGraphCapturer` records real graphs into one
-shared memory pool (largest bucket first, so smaller graphs reuse its blocks), `EagerCapturer`
-runs the same static-buffer forward without recording (CPU, `--cuda-graphs off` with buckets on,
-and the unit tests, which substitute their own capturer to check the bookkeeping).
+Shapes: one row per request at every length bucket (clef_worker.gpu.buckets), and for batches
+the row counts the batcher forms (powers of two up to `MAX_GRAPH_ROWS`) at every bucket where
+rows x tokens fits `--max-batch-tokens`. A batch of n requests pads to the smallest built row
+count of at least n; `GraphRunner.plan` then chooses, by expected cost (each shape's replay time
+measured once after warm-up), between that one batched replay and one replay per request.
+
+Capture happens only during warm-up (`build_all`), as vLLM also enforces: a shape not built then
+(a row count or length beyond the table) runs eagerly and unpadded, and is never captured on the
+request path, where a capture would stall every request behind it and allocate pool memory.
+
+The logic (which shape, which buffer, capture order, fallback) is independent of how a shape is
+run, so it takes a `Capturer`: `CudaGraphCapturer` records real graphs into one shared memory
+pool (largest shape first, so smaller graphs reuse its blocks) and warms every shape on one side
+stream; `EagerCapturer` runs the same static-buffer forward without recording (CPU,
+`--cuda-graphs on` on a CPU device, and the unit tests, which substitute their own capturer).
 
 What is not captured: the joint head (its shapes depend on the question and option counts of each
-request) and batches of more than one request (clef_worker.batching runs them eagerly, padded to
-one bucket). Lengths above the largest bucket run eagerly, unpadded.
+request) and media requests (the vision tower runs eagerly, alone).
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,7 +45,13 @@ from clef_worker.model.backbone import Backbone
 
 log = logging.getLogger(__name__)
 
+# The most rows a captured shape has. The front keeps up to 16 requests in flight to a CUDA
+# worker by default, so batches of up to 16 rows replay; a larger batch runs as several replays
+# or eagerly (`GraphRunner.plan`).
+MAX_GRAPH_ROWS = 16
+
 Forward = Callable[[], Tensor]
+Shape = tuple[int, int]  # (rows, tokens)
 
 
 def graphs_enabled(mode: str, device: torch.device) -> bool:
@@ -60,11 +76,41 @@ def prepare_capture_environment() -> None:
     os.environ.setdefault("FLA_FLASH_QLA", "0")
 
 
+def graph_row_counts(max_rows: int = MAX_GRAPH_ROWS) -> tuple[int, ...]:
+    """The row counts captured: 1, then powers of two up to `max_rows` (a batch pads up to the
+    next one, wasting less than half its rows)."""
+    counts = [1]
+    while counts[-1] * 2 <= max_rows:
+        counts.append(counts[-1] * 2)
+    return tuple(counts)
+
+
+def plan_shapes(table: BucketTable, max_batch_tokens: int,
+                row_counts: Sequence[int] = graph_row_counts()) -> list[Shape]:
+    """Every shape to build at warm-up: one row at every bucket, and each larger row count at
+    the buckets where rows x tokens stays within `max_batch_tokens` (the batcher never forms a
+    forward beyond that budget). Sorted by rows, then tokens."""
+    shapes = [(1, length) for length in table.lengths]
+    shapes += [(rows, length) for rows in sorted(set(row_counts)) if rows > 1
+               for length in table.lengths if rows * length <= max_batch_tokens]
+    return shapes
+
+
 class Capturer(Protocol):
     """Turns a forward over static buffers into something that replays it."""
 
+    graphs: bool  # whether `capture` records CUDA graphs (False: replays run eagerly)
+
     def capture(self, forward: Forward) -> Forward:
         """Run/record `forward` once; the result re-runs it and returns its static output."""
+        ...
+
+    def begin(self) -> None:
+        """Called once before the first shape is built."""
+        ...
+
+    def end(self) -> None:
+        """Called once after the last shape is built."""
         ...
 
     def memory_bytes(self) -> int:
@@ -75,38 +121,99 @@ class Capturer(Protocol):
 class EagerCapturer:
     """No recording: a replay simply runs the forward again."""
 
+    graphs = False
+
     def capture(self, forward: Forward) -> Forward:
         forward()
         return forward
+
+    def begin(self) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
 
     def memory_bytes(self) -> int:
         return 0
 
 
+class CudaCalls(Protocol):
+    """The few `torch.cuda` calls graph memory accounting needs (tests pass a fake)."""
+
+    def synchronize(self, device: Any = None) -> None: ...
+
+    def empty_cache(self) -> None: ...
+
+    def memory_reserved(self, device: Any = None) -> int: ...
+
+
+class GraphMemoryMeter:
+    """The device memory the captured graphs hold.
+
+    `torch.cuda.graph` empties the allocator's cache before each capture, so reserved memory
+    sampled at arbitrary points reads low or high by whatever the warm runs left cached. Instead:
+    synchronise and empty the cache before capturing all shapes and again after, and report the
+    difference. The graphs' private pool cannot be emptied while the graphs live, so what remains
+    is the pool (plus the static input buffers, which are small).
+    """
+
+    def __init__(self, device: torch.device, cuda: CudaCalls | None = None):
+        self.device = device
+        self.cuda: CudaCalls = cuda if cuda is not None else torch.cuda
+        self._before: int | None = None
+        self.bytes = 0
+
+    def _settled_reserved(self) -> int:
+        self.cuda.synchronize(self.device)
+        self.cuda.empty_cache()
+        return int(self.cuda.memory_reserved(self.device))
+
+    def start(self) -> None:
+        self._before = self._settled_reserved()
+
+    def stop(self) -> int:
+        if self._before is None:
+            raise RuntimeError("GraphMemoryMeter.stop before start")
+        self.bytes = max(0, self._settled_reserved() - self._before)
+        self._before = None
+        return self.bytes
+
+
 class CudaGraphCapturer:
     """Records each forward into a `torch.cuda.CUDAGraph` sharing one memory pool."""
+
+    graphs = True
 
     def __init__(self, device: torch.device, warm_runs: int = 2):
         self.device = device
         self.warm_runs = warm_runs
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: list[torch.cuda.CUDAGraph] = []
-        self._reserved_before = torch.cuda.memory_reserved(device)
+        self.recorded: list[torch.cuda.CUDAGraph] = []
+        # One side stream for every warm-up run (torch.cuda.graph's documentation prescribes
+        # warming off the capture stream; one stream, not one per shape).
+        self.stream = torch.cuda.Stream(device)
+        self.meter = GraphMemoryMeter(device)
+
+    def begin(self) -> None:
+        self.meter.start()
+
+    def end(self) -> None:
+        self.meter.stop()
 
     def capture(self, forward: Forward) -> Forward:
-        # Warm on a side stream first (Triton autotuning, lazy inits, cuBLAS workspaces must not
-        # happen during capture), as torch.cuda.graph's documentation prescribes.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        # Warm first (Triton autotuning, lazy inits, cuBLAS workspaces must not happen during
+        # capture).
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
             for _ in range(self.warm_runs):
                 forward()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        current.wait_stream(self.stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             output = forward()
-        self.graphs.append(graph)
+        self.recorded.append(graph)
 
         def replay() -> Tensor:
             graph.replay()
@@ -115,95 +222,183 @@ class CudaGraphCapturer:
         return replay
 
     def memory_bytes(self) -> int:
-        """Growth of the caching allocator's reserved memory since this capturer was made (at
-        load, before warm-up): the graphs' shared pool plus what the warm runs left cached."""
-        return max(0, torch.cuda.memory_reserved(self.device) - self._reserved_before)
+        """The graphs' pool, as measured around capturing all shapes (GraphMemoryMeter)."""
+        return self.meter.bytes
 
 
 @dataclass
-class StaticBucket:
-    """One bucket's fixed-address input and its replayable forward."""
+class StaticShape:
+    """One shape's fixed-address input and its replayable forward."""
 
-    length: int
-    input_ids: Tensor  # [1, length] on the device; written in place, never replaced
-    replay: Forward  # returns [1, length, H], valid until the next replay of any bucket
+    rows: int
+    tokens: int
+    input_ids: Tensor  # [rows, tokens] on the device; written in place, never replaced
+    replay: Forward  # returns [rows, tokens, H], valid until the next replay of any shape
 
 
 @dataclass
-class BucketStats:
+class GraphStats:
     """Counters for logs, `/health` and tests."""
 
-    captured: list[int] = field(default_factory=list)  # bucket lengths, in capture order
-    replays: dict[int, int] = field(default_factory=dict)
+    built: list[Shape] = field(default_factory=list)  # in build order
+    replays: dict[Shape, int] = field(default_factory=dict)
     eager_fallbacks: int = 0
     capture_ms: float = 0.0
 
 
-class BucketedBackbone:
-    """Runs the text stack at bucket lengths through static buffers (captured or eager)."""
+@dataclass(frozen=True)
+class Step:
+    """One forward of a plan: the requests (indices) it answers and the shape it replays
+    (None: eager, unpadded)."""
+
+    members: tuple[int, ...]
+    shape: Shape | None
+
+
+class GraphRunner:
+    """Runs the text stack at built shapes through static buffers (captured or eager)."""
 
     def __init__(self, backbone: Backbone, table: BucketTable, pad_id: int,
-                 capturer: Capturer, *, graphs: bool):
+                 capturer: Capturer, shapes: Sequence[Shape] | None = None):
         self.backbone = backbone
         self.table = table
         self.pad_id = pad_id
         self.capturer = capturer
-        self.graphs = graphs
-        self.buckets: dict[int, StaticBucket] = {}
-        self.stats = BucketStats()
+        self.planned: list[Shape] = list(shapes) if shapes is not None else \
+            [(1, length) for length in table.lengths]
+        self.static: dict[Shape, StaticShape] = {}
+        self.costs_ms: dict[Shape, float] = {}  # measured replay times (after warm-up)
+        self.stats = GraphStats()
+
+    @property
+    def graphs(self) -> bool:
+        return self.capturer.graphs
 
     def padded_length(self, length: int) -> int:
         """The length a request of `length` tokens is padded to on the host (itself above the
         largest bucket)."""
         return self.table.select(length) or length
 
-    def capture_all(self) -> list[int]:
-        """Build every bucket, largest first (the shared pool is sized by the first capture);
-        returns the bucket lengths in the order they were built."""
+    # -- warm-up -----------------------------------------------------------------------------
+
+    def build_all(self) -> list[Shape]:
+        """Build (capture) every planned shape, largest first (the shared pool is sized by the
+        first capture); returns the shapes in the order they were built. The only place a
+        shape is ever built."""
         started = time.perf_counter()
-        with torch.inference_mode():  # static buffers are inference tensors, written in place
-            for length in reversed(self.table.lengths):
-                self._build(length)
+        order = sorted(self.planned, key=lambda shape: (shape[0] * shape[1], shape), reverse=True)
+        self.capturer.begin()
+        try:
+            with torch.inference_mode():  # static buffers are inference tensors, written in place
+                for shape in order:
+                    self._build(shape)
+        finally:
+            self.capturer.end()
         self.stats.capture_ms += (time.perf_counter() - started) * 1000
-        return list(self.stats.captured)
+        return list(self.stats.built)
 
-    def hidden_states(self, padded_ids: Tensor, length: int) -> Tensor:
-        """[padded_length(length)] ids on the device (right-padded) -> [length, H].
-
-        The result of a bucketed run is a view of a static buffer: use it before the next call.
-        """
-        bucket = self.table.select(length)
+    def replay_all(self, clock: Callable[[], float] | None = None) -> dict[Shape, float]:
+        """Replay every built shape once (so no first hit pays a lazy cost) and keep each one's
+        time as its expected cost for `plan`."""
+        clock = clock or self._synchronised_clock
         with torch.inference_mode():
-            if bucket is None:
-                self.stats.eager_fallbacks += 1
-                return self.backbone.hidden_states(padded_ids[:length])
-            if padded_ids.shape != (bucket,):
-                raise ValueError(f"ids padded to {tuple(padded_ids.shape)}, expected ({bucket},)")
-            static = self.buckets.get(bucket) or self._build(bucket)
-            static.input_ids[0].copy_(padded_ids, non_blocking=True)
-            self.stats.replays[bucket] = self.stats.replays.get(bucket, 0) + 1
-            return static.replay()[0, :length]
+            for shape, static in self.static.items():
+                started = clock()
+                static.replay()
+                self.costs_ms[shape] = (clock() - started) * 1000
+        return dict(self.costs_ms)
 
-    def _build(self, length: int) -> StaticBucket:
-        input_ids = torch.full((1, length), self.pad_id, dtype=torch.long,
+    def _synchronised_clock(self) -> float:
+        if self.backbone.device.type == "cuda":
+            torch.cuda.synchronize(self.backbone.device)
+        return time.perf_counter()
+
+    def _build(self, shape: Shape) -> StaticShape:
+        rows, tokens = shape
+        input_ids = torch.full((rows, tokens), self.pad_id, dtype=torch.long,
                                device=self.backbone.device)
-        model = self.backbone.model
+        backbone = self.backbone
 
         def forward() -> Tensor:
-            return model(input_ids=input_ids, use_cache=False).last_hidden_state
+            return backbone.last_hidden_state(input_ids)
 
-        static = StaticBucket(length=length, input_ids=input_ids,
-                              replay=self.capturer.capture(forward))
-        self.buckets[length] = static
-        self.stats.captured.append(length)
+        static = StaticShape(rows=rows, tokens=tokens, input_ids=input_ids,
+                             replay=self.capturer.capture(forward))
+        self.static[shape] = static
+        self.stats.built.append(shape)
         return static
 
+    # -- choosing and running ----------------------------------------------------------------
+
+    def shape_for(self, rows: int, longest: int) -> Shape | None:
+        """The built shape a forward of `rows` requests up to `longest` tokens pads to: the
+        smallest built row count of at least `rows` at the bucket of `longest`; None when no
+        shape holds it (it then runs eagerly)."""
+        bucket = self.table.select(longest)
+        if bucket is None:
+            return None
+        counts = sorted(r for r, t in self.static if t == bucket and r >= rows)
+        return (counts[0], bucket) if counts else None
+
+    def expected_cost(self, shape: Shape) -> float:
+        """A built shape's replay time as measured after warm-up; before that (and in tests
+        that set no costs), its padded token count, a cost in another unit but the same for
+        every shape, which is all a comparison needs."""
+        if self.costs_ms and shape in self.costs_ms:
+            return self.costs_ms[shape]
+        return float(shape[0] * shape[1])
+
+    def plan(self, lengths: Sequence[int]) -> list[Step]:
+        """How to run a forward of requests with these token counts: one batched replay, one
+        replay per request, or (when no built shape holds them) one eager forward.
+
+        The batched replay wins when its expected cost is at most the sum of the single-row
+        replays' (it also keeps the requests in one forward, a tie goes to it)."""
+        everyone = tuple(range(len(lengths)))
+        batched = self.shape_for(len(lengths), max(lengths))
+        if len(lengths) == 1:
+            return [Step(everyone, batched)]
+        singles = [self.shape_for(1, length) for length in lengths]
+        sequential = [Step((index,), shape) for index, shape in enumerate(singles)]
+        if any(shape is None for shape in singles):
+            return [Step(everyone, batched)]  # eager when `batched` is None too
+        if batched is None:
+            return sequential
+        alone = sum(self.expected_cost(shape) for shape in singles if shape is not None)
+        return [Step(everyone, batched)] if self.expected_cost(batched) <= alone else sequential
+
+    def run(self, ids: Tensor, shape: Shape | None) -> Tensor:
+        """Last hidden state of `ids` ([rows, tokens], on the device, right-padded): replayed
+        from the built `shape` (ids are copied into its static buffer; pad rows fill the rest),
+        or eagerly at the ids' own shape when `shape` is None or was not built at warm-up.
+
+        A replay's result is a view of a static buffer: use it before the next replay.
+        """
+        with torch.inference_mode():
+            static = self.static.get(shape) if shape is not None else None
+            if static is None:
+                self.stats.eager_fallbacks += 1
+                return self.backbone.last_hidden_state(ids)
+            rows, tokens = ids.shape
+            if tokens != static.tokens or rows > static.rows:
+                raise ValueError(f"ids of shape {tuple(ids.shape)} do not fit the built shape "
+                                 f"{[static.rows, static.tokens]}")
+            static.input_ids[:rows].copy_(ids, non_blocking=True)
+            if rows < static.rows:
+                static.input_ids[rows:].fill_(self.pad_id)
+            self.stats.replays[static.rows, static.tokens] = \
+                self.stats.replays.get((static.rows, static.tokens), 0) + 1
+            return static.replay()
+
     def describe(self) -> dict[str, Any]:
-        """What `ready` and `/health` report about the buckets."""
+        """What `ready` and `/health` report about the shapes."""
+        built = [[rows, tokens] for rows, tokens in self.stats.built]
         return {
             "cuda_graphs": self.graphs,
             "buckets": list(self.table.lengths),
-            "buckets_captured": len(self.buckets),
+            "buckets_captured": len(self.static),
+            "graph_shapes": sorted(built) if built else [list(s) for s in sorted(self.planned)],
+            "captured_shapes": sorted(built) if self.graphs else [],
             "graph_memory_bytes": self.capturer.memory_bytes(),
         }
 

@@ -68,6 +68,15 @@ CPU_BLOCKED = ("causal_conv1d",)
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 # The optional kernel packages that importing MODELING_MODULE binds when they are importable.
 KERNEL_PACKAGES = ("fla", *CPU_BLOCKED)
+# The attention masks handed to the text stack: none. Given a mapping, transformers' Qwen3.5
+# model uses it as its per-layer-type masks instead of building them. Built by transformers, the
+# full-attention mask depends on whether it thinks it is tracing: eagerly, its packed-sequence
+# check (`.all()`, a host sync) finds none and returns no mask, so SDPA runs causal (flash, GQA);
+# inside a CUDA-graph capture `is_tracing` is true and it materialises a [T, T] mask, and SDPA
+# then repeats K/V to every head and runs non-causal attention with a bias: another kernel,
+# slower, with more memory. Our rows are right-padded and the stack is causal, so no mask is
+# needed anywhere (clef_worker.gpu.buckets), and none keeps capture and eager the same.
+NO_MASKS: dict[str, None] = {"full_attention": None, "linear_attention": None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,8 +250,17 @@ class Backbone:
 
     def hidden_states(self, input_ids: Tensor) -> Tensor:
         """Last hidden state (after the final norm) of one sequence: [T] ids -> [T, H]."""
-        output = self.model(input_ids=input_ids.unsqueeze(0), use_cache=False)
-        return output.last_hidden_state[0]
+        return self.last_hidden_state(input_ids.unsqueeze(0))[0]
+
+    def last_hidden_state(self, input_ids: Tensor) -> Tensor:
+        """Last hidden state of right-padded rows: [B, T] ids -> [B, T, H].
+
+        Every forward of the text stack goes through here (eager, batched and graph capture),
+        so all of them run the same attention: `NO_MASKS` (see there) makes transformers skip
+        its mask construction, and SDPA gets no mask and runs causal.
+        """
+        output = self.model(input_ids=input_ids, attention_mask=dict(NO_MASKS), use_cache=False)
+        return output.last_hidden_state
 
     def gdn_layer(self) -> nn.Module | None:
         """The first Gated DeltaNet mixer, for kernel warm-up."""
