@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchlib.provenance import command_line  # noqa: E402
-from tests.golden import GOLDEN, Drift, load_cases  # noqa: E402
+from benchlib.golden import GOLDEN, Drift, load_cases  # noqa: E402
 
 
 def main() -> int:

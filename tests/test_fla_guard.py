@@ -20,7 +20,7 @@ import pytest
 from clef_protocol import messages
 from clef_protocol.frames import read_frame_blocking, write_frame_blocking
 from tests.conftest import REPO
-from tests.golden import assert_response_matches, case
+from benchlib.golden import assert_response_matches, case
 
 FAKE_KERNEL = '''
 def chunk_gated_delta_rule(*args, **kwargs):

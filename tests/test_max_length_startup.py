@@ -16,7 +16,7 @@ import pytest
 from clef_worker.warmup import REPRESENTATIVE
 from tests.conftest import TINY_SNAPSHOT
 from tests.frontend_helpers import Serve
-from tests.golden import assert_response_matches, load_cases
+from benchlib.golden import assert_response_matches, load_cases
 
 BUDGET_REFUSAL = r"schema requires \d+ tokens before state; maximum is {}"
 

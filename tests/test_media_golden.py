@@ -18,7 +18,7 @@ from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
 from clef_worker.media.vision import rope_positions
 from clef_worker.native import NativeExecutor, Scored
-from tests.golden import (
+from benchlib.golden import (
     MEDIA_GOLDEN,
     Drift,
     answered,

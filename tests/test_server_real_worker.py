@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import TINY_SNAPSHOT
 from tests.frontend_helpers import Response, Serve
-from tests.golden import assert_response_matches, case
+from benchlib.golden import assert_response_matches, case
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The golden cases of ../shared/fixtures/clef-tiny.golden.jsonl: one loader, one comparator.
 
-Every test and benchmark that checks answers against the golden file goes through here, so the
+Every test, benchmark (`bench/gpu_parity.py`) and GPU check that checks answers against the golden file goes through here, so the
 file is read one way and compared with one set of tolerances (the rules of ../shared/README.md):
 
 - tokens, spans and option orders: exact;
@@ -22,9 +22,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-FIXTURES = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures"
-GOLDEN = FIXTURES / "clef-tiny.golden.jsonl"
-MEDIA_GOLDEN = FIXTURES / "clef-tiny.media.golden.jsonl"
+from benchlib.paths import GOLDEN, MEDIA_GOLDEN
+
+__all__ = ["GOLDEN", "LOGIT_TOLERANCE", "MEDIA_GOLDEN", "PROBABILITY_TOLERANCE", "Drift",
+           "answered", "assert_response_matches", "case", "load_cases", "refused"]
 
 LOGIT_TOLERANCE = 1e-4
 # One unit in the 4th decimal of a rounded probability (plus float noise).
