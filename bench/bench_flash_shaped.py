@@ -31,10 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchlib.provenance import command_line  # noqa: E402
+from benchlib.provenance import command_line
 
 log = logging.getLogger("bench_flash_shaped")
 

@@ -24,14 +24,9 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from bench_flash_shaped import (  # noqa: E402
+from bench_flash_shaped import (
     add_mode_arguments,
     add_shape_arguments,
     apply_quick,

@@ -9,7 +9,8 @@ percentiles as JSON.
 `--zero-work` measures the front alone instead: clef-serve with tests/fake_worker.py (a worker
 that does no work), `GET /health` (no worker hop) beside `POST /v1/systemone`, and uvicorn serving
 a zero-work ASGI app (benchlib/zero_work_app.py) when uvicorn is installed, each at 1 connection and
-at 32; it prints the table and writes it into docs/benchmarks.md (see benchlib/zero_work.py).
+at 32; it prints the table, and with `--write-docs` puts it in docs/benchmarks.md
+(see benchlib/zero_work.py).
 
     python bench/bench_http.py -- --model demo --device cpu
     python bench/bench_http.py --requests 200 -- --model demo --device cuda
@@ -23,19 +24,18 @@ import argparse
 import http.client
 import json
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchlib.provenance import command_line  # noqa: E402
+from benchlib.docs_writer import add_write_docs_flag
+from benchlib.net import free_port
+from benchlib.paths import REPO
+from benchlib.provenance import command_line
+from benchlib.timing import latency_summary, percentile
 
 REQUEST = {
     "model": "clef-flash",
@@ -53,19 +53,11 @@ REQUEST = {
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-
-    def at(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
-
-    return {"n": len(samples), "p50_ms": round(statistics.median(samples), 2), "p95_ms": at(0.95),
-            "p99_ms": at(0.99), "max_ms": round(ordered[-1], 2)}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """The latency figures this benchmark reports (benchlib.timing's percentiles, plus p95)."""
+    summary = latency_summary(samples)
+    return {"n": len(samples), "p50_ms": summary["p50_ms"],
+            "p95_ms": round(percentile(samples, 0.95), 2), "p99_ms": summary["p99_ms"],
+            "max_ms": summary["max_ms"]}
 
 
 def post(conn: http.client.HTTPConnection, body: bytes) -> float:
@@ -89,14 +81,13 @@ def main() -> int:
                         help="--zero-work: seconds of load per row and concurrency")
     parser.add_argument("--no-wrk", action="store_true",
                         help="--zero-work: use the asyncio load generator even if wrk exists")
-    parser.add_argument("--no-write", action="store_true",
-                        help="--zero-work: print the table, do not touch docs/benchmarks.md")
+    add_write_docs_flag(parser)
     parser.add_argument("--quick", action="store_true",
                         help="tiny run, writes nothing; without server flags, a zero-work run")
     parser.add_argument("server_args", nargs="*", help="flags for clef-serve (after --)")
     args = parser.parse_args()
     if args.quick:
-        args.requests, args.clients, args.seconds, args.no_write = 5, 2, 1.0, True
+        args.requests, args.clients, args.seconds, args.write_docs = 5, 2, 1.0, False
         args.zero_work = args.zero_work or not args.server_args
     if args.zero_work:
         from benchlib.zero_work import run_zero_work

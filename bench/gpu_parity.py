@@ -21,11 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchlib.provenance import command_line  # noqa: E402
-from benchlib.golden import GOLDEN, Drift, load_cases  # noqa: E402
+from benchlib.golden import GOLDEN, Drift, load_cases
+from benchlib.provenance import command_line
 
 
 def main() -> int:

@@ -1,7 +1,8 @@
 """The golden cases of ../shared/fixtures/clef-tiny.golden.jsonl: one loader, one comparator.
 
-Every test, benchmark (`bench/gpu_parity.py`) and GPU check that checks answers against the golden file goes through here, so the
-file is read one way and compared with one set of tolerances (the rules of ../shared/README.md):
+Every test and benchmark (`bench/gpu_parity.py`) that checks answers against the golden file
+goes through here, so the file is read one way and compared with one set of tolerances (the
+rules of ../shared/README.md):
 
 - tokens, spans and option orders: exact;
 - logits: within `LOGIT_TOLERANCE` (float32 on CPU reproduces the reference's float32 values

@@ -1,9 +1,10 @@
 """What every reliability scenario shares: its command line, its report, a raw async client.
 
 Each scenario is one command (`python -m stress.NAME [--quick]`), talks to a real `clef-serve`
-on loopback (started with tests/fake_worker.py, the zero-work worker, through the helper layer's
-`benchlib.serve.Serve`), bounds every loop, stops by itself, and prints a summary table. Its exit status is 0
-only when every check held, so `.ci/run` can run the quick mode of all of them (`run_all.py`).
+on loopback (started with tests/fake_worker.py, the zero-work worker, through the helper
+layer's `benchlib.serve.Serve`), bounds every loop, stops by itself, and prints a summary table.
+Its exit status is 0 only when every check held, so `.ci/run` can run the quick mode of all of
+them (`run_all.py`).
 """
 
 from __future__ import annotations
