@@ -228,3 +228,23 @@ class RequestSizer:
 
     def encode(self, request: dict[str, Any]) -> Any:
         return self.encoder.encode(request, self.max_length, ())
+
+
+def add_mode_arguments(parser: argparse.ArgumentParser, modes: list[str]) -> None:
+    """`--modes`, `--out` and `--quick` of the benchmarks that compare eager and graphs."""
+    parser.add_argument("--modes", nargs="+", choices=("eager", "graphs"), default=modes,
+                        help="in this order: the first pays the cold kernel compilation")
+    parser.add_argument("--out", help="write the results here (JSON)")
+    parser.add_argument("--quick", action="store_true",
+                        help="CPU smoke run: small shapes, few iterations, no file")
+
+
+def executor_for_mode(model: InMemoryModel, args: argparse.Namespace, mode: str) -> Any:
+    """The worker's executor in `mode` (eager: `--cuda-graphs off`; graphs: `on`). The
+    capture environment is set before the first load whenever graphs are among the modes,
+    because it must precede fla's import."""
+    if "graphs" in args.modes:
+        from clef_worker.gpu.graphs import prepare_capture_environment
+
+        prepare_capture_environment()
+    return load_executor(model, args, "on" if mode == "graphs" else "off")
