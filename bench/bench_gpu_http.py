@@ -62,14 +62,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--startup-timeout", type=float, default=400.0)
     parser.add_argument("--out", help="write the results here (JSON)")
     parser.add_argument("--quick", action="store_true",
-                        help="CPU smoke run: small shapes, few requests, no file")
+                        help="CPU smoke run: small shapes, few requests")
     parser.add_argument("server_args", nargs="*", help="more clef-serve flags (after --)")
     args = parser.parse_args(argv)
     if args.quick:
         args.device, args.shape, args.layers, args.dtype, args.gdn_prefill = (
             "cpu", "small", 2, "float32", "torch")
-        args.max_length, args.lengths, args.repeat, args.fresh = 512, [200], 3, 1
-        args.concurrency, args.seconds, args.out = [1, 4], 1.0, None
+        args.max_length, args.lengths, args.repeat, args.fresh = 512, [370], 3, 1
+        args.concurrency, args.seconds = [1, 4], 1.0
         args.fresh_range = (300, 500)
     else:
         args.fresh_range = FRESH_RANGE

@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda-graphs", choices=("auto", "on", "off", "both"), default="off",
                         help="on: length buckets (captured as CUDA graphs on CUDA, eager on CPU); "
                              "both: eager and on, compared")
+    parser.add_argument("--out", type=Path, help="also write the result here (JSON)")
     parser.add_argument("--graph-max-length", type=int, default=0,
                         help="the longest bucket (0: --max-length's table, as the worker)")
     parser.add_argument("--quick", action="store_true",
@@ -126,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     summary["within_test_tolerance"] = all(m["within_test_tolerance"]
                                            for m in summary["modes"].values())
     print(json.dumps(summary))
+    if args.out:
+        args.out.write_text(json.dumps(summary, indent=1), encoding="utf-8")
     for problem in problems:
         print(f"not graphs: {problem}", file=sys.stderr)
     if problems:
