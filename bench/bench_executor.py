@@ -220,7 +220,8 @@ _HEADER = """# Benchmarks
 Per-request latency of the native executor, split into its stages: `encode` (validation and
 tokenisation), `backbone` (the Qwen3.5 text stack, last hidden state), `head` (the joint schema
 head), `answer` (response object and JSON bytes). Produced by `bench/bench_executor.py`; each
-section below is replaced when the script runs again on the same kind of device, and records the
+section below is replaced when the script runs again with `--write-docs` on the same kind of
+device, and records the
 command that produced it. The snapshots are random (the shared tiny fixture and a wider one from
 the demo generator), so these numbers measure the serving code, not a real Clef model: real
 Clef-Flash has H 4096 and 32 layers (see clef-model.md §6 for numbers measured on real weights).

@@ -1,4 +1,4 @@
-"""Issue 11's profile summary: where one short request's time goes on the device.
+"""The profile summary: where one short request's time goes on the device.
 
 Not a test. Builds the Clef-Flash-shaped executor with random weights (benchlib/flash_model.py),
 warms it up (in graphs mode: every bucket up to --max-length captured, checked: exit 1 when a

@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="on: length buckets (captured as CUDA graphs on CUDA, eager on CPU); "
                              "both: eager and on, compared")
     parser.add_argument("--out", type=Path, help="also write the result here (JSON)")
+    parser.add_argument("--max-length", type=int, default=16384,
+                        help="the executor's limit at load (warm-up and buckets follow it; "
+                             "each case then runs under its own)")
     parser.add_argument("--graph-max-length", type=int, default=0,
                         help="the longest bucket (0: --max-length's table, as the worker)")
     parser.add_argument("--quick", action="store_true",
@@ -95,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.device, args.dtype, args.gdn_prefill, args.cuda_graphs = (
             "cpu", "float32", "torch", "both")
-        args.graph_max_length = 512  # a few buckets: CPU builds each one eagerly
+        # A few buckets and a short warm-up: CPU builds each bucket eagerly. The longest case
+        # has 1,513 tokens.
+        args.max_length, args.graph_max_length = 2048, 512
 
     from clef_protocol.options import RequestLimits
     from clef_worker.native import NativeExecutor
@@ -108,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         executor = NativeExecutor.load(args.fixtures / "clef-tiny", device=args.device,
                                        dtype=args.dtype, gdn_prefill=args.gdn_prefill,
-                                       limits=RequestLimits(), cuda_graphs=mode, media="off",
+                                       limits=RequestLimits(max_length=args.max_length),
+                                       cuda_graphs=mode, media="off",
                                        graph_max_length=args.graph_max_length)
         executor.warm_up()  # with graphs: every bucket captured before the cases run
         info = dataclasses.asdict(executor.describe())

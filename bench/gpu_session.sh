@@ -16,7 +16,8 @@
 set -u
 export PYTHONUNBUFFERED=1
 DRY=0; [ "${1:-}" = "--dry-run" ] && DRY=1
-DEADLINE=${DEADLINE:-540}
+# The dry run: the same plan on a CPU host, limits and deadline doubled (benchlib/gpu_steps.py).
+if [ $DRY = 1 ]; then DEADLINE=${DEADLINE:-1080}; else DEADLINE=${DEADLINE:-540}; fi
 OUT=${OUT:-/tmp/clef-gpu-out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 if [ $DRY = 1 ]; then

@@ -15,8 +15,8 @@ QUESTIONS: dict[str, dict[str, Any]] = {
 
 
 def request_bodies(count: int, questions: int = 3) -> list[bytes]:
-    """Varied requests with different states: with the three question types (the issue's
-    short request, ~400-480 tokens on the tiny fixture), or with the first `questions`."""
+    """Varied requests with different states: with the three question types (the
+    typical short request, ~400-480 tokens on the tiny fixture), or with the first `questions`."""
     bodies = []
     for i in range(count):
         body = {

@@ -161,11 +161,15 @@ def load_executor(model: InMemoryModel, args: argparse.Namespace, cuda_graphs: s
     from clef_worker.native import NativeExecutor
 
     install(model)
-    return NativeExecutor.load(
+    executor = NativeExecutor.load(
         ensure_demo_snapshot(), variant="clef-flash", device=args.device, dtype=args.dtype,
         gdn_prefill=args.gdn_prefill, short_conv=args.short_conv,
         limits=RequestLimits(max_length=args.max_length), demo=True, media="off",
         cuda_graphs=cuda_graphs)
+    if not model.parameters:
+        raise RuntimeError("NativeExecutor.load did not take its backbone from the in-memory "
+                           "model (the loader moved?): refusing to time the demo snapshot")
+    return executor
 
 
 def make_request(executor: Any, tokens: int, questions: int) -> dict[str, Any]:

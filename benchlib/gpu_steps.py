@@ -35,6 +35,10 @@ from typing import Any
 from benchlib.paths import FIXTURES, REPO
 
 DEFAULT_DEADLINE_S = 540.0
+# A dry run's steps are CPU quick runs on a shared CI machine: same plan and order, limits (and
+# the deadline gpu_session.sh gives) scaled by this, so a slow CI host does not fail the check
+# of the wiring.
+DRY_RUN_SCALE = 2.0
 # Kept back from the deadline for writing the summary after the last step.
 RESERVE_S = 10.0
 LOG_TAIL_BYTES = 8 << 20
@@ -163,31 +167,33 @@ def plan(*, dry_run: bool, python: str = sys.executable,
     `--quick` mode (CPU, small shapes), the flags after it kept but overridden where quick
     mode sets them."""
     quick = ("--quick",) if dry_run else ()
+    scale = DRY_RUN_SCALE if dry_run else 1.0
     http = (python, "bench/bench_gpu_http.py", *quick, "--gdn-prefill", "fla")
     pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider")
     return [
         # Latency by length, fresh lengths, cold warm-up, graph memory, C1/C16/C32, over HTTP.
-        Step("http_graphs_cold", (*http, "--cuda-graphs", "on"), 240),
+        Step("http_graphs_cold", (*http, "--cuda-graphs", "on"), 240 * scale),
         # Golden parity in bf16, eager and graphs, and graphs vs eager question by question.
         Step("parity_bf16", (python, "bench/gpu_parity.py", *quick, "--fixtures", str(fixtures),
                              "--device", "cuda", "--dtype", "bfloat16", "--gdn-prefill", "fla",
-                             "--cuda-graphs", "both"), 120),
+                             "--cuda-graphs", "both"), 120 * scale),
         # Start-up again with the kernel cache the first step left.
-        Step("warmup_cached", (*http, "--cuda-graphs", "on", "--warmup-only"), 60),
+        Step("warmup_cached", (*http, "--cuda-graphs", "on", "--warmup-only"), 60 * scale),
         # Two workers on one GPU: warm-up, memory, C16/C32.
         Step("two_workers", (*http, "--cuda-graphs", "on", "--workers-per-device", "2",
-                             "--lengths", "--fresh", "0", "--concurrency", "16", "32"), 120),
+                             "--lengths", "--fresh", "0", "--concurrency", "16", "32"),
+             120 * scale),
         # Eager over HTTP by length, beside graphs (the latency-by-length comparison).
         Step("http_eager", (*http, "--cuda-graphs", "off", "--lengths", "150", "370", "1000",
                             "2000", "7000", "16000", "--fresh", "0", "--concurrency", "1", "16",
-                            "32"), 120),
+                            "32"), 120 * scale),
         # Device idle share, launches per request and top kernels, eager vs graphs.
         Step("profile", (python, "bench/bench_gpu_profile.py", *quick, "--gdn-prefill", "fla",
-                         "--modes", "eager", "graphs"), 90),
+                         "--modes", "eager", "graphs"), 90 * scale),
         # The capture unit tests and fla's short convolution (they skip without CUDA).
-        Step("graphs_unit", (*pytest, "tests/test_graphs.py", "-k", "cuda"), 60,
+        Step("graphs_unit", (*pytest, "tests/test_graphs.py", "-k", "cuda"), 60 * scale,
              writes_json=False),
-        Step("short_conv_unit", (*pytest, "tests/test_short_conv_cuda.py"), 45,
+        Step("short_conv_unit", (*pytest, "tests/test_short_conv_cuda.py"), 45 * scale,
              writes_json=False),
     ]
 

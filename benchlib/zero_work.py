@@ -37,7 +37,7 @@ from benchlib.provenance import cpu_line
 BEGIN, END = "<!-- bench-http:zero-work -->", "<!-- /bench-http:zero-work -->"
 BODY = json.dumps({"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}).encode()
 
-# The issue's targets, checked and printed with every run.
+# The front's targets, checked and printed with every run.
 TARGET_POST_OVER_HEALTH_MS = 0.2
 TARGET_SHARE_OF_UVICORN = 0.6
 TARGET_P99_MS = 10.0
@@ -160,7 +160,7 @@ def _render(rows: list[Row], worker_ms: list[float], args: argparse.Namespace,
         lines += ["", f"The fake worker reported {worker_ms[len(worker_ms) // 2]:.1f} ms per "
                       f"request (median `worker_ms` of {len(worker_ms)} access-log lines, which "
                       "round to 0.1 ms)."]
-    lines += ["", "Targets (issue 12):", ""] + [f"- {line}" for line in _verdicts(rows)]
+    lines += ["", "Targets:", ""] + [f"- {line}" for line in _verdicts(rows)]
     lines.append(END)
     return "\n".join(lines) + "\n"
 

@@ -72,3 +72,14 @@ def test_argmax_is_compared_per_question_with_margins_where_it_differs() -> None
 def test_top2_margin() -> None:
     assert top2_margin([0.1, 0.6, 0.3]) == pytest.approx(0.3)
     assert top2_margin([1.0]) == 1.0
+
+
+def test_the_in_memory_model_refuses_a_loader_it_cannot_replace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the worker's loader moves, the Flash-shaped benchmarks stop rather than time the tiny
+    demo snapshot under the Flash label."""
+    import benchlib.flash_model as flash_model
+
+    monkeypatch.setattr(flash_model, "LOADER_MODULE", "benchlib.paths")
+    with pytest.raises(RuntimeError, match="load_backbone, load_head"):
+        flash_model.install(flash_model.InMemoryModel("small"))
