@@ -209,6 +209,7 @@ class SubprocessRunner:
 
     def __call__(self, step: Step, limit_s: float) -> Ran:
         out = self.scratch / f"{step.name}.json"
+        out.unlink(missing_ok=True)  # a result left by an earlier run is not this one's
         argv = [*step.argv, "--out", str(out)] if step.writes_json else list(step.argv)
         with self.log.open("a", encoding="utf-8") as log:
             log.write(f"=== {step.name}: {' '.join(argv)}\n")
