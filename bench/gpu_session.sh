@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED=1
 DRY=0; [ "${1:-}" = "--dry-run" ] && DRY=1
 # The dry run: the same plan on a CPU host, limits and deadline doubled (benchlib/gpu_steps.py).
 if [ $DRY = 1 ]; then DEADLINE=${DEADLINE:-1080}; else DEADLINE=${DEADLINE:-540}; fi
-OUT=${OUT:-/tmp/clef-gpu-out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/clef-gpu-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 if [ $DRY = 1 ]; then
   PY=${PYTHON:-python3}
@@ -37,5 +37,5 @@ else
   } 2>&1 | tee "$OUT/env.txt"
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
-exec "$PY" -m benchlib.gpu_steps "${FLAGS[@]}" --out "$OUT" --scratch "$SCRATCH" \
+exec "$PY" -m benchlib.gpu_steps ${FLAGS[@]+"${FLAGS[@]}"} --out "$OUT" --scratch "$SCRATCH" \
   --deadline $((DEADLINE - SECONDS))
