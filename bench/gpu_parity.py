@@ -106,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     from clef_worker.native import NativeExecutor
 
     modes = ["off", "on"] if args.cuda_graphs == "both" else [args.cuda_graphs]
+    if "on" in modes:
+        # Before fla is first imported (by the eager load too): the capture's environment.
+        from clef_worker.gpu.graphs import prepare_capture_environment
+
+        prepare_capture_environment()
     cases = load_cases(args.fixtures / GOLDEN.name)
     summary: dict[str, Any] = {"command": command_line(__file__), "cases": len(cases),
                                "modes": {}}
