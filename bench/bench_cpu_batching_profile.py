@@ -32,18 +32,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from bench.bench_worker_batching import request_bodies  # noqa: E402
-from clef_worker.allocator import keep_freed_memory  # noqa: E402
-from clef_worker.model.answers import build_response, serialize  # noqa: E402
-from clef_worker.model.gated_delta import chunk_size_for  # noqa: E402
-from clef_worker.model.head import HeadBatch, RecordSpans  # noqa: E402
-from clef_worker.native import NativeExecutor  # noqa: E402
+from benchlib.bodies import request_bodies
+from benchlib.paths import TINY_SNAPSHOT
+from clef_worker.allocator import keep_freed_memory
+from clef_worker.model.answers import build_response, serialize
+from clef_worker.model.gated_delta import chunk_size_for
+from clef_worker.model.head import HeadBatch, RecordSpans
+from clef_worker.native import NativeExecutor
 
 
 def best_ms(step: Callable[[], object], repeats: int) -> float:
@@ -185,7 +183,7 @@ def answered_ms(executor: NativeExecutor, bodies: list[bytes], rows: int,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=str(REPO.parent / "shared" / "fixtures" / "clef-tiny"))
+    parser.add_argument("--model", default=str(TINY_SNAPSHOT))
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=15)

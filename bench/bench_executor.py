@@ -4,14 +4,14 @@ Not a test: it measures. For each snapshot (the shared tiny fixture and a wider 
 the demo generator) and each request size (1, 8, 64 questions) it loads the executor, warms it
 up, runs a few untimed requests, then times repeated requests through `NativeExecutor.score(...,
 profile=True)` (which syncs the device between stages) plus the response building and
-serialisation (`answer`), and reports medians. The numbers go into docs/benchmarks.md, in a
-section per device kind that a later run on the same kind replaces, together with the exact
-command and the machine.
+serialisation (`answer`), and reports medians. It prints a docs/benchmarks.md section per
+device kind, with the exact command and the machine; with `--write-docs` it also replaces that
+section in the file (benchlib/docs_writer.py).
 
-    .venv/bin/python bench/bench_executor.py                    # CPU, writes docs/benchmarks.md
-    .venv/bin/python bench/bench_executor.py --device cuda      # GPU section
-    .venv/bin/python bench/bench_executor.py --no-write         # print only
-    .venv/bin/python bench/bench_executor.py --quick            # CI smoke run (see README)
+    python bench/bench_executor.py                    # CPU, prints the section
+    python bench/bench_executor.py --write-docs       # ... and puts it in docs/benchmarks.md
+    python bench/bench_executor.py --device cuda      # GPU section
+    python bench/bench_executor.py --quick            # CI smoke run (see README)
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import datetime
 import logging
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -29,13 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchlib.docs_writer import DOC, add_write_docs_flag, replace_section
+from benchlib.paths import TINY_SNAPSHOT
+from benchlib.provenance import command_line, cpu_line
 
-from benchlib.provenance import command_line, cpu_line  # noqa: E402
-
-TINY_FIXTURE = REPO.parent / "shared" / "fixtures" / "clef-tiny"
-DOC = REPO / "docs" / "benchmarks.md"
 STAGES = ("encode", "backbone", "head", "answer")
 
 log = logging.getLogger("bench")
@@ -224,7 +220,8 @@ _HEADER = """# Benchmarks
 Per-request latency of the native executor, split into its stages: `encode` (validation and
 tokenisation), `backbone` (the Qwen3.5 text stack, last hidden state), `head` (the joint schema
 head), `answer` (response object and JSON bytes). Produced by `bench/bench_executor.py`; each
-section below is replaced when the script runs again on the same kind of device, and records the
+section below is replaced when the script runs again with `--write-docs` on the same kind of
+device, and records the
 command that produced it. The snapshots are random (the shared tiny fixture and a wider one from
 the demo generator), so these numbers measure the serving code, not a real Clef model: real
 Clef-Flash has H 4096 and 32 layers (see clef-model.md §6 for numbers measured on real weights).
@@ -235,15 +232,8 @@ than with the real 248k-entry vocabulary; the `tokens` column is what each stage
 
 
 def write_doc(section: str, kind: str) -> None:
-    text = DOC.read_text(encoding="utf-8") if DOC.exists() else _HEADER
-    pattern = re.compile(rf"<!-- bench-executor:{kind} -->.*?<!-- /bench-executor:{kind} -->\n",
-                         re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text, encoding="utf-8")
+    replace_section(section, f"<!-- bench-executor:{kind} -->",
+                    f"<!-- /bench-executor:{kind} -->", header=_HEADER)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -264,14 +254,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=16384)
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (0: torch's default)")
-    parser.add_argument("--no-write", action="store_true", help="print, do not touch the docs")
+    add_write_docs_flag(parser)
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: tiny fixture on CPU, 1 and 3 questions, 2 repeats, no "
                              "writes")
     args = parser.parse_args(argv)
     if args.quick:
         args.device, args.snapshots, args.questions = "cpu", "tiny", [1, 3]
-        args.warmup, args.repeats, args.budget, args.no_write = 1, 2, 5.0, True
+        args.warmup, args.repeats, args.budget, args.write_docs = 1, 2, 5.0, False
     return args
 
 
@@ -279,7 +269,7 @@ def resolve_snapshots(spec: str) -> list[tuple[str, Path]]:
     snapshots = []
     for item in spec.split(","):
         if item == "tiny":
-            snapshots.append(("clef-tiny fixture (../shared/fixtures/clef-tiny)", TINY_FIXTURE))
+            snapshots.append(("clef-tiny fixture (../shared/fixtures/clef-tiny)", TINY_SNAPSHOT))
         elif item == "wide":
             from clef_worker.demo import DemoSpec, ensure_demo_snapshot
 
@@ -304,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
     section = render_section(kind, results, args, (load_before, os.getloadavg()[0]))
     print(section)
-    if not args.no_write:
+    if args.write_docs:
         write_doc(section, kind)
         log.info("wrote %s", DOC)
     return 0

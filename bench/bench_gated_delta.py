@@ -19,15 +19,11 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from clef_worker.model import gated_delta  # noqa: E402
-from clef_worker.model.backbone import MODELING_MODULE, block_fla  # noqa: E402
+from clef_worker.model import gated_delta
+from clef_worker.model.backbone import MODELING_MODULE, block_fla
 
 SHAPES = {"tiny": (2, 4, 16), "release": (16, 32, 128)}  # key heads, value heads, head width
 

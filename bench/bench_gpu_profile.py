@@ -1,7 +1,8 @@
-"""Issue 11's profile summary: where one short request's time goes on the device.
+"""The profile summary: where one short request's time goes on the device.
 
-Not a test. Builds the Clef-Flash-shaped executor with random weights (bench/bench_flash_shaped.py),
-warms it up (in graphs mode: every bucket up to --max-length captured), answers --warm requests
+Not a test. Builds the Clef-Flash-shaped executor with random weights (benchlib/flash_model.py),
+warms it up (in graphs mode: every bucket up to --max-length captured, checked: exit 1 when a
+bucket is not), answers --warm requests
 of --tokens tokens, then profiles --requests more with torch.profiler and prints markdown:
 
 - wall time per request, and the device's busy and idle shares of it (kernel intervals merged
@@ -21,18 +22,25 @@ self CPU time, and the busy/idle line is left out. The interval arithmetic is te
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+from benchlib.flash_model import (
+    InMemoryModel,
+    add_mode_arguments,
+    add_shape_arguments,
+    apply_quick,
+    executor_for_mode,
+    make_request,
+)
+from benchlib.gpu_checks import capture_problems
+from benchlib.provenance import command_line
 
 log = logging.getLogger("bench_gpu_profile")
 
@@ -148,30 +156,36 @@ def markdown(mode: str, summary: dict[str, Any], cuda: bool) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    import bench_flash_shaped as flash
-    from bench_gpu_path import with_runner
-
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    flash.add_shape_arguments(parser)
-    flash.add_mode_arguments(parser, ["graphs"])
+    add_shape_arguments(parser)
+    add_mode_arguments(parser, ["graphs"])
     parser.add_argument("--tokens", type=int, default=370)
     parser.add_argument("--questions", type=int, default=3)
     parser.add_argument("--warm", type=int, default=10)
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--top", type=int, default=12)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
-        flash.apply_quick(args)
+        apply_quick(args)
         args.warm, args.requests = 1, 2
     elif args.max_length == 16384:
         args.max_length = 2048  # the profiled request is short: capture only what it needs
-    base, _, results = flash.build_for_modes(args)
-    cuda = base.device.type == "cuda"
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(message)s")
+    model = InMemoryModel(args.shape, args.layers)
+    results: dict[str, Any] = {"command": command_line(__file__), "modes": {}}
     for mode in args.modes:
-        executor = with_runner(base, mode, args.max_length)
+        executor = executor_for_mode(model, args, mode)
         executor.warm_up()
-        body = json.dumps(flash.make_request(executor, args.tokens, args.questions)).encode()
+        cuda = executor.device.type == "cuda"
+        problems = capture_problems(dataclasses.asdict(executor.describe()),
+                                    graphs_requested=mode == "graphs", on_cuda=cuda)
+        if problems:
+            print(json.dumps(results, indent=1))
+            print(f"not graphs: {'; '.join(problems)}", file=sys.stderr)
+            return 1
+        body = json.dumps(make_request(executor, args.tokens, args.questions)).encode()
         for _ in range(args.warm):
             executor.answer(body)
         started = time.perf_counter()
@@ -180,7 +194,9 @@ def main() -> int:
         summary = summarise(prof, args.requests, wall_ms, cuda, args.top)
         results["modes"][mode] = summary
         print(markdown(mode, summary, cuda) + "\n", flush=True)
-        flash.save(args, results)
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as handle:
+                handle.write(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))
     return 0
 

@@ -9,7 +9,8 @@ percentiles as JSON.
 `--zero-work` measures the front alone instead: clef-serve with tests/fake_worker.py (a worker
 that does no work), `GET /health` (no worker hop) beside `POST /v1/systemone`, and uvicorn serving
 a zero-work ASGI app (benchlib/zero_work_app.py) when uvicorn is installed, each at 1 connection and
-at 32; it prints the table and writes it into docs/benchmarks.md (see benchlib/zero_work.py).
+at 32; it prints the table, and with `--write-docs` puts it in docs/benchmarks.md
+(see benchlib/zero_work.py).
 
     python bench/bench_http.py -- --model demo --device cpu
     python bench/bench_http.py --requests 200 -- --model demo --device cuda
@@ -20,22 +21,19 @@ at 32; it prints the table and writes it into docs/benchmarks.md (see benchlib/z
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import re
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchlib.provenance import command_line  # noqa: E402
+from benchlib.docs_writer import add_write_docs_flag
+from benchlib.http_client import Client
+from benchlib.provenance import command_line
+from benchlib.serve import Serve
+from benchlib.timing import latency_summary, percentile, timed_ms
 
 REQUEST = {
     "model": "clef-flash",
@@ -53,32 +51,25 @@ REQUEST = {
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-
-    def at(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
-
-    return {"n": len(samples), "p50_ms": round(statistics.median(samples), 2), "p95_ms": at(0.95),
-            "p99_ms": at(0.99), "max_ms": round(ordered[-1], 2)}
+    """The latency figures this benchmark reports (benchlib.timing's percentiles, plus p95)."""
+    summary = latency_summary(samples)
+    return {"n": len(samples), "p50_ms": summary["p50_ms"],
+            "p95_ms": round(percentile(samples, 0.95), 2), "p99_ms": summary["p99_ms"],
+            "max_ms": summary["max_ms"]}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def post(client: Client, body: bytes) -> float:
+    """One POST over `client`'s keep-alive connection, timed to the end of the answer."""
+    def call() -> None:
+        client.send("POST", "/v1/systemone", body)
+        response = client.read_response()
+        if response.status != 200:
+            raise RuntimeError(f"status {response.status}")
+
+    return timed_ms(call)
 
 
-def post(conn: http.client.HTTPConnection, body: bytes) -> float:
-    started = time.perf_counter()
-    conn.request("POST", "/v1/systemone", body, {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    response.read()
-    if response.status != 200:
-        raise RuntimeError(f"status {response.status}")
-    return (time.perf_counter() - started) * 1000
-
-
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--clients", type=int, default=8)
@@ -89,59 +80,40 @@ def main() -> int:
                         help="--zero-work: seconds of load per row and concurrency")
     parser.add_argument("--no-wrk", action="store_true",
                         help="--zero-work: use the asyncio load generator even if wrk exists")
-    parser.add_argument("--no-write", action="store_true",
-                        help="--zero-work: print the table, do not touch docs/benchmarks.md")
+    add_write_docs_flag(parser)
     parser.add_argument("--quick", action="store_true",
                         help="tiny run, writes nothing; without server flags, a zero-work run")
     parser.add_argument("server_args", nargs="*", help="flags for clef-serve (after --)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
-        args.requests, args.clients, args.seconds, args.no_write = 5, 2, 1.0, True
+        args.requests, args.clients, args.seconds, args.write_docs = 5, 2, 1.0, False
         args.zero_work = args.zero_work or not args.server_args
     if args.zero_work:
         from benchlib.zero_work import run_zero_work
 
         return run_zero_work(args)
-    port = free_port()
-    command = [sys.executable, "-m", "clef_frontend", "--port", str(port), *args.server_args]
-    server = subprocess.Popen(command, cwd=REPO, stderr=subprocess.PIPE, text=True)
-    assert server.stderr is not None
-    log_lines: list[str] = []
-    listening = threading.Event()
-
-    def pump() -> None:
-        assert server.stderr is not None
-        for line in server.stderr:
-            log_lines.append(line)
-            sys.stderr.write(line) if "request method=" not in line else None
-            if re.search(r"listening on http://", line):
-                listening.set()
-
-    threading.Thread(target=pump, daemon=True).start()
     results: dict[str, Any] = {"command": command_line(__file__)}
-    try:
-        if not listening.wait(args.startup_timeout):
-            raise SystemExit("server did not start listening")
+    with Serve(front_args=tuple(args.server_args), real_worker=True, max_batch=None,
+               startup_wait=args.startup_timeout) as server:
         body = json.dumps(REQUEST).encode()
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        for _ in range(5):
-            post(conn, body)
-        results["sequential"] = percentiles([post(conn, body) for _ in range(args.requests)])
-        conn.close()
+        with server.connect(timeout=60) as client:
+            for _ in range(5):
+                post(client, body)
+            results["sequential"] = percentiles([post(client, body)
+                                                 for _ in range(args.requests)])
         samples: list[float] = []
         lock = threading.Lock()
         per_client = max(1, args.requests // args.clients)
 
-        def client() -> None:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-            mine = [post(c, body) for _ in range(per_client)]
-            c.close()
+        def one_client() -> None:
+            with server.connect(timeout=120) as client:
+                mine = [post(client, body) for _ in range(per_client)]
             with lock:
                 samples.extend(mine)
 
-        sequential_lines = len(log_lines)
+        sequential_lines = len(server.lines)
         started = time.perf_counter()
-        threads = [threading.Thread(target=client) for _ in range(args.clients)]
+        threads = [threading.Thread(target=one_client) for _ in range(args.clients)]
         for t in threads:
             t.start()
         for t in threads:
@@ -149,20 +121,18 @@ def main() -> int:
         elapsed = time.perf_counter() - started
         results["concurrent"] = {**percentiles(samples), "clients": args.clients,
                                  "throughput_rps": round(len(samples) / elapsed, 1)}
-        worker_ms = [float(m.group(1)) for line in log_lines
-                     if (m := re.search(r"worker_ms=([\d.]+)", line))]
-        if worker_ms:
-            results["worker_ms"] = percentiles(worker_ms)
-        # Requests per worker forward in the concurrent phase, as the access log says (`batch=`).
-        batches = [int(m.group(1)) for line in log_lines[sequential_lines:]
-                   if (m := re.search(r" batch=(\d+) ", line))]
-        if batches:
-            results["batch_size"] = {"mean": round(statistics.mean(batches), 2),
-                                     "max": max(batches),
-                                     "requests_alone": sum(1 for b in batches if b == 1)}
-    finally:
-        server.terminate()
-        server.wait(60)
+        log_lines = list(server.lines)
+    worker_ms = [float(m.group(1)) for line in log_lines
+                 if (m := re.search(r"worker_ms=([\d.]+)", line))]
+    if worker_ms:
+        results["worker_ms"] = percentiles(worker_ms)
+    # Requests per worker forward in the concurrent phase, as the access log says (`batch=`).
+    batches = [int(m.group(1)) for line in log_lines[sequential_lines:]
+               if (m := re.search(r" batch=(\d+) ", line))]
+    if batches:
+        results["batch_size"] = {"mean": round(statistics.mean(batches), 2),
+                                 "max": max(batches),
+                                 "requests_alone": sum(1 for b in batches if b == 1)}
     print(json.dumps(results, indent=1))
     return 0
 

@@ -20,15 +20,11 @@ import base64
 import functools
 import io
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-TINY_FIXTURE = REPO.parent / "shared" / "fixtures" / "clef-tiny"
+from benchlib.paths import TINY_SNAPSHOT
 
 
 def median_ms(step: Callable[[], Any], repeat: int) -> float:
@@ -84,7 +80,7 @@ def main() -> None:
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     limits = RequestLimits()
-    settings = PixelSettings.from_file(TINY_FIXTURE / "processor_config.json")
+    settings = PixelSettings.from_file(TINY_SNAPSHOT / "processor_config.json")
     pixels = photo(512)
     print(f"torch threads {torch.get_num_threads()}; repeat {args.repeat}; medians in ms\n")
     print("| 512x512 | bytes (base64) | header check | decode (Pillow) | pixels (torch) | "
@@ -104,7 +100,7 @@ def main() -> None:
         print(f"| {fmt} | {len(data):,} | {header:.2f} | {decode:.2f} | {patch:.2f} | "
               f"{pipe_encoded:.3f} | {pipe_decoded:.3f} |")
 
-    executor = NativeExecutor.load(TINY_FIXTURE, device="cpu", dtype="float32", limits=limits)
+    executor = NativeExecutor.load(TINY_SNAPSHOT, device="cpu", dtype="float32", limits=limits)
     executor.warm_up()
     print("\n| request (clef-tiny, CPU) | tokens | media | encode | backbone | head | total |")
     print("|---|---:|---:|---:|---:|---:|---:|")

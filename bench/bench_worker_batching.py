@@ -29,38 +29,14 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any, BinaryIO, cast
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from clef_protocol import messages  # noqa: E402
-from clef_protocol.frames import read_frame_blocking, write_frame_blocking  # noqa: E402
+from benchlib.bodies import request_bodies
+from benchlib.paths import REPO, TINY_SNAPSHOT
+from clef_protocol import messages
+from clef_protocol.frames import read_frame_blocking, write_frame_blocking
 
 TOLERANCE = 1e-4 + 1e-9
-
-
-QUESTIONS: dict[str, dict[str, Any]] = {
-    "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
-    "topic": {"type": "choice", "criteria": {"billing": "payments", "delivery": "shipping",
-                                             "other": None}},
-    "urgency": {"type": "score", "criteria": ["low", "medium", "high"]},
-}
-
-
-def request_bodies(count: int, questions: int = 3) -> list[bytes]:
-    """Varied requests with different states: with the three question types (the issue's
-    short request, ~400-480 tokens on the tiny fixture), or with the first `questions`."""
-    bodies = []
-    for i in range(count):
-        body = {
-            "model": "clef-flash",
-            "state": f"Ticket {5000 + i}: customer paid invoice #{4400 + i} twice; " * (1 + i % 4),
-            "questions": dict(list(QUESTIONS.items())[:questions]),
-        }
-        bodies.append(json.dumps(body).encode())
-    return bodies
 
 
 class Worker:
@@ -117,7 +93,7 @@ def same_answer(a: bytes, b: bytes) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=str(REPO.parent / "shared" / "fixtures" / "clef-tiny"))
+    parser.add_argument("--model", default=str(TINY_SNAPSHOT))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8])

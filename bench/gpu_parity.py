@@ -1,14 +1,20 @@
-"""Compare the native executor on a given device/dtype/kernel with the golden answers.
+"""Compare the native executor on a given device/dtype/kernel with the golden answers, and
+CUDA graphs with eager on the same cases.
 
 Not a test (CI has no GPU): a check to run on a GPU host. The golden file was computed in float32
 on CPU; float32 on CUDA should stay within the test tolerance (logits 1e-4), BF16 reports how far
 it drifts (the release gates BF16 ports at 2e-3 to 1e-2 absolute probability, every argmax equal).
-The golden cases are read and compared by `tests/golden.py`, the same loader and comparator the
-tests use.
+The golden cases are read and compared by `benchlib/golden.py`, the same loader and comparator
+the tests use. The snapshot is loaded with media off (the cases are text; a vision tower would
+only cost load time).
+
+`--cuda-graphs both` loads the snapshot twice (eager, then bucketed with graphs), answers every
+case with each, and compares them question by question (`graphs_vs_eager`: largest probability
+difference, every argmax equal, the top-2 margins where an argmax differs). With graphs on, the
+run exits 1 unless the executor reports every length bucket captured (benchlib/gpu_checks.py).
 
     python bench/gpu_parity.py --device cuda --dtype float32 --gdn-prefill torch
-    python bench/gpu_parity.py --device cuda --dtype bfloat16 --gdn-prefill fla
-    python bench/gpu_parity.py --device cuda --dtype bfloat16 --gdn-prefill fla --cuda-graphs on
+    python bench/gpu_parity.py --device cuda --dtype bfloat16 --gdn-prefill fla --cuda-graphs both
     python bench/gpu_parity.py --quick      # CI: CPU float32, exits 1 outside the test tolerance
 """
 
@@ -21,40 +27,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchlib.golden import Drift, load_cases
+from benchlib.gpu_checks import (
+    capture_problems,
+    capture_report,
+    compare_questions,
+    split_by_question,
+)
+from benchlib.paths import FIXTURES, GOLDEN
+from benchlib.provenance import command_line
 
-from benchlib.provenance import command_line  # noqa: E402
-from tests.golden import GOLDEN, Drift, load_cases  # noqa: E402
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--gdn-prefill", default="auto")
-    parser.add_argument("--fixtures", type=Path, default=GOLDEN.parent)
-    parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="off",
-                        help="on: length buckets (captured as CUDA graphs on CUDA, eager on CPU)")
-    parser.add_argument("--quick", action="store_true",
-                        help="CPU, float32, torch path; exit 1 unless within the test tolerance")
-    args = parser.parse_args()
-    if args.quick:
-        args.device, args.dtype, args.gdn_prefill = "cpu", "float32", "torch"
-
+def run_cases(executor: Any, cases: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    """Every golden case through `executor`: drift from the golden values, mismatched token
+    ids and refusals, and each answered case's probabilities per question."""
     from clef_protocol.errors import RequestInvalid
-    from clef_protocol.options import RequestLimits
-    from clef_worker.native import NativeExecutor
 
-    executor = NativeExecutor.load(args.fixtures / "clef-tiny", device=args.device,
-                                   dtype=args.dtype, gdn_prefill=args.gdn_prefill,
-                                   limits=RequestLimits(), cuda_graphs=args.cuda_graphs)
-    if not args.quick:
-        executor.warm_up()  # with --cuda-graphs on: every bucket captured before the cases run
-    cases = load_cases(args.fixtures / GOLDEN.name)
     drift = Drift()
     ids_mismatch: list[str] = []
     error_mismatch: list[str] = []
+    per_question: dict[str, list[list[float]]] = {}
     for case in cases:
         limited = executor.with_limits(dataclasses.replace(executor.limits,
                                                            max_length=case["max_length"]))
@@ -71,22 +63,89 @@ def main() -> int:
         if scored.encoding.input_ids != case["input_ids"]:
             ids_mismatch.append(case["name"])
         drift.add(case, scored.logits, scored.probabilities)
-    info = executor.describe()
-    summary: dict[str, Any] = {
-        "command": command_line(__file__),
-        "device": str(executor.device), "dtype": info.dtype, "gdn_path": info.gdn_path,
-        "short_conv": info.short_conv,
-        "cases": len(cases), "cuda_graphs": info.cuda_graphs,
-        "buckets_captured": info.buckets_captured,
+        per_question[case["name"]] = split_by_question(
+            scored.probabilities, [len(q.option_ids) for q in scored.encoding.questions])
+    return {
         "max_abs_logit_diff": drift.max_logit_diff,
         "max_abs_probability_diff": drift.max_probability_diff,
         "argmax_mismatches": drift.argmax_mismatches, "input_id_mismatches": ids_mismatch,
         "error_mismatches": error_mismatch,
         "within_test_tolerance": drift.within_tolerance and not ids_mismatch
         and not error_mismatch,
+        "per_question": per_question,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--gdn-prefill", default="auto")
+    parser.add_argument("--fixtures", type=Path, default=FIXTURES)
+    parser.add_argument("--cuda-graphs", choices=("auto", "on", "off", "both"), default="off",
+                        help="on: length buckets (captured as CUDA graphs on CUDA, eager on CPU); "
+                             "both: eager and on, compared")
+    parser.add_argument("--out", type=Path, help="also write the result here (JSON)")
+    parser.add_argument("--max-length", type=int, default=16384,
+                        help="the executor's limit at load (warm-up and buckets follow it; "
+                             "each case then runs under its own)")
+    parser.add_argument("--graph-max-length", type=int, default=0,
+                        help="the longest bucket (0: --max-length's table, as the worker)")
+    parser.add_argument("--quick", action="store_true",
+                        help="CPU, float32, torch path, eager and buckets compared; exit 1 "
+                             "unless within the test tolerance")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.device, args.dtype, args.gdn_prefill, args.cuda_graphs = (
+            "cpu", "float32", "torch", "both")
+        # A few buckets and a short warm-up: CPU builds each bucket eagerly. The longest case
+        # has 1,513 tokens.
+        args.max_length, args.graph_max_length = 2048, 512
+
+    from clef_protocol.options import RequestLimits
+    from clef_worker.native import NativeExecutor
+
+    modes = ["off", "on"] if args.cuda_graphs == "both" else [args.cuda_graphs]
+    if "on" in modes:
+        # Before fla is first imported (by the eager load too): the capture's environment.
+        from clef_worker.gpu.graphs import prepare_capture_environment
+
+        prepare_capture_environment()
+    cases = load_cases(args.fixtures / GOLDEN.name)
+    summary: dict[str, Any] = {"command": command_line(__file__), "cases": len(cases),
+                               "modes": {}}
+    problems: list[str] = []
+    for mode in modes:
+        executor = NativeExecutor.load(args.fixtures / "clef-tiny", device=args.device,
+                                       dtype=args.dtype, gdn_prefill=args.gdn_prefill,
+                                       limits=RequestLimits(max_length=args.max_length),
+                                       cuda_graphs=mode, media="off",
+                                       graph_max_length=args.graph_max_length)
+        executor.warm_up()  # with graphs: every bucket captured before the cases run
+        info = dataclasses.asdict(executor.describe())
+        found = capture_problems(info, graphs_requested=mode == "on",
+                                 on_cuda=executor.device.type == "cuda")
+        problems += [f"--cuda-graphs {mode}: {problem}" for problem in found]
+        summary["device"], summary["dtype"] = str(executor.device), info["dtype"]
+        summary["gdn_path"], summary["short_conv"] = info["gdn_path"], info["short_conv"]
+        summary["modes"][mode] = {**run_cases(executor, cases), "capture": capture_report(info),
+                                  "capture_problems": found}
+    if len(modes) == 2:
+        summary["graphs_vs_eager"] = compare_questions(summary["modes"]["off"]["per_question"],
+                                                       summary["modes"]["on"]["per_question"])
+    for result in summary["modes"].values():
+        result.pop("per_question")
+    summary["within_test_tolerance"] = all(m["within_test_tolerance"]
+                                           for m in summary["modes"].values())
     print(json.dumps(summary))
-    if args.quick and not (summary["within_test_tolerance"] and cases):
+    if args.out:
+        args.out.write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    for problem in problems:
+        print(f"not graphs: {problem}", file=sys.stderr)
+    if problems:
+        return 1
+    if args.quick and not (summary["within_test_tolerance"] and cases
+                           and summary["graphs_vs_eager"]["argmax_equal"]):
         return 1
     return 0
 

@@ -1,3 +1,6 @@
-"""Helpers the benchmark scripts in bench/ share (load generation, provenance, the zero-work
-front comparison); not benchmarks themselves, so they live outside bench/, where every script
-must run with --quick."""
+"""The helper layer of bench/, stress/ and tests/: what measuring and driving clef-serve from the
+outside needs, in one place (bench/README.md lists the modules).
+
+Not benchmarks, so no `--quick`; installed with the project, so `python bench/<script>.py`
+imports it without touching `sys.path`. Nothing here imports tests/.
+"""

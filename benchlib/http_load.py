@@ -19,6 +19,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchlib.http_client import Connection, build_request
+from benchlib.timing import elapsed_ms, percentile
+
 
 @dataclass(frozen=True)
 class LoadResult:
@@ -90,35 +93,26 @@ def _wrk(host: str, port: int, method: str, path: str, body: bytes, connections:
 
 async def _asyncio_load(host: str, port: int, method: str, path: str, body: bytes,
                         connections: int, seconds: float, expect: int) -> LoadResult:
-    request = (f"{method} {path} HTTP/1.1\r\nHost: {host}\r\n"
-               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-               ).encode("ascii") + body
+    request = build_request(method, path, body)
     latencies: list[float] = []
     bad = 0
     deadline = time.perf_counter() + seconds
 
     async def client() -> None:
         nonlocal bad
-        reader, writer = await asyncio.open_connection(host, port)
+        connection = Connection(port, host)
         try:
             while time.perf_counter() < deadline:
                 started = time.perf_counter()
-                writer.write(request)
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", head)
-                await reader.readexactly(int(length[1]) if length else 0)
-                latencies.append((time.perf_counter() - started) * 1000.0)
-                if int(head.split(b" ", 2)[1]) != expect:
+                answer = await connection.exchange(request, timeout=max(60.0, seconds * 4))
+                latencies.append(elapsed_ms(started))
+                if answer.status != expect:
                     bad += 1
         finally:
-            writer.close()
+            await connection.close()
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(connections)))
     elapsed = time.perf_counter() - started
-    ordered = sorted(latencies)
-
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-    return LoadResult("python-asyncio", connections, elapsed, len(ordered), at(0.5), at(0.99), bad)
+    return LoadResult("python-asyncio", connections, elapsed, len(latencies),
+                      percentile(latencies, 0.5), percentile(latencies, 0.99), bad)

@@ -22,24 +22,22 @@ import platform
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchlib.docs_writer import DOC, replace_section
 from benchlib.http_load import LoadResult, run_load
+from benchlib.net import free_port, wait_port
+from benchlib.paths import FAKE_WORKER, REPO
 from benchlib.provenance import cpu_line
 
-REPO = Path(__file__).resolve().parent.parent
-DOC = REPO / "docs" / "benchmarks.md"
-FAKE_WORKER = REPO / "tests" / "fake_worker.py"
 BEGIN, END = "<!-- bench-http:zero-work -->", "<!-- /bench-http:zero-work -->"
 BODY = json.dumps({"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}).encode()
 
-# The issue's targets, checked and printed with every run.
+# The front's targets, checked and printed with every run.
 TARGET_POST_OVER_HEALTH_MS = 0.2
 TARGET_SHARE_OF_UVICORN = 0.6
 TARGET_P99_MS = 10.0
@@ -52,25 +50,6 @@ class Row:
     c32: LoadResult
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_port(port: int, process: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode} before listening")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.05)  # a start-up poll in a benchmark, not a test
-    raise RuntimeError("server did not listen in time")
-
-
 class _Server:
     """A server subprocess with stderr to a file; stopped with SIGTERM."""
 
@@ -79,7 +58,7 @@ class _Server:
         self._log = log_path.open("wb")
         self.process = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.DEVNULL, stderr=self._log)
-        _wait_port(port, self.process, timeout)
+        wait_port(port, self.process, timeout)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -106,7 +85,7 @@ def _measure(port: int, method: str, path: str, body: bytes, args: argparse.Name
 
 
 def _clef_server(tmp: Path, name: str, *flags: str) -> tuple[_Server, int]:
-    port = _free_port()
+    port = free_port()
     worker = shlex.join([sys.executable, str(FAKE_WORKER)])
     return _Server([sys.executable, "-m", "clef_frontend", "--port", str(port),
                     "--worker-command", worker, *flags], port, tmp / name, timeout=60), port
@@ -141,7 +120,7 @@ def _uvicorn_row(args: argparse.Namespace, tmp: Path) -> Row | None:
         return None
     import uvicorn
 
-    port = _free_port()
+    port = free_port()
     server = _Server([sys.executable, "-m", "uvicorn", "benchlib.zero_work_app:app",
                       "--http", "h11", "--port", str(port)], port, tmp / "uvicorn.log", timeout=30)
     try:
@@ -181,7 +160,7 @@ def _render(rows: list[Row], worker_ms: list[float], args: argparse.Namespace,
         lines += ["", f"The fake worker reported {worker_ms[len(worker_ms) // 2]:.1f} ms per "
                       f"request (median `worker_ms` of {len(worker_ms)} access-log lines, which "
                       "round to 0.1 ms)."]
-    lines += ["", "Targets (issue 12):", ""] + [f"- {line}" for line in _verdicts(rows)]
+    lines += ["", "Targets:", ""] + [f"- {line}" for line in _verdicts(rows)]
     lines.append(END)
     return "\n".join(lines) + "\n"
 
@@ -217,18 +196,8 @@ def _command() -> str:
     return " ".join([shown, "bench/bench_http.py", *map(shlex.quote, sys.argv[1:])])
 
 
-def _write(section: str) -> None:
-    text = DOC.read_text(encoding="utf-8")
-    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END) + "\n", re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    DOC.write_text(text, encoding="utf-8")
-
-
 def run_zero_work(args: argparse.Namespace) -> int:
-    """Measure, print the table, write it into docs/benchmarks.md unless told not to."""
+    """Measure and print the table; with `--write-docs`, put it in docs/benchmarks.md."""
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         rows, worker_ms = _clef_rows(args, Path(tmp))
@@ -237,7 +206,7 @@ def run_zero_work(args: argparse.Namespace) -> int:
         rows.append(uvicorn_row)
     section = _render(rows, worker_ms, args, (load_before, os.getloadavg()[0]))
     print(section)
-    if not args.no_write:
-        _write(section)
+    if args.write_docs:
+        replace_section(section, BEGIN, END)
         print(f"wrote {DOC}", file=sys.stderr)
     return 0

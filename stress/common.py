@@ -1,15 +1,15 @@
 """What every reliability scenario shares: its command line, its report, a raw async client.
 
 Each scenario is one command (`python -m stress.NAME [--quick]`), talks to a real `clef-serve`
-on loopback (started with tests/fake_worker.py, the zero-work worker, through the test suite's
-`Serve`), bounds every loop, stops by itself, and prints a summary table. Its exit status is 0
-only when every check held, so `.ci/run` can run the quick mode of all of them (`run_all.py`).
+on loopback (started with tests/fake_worker.py, the zero-work worker, through the helper
+layer's `benchlib.serve.Serve`), bounds every loop, stops by itself, and prints a summary table.
+Its exit status is 0 only when every check held, so `.ci/run` can run the quick mode of all of
+them (`run_all.py`).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import resource
 import statistics
@@ -18,11 +18,22 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.frontend_helpers import WAIT, Serve, build_request, clef_body
+# The client, the server process and the percentile are the helper layer's (benchlib/), shared
+# with the tests and the benchmarks; scenarios take them from here with the report.
+from benchlib.http_client import (
+    HOST,
+    WAIT,
+    Answer,
+    Connection,
+    build_request,
+    clef_body,
+    read_answer,
+)
+from benchlib.serve import Serve
+from benchlib.timing import percentile
 
-__all__ = ["WAIT", "Serve", "build_request", "clef_body"]
-
-HOST = "127.0.0.1"
+__all__ = ["HOST", "WAIT", "Answer", "Connection", "Serve", "build_request", "clef_body",
+           "percentile", "read_answer"]
 
 
 @dataclass
@@ -105,14 +116,6 @@ def raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def percentile(values: list[float], fraction: float) -> float:
-    """The `fraction` quantile (nearest rank); 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
 def latency_rows(report: Report, label: str, seconds: list[float]) -> None:
     report.add(f"{label} p50 (ms)", percentile(seconds, 0.5) * 1000)
     report.add(f"{label} p99 (ms)", percentile(seconds, 0.99) * 1000)
@@ -127,61 +130,3 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
-
-
-# -- a raw asyncio HTTP/1.1 client -----------------------------------------------------------
-
-
-@dataclass
-class Answer:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-
-async def read_answer(reader: asyncio.StreamReader) -> Answer:
-    """One response (Content-Length framed, as clef-serve always answers)."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split(" ", 2)[1])
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        if name:
-            headers[name.strip().lower()] = value.strip()
-    body = await reader.readexactly(int(headers.get("content-length", "0")))
-    if status < 200:  # 100 Continue: the real answer follows
-        return await read_answer(reader)
-    return Answer(status, headers, body)
-
-
-class Connection:
-    """One keep-alive client connection; reopened after the server closes it."""
-
-    def __init__(self, port: int) -> None:
-        self._port = port
-        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-
-    async def exchange(self, raw: bytes, timeout: float = WAIT) -> Answer:
-        if self._streams is None:
-            self._streams = await asyncio.open_connection(HOST, self._port)
-        reader, writer = self._streams
-        try:
-            writer.write(raw)
-            answer = await asyncio.wait_for(read_answer(reader), timeout)
-        except BaseException:
-            await self.close()
-            raise
-        if answer.headers.get("connection") == "close":
-            await self.close()
-        return answer
-
-    async def post(self, body: bytes, timeout: float = WAIT) -> Answer:
-        return await self.exchange(build_request("POST", "/v1/systemone", body), timeout)
-
-    async def close(self) -> None:
-        streams, self._streams = self._streams, None
-        if streams is not None:
-            streams[1].close()
-            with contextlib.suppress(OSError):
-                await streams[1].wait_closed()

@@ -3,6 +3,12 @@
 `python -m stress.run_all --quick` is what `.ci/run` runs (under two minutes on 2 cores);
 without `--quick` it is the full run whose figures docs/operations.md keeps. Each scenario is
 still its own command (`python -m stress.NAME [--quick]`) for running alone.
+
+Scenarios are discovered by name, as benchmarks are (`bench/run_quick.py`): every module
+`stress/NAME.py` is a scenario, except this runner, `common.py` and any module whose name starts
+with `_` (helpers). A scenario module defines `main(argv) -> int` (`stress.common.main_for`
+builds it), accepts `--quick`, and exits 0 only when every check held. Adding
+`stress/NAME.py` is all it takes to have CI run it; stress/README.md says the same.
 """
 
 from __future__ import annotations
@@ -13,19 +19,31 @@ import sys
 import time
 from pathlib import Path
 
-SCENARIOS = ("exactly_once", "worker_kill", "hung_worker", "drain", "slow_clients", "fuzz",
-             "idle_burst")
-REPO = Path(__file__).resolve().parent.parent
+STRESS = Path(__file__).resolve().parent
+REPO = STRESS.parent
+# Modules of this folder that are not scenarios (helpers are named `_*.py`).
+NOT_SCENARIOS = frozenset({"__init__", "common", "run_all"})
 # A scenario that outlives this has hung; every loop inside is bounded well below it.
 SCENARIO_LIMIT = 600.0
 
 
+def scenarios() -> list[str]:
+    """Every scenario's module name, in name order."""
+    return sorted(path.stem for path in STRESS.glob("*.py")
+                  if path.stem not in NOT_SCENARIOS and not path.stem.startswith("_"))
+
+
 def main(argv: list[str] | None = None) -> int:
+    found = scenarios()
     parser = argparse.ArgumentParser(prog="python -m stress.run_all")
     parser.add_argument("--quick", action="store_true", help="the short CI run of each scenario")
-    parser.add_argument("--only", nargs="+", choices=SCENARIOS, default=SCENARIOS,
+    parser.add_argument("--only", nargs="+", choices=found, default=found,
                         help="run just these scenarios")
+    parser.add_argument("--list", action="store_true", help="print the scenarios and stop")
     args = parser.parse_args(argv)
+    if args.list:
+        print("\n".join(found))
+        return 0
     results: list[tuple[str, str, float]] = []
     started = time.monotonic()
     for name in args.only:

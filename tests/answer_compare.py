@@ -1,6 +1,6 @@
 """Comparing two of our own response bodies (batched vs solo, padded vs unpadded).
 
-Like `tests.golden.assert_response_matches`, but every float may move by one unit in the 4th
+Like `benchlib.golden.assert_response_matches`, but every float may move by one unit in the 4th
 decimal, not only probabilities: a score question's `score` is computed from its probabilities
 before rounding, so it sits on a rounding boundary exactly when they do (seen with hypothesis on
 the wide demo snapshot: 1.9694 vs 1.9693).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tests.golden import PROBABILITY_TOLERANCE
+from benchlib.golden import PROBABILITY_TOLERANCE
 
 
 def assert_same_response(got: bytes, want: bytes) -> None:

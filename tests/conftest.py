@@ -1,4 +1,4 @@
-"""Shared test fixtures: where the reference material lives."""
+"""Shared test fixtures: where the reference material lives (benchlib.paths owns the paths)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from tests.golden import GOLDEN as GOLDEN  # one owner (tests/golden.py); re-exported here
-from tests.golden import MEDIA_GOLDEN as MEDIA_GOLDEN
+from benchlib.paths import GOLDEN as GOLDEN  # re-exported for the tests that import them here
+from benchlib.paths import MEDIA_GOLDEN as MEDIA_GOLDEN
+from benchlib.paths import REPO as REPO
+from benchlib.paths import TINY_SNAPSHOT as TINY_SNAPSHOT
 
 # On CI, property tests draw the same examples every run: a red CI is then reproducible, and a
 # change cannot pass by luck. Locally they keep exploring new examples.
@@ -17,14 +19,10 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
-TINY_SNAPSHOT = SHARED / "fixtures" / "clef-tiny"
-
 
 @pytest.fixture(scope="session")
 def tiny_snapshot() -> Path:
     if not TINY_SNAPSHOT.is_dir():
         pytest.fail(f"reference fixture missing: {TINY_SNAPSHOT} (../shared must sit beside "
-                    "the repository)")
+                    "the repository, or CLEF_FIXTURES name a copy)")
     return TINY_SNAPSHOT

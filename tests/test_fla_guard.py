@@ -17,10 +17,10 @@ from typing import BinaryIO, cast
 
 import pytest
 
+from benchlib.golden import assert_response_matches, case
 from clef_protocol import messages
 from clef_protocol.frames import read_frame_blocking, write_frame_blocking
 from tests.conftest import REPO
-from tests.golden import assert_response_matches, case
 
 FAKE_KERNEL = '''
 def chunk_gated_delta_rule(*args, **kwargs):

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
+from benchlib.golden import GOLDEN, Drift, answered, assert_response_matches, load_cases, refused
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
 from clef_worker.native import NativeExecutor, Scored
-from tests.golden import GOLDEN, Drift, answered, assert_response_matches, load_cases, refused
 
 CASES = load_cases()
 SUCCESS = answered()

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from benchlib.golden import assert_response_matches, load_cases
 from clef_worker.warmup import REPRESENTATIVE
 from tests.conftest import TINY_SNAPSHOT
 from tests.frontend_helpers import Serve
-from tests.golden import assert_response_matches, load_cases
 
 BUDGET_REFUSAL = r"schema requires \d+ tokens before state; maximum is {}"
 

@@ -14,11 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from clef_protocol.errors import RequestInvalid
-from clef_protocol.options import RequestLimits
-from clef_worker.media.vision import rope_positions
-from clef_worker.native import NativeExecutor, Scored
-from tests.golden import (
+from benchlib.golden import (
     MEDIA_GOLDEN,
     Drift,
     answered,
@@ -26,6 +22,10 @@ from tests.golden import (
     load_cases,
     refused,
 )
+from clef_protocol.errors import RequestInvalid
+from clef_protocol.options import RequestLimits
+from clef_worker.media.vision import rope_positions
+from clef_worker.native import NativeExecutor, Scored
 
 CASES = load_cases(MEDIA_GOLDEN)
 SUCCESS = answered(MEDIA_GOLDEN)

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from benchlib.golden import MEDIA_GOLDEN, assert_response_matches, load_cases
 from clef_protocol.media import gradient_image, png_data_uri
 from tests.conftest import TINY_SNAPSHOT
 from tests.frontend_helpers import Response, Serve
-from tests.golden import MEDIA_GOLDEN, assert_response_matches, load_cases
 
 CASES = {case["name"]: case for case in load_cases(MEDIA_GOLDEN)}
 BODY_LIMIT = 200_000

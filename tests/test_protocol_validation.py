@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
+from benchlib.golden import load_cases
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import validate_request
-from tests.golden import load_cases
 
 LIMITS = RequestLimits()
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from benchlib.golden import assert_response_matches, case
 from tests.conftest import TINY_SNAPSHOT
 from tests.frontend_helpers import Response, Serve
-from tests.golden import assert_response_matches, case
 
 
 @pytest.fixture(scope="module")

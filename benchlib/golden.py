@@ -1,7 +1,8 @@
 """The golden cases of ../shared/fixtures/clef-tiny.golden.jsonl: one loader, one comparator.
 
-Every test and benchmark that checks answers against the golden file goes through here, so the
-file is read one way and compared with one set of tolerances (the rules of ../shared/README.md):
+Every test and benchmark (`bench/gpu_parity.py`) that checks answers against the golden file
+goes through here, so the file is read one way and compared with one set of tolerances (the
+rules of ../shared/README.md):
 
 - tokens, spans and option orders: exact;
 - logits: within `LOGIT_TOLERANCE` (float32 on CPU reproduces the reference's float32 values
@@ -22,9 +23,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-FIXTURES = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures"
-GOLDEN = FIXTURES / "clef-tiny.golden.jsonl"
-MEDIA_GOLDEN = FIXTURES / "clef-tiny.media.golden.jsonl"
+from benchlib.paths import GOLDEN, MEDIA_GOLDEN
+
+__all__ = ["GOLDEN", "LOGIT_TOLERANCE", "MEDIA_GOLDEN", "PROBABILITY_TOLERANCE", "Drift",
+           "answered", "assert_response_matches", "case", "load_cases", "refused"]
 
 LOGIT_TOLERANCE = 1e-4
 # One unit in the 4th decimal of a rounded probability (plus float noise).

@@ -1,0 +1,216 @@
+"""The whole server over HTTP at Clef-Flash's shapes: latency by length, fresh lengths, warm-up,
+graph memory and throughput by concurrency, as a client sees them.
+
+Not a test. Starts `clef-serve` on loopback with the in-memory Clef-Flash-shaped worker
+(`benchlib/flash_worker.py`: the worker's own loader, warm-up and capture, random weights) and:
+- reads the worker's ready info from `/health`: warm-up time, captured graph shapes, graph
+  memory; with `--cuda-graphs on` on CUDA it exits 1 unless every length bucket was captured
+  (a capture that fell back to eager must not be reported as graphs);
+- C1 latency (one keep-alive connection, sequential) at `--lengths` tokens, 3 questions;
+- fresh lengths: requests at `--fresh` lengths drawn between 1,100 and 8,000 tokens that no
+  earlier request had, first request against the median of three repeats (target <= 1.5x);
+- throughput: requests/s and latency at each `--concurrency`, closed loop, `--seconds` each.
+`--warmup-only` stops after the ready info (the warm-cache start-up figure).
+
+    python bench/bench_gpu_http.py --cuda-graphs on --out graphs.json          # on a GPU host
+    python bench/bench_gpu_http.py --cuda-graphs on --workers-per-device 2 --lengths \\
+        --fresh 0 --concurrency 16 32
+    python bench/bench_gpu_http.py --quick     # CPU smoke run: small shapes, no file
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any
+
+from benchlib.flash_model import BUILT, SHAPES, RequestSizer, make_request
+from benchlib.gpu_checks import capture_problems, capture_report
+from benchlib.http_client import Client
+from benchlib.http_load import run_load
+from benchlib.provenance import command_line
+from benchlib.serve import Serve
+from benchlib.timing import latency_summary, timed_ms
+
+FRESH_RANGE = (1100, 8000)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--gdn-prefill", default="auto")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="flash")
+    parser.add_argument("--layers", type=int, default=0, help="override the layer count")
+    parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="on")
+    parser.add_argument("--max-length", type=int, default=16384)
+    parser.add_argument("--workers-per-device", type=int, default=1)
+    parser.add_argument("--lengths", type=int, nargs="*", default=[370, 1000, 7000])
+    parser.add_argument("--questions", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=50, help="timed requests per length")
+    parser.add_argument("--fresh", type=int, default=8, help="fresh lengths to try")
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 32])
+    parser.add_argument("--seconds", type=float, default=8.0, help="per concurrency")
+    parser.add_argument("--warmup-only", action="store_true")
+    parser.add_argument("--startup-timeout", type=float, default=400.0)
+    parser.add_argument("--out", help="write the results here (JSON)")
+    parser.add_argument("--quick", action="store_true",
+                        help="CPU smoke run: small shapes, few requests")
+    parser.add_argument("server_args", nargs="*", help="more clef-serve flags (after --)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.device, args.shape, args.layers, args.dtype, args.gdn_prefill = (
+            "cpu", "small", 2, "float32", "torch")
+        args.max_length, args.lengths, args.repeat, args.fresh = 512, [370], 3, 1
+        args.concurrency, args.seconds = [1, 4], 1.0
+        args.fresh_range = (300, 500)
+    else:
+        args.fresh_range = FRESH_RANGE
+    return args
+
+
+def server_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    worker = shlex.join([sys.executable, "-m", "benchlib.flash_worker", "--shape", args.shape,
+                         "--layers", str(args.layers)])
+    return ("--worker-command", worker, "--device", args.device, "--dtype", args.dtype,
+            "--gdn-prefill", args.gdn_prefill, "--cuda-graphs", args.cuda_graphs,
+            "--max-length", str(args.max_length), "--media", "off",
+            "--workers-per-device", str(args.workers_per_device), *args.server_args)
+
+
+def post_ms(client: Client, body: bytes) -> float:
+    def call() -> None:
+        client.send("POST", "/v1/systemone", body)
+        response = client.read_response()
+        if response.status != 200:
+            raise RuntimeError(f"status {response.status}: {response.body[:200]!r}")
+
+    return timed_ms(call)
+
+
+def latency(client: Client, sizer: RequestSizer, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for tokens in args.lengths:
+        if tokens > args.max_length:
+            continue
+        request = make_request(sizer, tokens, args.questions)
+        body = json.dumps(request).encode()
+        for _ in range(3):
+            post_ms(client, body)
+        repeat = args.repeat if tokens <= 2000 else max(5, args.repeat // 4)
+        out[str(tokens)] = {"input_tokens": len(sizer.encode(request).input_ids),
+                            **latency_summary([post_ms(client, body) for _ in range(repeat)])}
+        print(f"C1 {tokens} tokens: {out[str(tokens)]}", file=sys.stderr, flush=True)
+    return out
+
+
+def fresh_lengths(client: Client, sizer: RequestSizer,
+                  args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The first request at a length never sent before, against repeats of the same one."""
+    rng = random.Random(0)
+    low, high = args.fresh_range
+    out = []
+    for target in sorted(rng.sample(range(low, min(high, args.max_length)), args.fresh)):
+        request = make_request(sizer, target, args.questions)
+        # A distinct state per length, so no earlier request had exactly these tokens.
+        request["state"] = f"case {target}: " + request["state"]
+        body = json.dumps(request).encode()
+        first = post_ms(client, body)
+        warm = latency_summary([post_ms(client, body) for _ in range(3)])["p50_ms"]
+        out.append({"tokens": len(sizer.encode(request).input_ids), "first_ms": round(first, 2),
+                    "warm_ms": warm, "ratio": round(first / warm, 2)})
+    return out
+
+
+def throughput(port: int, sizer: RequestSizer, args: argparse.Namespace) -> dict[str, Any]:
+    body = json.dumps(make_request(sizer, 370 if args.max_length >= 370 else 100,
+                                   args.questions)).encode()
+    out: dict[str, Any] = {}
+    for connections in args.concurrency:
+        result = run_load("127.0.0.1", port, "POST", "/v1/systemone", body,
+                          connections=connections, seconds=args.seconds, use_wrk=False)
+        out[f"C{connections}"] = {"req_per_s": round(result.throughput, 1),
+                                  "p50_ms": round(result.p50_ms, 2),
+                                  "p99_ms": round(result.p99_ms, 2),
+                                  "requests": result.requests, "failed": result.bad_status}
+        print(f"C{connections}: {out[f'C{connections}']}", file=sys.stderr, flush=True)
+        if result.bad_status:
+            raise RuntimeError(f"C{connections}: {result.bad_status} requests failed")
+    return out
+
+
+def worker_lines(log: str) -> list[dict[str, str]]:
+    """Each worker's `worker ready:` log line as fields (warm-up and graph memory per worker:
+    `/health` shows the first ready worker's info only)."""
+    wanted = ("slot", "pid", "warmup_ms", "graph_memory_bytes", "captured", "cuda_graphs")
+    out = []
+    for line in log.splitlines():
+        if "worker ready:" in line:
+            fields = dict(re.findall(r"(\w+)=(\S+)", line))
+            out.append({key: fields[key] for key in wanted if key in fields})
+    return out
+
+
+def device_memory_used_mib() -> list[int] | None:
+    """Memory in use on each GPU (every process on it), from nvidia-smi; None without one."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    done = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,"
+                           "nounits"], capture_output=True, text=True, check=False, timeout=30)
+    if done.returncode != 0:
+        return None
+    return [int(line) for line in done.stdout.split() if line.strip().isdigit()]
+
+
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    results: dict[str, Any] = {"command": command_line(__file__), "shape": args.shape,
+                               "cuda_graphs": args.cuda_graphs,
+                               "workers_per_device": args.workers_per_device}
+    sizer = RequestSizer()
+    started = time.perf_counter()
+    with Serve(front_args=server_flags(args), real_worker=True, max_batch=None,
+               startup_wait=args.startup_timeout) as server:
+        results["ready_s"] = round(time.perf_counter() - started, 1)
+        server.wait_for(BUILT % args.shape)  # the in-memory model is the one being served
+        health = server.health().json()
+        info = health.get("worker") or {}
+        results["warmup_ms"] = info.get("warmup_ms")
+        results["workers"] = worker_lines(server.stderr)
+        results["device_memory_used_mib"] = device_memory_used_mib()
+        results["capture"] = capture_report(info)
+        problems = capture_problems(info, graphs_requested=args.cuda_graphs == "on",
+                                    on_cuda=args.device.startswith("cuda"))
+        results["capture_problems"] = problems
+        if problems or args.warmup_only:
+            return results, problems
+        with server.connect(timeout=120) as client:
+            results["latency"] = latency(client, sizer, args)
+            results["fresh_lengths"] = fresh_lengths(client, sizer, args)
+        results["fresh_max_ratio"] = max((f["ratio"] for f in results["fresh_lengths"]),
+                                         default=None)
+        results["throughput"] = throughput(server.port, sizer, args)
+    return results, problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results, problems = run(args)
+    text = json.dumps(results, indent=1)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    print(text)
+    for problem in problems:
+        print(f"not graphs: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The helper layer shared by bench/, stress/ and tests/ (benchlib/): percentiles, the docs
+writer, stress discovery, and that stress/ and bench/ reach it without path tricks."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchlib.docs_writer import replace_section
+from benchlib.paths import REPO
+from benchlib.timing import latency_summary, percentile
+from stress.run_all import scenarios
+
+BEGIN, END = "<!-- x -->", "<!-- /x -->"
+
+
+def test_percentiles_follow_numpy() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 0.5) == pytest.approx(50.5)
+    assert percentile(values, 0.99) == pytest.approx(99.01)
+    assert percentile([], 0.5) == 0.0
+    assert latency_summary([3.0, 1.0, 2.0]) == {"p50_ms": 2.0, "p99_ms": 2.98, "min_ms": 1.0,
+                                                "max_ms": 3.0, "n": 3}
+
+
+def test_the_docs_writer_replaces_only_its_own_section(tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# B\n\nbefore\n\n{BEGIN}\nold\n{END}\n\nafter\n")
+    replace_section(f"{BEGIN}\nnew\n{END}\n", BEGIN, END, doc)
+    assert doc.read_text() == f"# B\n\nbefore\n\n{BEGIN}\nnew\n{END}\n\nafter\n"
+    replace_section("<!-- y -->\nother\n<!-- /y -->\n", "<!-- y -->", "<!-- /y -->", doc)
+    assert doc.read_text().endswith("after\n\n<!-- y -->\nother\n<!-- /y -->\n")
+    with pytest.raises(ValueError):
+        replace_section("no markers\n", BEGIN, END, doc)
+
+
+def _unguarded_docs_writes(path: Path) -> list[str]:
+    """Calls of the docs writer in `path` that do not sit inside an `if` on `write_docs`
+    (the body of the `write_doc` wrapper itself aside)."""
+    tree = ast.parse(path.read_text())
+    guarded: set[int] = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.If) and "write_docs" in ast.unparse(node.test)) or (
+                isinstance(node, ast.FunctionDef) and node.name == "write_doc"):
+            guarded |= {id(child) for child in ast.walk(node)}
+    return [ast.unparse(node) for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and id(node) not in guarded
+            and ast.unparse(node.func) in ("replace_section", "write_doc")]
+
+
+def test_no_benchmark_rewrites_the_docs_unless_asked() -> None:
+    sources = [*REPO.glob("bench/*.py"), *REPO.glob("benchlib/*.py")]
+    writers = [p for p in sources if p.name != "docs_writer.py"
+               and "replace_section(" in p.read_text()]
+    assert {p.name for p in writers} >= {"bench_executor.py", "zero_work.py"}
+    for path in sources:
+        if path.name != "docs_writer.py":
+            assert _unguarded_docs_writes(path) == [], path.name
+
+
+def test_stress_scenarios_are_discovered_by_name() -> None:
+    found = scenarios()
+    assert {"drain", "exactly_once", "fuzz", "hung_worker", "idle_burst", "slow_clients",
+            "worker_kill"} <= set(found)
+    assert not {"common", "run_all", "__init__"} & set(found)
+    assert all(not name.startswith("_") for name in found)
+    for name in found:  # each follows the convention: a main(argv) to run
+        tree = ast.parse((REPO / "stress" / f"{name}.py").read_text())
+        names = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                 for t in node.targets if isinstance(t, ast.Name)}
+        functions = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert "main" in names | functions, name
+
+
+def test_stress_and_bench_import_no_tests_and_insert_no_paths() -> None:
+    for path in [*REPO.glob("stress/*.py"), *REPO.glob("bench/*.py"), *REPO.glob("benchlib/*.py")]:
+        text = path.read_text()
+        assert "sys.path.insert" not in text and "sys.path.append" not in text, path
+        if path.parent.name != "tests":
+            tree = ast.parse(text)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    assert not node.module.startswith("tests"), (path, node.module)
+
+
+def test_a_bench_script_imports_benchlib_as_run_from_the_repository_root() -> None:
+    """`python bench/<script>.py` (script folder first on sys.path, not the root) reaches
+    benchlib through the installed package or PYTHONPATH, never a path insert."""
+    done = subprocess.run([sys.executable, "bench/run_quick.py", "--list"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "bench_gpu_http.py" in done.stdout
