@@ -35,11 +35,11 @@ def summarise(concurrency: int, latencies_ms: Sequence[float], errors: int,
               wall_seconds: float) -> RunRow:
     """The row for one run: `latencies_ms` of the successful requests, `errors` the others."""
     sent = len(latencies_ms) + errors
+    marks: list[float | None] = [None] * len(PERCENTILES)
     if latencies_ms:
-        p50, p90, p99 = (round(float(v), 3)
-                         for v in np.percentile(np.asarray(latencies_ms), PERCENTILES))
-    else:
-        p50 = p90 = p99 = None
+        marks = [round(float(v), 3)
+                 for v in np.percentile(np.asarray(latencies_ms), PERCENTILES)]
+    p50, p90, p99 = marks
     return RunRow(concurrency, sent, round(sent / max(wall_seconds, 1e-9), 3), p50, p90, p99,
                   errors)
 
