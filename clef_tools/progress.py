@@ -23,10 +23,11 @@ class Progress:
         self._label = label
         self.total = total
         self.count = initial
-        self._started = time.monotonic()
-        self._initial = initial
+        # The rate counts from the first item: start-up (a worker's load and warm-up, the first
+        # connection) is not throughput.
+        self._first: tuple[float, int] | None = None
         self._interval = interval
-        self._last_line = self._started
+        self._last_line = time.monotonic()
         use_bar = self._stream.isatty() if bar is None else bar
         self._bar: Any = None
         if use_bar:
@@ -38,6 +39,8 @@ class Progress:
                              file=self._stream, dynamic_ncols=True, smoothing=0.1)
 
     def update(self, n: int = 1) -> None:
+        if self._first is None:
+            self._first = (time.monotonic(), self.count + n)
         self.count += n
         if self._bar is not None:
             self._bar.update(n)
@@ -61,7 +64,7 @@ class Progress:
             self._line(time.monotonic())
 
     def _line(self, now: float) -> None:
-        elapsed = max(now - self._started, 1e-9)
-        rate = (self.count - self._initial) / elapsed
+        since, base = self._first or (now, self.count)
+        rate = (self.count - base) / max(now - since, 1e-9)
         print(f"{self._label}: {self.count}/{self.total} ({rate:.1f}/s)", file=self._stream,
               flush=True)
