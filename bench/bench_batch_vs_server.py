@@ -3,9 +3,10 @@
 Not a test. Each round starts `clef-serve` with the model flags given after `--`, loads it with
 `clef-bench` (C1 and C8 by default, keep-alive clients, a few warm-up requests first), stops it,
 then runs `clef-batch` on a JSONL file of as many requests of the same body with the same flags.
-The batch rate is counted from the worker's `ready` to the summary line (the worker's load and
-warm-up are left out on both sides: the server pays them before its port opens). Medians over
-the rounds are printed as JSON; `--out FILE` also writes them (bench/results/).
+The batch rate is counted from the worker's `ready` to clef-batch's "every request answered"
+line (the worker's load, warm-up and exit are left out on both sides: the server pays the first
+two before its port opens). Medians over the rounds are printed as JSON; `--out FILE` also
+writes them (bench/results/).
 
     python bench/bench_batch_vs_server.py -- --model demo --device cpu
     python bench/bench_batch_vs_server.py --requests 192 --rounds 3 --out cpu-batch-vs-server.json
@@ -107,7 +108,7 @@ def batch_round(flags: list[str], args: argparse.Namespace, scratch: Path) -> fl
     batch = _spawn([sys.executable, "-m", "clef_tools.batch", "--input", str(source),
                     "--output", str(output), *flags])
     _, ready = batch.wait_for(r"worker ready")
-    _, done = batch.wait_for(r"lines answered in")
+    _, done = batch.wait_for(r"every request answered")
     code = batch.process.wait(120)
     answered = sum(1 for line in output.read_text().splitlines()
                    if json.loads(line)["response"]["status_code"] == 200)

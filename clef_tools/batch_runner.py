@@ -111,6 +111,11 @@ class BatchRunner:
         finally:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(signum)
+            if not self._has_work():
+                # Said before the worker's exit, which can take seconds: a rate measured up to
+                # this line is the answering's alone (bench/bench_batch_vs_server.py).
+                self._say(f"clef-batch: every request answered "
+                          f"({sum(self.state.statuses.values())} this run); stopping the worker")
             if self._channel is not None:
                 channel, self._channel = self._channel, None
                 if self._force:
