@@ -57,6 +57,10 @@ class RunState:
     """Counts for the summary line and the exit status."""
 
     statuses: Counter[int] = field(default_factory=Counter)
+    # Requests answered by the worker, and the sum of the sizes of the forwards that answered
+    # them: their ratio is the mean batch a request was part of (did batching happen?).
+    worker_answers: int = 0
+    batch_size_sum: int = 0
     restarts: int = 0
     interrupted: bool = False
     gave_up: str | None = None
@@ -114,8 +118,10 @@ class BatchRunner:
             if not self._has_work():
                 # Said before the worker's exit, which can take seconds: a rate measured up to
                 # this line is the answering's alone (bench/bench_batch_vs_server.py).
+                mean = self.state.batch_size_sum / max(self.state.worker_answers, 1)
                 self._say(f"clef-batch: every request answered "
-                          f"({sum(self.state.statuses.values())} this run); stopping the worker")
+                          f"({sum(self.state.statuses.values())} this run, forwards of "
+                          f"{mean:.1f} requests on average); stopping the worker")
             if self._channel is not None:
                 channel, self._channel = self._channel, None
                 if self._force:
@@ -228,6 +234,8 @@ class BatchRunner:
             reply = responses.error(500, responses.INFERENCE_FAILED)
         else:
             reply = responses.from_worker(outcome)
+            self.state.worker_answers += 1
+            self.state.batch_size_sum += outcome.batch_size
         self.record(job, request_id, reply)
         if not channel.is_broken:
             self._pump()

@@ -72,6 +72,7 @@ def plot_runs(path: Path, rows: Sequence[RunRow], title: str) -> None:
     throughput.set(xlabel="concurrent clients", ylabel="requests / s", title="throughput")
     for axes in (latency, throughput):
         axes.set_xscale("log", base=2)
+        axes.minorticks_off()
         axes.set_xticks(levels, [str(level) for level in levels])
         axes.grid(True, alpha=0.3)
         axes.set_ylim(bottom=0)

@@ -162,6 +162,8 @@ def test_golden_answers_and_refusals_like_the_server(tmp_path: Path) -> None:
     write_jsonl(source, records)
     code, stderr = run_batch("--input", str(source), "--output", str(out), *TINY)
     assert code == 1, stderr  # finished, with bad input lines
+    assert re.search(r"every request answered \(\d+ this run, forwards of [\d.]+ requests",
+                     stderr), stderr
     output = read_output(out)
     assert len(output) == len(records)  # one answer for every line: nothing lost
     got = by_id(output)
