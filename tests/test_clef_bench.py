@@ -126,3 +126,18 @@ def test_generated_body_is_a_valid_request() -> None:
     assert len(request["state"].split()) == 50
     assert [q["type"] for q in request["questions"].values()] == [
         "noul", "choice", "score", "noul", "choice"]
+
+
+def test_docs_plots_render_from_the_committed_results(tmp_path: Path) -> None:
+    """bench/plot_results.py draws every plot of docs/benchmarks.md from bench/results/ alone,
+    and the committed pictures are the ones it draws (same size)."""
+    result = subprocess.run([sys.executable, "bench/plot_results.py", "--out", str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    from bench.plot_results import DOCS_IMG, PLOTS
+
+    for name in PLOTS:
+        drawn = tmp_path / name
+        assert png_size(drawn) == png_size(DOCS_IMG / name)
+        assert drawn.stat().st_size > 10_000
+        assert f"img/{name}" in (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
