@@ -1,0 +1,199 @@
+"""`clef-batch --input IN.jsonl --output OUT.jsonl [model flags]`: bulk scoring without HTTP.
+
+Bulk work (an eval set, re-enriching a whole collection) sent through the server pays the FIFO,
+the clients' timeouts and retries, and delays the people waiting on interactive requests. This
+command runs the server's own worker on the model flags of `clef-serve` (one definition,
+`clef_protocol.options`), checks every body with the front's own checks, and keeps the worker
+fed with full batches of similar-length requests. The output has one line per input line, in
+OpenAI's batch output shape, keyed by custom_id (order differs from the input's). An existing
+output is resumed. See docs/batch.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import sys
+from pathlib import Path
+
+from clef_frontend.catalogue import Catalogue, served_name
+from clef_frontend.cli import DEFAULTS
+from clef_frontend.responses import Reply
+from clef_frontend.worker_errors import WorkerFailure
+from clef_protocol.options import (
+    add_model_arguments,
+    limits_from,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    worker_argv,
+)
+from clef_tools.batch_input import BadLine, InputScan, Job, read_input
+from clef_tools.batch_output import OutputFile, bad_line, new_request_id
+from clef_tools.batch_runner import (
+    EXIT_BAD_LINES,
+    EXIT_DONE,
+    EXIT_GAVE_UP,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_STARTED,
+    BatchRunner,
+    RunState,
+    WorkerSettings,
+)
+from clef_tools.progress import Progress
+from clef_tools.resume import Done, ResumeError, load_done
+from clef_tools.screening import DEFAULT_BODY_LIMIT, Screen
+
+
+def _seconds(value: str) -> float:
+    number = non_negative_float(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="clef-batch",
+        description="Score a JSONL file of Clef requests with the server's worker, no HTTP.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    files = parser.add_argument_group("files")
+    files.add_argument("--input", required=True, type=Path, metavar="IN.jsonl",
+                       help='one request a line: {"custom_id": ..., "body": {...}} (optionally '
+                            'with "method": "POST" and a scoring "url")')
+    files.add_argument("--output", required=True, type=Path, metavar="OUT.jsonl",
+                       help="answers, one a line; an existing file is resumed")
+    add_model_arguments(parser)
+    d = DEFAULTS
+    run = parser.add_argument_group("worker")
+    run.add_argument("--max-batch", type=positive_int, default=None,
+                     help="requests in flight to the worker (default: as clef-serve, by the "
+                          "worker's device)")
+    run.add_argument("--worker-command", default=None,
+                     help="command replacing 'python -m clef_worker' (shell-split); the model "
+                          "flags are appended")
+    run.add_argument("--startup-timeout", type=_seconds, default=d.startup_timeout,
+                     help="seconds the worker may take to load and warm up")
+    run.add_argument("--request-timeout", type=_seconds, default=d.request_timeout,
+                     help="seconds the worker may take to answer one request before it is "
+                          "taken as hung and replaced")
+    run.add_argument("--shutdown-grace", type=_seconds, default=d.shutdown_grace,
+                     help="seconds the worker may take to exit at the end before SIGKILL")
+    run.add_argument("--max-restarts", type=non_negative_int, default=5,
+                     help="worker replacements before the run gives up (a rerun resumes)")
+    api = parser.add_argument_group("requests")
+    api.add_argument("--served-model-name", nargs="+", type=served_name, default=None,
+                     metavar="NAME",
+                     help="names accepted in Workers-AI urls (default: the --variant)")
+    api.add_argument("--body-limit", type=positive_int, default=DEFAULT_BODY_LIMIT,
+                     help="largest body in bytes (413 above), as clef-serve's --body-limit")
+    parser.add_argument("--progress-interval", type=non_negative_float, default=10.0,
+                        help="seconds between progress lines when stderr is not a terminal")
+    return parser
+
+
+def worker_command(args: argparse.Namespace) -> tuple[str, ...]:
+    """The worker's command line, built as clef-serve builds it."""
+    command = (shlex.split(args.worker_command) if args.worker_command is not None
+               else [sys.executable, "-m", "clef_worker"])
+    if not command:
+        raise ValueError("--worker-command is empty")
+    return (*command, *worker_argv(args))
+
+
+def _remaining(scan: InputScan, done: Done) -> tuple[list[Job], list[BadLine], int]:
+    """The jobs and bad lines the output does not answer yet, and how many it does."""
+    jobs = [job for job in scan.jobs if job.custom_id not in done.custom_ids]
+    bad = [b for b in scan.bad
+           if (b.custom_id not in done.custom_ids if b.custom_id is not None
+               else b.line not in done.lines)]
+    return jobs, bad, scan.lines - len(jobs) - len(bad)
+
+
+def _exit_status(state: RunState, bad_lines: int) -> int:
+    if state.interrupted:
+        return EXIT_INTERRUPTED
+    if state.gave_up is not None:
+        return EXIT_GAVE_UP
+    return EXIT_BAD_LINES if bad_lines else EXIT_DONE
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before the worker ran (reading a large input, say)
+        print("clef-batch: interrupted; rerun the same command to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        command = worker_command(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not args.input.is_file():
+        parser.error(f"--input {args.input}: no such file")
+    scan = read_input(args.input)
+    try:
+        done = load_done(args.output)
+    except (ResumeError, OSError) as exc:
+        print(f"clef-batch: {exc}", file=sys.stderr)
+        return EXIT_NOT_STARTED
+    jobs, bad, already = _remaining(scan, done)
+    progress = Progress("clef-batch", scan.lines, initial=already,
+                        interval=args.progress_interval)
+    if done.torn_bytes:
+        progress.write(f"clef-batch: dropped a torn last line ({done.torn_bytes} bytes) from "
+                       f"{args.output}")
+    if already:
+        progress.write(f"clef-batch: resuming: {already} of {scan.lines} lines already answered "
+                       f"in {args.output}")
+    for item in scan.bad:
+        progress.write(f"clef-batch: bad input: {item.message}")
+    screen = Screen(limits_from(args),
+                    Catalogue(tuple(args.served_model_name or (args.variant,))),
+                    args.body_limit)
+    refused: list[tuple[Job, Reply]] = []
+    forward: list[Job] = []
+    for job in jobs:
+        refusal = screen.refuse(job)
+        if refusal is None:
+            forward.append(job)
+        else:
+            refused.append((job, refusal))
+    # Similar lengths batch together with little padding; the body's size stands in for its
+    # token count (the front has no tokenizer).
+    forward.sort(key=lambda job: len(job.body))
+    output = OutputFile(args.output)
+    settings = WorkerSettings(command, args.max_batch, args.startup_timeout,
+                              args.request_timeout, args.shutdown_grace, args.max_restarts)
+    runner = BatchRunner(forward, settings, output.write, progress.update, progress.write)
+    try:
+        for item in bad:
+            output.write(bad_line(item))
+            progress.update()
+        for job, refusal in refused:
+            runner.record(job, new_request_id(), refusal)
+        state = asyncio.run(runner.run()) if forward else runner.state
+    except WorkerFailure as exc:
+        progress.close()
+        print(f"clef-batch: the worker did not start: {exc}", file=sys.stderr)
+        return EXIT_NOT_STARTED
+    finally:
+        output.close()
+    progress.close()
+    statuses = ", ".join(f"{count} x {status}" for status, count in sorted(state.statuses.items()))
+    print(f"clef-batch: {progress.count}/{scan.lines} lines answered in {args.output} "
+          f"({statuses or 'none this run'}; {len(scan.bad)} bad input line(s); "
+          f"{state.restarts} worker restart(s))", file=sys.stderr)
+    if state.gave_up is not None:
+        print(f"clef-batch: gave up: {state.gave_up}; rerun to resume", file=sys.stderr)
+    return _exit_status(state, len(scan.bad))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
