@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from benchlib.golden import answered, assert_response_matches, refused
 from clef_frontend.routes import check_body
 from clef_protocol.options import RequestLimits
 from clef_tools.batch_input import BadLine, Job, parse_line, read_input
@@ -30,7 +31,6 @@ from clef_tools.resume import ResumeError, load_done
 from clef_tools.screening import Screen
 from tests.conftest import TINY_SNAPSHOT
 from tests.frontend_helpers import FAKE_WORKER, REPO, clef_request
-from tests.golden import answered, assert_response_matches, refused
 
 WAIT = 240.0  # the real worker loads and warms up on a busy 2-core machine within this
 TINY = ("--model", str(TINY_SNAPSHOT), "--device", "cpu")

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from benchlib.golden import answered, assert_response_matches, refused
 from clef_protocol.errors import BadRequestBody, RequestInvalid
 from clef_protocol.options import RequestLimits
 from clef_worker import warmup
@@ -30,7 +31,6 @@ from clef_worker.model.backbone import MODELING_MODULE
 from clef_worker.model.encoding import BUDGET, Encoder
 from clef_worker.release import RELEASE_FILE, ReleaseExecutor
 from tests.conftest import REPO
-from tests.golden import answered, assert_response_matches, refused
 from tests.upstream import (
     UPSTREAM_SHA256,
     release_snapshot,
