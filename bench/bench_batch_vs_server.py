@@ -28,11 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchlib.provenance import command_line, cpu_line  # noqa: E402
-from clef_tools.bench_body import generated_body  # noqa: E402
+from benchlib.paths import REPO
+from benchlib.provenance import command_line, cpu_line
+from clef_tools.bench_body import generated_body
 
 LISTENING = re.compile(r"listening on (http://\S+:\d+)")
 STARTUP_SECONDS = 600.0
