@@ -6,6 +6,7 @@ device and CPU runs left, so a plot can always be traced to a file and that file
 
     python bench/plot_results.py               # writes docs/img/*.png
     python bench/plot_results.py --out /tmp/x  # somewhere else (docs untouched)
+    python bench/plot_results.py --quick       # every plot drawn into a temporary folder (CI)
 
 Plots:
 - `latency-by-length.png`: Flash-shaped model on the H200, answer p50 by input tokens (bars:
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -112,11 +114,21 @@ PLOTS = {"latency-by-length.png": latency_by_length,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DOCS_IMG, help="folder for the PNGs")
+    parser.add_argument("--quick", action="store_true",
+                        help="draw every plot into a temporary folder, docs untouched (the "
+                             "bench/ convention: a quick run writes nothing it keeps)")
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    if args.quick:
+        with tempfile.TemporaryDirectory(prefix="clef-plots-") as folder:
+            return _draw_all(Path(folder))
+    return _draw_all(args.out)
+
+
+def _draw_all(out: Path) -> int:
+    out.mkdir(parents=True, exist_ok=True)
     for name, draw in PLOTS.items():
-        draw(args.out / name)
-        print(args.out / name)
+        draw(out / name)
+        print(out / name)
     return 0
 
 
