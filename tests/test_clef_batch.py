@@ -267,7 +267,12 @@ def test_a_request_that_crashes_the_worker_fails_alone(tmp_path: Path) -> None:
     assert got["poison"]["response"]["body"] == {"detail": "inference failed"}
     for i in range(8):
         assert got[f"ok{i}"]["response"]["status_code"] == 200
-    assert "2 worker restart(s)" in stderr
+    # Two restarts when the poison shared its worker with others (they are then rerun one at a
+    # time and the poison crashes a second worker); one when the worker died before reading
+    # anything but the poison, which is then known to have crashed it alone. Never more.
+    restarts = re.search(r"(\d+) worker restart\(s\)", stderr)
+    assert restarts is not None, stderr
+    assert int(restarts.group(1)) in (1, 2), stderr
 
 
 def test_sigint_finishes_the_requests_in_flight_then_resumes(tmp_path: Path) -> None:
