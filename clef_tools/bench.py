@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     body.add_argument("--api-key", default=os.environ.get(auth.ENV_VAR), metavar="KEY",
                       help=f"sent as 'Authorization: Bearer KEY' (default: ${auth.ENV_VAR}, "
                            "which keeps the key out of the process list)")
+    body.add_argument("--same-body", action="store_true",
+                      help="send the body byte for byte every time (by default each request "
+                           f"gets its own top-level {SEQUENCE_FIELD!r} number, which Clef ignores, "
+                           "so the server's answer cache cannot answer it)")
     parser.add_argument("--warmup", type=int, default=8,
                         help="requests sent before the first level, not counted")
     parser.add_argument("--timeout", type=float, default=60.0,
@@ -71,6 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--progress-interval", type=float, default=10.0,
                         help="seconds between progress lines when stderr is not a terminal")
     return parser
+
+
+# A top-level field Clef ignores: one number per request makes every body distinct, so a load
+# test measures forwards, not the server's answer cache (which answers identical repeats).
+SEQUENCE_FIELD = "clef_bench_request"
+Bodies = Callable[[int], bytes]
+
+
+def body_factory(body: bytes, same_body: bool) -> Bodies:
+    """Request number -> its body: `body` itself, or `body` with its own sequence number."""
+    document = json.loads(body)
+    if same_body or not isinstance(document, dict):
+        return lambda _number: body
+    return lambda number: json.dumps({**document, SEQUENCE_FIELD: number},
+                                     separators=(",", ":")).encode()
 
 
 async def _health(endpoint: Endpoint, timeout: float) -> Any:
@@ -86,18 +106,20 @@ async def _health(endpoint: Endpoint, timeout: float) -> Any:
                          "clef-serve?") from None
 
 
-async def _level(endpoint: Endpoint, target: str, body: bytes,
+async def _level(endpoint: Endpoint, target: str, bodies: Bodies, first: int,
                  headers: tuple[tuple[str, str], ...], requests: int, concurrency: int,
                  timeout: float, progress: Progress | None) -> tuple[RunRow, Counter[str]]:
-    """One closed-loop run: `concurrency` clients share `requests` requests."""
-    tickets = iter(range(requests))
+    """One closed-loop run: `concurrency` clients share `requests` requests, numbered from
+    `first` (their bodies: `bodies(number)`)."""
+    tickets = iter(range(first, first + requests))
     latencies: list[float] = []
     outcomes: Counter[str] = Counter()
 
     async def client() -> None:
         connection = HttpConnection(endpoint, timeout)
         try:
-            for _ in tickets:  # one iterator shared by every client: each request sent once
+            for number in tickets:  # one iterator shared by every client: each sent once
+                body = bodies(number)
                 started = time.perf_counter()
                 try:
                     answer = await connection.request("POST", target, body, headers)
@@ -126,14 +148,18 @@ async def run(args: argparse.Namespace, body: bytes) -> int:
               if args.workers_ai else SYSTEMONE)
     headers = (("Authorization", f"Bearer {args.api_key}"),) if args.api_key else ()
     server = await _health(endpoint, args.timeout)
+    bodies = body_factory(body, args.same_body)
+    sent = 0
     if args.warmup > 0:
-        await _level(endpoint, target, body, headers, args.warmup, 1, args.timeout, None)
+        await _level(endpoint, target, bodies, sent, headers, args.warmup, 1, args.timeout, None)
+        sent += args.warmup
     rows: list[RunRow] = []
     for concurrency in args.concurrency:
         progress = Progress(f"clef-bench C{concurrency}", args.requests,
                             interval=args.progress_interval)
-        row, outcomes = await _level(endpoint, target, body, headers, args.requests,
+        row, outcomes = await _level(endpoint, target, bodies, sent, headers, args.requests,
                                      concurrency, args.timeout, progress)
+        sent += args.requests
         progress.close()
         rows.append(row)
         shown = ", ".join(f"{count} x {outcome}" for outcome, count in sorted(outcomes.items()))

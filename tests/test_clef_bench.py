@@ -141,3 +141,31 @@ def test_docs_plots_render_from_the_committed_results(tmp_path: Path) -> None:
         assert png_size(drawn) == png_size(DOCS_IMG / name)
         assert drawn.stat().st_size > 10_000
         assert f"img/{name}" in (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+
+
+def _cache_results(port: int) -> dict[str, float]:
+    """`clef_answer_cache_total` by result, from the server's /metrics."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    return {sample.labels["result"]: sample.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "clef_answer_cache"
+            for sample in family.samples if sample.name == "clef_answer_cache_total"}
+
+
+def test_every_request_is_a_forward_even_with_the_answer_cache_on(tmp_path: Path) -> None:
+    """clef-bench numbers each body, so a server's answer cache (on by default) answers none of
+    them from memory; `--same-body` sends the body as it is, and the cache answers repeats."""
+    with Serve(answer_cache=None) as server:
+        varied = bench(server.port, tmp_path / "varied", "--requests", "6", "--concurrency", "1",
+                       "--warmup", "2")
+        assert varied.returncode == 0, varied.stderr
+        assert _cache_results(server.port) == {"hit": 0, "coalesced": 0, "miss": 8}
+        same = bench(server.port, tmp_path / "same", "--requests", "6", "--concurrency", "1",
+                     "--warmup", "2", "--same-body")
+        assert same.returncode == 0, same.stderr
+        assert _cache_results(server.port) == {"hit": 7, "coalesced": 0, "miss": 9}
