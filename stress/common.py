@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import resource
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 # The client, the server process and the percentile are the helper layer's (benchlib/), shared
 # with the tests and the benchmarks; scenarios take them from here with the report.
@@ -33,7 +35,17 @@ from benchlib.serve import Serve
 from benchlib.timing import percentile
 
 __all__ = ["HOST", "WAIT", "Answer", "Connection", "Serve", "build_request", "clef_body",
-           "percentile", "read_answer"]
+           "health", "percentile", "read_answer"]
+
+
+async def health(port: int) -> dict[str, Any]:
+    """The server's `GET /health` document, over a connection of its own (scenarios poll it
+    while their clients hold theirs)."""
+    probe = Connection(port)
+    try:
+        return json.loads((await probe.exchange(build_request("GET", "/health"))).body)
+    finally:
+        await probe.close()
 
 
 @dataclass

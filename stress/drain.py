@@ -5,13 +5,12 @@ server must exit 0."""
 from __future__ import annotations
 
 import asyncio
-import json
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-from stress.common import Connection, Report, Serve, build_request, clef_body, main_for
+from stress.common import Connection, Report, Serve, clef_body, health, main_for
 
 
 def scenario(report: Report) -> None:
@@ -33,16 +32,10 @@ def scenario(report: Report) -> None:
 
 
 async def run(serve: Serve, queue_size: int, gate: Path) -> tuple[Counter[int], bool, float]:
-    async def health() -> dict:
-        probe = Connection(serve.port)
-        try:
-            return json.loads((await probe.exchange(build_request("GET", "/health"))).body)
-        finally:
-            await probe.close()
 
     async def wait_health(predicate: str, value: int) -> None:
         deadline = time.monotonic() + 30
-        while (await health())[predicate] != value:
+        while (await health(serve.port))[predicate] != value:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"/health never showed {predicate}={value}")
             await asyncio.sleep(0.01)

@@ -6,13 +6,19 @@ much longer than the stall timeout."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
 from collections import Counter
 
-from stress.common import Connection, Report, build_request, clef_body, latency_rows, main_for
+from stress.common import (
+    Connection,
+    Report,
+    clef_body,
+    health,
+    latency_rows,
+    main_for,
+)
 
 STALL = 1.0
 CLIENTS = 4
@@ -64,25 +70,19 @@ async def run(port: int, rounds: int
         finally:
             await connection.close()
 
-    async def health() -> dict:
-        probe = Connection(port)
-        try:
-            return json.loads((await probe.exchange(build_request("GET", "/health"))).body)
-        finally:
-            await probe.close()
 
     done = 0
     clients = [asyncio.create_task(client(n)) for n in range(CLIENTS)]
     try:
         for number in range(rounds):
-            document = await health()
+            document = await health(port)
             pids = {w["pid"] for w in document["workers"]}
             victim = document["workers"][number % 2]["pid"]
             await asyncio.sleep(0.3)  # let load build on the victim (pacing, not synchronisation)
             os.kill(victim, signal.SIGSTOP if number % 2 == 0 else signal.SIGKILL)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and not errors:
-                document = await health()
+                document = await health(port)
                 now = {w["pid"] for w in document["workers"]}
                 if victim not in now and None not in now and len(now & pids) == 1:
                     break

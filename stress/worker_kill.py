@@ -13,7 +13,7 @@ import signal
 import time
 from collections import Counter
 
-from stress.common import Connection, Report, build_request, clef_body, main_for
+from stress.common import Connection, Report, clef_body, health, main_for
 
 CONCURRENCY = 8
 PAUSE_ON_503 = 0.02  # a client told to retry does not spin
@@ -71,18 +71,12 @@ async def run(port: int, kills: int, batch: int
         finally:
             await connection.close()
 
-    async def health() -> dict:
-        probe = Connection(port)
-        try:
-            return json.loads((await probe.exchange(build_request("GET", "/health"))).body)
-        finally:
-            await probe.close()
 
     timings: list[tuple[int, float]] = []
     clients = [asyncio.create_task(client()) for _ in range(CONCURRENCY)]
     try:
         for _ in range(kills):
-            pid = (await health())["worker"]["pid"]
+            pid = (await health(port))["worker"]["pid"]
             deadline = time.monotonic() + 60
             while served_by[pid] < batch and time.monotonic() < deadline and not errors:
                 await asyncio.sleep(0.01)  # polling a counter, bounded by the deadline
@@ -90,7 +84,7 @@ async def run(port: int, kills: int, batch: int
             os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
             while time.monotonic() < killed + 60:
-                document = await health()
+                document = await health(port)
                 if document["status"] == "ready" and document["worker"]["pid"] != pid:
                     break
                 await asyncio.sleep(0.01)
