@@ -22,25 +22,24 @@ import json
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from clef_frontend.responses import Reply
-
-# Bodies up to this are re-encoded canonically; above it, their bytes are the key (re-encoding
-# a large body would stall the event loop for every client).
-CANONICAL_BYTES = 64 * 1024
 
 HIT, COALESCED, MISS = "hit", "coalesced", "miss"
 
 
-def request_key(key_name: str, body: bytes) -> bytes:
-    """The identity of a request for sharing: key name and canonical body, hashed."""
+def request_key(key_name: str, body: bytes, request: dict[str, Any] | None = None) -> bytes:
+    """The identity of a request for sharing: key name and canonical body, hashed.
+
+    `request` is the body as validation already parsed it; given, it is re-encoded canonically
+    (keys sorted), so the same request with its keys in another order shares. Without it the
+    body's bytes are the identity (the caller leaves it out where re-encoding would stall the
+    event loop)."""
     canonical = body
-    if len(body) <= CANONICAL_BYTES:
-        try:
-            canonical = json.dumps(json.loads(body), sort_keys=True, separators=(",", ":"),
-                                   ensure_ascii=False).encode("utf-8")
-        except ValueError:
-            canonical = body
+    if request is not None:
+        canonical = json.dumps(request, sort_keys=True, separators=(",", ":"),
+                               ensure_ascii=False).encode("utf-8")
     digest = hashlib.sha256(key_name.encode("utf-8"))
     digest.update(b"\0")
     digest.update(canonical)

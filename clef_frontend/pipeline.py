@@ -23,7 +23,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from clef_frontend import logs, otel, responses, tracing, workers_ai
 from clef_frontend.admission import Admission, Refused, Ticket
@@ -92,6 +92,7 @@ class RequestContext:
     deadline: float | None = None  # X-Clef-Deadline-Ms as time.monotonic() (traffic.py)
     body_length: int | None = None
     body: bytes | None = None
+    request: dict[str, Any] | None = None  # the body as validation parsed it
     ticket: Ticket | None = None
     started: float = field(default_factory=time.monotonic)
     # Traces (otel.py): the W3C trace id for the access line ("-": none known), the server
@@ -235,8 +236,13 @@ class Pipeline:
         """Rows 8-12: parse and validate before admission, so a bad request never waits."""
         assert ctx.body is not None
         if len(ctx.body) > INLINE_CHECK_BYTES:
-            return await asyncio.to_thread(check_body, ctx.body, self.config.limits)
-        return check_body(ctx.body, self.config.limits)
+            checked = await asyncio.to_thread(check_body, ctx.body, self.config.limits)
+        else:
+            checked = check_body(ctx.body, self.config.limits)
+        if isinstance(checked, Reply):
+            return checked
+        ctx.request = checked
+        return None
 
     async def admit(self, ctx: RequestContext,
                     gone: Callable[[], bool] | None = None) -> Reply | None:

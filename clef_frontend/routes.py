@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from enum import Enum
+from typing import Any
 
 from clef_frontend import responses, workers_ai
 from clef_frontend.framing import FramingHeaders
@@ -91,8 +92,9 @@ def media_type(content_type: bytes | None) -> str | None:
     return content_type.split(b";", 1)[0].strip(b" \t").decode("latin-1").lower()
 
 
-def check_body(body: bytes, limits: RequestLimits) -> Reply | None:
-    """Rows 8-12: None when the request may join the queue, else its 400 or 422."""
+def check_body(body: bytes, limits: RequestLimits) -> Reply | dict[str, Any]:
+    """Rows 8-12: the parsed request when it may join the queue, else its 400 or 422 (the
+    parsed request is kept, so nothing after validation parses the body again)."""
     try:
         request = parse_body(body)
     except BadRequestBody as exc:
@@ -101,4 +103,4 @@ def check_body(body: bytes, limits: RequestLimits) -> Reply | None:
         validate_request(request, limits)
     except RequestInvalid as exc:
         return responses.error(422, str(exc))
-    return None
+    return request

@@ -17,7 +17,7 @@ from clef_frontend import deadlines, priority
 from clef_frontend.answer_cache import COALESCED, HIT, MISS, AnswerCache, Flight, request_key
 from clef_frontend.auth import NO_KEY, ApiKeys
 from clef_frontend.metrics import Metrics
-from clef_frontend.pipeline import Pipeline, RequestContext
+from clef_frontend.pipeline import INLINE_CHECK_BYTES, Pipeline, RequestContext
 from clef_frontend.quotas import Quotas
 from clef_frontend.responses import Reply
 
@@ -69,7 +69,9 @@ class TrafficSteps:
         if not self.cache.enabled:
             return None
         assert ctx.body is not None
-        key = request_key(ctx.key or NO_KEY, ctx.body)
+        # Re-encoding waits on the event loop, so only bodies validated inline are canonical.
+        inline = len(ctx.body) <= INLINE_CHECK_BYTES
+        key = request_key(ctx.key or NO_KEY, ctx.body, ctx.request if inline else None)
         found = self.cache.lookup(key)
         if isinstance(found, Reply):
             self._metrics.answer_cache_lookup(HIT)

@@ -45,7 +45,8 @@ class Screen:
         head = check_post_head(FramingHeaders((), (length,)), _JSON, self.body_limit)
         if isinstance(head, Reply):
             return head
-        return check_body(job.body, self.limits)
+        checked = check_body(job.body, self.limits)
+        return checked if isinstance(checked, Reply) else None
 
 
 def finish(job: Job, reply: Reply) -> Reply:

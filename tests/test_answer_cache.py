@@ -82,7 +82,7 @@ def test_one_caller_leaving_does_not_cancel_the_others() -> None:
         cache = AnswerCache(4)
         outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         abandoned: list[bool] = []
-        key = request_key("-", json.dumps(clef_request()).encode())
+        key = request_key("-", json.dumps(clef_request()).encode(), clef_request())
         flight = cache.start(key, Flight(on_all_gone=lambda: abandoned.append(True)), outcome)
         first = flight.join()
         found = cache.lookup(key)

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from benchlib.golden import answered, assert_response_matches, refused
+from clef_frontend.responses import Reply
 from clef_frontend.routes import check_body
 from clef_protocol.options import RequestLimits
 from clef_tools.batch_input import BadLine, Job, parse_line, read_input
@@ -348,7 +349,7 @@ def test_screening_refuses_as_the_front_does() -> None:
     invalid = json.dumps({"model": "m", "state": "s", "questions": {}}).encode()
     refusal = screen.refuse(Job(1, "a", b"/v1/systemone", invalid))
     front = check_body(invalid, RequestLimits())
-    assert refusal is not None and front is not None
+    assert refusal is not None and isinstance(front, Reply)
     assert (refusal.status, refusal.body) == (front.status, front.body) == (
         422, b'{"detail": "at least one question is required"}')
 
