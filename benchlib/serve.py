@@ -46,7 +46,7 @@ class Serve:
     ) -> None:
         # One request in flight per worker unless a test says otherwise (`max_batch`, or
         # `--max-batch` in `front_args`, which comes later and wins): the queue tests count on
-        # it, and the CPU default (clef_frontend.supervisor) may change with measurements.
+        # it, and the CPU default (clef_frontend.dispatch.supervisor) may change with measurements.
         # No answer cache unless a caller says otherwise (`answer_cache`, None for the server's
         # default): tests and benchmarks send the same body again and count on each reaching a
         # worker.

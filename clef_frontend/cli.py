@@ -18,8 +18,8 @@ from pathlib import Path
 from clef_frontend import auth, logs, otel
 from clef_frontend.catalogue import served_name
 from clef_frontend.config import ServerConfig
+from clef_frontend.dispatch.supervisor import DEFAULT_MAX_BATCH_CPU, DEFAULT_MAX_BATCH_CUDA
 from clef_frontend.server import serve
-from clef_frontend.supervisor import DEFAULT_MAX_BATCH_CPU, DEFAULT_MAX_BATCH_CUDA
 from clef_frontend.version import version
 from clef_protocol.options import (
     add_model_arguments,

@@ -14,9 +14,9 @@ from dataclasses import asdict
 from typing import Any
 
 from clef_frontend import responses
-from clef_frontend.admission import Admission
+from clef_frontend.dispatch.admission import Admission
+from clef_frontend.dispatch.worker_pool import WorkerPool
 from clef_frontend.responses import Reply
-from clef_frontend.worker_pool import WorkerPool
 
 
 class Health:

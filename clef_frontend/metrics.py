@@ -36,9 +36,9 @@ from prometheus_client.core import InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from clef_frontend import responses
+from clef_frontend.dispatch.worker_channel import RESTART_REASONS
 from clef_frontend.priority import CLASSES, INTERACTIVE
 from clef_frontend.responses import Reply, WorkerAnswer
-from clef_frontend.worker_channel import RESTART_REASONS
 from clef_protocol.messages import ReadyInfo
 
 log = logging.getLogger("clef_frontend.metrics")

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, Tracer
 
-    from clef_frontend.admission import Ticket
+    from clef_frontend.dispatch.admission import Ticket
 
 log = logging.getLogger("clef_frontend.otel")
 

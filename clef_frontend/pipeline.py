@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from clef_frontend import logs, otel, responses, tracing, workers_ai
-from clef_frontend.admission import Admission, Refused, Ticket
 from clef_frontend.api import ApiSurface
 from clef_frontend.auth import NO_KEY
 from clef_frontend.config import ServerConfig
+from clef_frontend.dispatch.admission import Admission, Refused, Ticket
 from clef_frontend.http1 import RequestHead
 from clef_frontend.metrics import Metrics, route_label
 from clef_frontend.priority import INTERACTIVE

@@ -23,21 +23,21 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from clef_frontend.admission import Admission, AdmissionEvents
 from clef_frontend.answer_cache import AnswerCache
 from clef_frontend.api import ApiSurface
 from clef_frontend.auth import ApiKeys
 from clef_frontend.catalogue import Catalogue
 from clef_frontend.config import ServerConfig
 from clef_frontend.connection import READ_SIZE, HttpConnection
+from clef_frontend.dispatch.admission import Admission, AdmissionEvents
+from clef_frontend.dispatch.supervisor import StartupFailed
+from clef_frontend.dispatch.worker_pool import WorkerPool
 from clef_frontend.health import Health
 from clef_frontend.metrics import LiveState, Metrics
 from clef_frontend.pipeline import Pipeline
 from clef_frontend.sd_notify import Notifier, ServiceNotifier, making_progress, watchdog_interval
-from clef_frontend.supervisor import StartupFailed
 from clef_frontend.traffic import TrafficSteps
 from clef_frontend.version import version
-from clef_frontend.worker_pool import WorkerPool
 
 log = logging.getLogger("clef_frontend.server")
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from clef_frontend.catalogue import Catalogue, served_name
 from clef_frontend.cli import DEFAULTS
+from clef_frontend.dispatch.worker_errors import WorkerFailure
 from clef_frontend.responses import Reply
-from clef_frontend.worker_errors import WorkerFailure
 from clef_protocol.options import (
     add_model_arguments,
     limits_from,

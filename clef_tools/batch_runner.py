@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from clef_frontend import responses
-from clef_frontend.supervisor import default_max_batch
-from clef_frontend.worker_channel import WorkerChannel, WorkerReply
-from clef_frontend.worker_errors import WorkerFailure
+from clef_frontend.dispatch.supervisor import default_max_batch
+from clef_frontend.dispatch.worker_channel import WorkerChannel, WorkerReply
+from clef_frontend.dispatch.worker_errors import WorkerFailure
 from clef_protocol.messages import ReadyInfo
 from clef_tools.batch_input import Job
 from clef_tools.batch_output import answered_line, new_request_id

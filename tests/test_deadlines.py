@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from clef_frontend.admission import Admission
+from clef_frontend.dispatch.admission import Admission
 from tests.frontend_helpers import Serve, background, clef_body
 from tests.test_frontend_units import FakeLane, FakeWorkers
 from tests.traffic_helpers import metric

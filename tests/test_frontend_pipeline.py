@@ -14,14 +14,14 @@ from collections.abc import Callable
 import pytest
 
 from clef_frontend import responses, workers_ai
-from clef_frontend.admission import Admission, Deliver
 from clef_frontend.config import ServerConfig
+from clef_frontend.dispatch.admission import Admission, Deliver
+from clef_frontend.dispatch.worker_channel import WorkerReply
 from clef_frontend.http1 import BODY_END, Http1Session, Need, RefusedHead, RequestHead
 from clef_frontend.metrics import LiveState, Metrics
 from clef_frontend.pipeline import ClientGone, Pipeline, RequestContext
 from clef_frontend.responses import Reply
 from clef_frontend.routes import Route
-from clef_frontend.worker_channel import WorkerReply
 from tests.test_frontend_units import FakeLane, FakeWorkers
 
 BODY = json.dumps({"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}).encode()

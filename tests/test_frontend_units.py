@@ -12,13 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from clef_frontend import responses
-from clef_frontend.admission import Admission, Deliver, Refused, Ticket
 from clef_frontend.config import ServerConfig
+from clef_frontend.dispatch.admission import Admission, Deliver, Refused, Ticket
+from clef_frontend.dispatch.worker_channel import WorkerReply, _reply_from
+from clef_frontend.dispatch.worker_errors import WorkerFailure
 from clef_frontend.framing import reparse_without_framing, scan_framing
 from clef_frontend.responses import Reply
 from clef_frontend.routes import Route, check_post_head, media_type, route
-from clef_frontend.worker_channel import WorkerReply, _reply_from
-from clef_frontend.worker_errors import WorkerFailure
 from clef_protocol import messages
 
 LIMIT = 8 * 1024 * 1024

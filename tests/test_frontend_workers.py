@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from clef_frontend import worker_pool
 from clef_frontend.cli import build_parser, workers_from
 from clef_frontend.config import ServerConfig
-from clef_frontend.supervisor import DEFAULT_MAX_BATCH_CPU
-from clef_frontend.worker_pool import plan_slots
+from clef_frontend.dispatch import worker_pool
+from clef_frontend.dispatch.supervisor import DEFAULT_MAX_BATCH_CPU
+from clef_frontend.dispatch.worker_pool import plan_slots
 from tests.frontend_helpers import WAIT, Response, Serve, background, clef_body
 
 

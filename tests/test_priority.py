@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from clef_frontend.admission import BULK_EVERY, Admission
+from clef_frontend.dispatch.admission import BULK_EVERY, Admission
 from tests.frontend_helpers import Serve, background, clef_body
 from tests.test_frontend_units import FakeLane, FakeWorkers
 from tests.traffic_helpers import metric

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clef_frontend.worker_channel import WorkerFailure, _reply_from
+from clef_frontend.dispatch.worker_channel import WorkerFailure, _reply_from
 from clef_protocol import messages
 
 

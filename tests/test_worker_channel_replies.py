@@ -7,7 +7,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from clef_frontend.worker_channel import (
+from clef_frontend.dispatch.worker_channel import (
     Deliver,
     WorkerChannel,
     WorkerFailure,

@@ -7,7 +7,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from clef_frontend.worker_channel import Deliver, WorkerChannel, WorkerFailure, WorkerReply
+from clef_frontend.dispatch.worker_channel import Deliver, WorkerChannel, WorkerFailure, WorkerReply
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -46,12 +46,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from clef_frontend import deadlines, responses
+from clef_frontend.dispatch.worker_errors import WorkerFailure, WorkerLost, WorkerUnavailable
 from clef_frontend.priority import BULK, CLASSES, INTERACTIVE
 from clef_frontend.responses import Reply, WorkerAnswer
-from clef_frontend.worker_errors import WorkerFailure, WorkerLost, WorkerUnavailable
 from clef_protocol.messages import INFERENCE_FAILED
 
-log = logging.getLogger("clef_frontend.admission")
+log = logging.getLogger("clef_frontend.dispatch.admission")
 
 # Called once per submitted request with its answer, or with the failure that lost it.
 Deliver = Callable[[WorkerAnswer | WorkerFailure], None]

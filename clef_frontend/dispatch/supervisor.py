@@ -26,13 +26,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from clef_frontend.backoff import RestartBackoff
 from clef_frontend.config import ServerConfig
-from clef_frontend.worker_channel import Deliver, WorkerChannel, WorkerReply, failure_reason
-from clef_frontend.worker_errors import WorkerFailure, WorkerUnavailable
+from clef_frontend.dispatch.backoff import RestartBackoff
+from clef_frontend.dispatch.worker_channel import (
+    Deliver,
+    WorkerChannel,
+    WorkerReply,
+    failure_reason,
+)
+from clef_frontend.dispatch.worker_errors import WorkerFailure, WorkerUnavailable
 from clef_protocol.messages import ReadyInfo
 
-log = logging.getLogger("clef_frontend.supervisor")
+log = logging.getLogger("clef_frontend.dispatch.supervisor")
 
 
 class WorkerState(StrEnum):

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from clef_frontend.config import ServerConfig
-from clef_frontend.supervisor import StartupFailed, Supervisor, WorkerSlot, WorkerState
+from clef_frontend.dispatch.supervisor import StartupFailed, Supervisor, WorkerSlot, WorkerState
 from clef_protocol.messages import ReadyInfo
 from clef_protocol.options import parse_device
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from clef_frontend.worker_errors import WorkerFailure, WorkerLost
+from clef_frontend.dispatch.worker_errors import WorkerFailure, WorkerLost
 from clef_protocol import messages
 from clef_protocol.frames import MAX_FRAME_BYTES, FrameBuffer, FrameError, encode_frame
 from clef_protocol.messages import ReadyInfo
