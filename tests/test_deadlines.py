@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from clef_frontend.dispatch.admission import Admission
+from tests.doubles import FakeLane, FakeWorkers
 from tests.frontend_helpers import Serve, background, clef_body
-from tests.test_frontend_units import FakeLane, FakeWorkers
 from tests.traffic_helpers import metric
 
 

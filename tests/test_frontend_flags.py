@@ -108,7 +108,7 @@ def test_the_device_grammar_refuses(text: str) -> None:
 def test_devices_are_parsed_by_the_one_grammar_and_pin_their_gpu() -> None:
     parser = build_parser()
     args = parser.parse_args(["--devices", "cuda:1, cpu", "--worker-command", "w"])
-    slots = plan_slots(config_from(args))
+    slots = plan_slots(config_from(args).workers)
     assert [(slot.name, slot.env.get("CUDA_VISIBLE_DEVICES")) for slot in slots] == [
         ("cuda:1", "1"), ("cpu", None)]
     assert slots[0].argv[-2:] == ("--device", "cuda")

@@ -22,7 +22,12 @@ again, once, before anything else, each alone on an idle worker. A poison reques
 most two workers (the one it shared, the one it ran alone on) and gets a 500; its companions are
 answered. While a resent ticket waits for an idle worker nothing new is sent, so one drains.
 Resent tickets also wait through a restart of the last worker (bounded by their deadline, or
-`resend_timeout`), where new tickets would get 503.
+`resend_timeout`), where new tickets would get 503 (unless `wait_for_workers`: clef-batch's
+lines wait for a replacement rather than be answered 503).
+
+Each ticket carries three ids, one name each (`clef_protocol.messages`): `frame_id`, the int
+id of its request frame; `request_id`, the client's `X-Request-Id`; `trace_id`, the W3C trace
+id ("" when untraced). The last two travel in the frame, so the worker's log lines carry them.
 
 Admission knows the workers only through the `Workers` and `Lane` protocols below and tells a
 503 from a 500 by the exceptions of `worker_errors`; it never imports the supervisor, the pool
@@ -46,15 +51,18 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from clef_frontend import deadlines, responses
-from clef_frontend.dispatch.worker_errors import WorkerFailure, WorkerLost, WorkerUnavailable
+from clef_frontend.dispatch.worker_errors import (
+    Deliver,
+    Outcome,
+    WorkerFailure,
+    WorkerLost,
+    WorkerUnavailable,
+)
 from clef_frontend.priority import BULK, CLASSES, INTERACTIVE
-from clef_frontend.responses import Reply, WorkerAnswer
-from clef_protocol.messages import INFERENCE_FAILED
+from clef_frontend.responses import Reply
+from clef_protocol.messages import INFERENCE_FAILED, Request, WorkerReply
 
 log = logging.getLogger("clef_frontend.dispatch.admission")
-
-# Called once per submitted request with its answer, or with the failure that lost it.
-Deliver = Callable[[WorkerAnswer | WorkerFailure], None]
 
 # While both classes wait, one admission in this many goes to the oldest bulk ticket: an
 # interactive request waits behind at most one bulk request per BULK_EVERY - 1 interactive ones,
@@ -70,9 +78,7 @@ class Lane(Protocol):
     @property
     def in_flight(self) -> int: ...
 
-    def submit(
-        self, request_id: int, body: bytes, deliver: Deliver, trace_id: str = ""
-    ) -> None: ...
+    def submit(self, request: Request, deliver: Deliver) -> None: ...
 
 
 class Workers(Protocol):
@@ -108,9 +114,10 @@ class Ticket:
     `deadline` is when a still waiting ticket is answered 504 (`time.monotonic()`; None: never).
     """
 
-    request_id: int
+    frame_id: int
     body: bytes
     outcome: asyncio.Future[Reply]
+    request_id: str = ""
     trace_id: str = ""
     priority: str = INTERACTIVE
     deadline: float | None = None
@@ -118,7 +125,7 @@ class Ticket:
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     worker_ms: float | None = None
-    worker_reply: WorkerAnswer | None = None
+    worker_reply: WorkerReply | None = None
     resent: bool = False  # sent again after its worker was lost (it never is a second time)
 
     @property
@@ -142,8 +149,9 @@ class Admission:
 
     def __init__(self, *, capacity: int, retry_after: int, workers: Workers,
                  queue_timeout: float | None = None, resend_timeout: float = 300.0,
-                 events: AdmissionEvents | None = None) -> None:
+                 events: AdmissionEvents | None = None, wait_for_workers: bool = False) -> None:
         self._capacity = capacity
+        self._wait_for_workers = wait_for_workers
         self._retry_after = retry_after
         self._workers = workers
         self._queue_timeout = queue_timeout
@@ -192,14 +200,16 @@ class Admission:
             return ticket.started_at
         return None
 
-    def submit(self, body: bytes, trace_id: str = "", *, priority: str = INTERACTIVE,
-               deadline: float | None = None,
+    def submit(self, body: bytes, request_id: str = "", *, trace_id: str = "",
+               priority: str = INTERACTIVE, deadline: float | None = None,
                gone: Callable[[], bool] = _never_gone) -> Ticket:
         """Admit a checked body (sent at once if a worker has room), or raise Refused (row 14).
 
         A ticket whose deadline has already passed is answered 504 at once.
         """
         reason = "server is draining" if self._draining else self._workers.unavailable_reason()
+        if reason is not None and self._wait_for_workers and not self._draining:
+            reason = None
         lane = None
         if reason is None and not self.depth:
             lane = self._lane_with_room()
@@ -209,7 +219,7 @@ class Admission:
             raise Refused(responses.unavailable(reason, self._retry_after))
         now = time.monotonic()
         ticket = Ticket(next(self._ids), body, asyncio.get_running_loop().create_future(),
-                        trace_id, priority,
+                        request_id, trace_id, priority,
                         deadlines.earliest(deadline, now, self._queue_timeout), gone,
                         enqueued_at=now)
         if ticket.deadline is not None and ticket.deadline <= now:
@@ -226,7 +236,7 @@ class Admission:
         """The client has gone: drop the ticket if it still waits; if in flight, let it finish."""
         if self._unqueue(ticket):
             log.info("request id=%d request_id=%s dropped from the queue: client gone",
-                     ticket.request_id, ticket.trace_id)
+                     ticket.frame_id, ticket.request_id)
             self._update_idle()
         if not ticket.outcome.done():
             ticket.outcome.cancel()
@@ -286,7 +296,7 @@ class Admission:
     def _keep_deadline(self, ticket: Ticket) -> None:
         if ticket.deadline is None:
             return
-        heapq.heappush(self._deadlines, (ticket.deadline, ticket.request_id, ticket))
+        heapq.heappush(self._deadlines, (ticket.deadline, ticket.frame_id, ticket))
         if self._deadlines[0][2] is ticket:  # the new earliest: aim the timer at it
             self._arm_deadline_timer()
 
@@ -311,7 +321,7 @@ class Admission:
 
     def _expire(self, ticket: Ticket) -> None:
         log.info("request id=%d request_id=%s class=%s: deadline passed after %.0f ms waiting, "
-                 "not sent", ticket.request_id, ticket.trace_id, ticket.priority,
+                 "not sent", ticket.frame_id, ticket.request_id, ticket.priority,
                  ticket.queue_ms)
         self._events.expired(ticket.priority)
         if not ticket.outcome.done():
@@ -339,8 +349,8 @@ class Admission:
         if ticket.outcome.done():
             return False
         if ticket.gone():
-            log.info("request id=%d request_id=%s not sent: client gone", ticket.request_id,
-                     ticket.trace_id)
+            log.info("request id=%d request_id=%s not sent: client gone", ticket.frame_id,
+                     ticket.request_id)
             ticket.outcome.cancel()
             return False
         if ticket.deadline is not None and ticket.deadline <= time.monotonic():
@@ -375,16 +385,15 @@ class Admission:
         if alone:
             self._alone[lane] = ticket
         try:
-            lane.submit(ticket.request_id, ticket.body,
-                        lambda outcome: self._done(ticket, lane, outcome), ticket.trace_id)
+            lane.submit(Request(ticket.frame_id, ticket.body, ticket.request_id, ticket.trace_id),
+                        lambda outcome: self._done(ticket, lane, outcome))
         except WorkerUnavailable as exc:  # has_room said yes; nothing was sent
             del self._sent[ticket]
             self._alone.pop(lane, None)
             if not ticket.outcome.done():
                 ticket.outcome.set_result(responses.unavailable(str(exc), self._retry_after))
 
-    def _done(self, ticket: Ticket, lane: Lane,
-              outcome: WorkerAnswer | WorkerFailure) -> None:
+    def _done(self, ticket: Ticket, lane: Lane, outcome: Outcome) -> None:
         """A worker answered the ticket (or failed with it in flight): reply, send the next."""
         self._sent.pop(ticket, None)
         if self._alone.get(lane) is ticket:
@@ -392,8 +401,8 @@ class Admission:
         if isinstance(outcome, WorkerLost) and not ticket.resent and not ticket.outcome.done():
             self._resend_later(ticket, outcome)
         elif isinstance(outcome, WorkerFailure):
-            log.error("request id=%d request_id=%s failed: %s", ticket.request_id,
-                      ticket.trace_id, outcome)
+            log.error("request id=%d request_id=%s failed: %s", ticket.frame_id,
+                      ticket.request_id, outcome)
             if not ticket.outcome.done():
                 ticket.outcome.set_result(responses.error(500, INFERENCE_FAILED))
         else:
@@ -406,7 +415,7 @@ class Admission:
     def _resend_later(self, ticket: Ticket, failure: WorkerLost) -> None:
         """Queue a ticket lost with its worker to be sent again, alone, before anything else."""
         log.warning("request id=%d request_id=%s lost with its worker (%s): sending it again, "
-                    "alone", ticket.request_id, ticket.trace_id, failure)
+                    "alone", ticket.frame_id, ticket.request_id, failure)
         self._events.resent(failure.reason)
         ticket.resent = True
         ticket.started_at = None  # waiting again

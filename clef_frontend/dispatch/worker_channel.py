@@ -13,11 +13,16 @@ channel breaks with `WorkerStalled`, so the supervisor kills and replaces it and
 its requests again. A worker that does not answer pings is judged by its requests alone: a wedged
 one is found once a request waits on it, not while it is idle.
 
-The channel trusts nothing it reads. End of stream, a truncated, oversize or undecodable frame,
-an unexpected kind, or a reply for an id that is not outstanding all break the channel for
-good: every outstanding request fails at once with `WorkerFailure` (exactly those, nothing
-else) and `broken()` resolves, so the supervisor can replace the process. A broken channel is
-never reused, because after one bad frame nothing later on the pipe can be trusted either.
+The channel trusts nothing it reads: frames are decoded by `clef_protocol.messages.from_worker`.
+End of stream, a truncated, oversize or undecodable frame, an unexpected kind, a malformed field,
+or a reply for an id that is not outstanding all break the channel for good: every outstanding
+request fails at once with `WorkerFailure` (exactly those, nothing else) and `broken()`
+resolves, so the supervisor can replace the process. A broken channel is never reused, because
+after one bad frame nothing later on the pipe can be trusted either.
+
+A worker killed as hung or stalled is first sent `STACK_DUMP_SIGNAL` (and SIGCONT, should it be
+stopped) and given `STACK_DUMP_SECONDS`: it writes every thread's stack to the log, so the log
+says where it was stuck (gunicorn's SIGABRT-then-SIGKILL, without the abort).
 """
 
 from __future__ import annotations
@@ -26,14 +31,16 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping
+import signal
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from clef_frontend.dispatch.worker_errors import WorkerFailure, WorkerLost
+from clef_frontend.dispatch.worker_errors import Deliver, WorkerFailure, WorkerLost
 from clef_protocol import messages
-from clef_protocol.frames import MAX_FRAME_BYTES, FrameBuffer, FrameError, encode_frame
-from clef_protocol.messages import ReadyInfo
+from clef_protocol.errors import ProtocolError
+from clef_protocol.frames import MAX_FRAME_BYTES, FrameBuffer, encode_frame
+from clef_protocol.messages import ReadyInfo, Request
 
 log = logging.getLogger("clef_frontend.worker")
 
@@ -92,76 +99,11 @@ PINGS_PER_STALL_TIMEOUT = 3
 EXIT_GRACE_SECONDS = 1.0
 
 
-@dataclass(frozen=True)
-class WorkerReply:
-    """A `response` (body set) or an `error` (detail set) for the request in flight."""
-
-    status: int
-    body: bytes | None
-    detail: str | None
-    worker_ms: float | None
-    input_tokens: int = 0  # the encoded sequence's length (responses only)
-    truncated_tokens: int = 0  # state tokens dropped to fit --max-length (responses only)
-    batch_size: int = 1  # requests in the worker forward that answered it (responses only)
-    # The worker's stage durations (encode_ms, forward_ms, head_ms), when it reports them; the
-    # trace spans' only source (clef_frontend.otel), so a malformed one is dropped, not fatal.
-    stages: dict[str, float] | None = None
-
-
-def _count(message: dict[str, Any], key: str, absent: int = 0, least: int = 0) -> int:
-    """A response's count (tokens, batch size): absent means `absent` (an older worker);
-    anything but an integer of at least `least` is a protocol failure."""
-    value = message.get(key, absent)
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        raise WorkerProtocolError(f"malformed response frame ({key} {value!r})")
-    return value
-
-
-def _stages(value: object) -> dict[str, float] | None:
-    """A response's `stages`: names to non-negative milliseconds, or None."""
-    if not isinstance(value, dict):
-        return None
-    stages = {key: float(ms) for key, ms in value.items() if isinstance(key, str)
-              and isinstance(ms, int | float) and not isinstance(ms, bool)
-              and 0 <= ms < float("inf")}
-    return stages or None
-
-
-# Called exactly once per submitted request, with its reply or with the failure that lost it.
-Deliver = Callable[["WorkerReply | WorkerFailure"], None]
-
-
 @dataclass
 class _Outstanding:
     deliver: Deliver
     deadline: float
     timeout: float
-
-
-def _reply_from(message: dict[str, Any]) -> WorkerReply:
-    """Check a reply's fields; anything off is a protocol failure, not a client error.
-
-    A missing status is off too: the worker always sends one, and guessing 200 for it would
-    forward whatever body came with a broken frame as a success.
-    """
-    kind = message["kind"]
-    status = message.get("status")
-    worker_ms = message.get("worker_ms")
-    if not isinstance(worker_ms, int | float) or isinstance(worker_ms, bool):
-        worker_ms = None
-    if kind == messages.RESPONSE:
-        body = message.get("body")
-        if not isinstance(body, bytes) or not isinstance(status, int) or not 200 <= status < 300:
-            raise WorkerProtocolError(f"malformed response frame (status {status!r})")
-        return WorkerReply(status, body, None, worker_ms,
-                           input_tokens=_count(message, "input_tokens"),
-                           truncated_tokens=_count(message, "truncated_tokens"),
-                           batch_size=_count(message, "batch_size", absent=1, least=1),
-                           stages=_stages(message.get("stages")))
-    detail = message.get("detail")
-    if not isinstance(status, int) or not 400 <= status < 600 or not isinstance(detail, str):
-        raise WorkerProtocolError(f"malformed error frame (status {status!r})")
-    return WorkerReply(status, None, detail, worker_ms)
 
 
 class _Pipes(asyncio.subprocess.SubprocessStreamProtocol):
@@ -195,7 +137,7 @@ class WorkerChannel:
         self._loop = asyncio.get_running_loop()
         self._process: asyncio.subprocess.Process | None = None
         self._frames = FrameBuffer(MAX_FRAME_BYTES)
-        self._first: asyncio.Future[dict[str, Any] | None] = self._loop.create_future()
+        self._first: asyncio.Future[messages.FromWorker | None] = self._loop.create_future()
         self._started = False  # the ready frame was read: later frames are replies
         self._broken: asyncio.Future[WorkerFailure] = self._loop.create_future()
         self._outstanding: dict[int, _Outstanding] = {}  # insertion order: oldest first
@@ -211,6 +153,7 @@ class WorkerChannel:
         self._ping_waiting: int | None = None
         self._pinger: asyncio.TimerHandle | None = None
         self._pings = False  # whether the worker answers pings (its ready frame's `pings`)
+        self._stuck = False  # hung, stalled or silent at start-up: dump its stack before a kill
 
     @classmethod
     async def spawn(
@@ -263,20 +206,18 @@ class WorkerChannel:
     async def wait_ready(self, timeout: float) -> ReadyInfo:
         """Wait for the first frame: after `ready` the rest are replies; else a failure."""
         try:
-            message = await asyncio.wait_for(self._first, timeout)
+            frame = await asyncio.wait_for(self._first, timeout)
         except TimeoutError:
+            self._stuck = True
             raise WorkerFailure(f"worker sent no ready frame within {timeout:g}s") from None
-        if message is None:
+        if frame is None:
             code = await self._exit_code(grace=5.0)
             raise WorkerFailure(f"worker exited before it was ready (exit code {code})")
-        if message["kind"] == messages.FATAL:
-            raise WorkerFailure(f"worker could not start: {message.get('reason', '(no reason)')}")
-        if message["kind"] != messages.READY:
-            raise WorkerFailure(f"worker sent {message['kind']!r} before ready")
-        try:
-            info = ReadyInfo.from_message(message)
-        except ValueError as exc:
-            raise WorkerFailure(str(exc)) from None
+        if isinstance(frame, messages.Fatal):
+            raise WorkerFailure(f"worker could not start: {frame.reason}")
+        if not isinstance(frame, ReadyInfo):
+            raise WorkerFailure(f"worker sent {type(frame).__name__} before ready")
+        info = frame
         self._started = True
         self._last_life = self._loop.time()
         return info
@@ -291,9 +232,7 @@ class WorkerChannel:
             self._pinger = self._loop.call_later(stall_timeout / PINGS_PER_STALL_TIMEOUT,
                                                  self._tick)
 
-    def submit(
-        self, request_id: int, body: bytes, timeout: float, deliver: Deliver, trace_id: str = ""
-    ) -> None:
+    def submit(self, request: Request, timeout: float, deliver: Deliver) -> None:
         """Send one request; `deliver` is called once with its reply or its failure.
 
         No task and no await per request: the frame is written at once (the pipe's transport
@@ -305,15 +244,15 @@ class WorkerChannel:
         if self._broken.done():
             deliver(self._broken.result())
             return
-        if request_id in self._outstanding:
-            raise RuntimeError(f"request id {request_id} is already in flight on this worker")
+        if request.id in self._outstanding:
+            raise RuntimeError(f"frame id {request.id} is already in flight on this worker")
         if not self._outstanding and self._ping_waiting is None:
             self._last_life = self._loop.time()  # silence counts only while the front waits
-        self._outstanding[request_id] = _Outstanding(deliver, self._loop.time() + timeout,
-                                                    timeout)
+        self._outstanding[request.id] = _Outstanding(deliver, self._loop.time() + timeout,
+                                                     timeout)
         if self._watchdog is None:
             self._arm_watchdog()
-        if not self._write(messages.request(request_id, body, trace_id)):
+        if not self._write(request.message()):
             self._fail(WorkerExited("worker closed its input"))
 
     async def broken(self) -> WorkerFailure:
@@ -334,11 +273,30 @@ class WorkerChannel:
     async def kill(self) -> int | None:
         """Kill the process (if still running) and reap it, so no zombie is left behind.
 
-        A worker that has already closed its output is given a moment to exit by itself.
+        A worker that has already closed its output is given a moment to exit by itself; one
+        that is stuck (hung, stalled, silent at start-up) first dumps its stack to the log.
         """
         exiting = self._broken.done() and isinstance(self._broken.result(), WorkerExited)
         self._fail(WorkerFailure("worker killed"))
+        if self._stuck and not exiting:
+            await self._dump_stack()
         return await self._exit_code(grace=EXIT_GRACE_SECONDS if exiting else 0.0)
+
+    async def _dump_stack(self) -> None:
+        """Ask the stuck worker for its stack (`STACK_DUMP_SIGNAL`; SIGCONT wakes a stopped
+        one) and give it `STACK_DUMP_SECONDS` to write it: the log then says where it was."""
+        process = self.process
+        if process.returncode is not None:
+            return
+        log.warning("worker pid=%d is stuck: asking for its stack (signal %s) before the kill",
+                    self.pid, messages.STACK_DUMP_SIGNAL.name)
+        try:
+            process.send_signal(messages.STACK_DUMP_SIGNAL)
+            process.send_signal(signal.SIGCONT)
+        except ProcessLookupError:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(process.wait(), messages.STACK_DUMP_SECONDS)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -352,14 +310,15 @@ class WorkerChannel:
         self._corked = []
         try:
             while (message := self._frames.next_frame()) is not None:
+                frame = messages.from_worker(message)
                 if not self._first.done():
-                    self._first.set_result(message)
+                    self._first.set_result(frame)
                 elif not self._started:
                     raise WorkerProtocolError(
                         f"worker sent {message['kind']!r} right after its first frame")
                 else:
-                    self._deliver(message)
-        except FrameError as exc:
+                    self._deliver(frame)
+        except ProtocolError as exc:
             self._lose(WorkerProtocolError(f"invalid frame from worker: {exc}"))
         except WorkerFailure as failure:
             self._lose(failure)
@@ -374,7 +333,7 @@ class WorkerChannel:
             return
         try:
             self._frames.end()
-        except FrameError as exc:
+        except ProtocolError as exc:
             self._lose(WorkerProtocolError(f"invalid frame from worker: {exc}"))
             return
         self._lose(WorkerExited("worker closed its output"))
@@ -388,23 +347,21 @@ class WorkerChannel:
                 self._first.set_exception(failure)
         self._fail(failure)
 
-    def _deliver(self, message: dict[str, Any]) -> None:
-        kind = message["kind"]
+    def _deliver(self, frame: messages.FromWorker) -> None:
         self._last_life = self._loop.time()  # any valid frame is a sign of life
-        if kind == messages.PONG:
-            if self._ping_waiting is None or message.get("seq") != self._ping_waiting:
-                raise WorkerProtocolError(f"unsolicited pong from worker (seq "
-                                          f"{message.get('seq')!r})")
+        if isinstance(frame, messages.Pong):
+            if self._ping_waiting is None or frame.seq != self._ping_waiting:
+                raise WorkerProtocolError(f"unsolicited pong from worker (seq {frame.seq!r})")
             self._ping_waiting = None
-            log.debug("worker pid=%d: pong %d", self.pid, message["seq"])
+            log.debug("worker pid=%d: pong %d", self.pid, frame.seq)
             return
-        if kind not in (messages.RESPONSE, messages.ERROR):
-            raise WorkerProtocolError(f"unexpected {kind!r} frame from worker")
-        request_id = message.get("id")
-        waiting = self._outstanding.pop(request_id, None) if isinstance(request_id, int) else None
+        if not isinstance(frame, messages.WorkerReply):
+            raise WorkerProtocolError(f"unexpected {type(frame).__name__} frame from worker")
+        waiting = self._outstanding.pop(frame.id, None)
         if waiting is None:
-            raise WorkerProtocolError(f"unsolicited {kind!r} frame from worker (id {request_id!r})")
-        waiting.deliver(_reply_from(message))
+            kind = messages.RESPONSE if frame.body is not None else messages.ERROR
+            raise WorkerProtocolError(f"unsolicited {kind!r} frame from worker (id {frame.id!r})")
+        waiting.deliver(frame)
 
     def _write(self, message: dict[str, Any]) -> bool:
         """Queue a frame on the worker's stdin; False if the pipe is already gone.
@@ -438,6 +395,7 @@ class WorkerChannel:
         self._watchdog = None
         for request_id, waiting in self._outstanding.items():
             if waiting.deadline <= self._loop.time():
+                self._stuck = True
                 self._fail(WorkerHung(f"no reply to request {request_id} within "
                                       f"{waiting.timeout:g}s"))
                 return
@@ -453,6 +411,7 @@ class WorkerChannel:
         now = self._loop.time()
         waiting_on_worker = self._ping_waiting is not None or bool(self._outstanding)
         if waiting_on_worker and now - self._last_life >= timeout:
+            self._stuck = True
             self._fail(WorkerStalled(f"no pong and no reply within {timeout:g}s "
                                      f"({len(self._outstanding)} request(s) in flight)"))
             return
