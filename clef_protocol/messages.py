@@ -52,8 +52,12 @@ def is_trace_id(value: object) -> bool:
 # The signal on which a worker writes every thread's Python stack to its stderr (`faulthandler`)
 # and carries on: the front sends it to a worker it is about to kill as hung or stalled, and
 # waits `STACK_DUMP_SECONDS` before the SIGKILL, so the log says where the worker was stuck.
+# Not SIGABRT (gunicorn's choice): its default action after the dump writes a core file, which
+# for a GPU process can be gigabytes. The wait is generous because the dump needs the worker to
+# be scheduled, and a host busy enough to stall a worker may take a while to run it (1 s lost
+# the stack once on a loaded 2-core machine).
 STACK_DUMP_SIGNAL = signal.SIGUSR1
-STACK_DUMP_SECONDS = 1.0
+STACK_DUMP_SECONDS = 2.0
 
 
 # The `detail` of every 5xx a client sees for a request the worker could not answer (the
