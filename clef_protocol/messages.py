@@ -50,12 +50,11 @@ def is_trace_id(value: object) -> bool:
 
 
 # The signal on which a worker writes every thread's Python stack to its stderr (`faulthandler`)
-# and carries on: the front sends it to a worker it is about to kill as hung or stalled, and
-# waits `STACK_DUMP_SECONDS` before the SIGKILL, so the log says where the worker was stuck.
-# Not SIGABRT (gunicorn's choice): its default action after the dump writes a core file, which
-# for a GPU process can be gigabytes. The wait is generous because the dump needs the worker to
-# be scheduled, and a host busy enough to stall a worker may take a while to run it (1 s lost
-# the stack once on a loaded 2-core machine).
+# and then exits (SIGUSR1's default action, which faulthandler chains to): the front sends it to
+# a worker it is about to kill as hung or stalled, so the log says where the worker was stuck,
+# and SIGKILLs it only if it is still there `STACK_DUMP_SECONDS` later. gunicorn's
+# SIGABRT-then-SIGKILL, without SIGABRT's core file (gigabytes for a GPU process); and since
+# the worker exits once the stack is out, the replacement is not held up by a fixed wait.
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 STACK_DUMP_SECONDS = 2.0
 

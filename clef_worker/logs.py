@@ -8,8 +8,8 @@ context variable holds them for the length of the request.
 
 With `--log-format json` the lines are the front's JSON shape (`clef_protocol.logfmt`), the
 request id and the trace id keys of their own. `enable_stack_dumps` makes the worker write every
-thread's stack to its stderr on `STACK_DUMP_SIGNAL`, which the front sends to a worker it is
-about to kill as hung or stalled. Everything else that reaches stderr in
+thread's stack to its stderr on `STACK_DUMP_SIGNAL` and exit, which the front asks of a worker
+it is about to kill as hung or stalled. Everything else that reaches stderr in
 Python (the model libraries' own handlers, warnings, stray prints, which `stdio` sends to
 stderr) is turned into JSON lines as well, and so is what native code writes to file
 descriptors 1 and 2 (a C++ library's warning, a compiler the kernels run): those descriptors
@@ -152,12 +152,13 @@ def request_context(request_id: object, trace_id: object = "") -> Iterator[None]
 
 
 def enable_stack_dumps() -> None:
-    """On `STACK_DUMP_SIGNAL`, write every thread's Python stack to stderr and carry on.
+    """On `STACK_DUMP_SIGNAL`, write every thread's Python stack to stderr, then exit.
 
     faulthandler writes from the signal handler itself, in C, so the stack comes out even while
     the main thread is stuck inside a C call (a driver call, a deadlocked kernel launch) and
-    never takes the GIL. It writes to the descriptor stderr has now: with `--log-format json`
-    that is the pipe `_capture_descriptors` wraps into JSON lines.
+    never takes the GIL; it then chains to the signal's default action, which ends the process
+    (the front was about to kill it anyway). It writes to the descriptor stderr has now: with
+    `--log-format json` that is the pipe `_capture_descriptors` wraps into JSON lines.
     """
     faulthandler.register(STACK_DUMP_SIGNAL, file=sys.__stderr__ or sys.stderr,
-                          all_threads=True, chain=False)
+                          all_threads=True, chain=True)

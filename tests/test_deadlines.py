@@ -35,7 +35,7 @@ def test_a_deadline_that_passes_in_the_queue_never_reaches_the_worker(
         assert log.read_text().split() == ["running", "after"]  # "late" never reached it
         priority = dict(headers).get("X-Clef-Priority", "interactive")
         assert metric(serve, "clef_deadline_expired_total", **{"class": priority}) == 1
-        serve.wait_for(r"request id=\d+ request_id=\S+ class=\w+: deadline passed after \d+ ms")
+        serve.wait_for(r"frame_id=\d+ request_id=\S+ class=\w+: deadline passed after \d+ ms")
 
 
 def test_a_request_within_its_deadline_is_answered(tmp_path: Path) -> None:

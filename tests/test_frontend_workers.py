@@ -140,7 +140,7 @@ def test_a_crash_mid_batch_sends_that_batch_again_each_alone(tmp_path: Path) -> 
         # The dead worker read a (c was still on its pipe); worker 1 read b, then d after it.
         lines = log.read_text().split()
         assert lines[:4] == ["a", "b", "a", "c"] and sorted(lines[4:]) == ["d", "e"]
-        serve.wait_for(r"request id=\d+ request_id=\S+ lost with its worker .*sending it again")
+        serve.wait_for(r"frame_id=\d+ request_id=\S+ lost with its worker .*sending it again")
 
 
 def test_killing_one_worker_leaves_the_other_serving_without_503(tmp_path: Path) -> None:

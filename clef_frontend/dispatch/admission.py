@@ -235,7 +235,7 @@ class Admission:
     def abandon(self, ticket: Ticket) -> None:
         """The client has gone: drop the ticket if it still waits; if in flight, let it finish."""
         if self._unqueue(ticket):
-            log.info("request id=%d request_id=%s dropped from the queue: client gone",
+            log.info("frame_id=%d request_id=%s dropped from the queue: client gone",
                      ticket.frame_id, ticket.request_id)
             self._update_idle()
         if not ticket.outcome.done():
@@ -320,7 +320,7 @@ class Admission:
         self._update_idle()
 
     def _expire(self, ticket: Ticket) -> None:
-        log.info("request id=%d request_id=%s class=%s: deadline passed after %.0f ms waiting, "
+        log.info("frame_id=%d request_id=%s class=%s: deadline passed after %.0f ms waiting, "
                  "not sent", ticket.frame_id, ticket.request_id, ticket.priority,
                  ticket.queue_ms)
         self._events.expired(ticket.priority)
@@ -349,7 +349,7 @@ class Admission:
         if ticket.outcome.done():
             return False
         if ticket.gone():
-            log.info("request id=%d request_id=%s not sent: client gone", ticket.frame_id,
+            log.info("frame_id=%d request_id=%s not sent: client gone", ticket.frame_id,
                      ticket.request_id)
             ticket.outcome.cancel()
             return False
@@ -401,7 +401,7 @@ class Admission:
         if isinstance(outcome, WorkerLost) and not ticket.resent and not ticket.outcome.done():
             self._resend_later(ticket, outcome)
         elif isinstance(outcome, WorkerFailure):
-            log.error("request id=%d request_id=%s failed: %s", ticket.frame_id,
+            log.error("frame_id=%d request_id=%s failed: %s", ticket.frame_id,
                       ticket.request_id, outcome)
             if not ticket.outcome.done():
                 ticket.outcome.set_result(responses.error(500, INFERENCE_FAILED))
@@ -414,7 +414,7 @@ class Admission:
 
     def _resend_later(self, ticket: Ticket, failure: WorkerLost) -> None:
         """Queue a ticket lost with its worker to be sent again, alone, before anything else."""
-        log.warning("request id=%d request_id=%s lost with its worker (%s): sending it again, "
+        log.warning("frame_id=%d request_id=%s lost with its worker (%s): sending it again, "
                     "alone", ticket.frame_id, ticket.request_id, failure)
         self._events.resent(failure.reason)
         ticket.resent = True

@@ -21,8 +21,9 @@ resolves, so the supervisor can replace the process. A broken channel is never r
 after one bad frame nothing later on the pipe can be trusted either.
 
 A worker killed as hung or stalled is first sent `STACK_DUMP_SIGNAL` (and SIGCONT, should it be
-stopped) and given `STACK_DUMP_SECONDS`: it writes every thread's stack to the log, so the log
-says where it was stuck (gunicorn's SIGABRT-then-SIGKILL, without the abort).
+stopped): it writes every thread's stack to the log and exits, so the log says where it was
+stuck; one still there `STACK_DUMP_SECONDS` later is SIGKILLed (gunicorn's SIGABRT-then-SIGKILL,
+without the core file).
 """
 
 from __future__ import annotations
@@ -284,7 +285,7 @@ class WorkerChannel:
 
     async def _dump_stack(self) -> None:
         """Ask the stuck worker for its stack (`STACK_DUMP_SIGNAL`; SIGCONT wakes a stopped
-        one) and give it `STACK_DUMP_SECONDS` to write it: the log then says where it was."""
+        one), which it writes before it exits; wait for the exit up to `STACK_DUMP_SECONDS`."""
         process = self.process
         if process.returncode is not None:
             return
