@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 from clef_frontend.catalogue import Catalogue, served_name
+from clef_frontend.dispatch.dispatcher import StartupFailed
 from clef_frontend.dispatch.settings import add_worker_arguments, worker_settings_from
-from clef_frontend.dispatch.supervisor import StartupFailed
 from clef_frontend.responses import Reply
 from clef_protocol.options import (
     add_model_arguments,

@@ -25,9 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from clef_frontend import responses
-from clef_frontend.dispatch.admission import Ticket
-from clef_frontend.dispatch.dispatcher import Dispatcher, DispatchEvents
-from clef_frontend.dispatch.settings import WorkerSettings
+from clef_frontend.dispatch.dispatcher import (
+    Dispatcher,
+    DispatchEvents,
+    Ticket,
+    WorkerSettings,
+)
 from clef_protocol.messages import ReadyInfo
 from clef_tools.batch_input import Job
 from clef_tools.batch_output import answered_line, new_request_id

@@ -26,8 +26,12 @@ from dataclasses import dataclass
 
 from clef_frontend.dispatch.admission import Admission, AdmissionEvents, Ticket
 from clef_frontend.dispatch.settings import WorkerSettings
+from clef_frontend.dispatch.supervisor import StartupFailed
 from clef_frontend.dispatch.worker_pool import WorkerPool
 from clef_frontend.priority import INTERACTIVE
+
+# What a driver needs besides the Dispatcher, importable from here.
+__all__ = ["DispatchEvents", "Dispatcher", "StartupFailed", "Ticket", "WorkerSettings"]
 
 
 def _never_gone() -> bool:
