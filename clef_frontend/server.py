@@ -30,7 +30,7 @@ from clef_frontend.catalogue import Catalogue
 from clef_frontend.config import ServerConfig
 from clef_frontend.connection import READ_SIZE, HttpConnection
 from clef_frontend.dispatch.admission import Admission, AdmissionEvents
-from clef_frontend.dispatch.supervisor import StartupFailed
+from clef_frontend.dispatch.supervisor import StartupFailed, Supervisor
 from clef_frontend.dispatch.worker_pool import WorkerPool
 from clef_frontend.health import Health
 from clef_frontend.metrics import LiveState, Metrics
@@ -51,7 +51,8 @@ class FrontServer:
     def __init__(self, config: ServerConfig) -> None:
         self._config = config
         self._pool = WorkerPool(config, on_all_lost=self._worker_lost,
-                                on_ready=self._worker_ready, on_worker_failed=self._worker_failed)
+                                on_ready=self._worker_ready, on_worker_failed=self._worker_failed,
+                                on_suspect=self._worker_suspect)
         self._admission = Admission(
             capacity=config.queue_size, retry_after=config.retry_after, workers=self._pool,
             queue_timeout=config.queue_timeout, resend_timeout=config.request_timeout,
@@ -267,6 +268,12 @@ class FrontServer:
 
     def _worker_failed(self, reason: str) -> None:
         self._metrics.worker_failed(reason)
+
+    def _worker_suspect(self, lane: Supervisor, suspect: bool) -> None:
+        """A worker became suspect (its requests go elsewhere) or answered again."""
+        if suspect:
+            self._metrics.worker_suspect()
+        self._admission.lane_suspect(lane, suspect)
 
     def _request_resent(self, reason: str) -> None:
         self._metrics.request_resent(reason)
