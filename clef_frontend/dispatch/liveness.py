@@ -20,13 +20,18 @@ at once while it gathers requests and between forwards, never during one. So:
 
 The margin for a set of requests is `ESTIMATE_FACTOR` times their estimated forward time, never
 less than `FLOOR_SECONDS` (scheduling noise, a pause of the garbage collector) and never more
-than the stall timeout. A request's estimated time comes from the worker's recent forwards
-(`ForwardRates`): the most milliseconds per token it took lately, times the most tokens per body
-byte it read lately, times the body's bytes (at most `--max-length` tokens). The estimate errs
-long on purpose (a forward's time is the whole group's, charged to each request of it), so it is
-never less than the longest forward the worker is known to be running. Without any recent
-forward the time of work held is unknown: the margin is then the stall timeout (the front
-suspects such a worker only through a pong owed with nothing ahead of it).
+than the stall timeout. A request's estimated time comes from its worker slot's recent forwards
+(`ForwardRates`), per unit of size: the body's bytes stand for its tokens (the front does not
+tokenize), and a forward is scaled to the request's size from recent ones of about the same size
+(within a factor of two), else from the fastest bigger one (a bigger forward bounds a smaller
+one), else linearly up from the biggest smaller ones (which also scales up their fixed cost,
+so errs long). A forward cut to `--max-length` tokens bounds every bigger body. The estimate errs
+long on purpose (a forward's time is the whole group's, charged to each request of it, and the
+slowest of the recent ones counts), so it is never less than the longest forward the worker is
+known to be running. Without any recent forward the time of held work is unknown: the margin is
+then the stall timeout (such a worker is suspected only through a pong owed with nothing ahead;
+the channel sends a ping ahead of every request that finds none owed, so an idle worker that
+wedged is caught by its pong whatever the request).
 
 Killing. At `--stall-timeout` of silence while the front waits, as always (reason `stalled`).
 Earlier only when the silence cannot be a forward: the worker owes a pong with no request ahead
@@ -58,6 +63,9 @@ IDLE_KILL_SECONDS = 5.0
 PINGS_PER_FLOOR = 2
 # Recent forwards kept per worker slot for the estimate.
 RATE_WINDOW = 32
+# A timer may fire a hair early (the loop's clock resolution): the next look is aimed this much
+# past the moment the verdict changes, so it never finds the old verdict and looks again at once.
+LOOK_LATE = 1e-3
 
 
 def ping_interval(stall_timeout: float) -> float:
@@ -70,6 +78,13 @@ def idle_kill_after(stall_timeout: float) -> float:
     return min(stall_timeout, max(IDLE_KILL_SECONDS, stall_timeout / 3))
 
 
+@dataclass(frozen=True)
+class _Forward:
+    body_bytes: int
+    seconds: float
+    cut: bool  # the worker read `--max-length` tokens: any bigger body costs the same
+
+
 class ForwardRates:
     """One worker slot's recent forwards, for the estimate of the work a worker holds.
 
@@ -78,27 +93,34 @@ class ForwardRates:
     """
 
     def __init__(self, window: int = RATE_WINDOW) -> None:
-        self._samples: deque[tuple[float, float]] = deque(maxlen=window)  # ms/token, tokens/byte
+        self._forwards: deque[_Forward] = deque(maxlen=window)
 
-    def observe(self, body_bytes: int, tokens: int, worker_ms: float | None) -> None:
+    def observe(self, body_bytes: int, tokens: int, worker_ms: float | None,
+                max_tokens: int | None = None) -> None:
         """A response: its body's size, the tokens the worker read, the milliseconds it took."""
         if worker_ms is None or tokens <= 0 or body_bytes <= 0 or worker_ms < 0:
             return  # refusals and older workers say nothing about forwards
-        self._samples.append((worker_ms / tokens, tokens / body_bytes))
+        cut = max_tokens is not None and tokens >= max_tokens
+        self._forwards.append(_Forward(body_bytes, worker_ms / 1000.0, cut))
 
     @property
     def known(self) -> bool:
-        return bool(self._samples)
+        return bool(self._forwards)
 
-    def estimate(self, body_bytes: int, max_tokens: int | None) -> float | None:
+    def estimate(self, body_bytes: int) -> float | None:
         """Seconds a request of `body_bytes` may take (erring long); None: nothing observed."""
-        if not self._samples:
+        if not self._forwards:
             return None
-        ms_per_token = max(rate for rate, _ in self._samples)
-        tokens = max(ratio for _, ratio in self._samples) * body_bytes
-        if max_tokens is not None:
-            tokens = min(tokens, max_tokens)
-        return ms_per_token * max(tokens, 1.0) / 1000.0
+        size = max(body_bytes, 1)
+        near = [f.seconds * (1.0 if f.cut else max(1.0, size / f.body_bytes))
+                for f in self._forwards
+                if size / 2 <= f.body_bytes <= 2 * size or (f.cut and f.body_bytes <= size)]
+        if near:
+            return max(near)
+        bigger = [f.seconds for f in self._forwards if f.body_bytes > 2 * size]
+        if bigger:
+            return min(bigger)
+        return max(f.seconds * size / f.body_bytes for f in self._forwards)
 
 
 class Verdict(enum.Enum):
@@ -168,7 +190,7 @@ class Liveness:
         self.life()
         held = self._held.pop(request_id, None)
         if held is not None:
-            self._rates.observe(held.body_bytes, tokens, worker_ms)
+            self._rates.observe(held.body_bytes, tokens, worker_ms, self._max_tokens)
 
     def ping_due(self) -> bool:
         """Whether to send a ping now: none is owed, and the last went out a while ago."""
@@ -216,8 +238,9 @@ class Liveness:
             return Judgement(Verdict.WEDGED, silent, allowed, kill_after, None, reason)
         if silent > allowed:
             return Judgement(Verdict.SUSPECT, silent, allowed, kill_after,
-                             anchor + kill_after, reason)
-        return Judgement(Verdict.HEALTHY, silent, allowed, kill_after, anchor + allowed, reason)
+                             anchor + kill_after + LOOK_LATE, reason)
+        return Judgement(Verdict.HEALTHY, silent, allowed, kill_after,
+                         anchor + allowed + LOOK_LATE, reason)
 
     def _waiting(self) -> bool:
         return self._ping is not None or bool(self._held)
@@ -226,7 +249,7 @@ class Liveness:
         """Seconds the worker may take to get through `ahead` before it is suspect."""
         if not ahead:
             return min(FLOOR_SECONDS, self._stall)
-        estimates = [self._rates.estimate(held.body_bytes, self._max_tokens) for held in ahead]
+        estimates = [self._rates.estimate(held.body_bytes) for held in ahead]
         if any(estimate is None for estimate in estimates):
             return self._stall
         total = sum(estimate for estimate in estimates if estimate is not None)

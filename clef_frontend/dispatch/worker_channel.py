@@ -331,13 +331,18 @@ class WorkerChannel:
         if request_id in self._outstanding:
             raise RuntimeError(f"request id {request_id} is already in flight on this worker")
         if self._liveness is not None:
+            # A fresh ping ahead of the request (unless one is owed): an idle worker owes its
+            # pong at once, so one that wedged since its last pong is suspect within the floor,
+            # whatever the request's length.
+            if self._pings and self._ping_waiting is None and not self._send_ping():
+                deliver(self._broken.result())
+                return
             self._liveness.request_sent(request_id, len(body))
         self._outstanding[request_id] = _Outstanding(deliver, self._loop.time() + timeout,
                                                     timeout)
         if self._watchdog is None:
             self._arm_watchdog()
-        if not self._pings:
-            self._look_by_next_deadline()
+        self._look_sooner()
         if not self._write(messages.request(request_id, body, trace_id)):
             self._fail(WorkerExited("worker closed its input"))
 
@@ -423,7 +428,7 @@ class WorkerChannel:
             if self._liveness is not None:
                 self._liveness.pong()
             log.debug("worker pid=%d: pong %d", self.pid, message["seq"])
-            self._clear_suspicion()
+            self._sign_of_life()
             return
         if kind not in (messages.RESPONSE, messages.ERROR):
             raise WorkerProtocolError(f"unexpected {kind!r} frame from worker")
@@ -435,14 +440,15 @@ class WorkerChannel:
         if self._liveness is not None:
             assert isinstance(request_id, int)
             self._liveness.request_answered(request_id, reply.input_tokens, reply.worker_ms)
-        self._clear_suspicion()
+        self._sign_of_life()
         waiting.deliver(reply)
 
-    def _clear_suspicion(self) -> None:
-        """A sign of life from a suspect: judge again now (it is healthy again unless it still
-        owes something overdue)."""
+    def _sign_of_life(self) -> None:
+        """A sign of life: a suspect is judged again now (healthy again unless it still owes
+        something overdue), and the timer may have to look sooner."""
         if self._suspect is not None and self._liveness is not None:
             self._judge(self._liveness.judge())
+        self._look_sooner()
 
     def _write(self, message: dict[str, Any]) -> bool:
         """Queue a frame on the worker's stdin; False if the pipe is already gone.
@@ -489,31 +495,39 @@ class WorkerChannel:
         liveness = self._liveness
         if self._broken.done() or liveness is None:
             return
-        judgement = liveness.judge()
-        if not self._judge(judgement):
+        if not self._judge(liveness.judge()):
             return
-        if self._pings and liveness.ping_due():
-            self._ping_seq += 1
-            self._ping_waiting = self._ping_seq
-            liveness.ping_sent()
-            if not self._write(messages.ping(self._ping_seq)):
-                self._fail(WorkerExited("worker closed its input"))
-                return
-            judgement = liveness.judge()
-        looks = [judgement.next_look, liveness.next_ping_at() if self._pings else None]
-        later = min((look for look in looks if look is not None),
-                    default=self._loop.time() + liveness.stall_timeout / 3)
-        self._pinger = self._loop.call_at(later, self._tick)
+        if self._pings and liveness.ping_due() and not self._send_ping():
+            return
+        self._pinger = self._loop.call_at(self._next_look(liveness), self._tick)
 
-    def _look_by_next_deadline(self) -> None:
-        """Without pings the timer runs only at the verdict's changes: a new request may bring
-        the next one forward."""
-        if self._liveness is None or self._pinger is None:
+    def _next_look(self, liveness: Liveness) -> float:
+        """When the verdict would change or the next ping is due, whichever is sooner."""
+        looks = [liveness.judge().next_look, liveness.next_ping_at() if self._pings else None]
+        return min((look for look in looks if look is not None),
+                   default=self._loop.time() + liveness.stall_timeout / 3)
+
+    def _look_sooner(self) -> None:
+        """After a pong, a reply or a request: the next look may now be due sooner (the next
+        ping, a shorter margin) than the timer is aimed."""
+        liveness = self._liveness
+        if liveness is None or self._pinger is None:
             return
-        look = self._liveness.judge().next_look
-        if look is not None and look < self._pinger.when():
+        look = self._next_look(liveness)
+        if look < self._pinger.when():
             self._pinger.cancel()
             self._pinger = self._loop.call_at(look, self._tick)
+
+    def _send_ping(self) -> bool:
+        """Write a ping (none may be owed); False if the pipe is gone (the channel is broken)."""
+        assert self._liveness is not None
+        self._ping_seq += 1
+        self._ping_waiting = self._ping_seq
+        self._liveness.ping_sent()
+        if not self._write(messages.ping(self._ping_seq)):
+            self._fail(WorkerExited("worker closed its input"))
+            return False
+        return True
 
     def _judge(self, judgement: Judgement) -> bool:
         """Act on a verdict: break the channel if wedged (False), else track the suspicion and
