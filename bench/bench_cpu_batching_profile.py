@@ -29,7 +29,6 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,22 +36,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchlib.bodies import request_bodies
 from benchlib.paths import TINY_SNAPSHOT
+from benchlib.timing import best_ms
 from clef_worker.allocator import keep_freed_memory
 from clef_worker.model.answers import build_response, serialize
 from clef_worker.model.gated_delta import chunk_size_for
 from clef_worker.model.head import HeadBatch, RecordSpans
 from clef_worker.native import NativeExecutor
-
-
-def best_ms(step: Callable[[], object], repeats: int) -> float:
-    """The fastest of `repeats` runs: on a shared host the minimum is the least disturbed."""
-    step()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - started) * 1000)
-    return min(times)
 
 
 def l2_bytes() -> int | None:

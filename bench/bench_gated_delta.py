@@ -17,25 +17,15 @@ import functools
 import importlib
 import json
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 
+from benchlib.timing import best_ms
 from clef_worker.model import gated_delta
 from clef_worker.model.backbone import MODELING_MODULE, block_fla
 
 SHAPES = {"tiny": (2, 4, 16), "release": (16, 32, 128)}  # key heads, value heads, head width
-
-
-def best_ms(step: Callable[[], object], repeat: int) -> float:
-    step()
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - started) * 1000)
-    return min(times)
 
 
 def time_layer(reference: Callable[..., object], inputs: tuple[torch.Tensor, ...],

@@ -21,20 +21,10 @@ import functools
 import io
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 from benchlib.paths import TINY_SNAPSHOT
-
-
-def median_ms(step: Callable[[], Any], repeat: int) -> float:
-    step()
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
+from benchlib.timing import median_ms
 
 
 def _round_trip(value: dict[str, bytes]) -> Any:

@@ -2,9 +2,10 @@
 
 Raw rather than `http.client`: the tests and scenarios write malformed requests, half-close,
 pipeline and hold connections open, which a library client would refuse or hide. Two faces of
-the same framing: `Client` (blocking, one socket) and `Connection` (asyncio, keep-alive,
-reopened after the server closes it); both read `Content-Length`-framed answers, as clef-serve
-always sends, and skip `100 Continue`.
+the same framing: `Client` (blocking, one socket) and `read_answer` (asyncio, a raw stream); both
+read `Content-Length`-framed answers, as clef-serve always sends, and skip `100 Continue`. A
+well-formed keep-alive exchange on asyncio is clef-bench's own client (`clef_tools.http_client`,
+here as `Connection`, with a `post` shorthand).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import select
 import socket
 from dataclasses import dataclass, field
 from typing import Any
+
+from clef_tools.http_client import Endpoint, HttpConnection, HttpResponse
 
 HOST = "127.0.0.1"
 WAIT = 10.0  # upper bound for anything that should happen "promptly"
@@ -136,18 +139,12 @@ class Client:
 
 
 
-# -- asyncio ------------------------------------------------------------------------------
+# -- asyncio: clef_tools' client (the installed one), with the scenarios' shorthand -----------
 
 
-@dataclass
-class Answer:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-
-async def read_answer(reader: asyncio.StreamReader) -> Answer:
-    """One response (Content-Length framed, as clef-serve always answers)."""
+async def read_answer(reader: asyncio.StreamReader) -> HttpResponse:
+    """One response read from a raw stream (Content-Length framed, as clef-serve always
+    answers): for scenarios that write their requests byte by byte themselves."""
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split(" ", 2)[1])
@@ -159,38 +156,16 @@ async def read_answer(reader: asyncio.StreamReader) -> Answer:
     body = await reader.readexactly(int(headers.get("content-length", "0")))
     if status < 200:  # 100 Continue: the real answer follows
         return await read_answer(reader)
-    return Answer(status, headers, body)
+    return HttpResponse(status, body, headers)
 
 
-class Connection:
-    """One keep-alive client connection; reopened after the server closes it."""
+class Connection(HttpConnection):
+    """One keep-alive connection to a local server (clef_tools' client); reopened after the
+    server closes it."""
 
     def __init__(self, port: int, host: str = HOST) -> None:
-        self._host = host
-        self._port = port
-        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-
-    async def exchange(self, raw: bytes, timeout: float = WAIT) -> Answer:
-        if self._streams is None:
-            self._streams = await asyncio.open_connection(self._host, self._port)
-        reader, writer = self._streams
-        try:
-            writer.write(raw)
-            answer = await asyncio.wait_for(read_answer(reader), timeout)
-        except BaseException:
-            await self.close()
-            raise
-        if answer.headers.get("connection") == "close":
-            await self.close()
-        return answer
+        super().__init__(Endpoint(host, port), WAIT)
 
     async def post(self, body: bytes, timeout: float = WAIT,
-                   path: str = "/v1/systemone") -> Answer:
-        return await self.exchange(build_request("POST", path, body), timeout)
-
-    async def close(self) -> None:
-        streams, self._streams = self._streams, None
-        if streams is not None:
-            streams[1].close()
-            with contextlib.suppress(OSError):
-                await streams[1].wait_closed()
+                   path: str = "/v1/systemone") -> HttpResponse:
+        return await self.request("POST", path, body, timeout=timeout)

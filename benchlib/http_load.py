@@ -1,11 +1,12 @@
-"""Closed-loop HTTP load for the benchmarks: wrk when installed, a small asyncio client otherwise.
+"""Closed-loop HTTP load for the benchmarks: wrk when installed, clef-bench's loop otherwise.
 
 Each connection sends one request, waits for the whole answer, and sends the next (keep-alive),
 for a fixed duration; the result is the completed count, the per-request latencies' p50 and p99,
 and how many answers were not the expected status. wrk (Debian package `wrk`) is preferred
 because a load generator written in Python spends as much CPU per request as the server under
-test, which on a small machine caps what can be measured; the asyncio client is the fallback so
-the benchmark still runs (and CI can smoke-test it) where wrk is absent.
+test, which on a small machine caps what can be measured; the asyncio loop of clef-bench
+(`clef_tools.load`) is the fallback so the benchmark still runs (and CI can smoke-test it) where
+wrk is absent.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import re
 import shutil
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchlib.http_client import Connection, build_request
-from benchlib.timing import elapsed_ms, percentile
+from benchlib.timing import percentile
+from clef_tools.http_client import Endpoint
+from clef_tools.load import closed_loop
 
 
 @dataclass(frozen=True)
@@ -93,26 +94,10 @@ def _wrk(host: str, port: int, method: str, path: str, body: bytes, connections:
 
 async def _asyncio_load(host: str, port: int, method: str, path: str, body: bytes,
                         connections: int, seconds: float, expect: int) -> LoadResult:
-    request = build_request(method, path, body)
-    latencies: list[float] = []
-    bad = 0
-    deadline = time.perf_counter() + seconds
-
-    async def client() -> None:
-        nonlocal bad
-        connection = Connection(port, host)
-        try:
-            while time.perf_counter() < deadline:
-                started = time.perf_counter()
-                answer = await connection.exchange(request, timeout=max(60.0, seconds * 4))
-                latencies.append(elapsed_ms(started))
-                if answer.status != expect:
-                    bad += 1
-        finally:
-            await connection.close()
-
-    started = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(connections)))
-    elapsed = time.perf_counter() - started
-    return LoadResult("python-asyncio", connections, elapsed, len(latencies),
+    run = await closed_loop(Endpoint(host, port), method, path, lambda _number: body,
+                            clients=connections, seconds=seconds,
+                            timeout=max(60.0, seconds * 4))
+    latencies = [sample.ms for sample in run.samples]
+    bad = sum(sample.outcome != str(expect) for sample in run.samples)
+    return LoadResult("python-asyncio", connections, run.wall_s, len(latencies),
                       percentile(latencies, 0.5), percentile(latencies, 0.99), bad)

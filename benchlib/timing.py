@@ -23,6 +23,23 @@ def timed_ms(call: Callable[[], Any]) -> float:
     return elapsed_ms(started)
 
 
+def step_times_ms(step: Callable[[], Any], repeat: int) -> list[float]:
+    """The wall times of `repeat` calls of `step`, in ms, after one untimed warm-up call."""
+    step()
+    return [timed_ms(step) for _ in range(repeat)]
+
+
+def best_ms(step: Callable[[], Any], repeat: int) -> float:
+    """The fastest of `repeat` timed calls: on a shared host the minimum is the least
+    disturbed."""
+    return min(step_times_ms(step, repeat))
+
+
+def median_ms(step: Callable[[], Any], repeat: int) -> float:
+    """The median of `repeat` timed calls."""
+    return float(numpy.median(step_times_ms(step, repeat)))
+
+
 def percentile(values: Sequence[float], fraction: float) -> float:
     """The `fraction` quantile (0..1) by numpy's default linear interpolation; 0.0 when there
     are no values (a scenario that measured nothing reports zero rather than failing)."""

@@ -9,25 +9,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
-import shlex
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from clef_frontend import auth, logs, otel
 from clef_frontend.catalogue import served_name
 from clef_frontend.config import ServerConfig
-from clef_frontend.dispatch.supervisor import DEFAULT_MAX_BATCH_CPU, DEFAULT_MAX_BATCH_CUDA
+from clef_frontend.dispatch.settings import add_worker_arguments, worker_settings_from
 from clef_frontend.server import serve
 from clef_frontend.version import version
-from clef_protocol.options import (
-    add_model_arguments,
-    limits_from,
-    parse_device,
-    positive_int,
-    worker_argv,
-)
+from clef_protocol.options import add_model_arguments, limits_from, positive_int
 
 DEFAULTS = ServerConfig(worker_argv=("clef_worker",))
 
@@ -70,34 +63,6 @@ def _count(value: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}")
     return number
 _rate = _non_negative("bytes per second")
-
-
-def _devices(value: str) -> tuple[str, ...]:
-    """argparse type of --devices: cpu or cuda:N entries (a worker each), none twice."""
-    items: list[str] = []
-    for item in value.split(","):
-        try:
-            device = parse_device(item.strip())
-        except ValueError:
-            device = None
-        if device is None or not (device.kind == "cpu" or device.index is not None):
-            raise argparse.ArgumentTypeError(
-                f"invalid device {item.strip()!r} in --devices: expected cpu or cuda:N")
-        items.append(str(device))
-    if len(set(items)) != len(items):
-        raise argparse.ArgumentTypeError(f"a device is listed twice in --devices {value!r}")
-    return tuple(items)
-
-
-def workers_from(args: argparse.Namespace) -> tuple[tuple[str, ...], int]:
-    """(devices, workers per device): --devices as given; --workers N with --device cuda is
-    cuda:0..N-1; otherwise N unpinned workers on --device (devices empty)."""
-    per_device = args.workers_per_device
-    if args.devices:
-        return tuple(args.devices), per_device
-    if args.workers is not None and args.device == "cuda":
-        return tuple(f"cuda:{i}" for i in range(args.workers)), per_device
-    return (), per_device * (args.workers or 1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,10 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests that may wait for the worker (503 when full)")
     queue.add_argument("--retry-after", type=int, default=d.retry_after,
                        help="Retry-After seconds on 503 answers")
-    queue.add_argument("--max-batch", type=positive_int, default=None,
-                       help="requests in flight to one worker, which batches them into one "
-                            f"forward (default: {DEFAULT_MAX_BATCH_CUDA} on a CUDA worker, "
-                            f"{DEFAULT_MAX_BATCH_CPU} on CPU)")
     queue.add_argument("--queue-timeout", type=_seconds, default=None,
                        help="seconds a request may wait for a worker before 504 (default: no "
                             "limit; X-Clef-Deadline-Ms sets one per request)")
@@ -156,36 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "identical requests in flight share one forward; 0 turns both off")
     queue.add_argument("--drain-timeout", type=_seconds, default=d.drain_timeout,
                        help="seconds to finish queued work after SIGTERM before answering 503")
-    worker = parser.add_argument_group("worker supervision")
-    worker.add_argument("--worker-command", default=None,
-                        help="command replacing 'python -m clef_worker' (shell-split); the model "
-                             "flags are appended")
-    worker.add_argument("--devices", type=_devices, default=None,
-                        help="one worker per device, e.g. cuda:0,cuda:1 (each pinned with "
-                             "CUDA_VISIBLE_DEVICES); overrides --device")
-    worker.add_argument("--workers", type=positive_int, default=None,
-                        help="N workers: on cuda:0..N-1 when --device is cuda, else N on "
-                             "--device (ignored with --devices)")
-    worker.add_argument("--workers-per-device", type=positive_int, default=1,
-                        help="workers per device (two keep serving while one restarts)")
-    worker.add_argument("--startup-timeout", type=_seconds, default=d.startup_timeout,
-                        help="seconds a worker may take to load and warm up")
-    worker.add_argument("--request-timeout", type=_seconds, default=d.request_timeout,
-                        help="seconds the worker may take to answer one request; past it the "
-                             "worker counts as hung: it is killed and replaced, and the request "
-                             "gets 500")
-    worker.add_argument("--stall-timeout", type=_seconds, default=d.stall_timeout,
-                        help="seconds a worker may stay silent (no pong, no reply) while the "
-                             "front waits on it; past it the worker counts as stalled: it is "
-                             "killed and replaced, and its requests are sent again")
-    worker.add_argument("--shutdown-grace", type=_seconds, default=d.shutdown_grace,
-                        help="seconds a worker may take to exit after 'shutdown' before SIGKILL")
-    worker.add_argument("--restart-backoff", type=_seconds, default=d.restart_backoff,
-                        help="delay before the first restart; doubles per consecutive failure")
-    worker.add_argument("--restart-backoff-max", type=_seconds, default=d.restart_backoff_max,
-                        help="cap on the restart delay")
-    worker.add_argument("--restart-reset-after", type=_seconds, default=d.restart_reset_after,
-                        help="a worker up this long resets the backoff")
+    add_worker_arguments(parser)
     api = parser.add_argument_group("clients")
     api.add_argument("--served-model-name", nargs="+", type=served_name, default=None,
                      metavar="NAME",
@@ -203,15 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from(args: argparse.Namespace) -> ServerConfig:
     """Build the config; ValueError names the flag that is wrong."""
-    if args.worker_command is None:
-        command = [sys.executable, "-m", "clef_worker"]
-    else:
-        command = shlex.split(args.worker_command)
-        if not command:
-            raise ValueError("--worker-command is empty")
-    devices, per_device = workers_from(args)
     return ServerConfig(
-        worker_argv=(*command, *worker_argv(args)),
+        **dataclasses.asdict(worker_settings_from(args)),
         limits=limits_from(args),
         host=args.host,
         port=args.port,
@@ -228,19 +153,9 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         queue_size=args.queue_size,
         retry_after=args.retry_after,
         drain_timeout=args.drain_timeout,
-        startup_timeout=args.startup_timeout,
-        request_timeout=args.request_timeout,
-        shutdown_grace=args.shutdown_grace,
-        restart_backoff=args.restart_backoff,
-        restart_backoff_max=args.restart_backoff_max,
-        restart_reset_after=args.restart_reset_after,
         served_model_names=tuple(args.served_model_name or (args.variant,)),
         api_key_file=args.api_key_file,
         api_key=os.environ.get(auth.ENV_VAR) or None,
-        devices=devices,
-        workers_per_device=per_device,
-        max_batch=args.max_batch,
-        stall_timeout=args.stall_timeout,
         queue_timeout=args.queue_timeout or None,
         answer_cache=args.answer_cache,
     )

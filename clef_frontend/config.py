@@ -6,9 +6,10 @@ requests are in flight. `cli.py` builds it from flags; tests can build it direct
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from clef_frontend.body_rate import BodyRateRule
+from clef_frontend.dispatch.settings import WorkerSettings
 from clef_protocol.frames import MAX_FRAME_BYTES
 from clef_protocol.options import RequestLimits
 
@@ -46,16 +47,18 @@ class ServerConfig:
     served_model_names: tuple[str, ...] = ("clef-flash",)  # the served name, then aliases
     api_key_file: str | None = None
     api_key: str | None = field(default=None, repr=False)  # CLEF_API_KEY; never printed
-    # Workers: one per entry of `devices` (empty: one worker with `worker_argv` as given), each
-    # entry times `workers_per_device`; `max_batch` requests in flight per worker (None: by the
-    # worker's device, see supervisor.default_max_batch).
+    # Workers (the fields of dispatch.settings.WorkerSettings, which owns their meaning and
+    # checks; `workers` gathers them): one per entry of `devices` (empty: one worker with
+    # `worker_argv` as given), each entry times `workers_per_device`; `max_batch` requests in
+    # flight per worker (None: by the worker's device, see supervisor.default_max_batch).
     devices: tuple[str, ...] = ()
     workers_per_device: int = 1
     max_batch: int | None = None
-    # Shared traffic: a worker silent this long (no pong, no reply) is wedged; requests wait
-    # at most `queue_timeout` seconds for a worker (None: no limit); `answer_cache` answers kept
-    # for repeats (0: no cache, and no sharing of identical requests in flight).
     stall_timeout: float = 30.0
+    max_restarts: int | None = None
+    # Shared traffic: requests wait at most `queue_timeout` seconds for a worker (None: no
+    # limit); `answer_cache` answers kept for repeats (0: no cache, and no sharing of identical
+    # requests in flight).
     queue_timeout: float | None = None
     # A modest bound (answers are a few KiB): enough for retries and score-then-compact pairs,
     # not for whole eval sweeps.
@@ -69,24 +72,17 @@ class ServerConfig:
                 f"--body-limit {self.body_limit} does not fit a worker frame: the maximum is "
                 f"{MAX_FRAME_BYTES - FRAME_ENVELOPE_HEADROOM} bytes"
             )
-        if not self.worker_argv:
-            raise ValueError("the worker command is empty")
-        if self.max_batch is not None and self.max_batch < 1:
-            raise ValueError("--max-batch must be at least 1")
-        for name in ("body_limit", "header_limit", "queue_size", "backlog", "workers_per_device"):
+        self.workers  # noqa: B018 - the worker fields are checked by WorkerSettings alone
+        for name in ("body_limit", "header_limit", "queue_size", "backlog"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be at least 1")
-        for name in (
-            "header_timeout", "body_timeout", "keepalive_timeout", "send_timeout",
-            "startup_timeout", "request_timeout", "shutdown_grace", "restart_backoff_max",
-            "restart_reset_after", "stall_timeout",
-        ):
+        for name in ("header_timeout", "body_timeout", "keepalive_timeout", "send_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if self.body_min_rate < 0 or self.body_rate_grace < 0:
             raise ValueError("--body-min-rate and --body-rate-grace must be >= 0")
-        if self.drain_timeout < 0 or self.restart_backoff < 0 or self.retry_after < 0:
-            raise ValueError("--drain-timeout, --restart-backoff and --retry-after must be >= 0")
+        if self.drain_timeout < 0 or self.retry_after < 0:
+            raise ValueError("--drain-timeout and --retry-after must be >= 0")
         if self.queue_timeout is not None and self.queue_timeout <= 0:
             raise ValueError("--queue-timeout must be positive")
         if self.answer_cache < 0:
@@ -95,6 +91,11 @@ class ServerConfig:
             raise ValueError(f"--port {self.port} is not a TCP port")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port {self.metrics_port} is not a TCP port")
+
+    @property
+    def workers(self) -> WorkerSettings:
+        """The worker fields as the dispatch package takes them."""
+        return WorkerSettings(**{f.name: getattr(self, f.name) for f in fields(WorkerSettings)})
 
     @property
     def body_rate_rule(self) -> BodyRateRule:

@@ -38,8 +38,8 @@ from prometheus_client.registry import Collector
 from clef_frontend import responses
 from clef_frontend.dispatch.worker_channel import RESTART_REASONS
 from clef_frontend.priority import CLASSES, INTERACTIVE
-from clef_frontend.responses import Reply, WorkerAnswer
-from clef_protocol.messages import ReadyInfo
+from clef_frontend.responses import Reply
+from clef_protocol.messages import ReadyInfo, WorkerReply
 
 log = logging.getLogger("clef_frontend.metrics")
 
@@ -173,7 +173,7 @@ class Metrics:
         scoring: bool = False,
         queue_ms: float | None = None,
         worker_ms: float | None = None,
-        worker_reply: WorkerAnswer | None = None,
+        worker_reply: WorkerReply | None = None,
         key: str = "-",
         priority: str = INTERACTIVE,
     ) -> None:

@@ -250,7 +250,8 @@ class Pipeline:
         passes while it waits gets 504 instead of a worker."""
         assert ctx.body is not None
         try:
-            ctx.ticket = self.admission.submit(ctx.body, ctx.request_id, priority=ctx.priority,
+            ctx.ticket = self.admission.submit(ctx.body, ctx.request_id, trace_id=ctx.trace_id,
+                                               priority=ctx.priority,
                                                deadline=ctx.deadline,
                                                gone=gone or ctx.io.client_gone)
         except Refused as refused:

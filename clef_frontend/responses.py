@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from clef_frontend.truncation import truncation_headers
-from clef_protocol.messages import INFERENCE_FAILED
+from clef_protocol.messages import INFERENCE_FAILED, WorkerReply
 
 JSON = "application/json"
 
@@ -76,32 +76,7 @@ def unavailable(detail: str, retry_after: int) -> Reply:
     return error(503, detail, retry_after=retry_after)
 
 
-class WorkerAnswer(Protocol):
-    """What the worker answered for one request: a body (success) or a detail (refusal)."""
-
-    @property
-    def status(self) -> int: ...
-
-    @property
-    def body(self) -> bytes | None: ...
-
-    @property
-    def detail(self) -> str | None: ...
-
-    @property
-    def worker_ms(self) -> float | None: ...
-
-    @property
-    def input_tokens(self) -> int: ...
-
-    @property
-    def truncated_tokens(self) -> int: ...
-
-    @property
-    def batch_size(self) -> int: ...
-
-
-def from_worker(answer: WorkerAnswer) -> Reply:
+def from_worker(answer: WorkerReply) -> Reply:
     """A worker answer as HTTP: the body byte for byte, or `{"detail": ...}`.
 
     A 5xx never carries the worker's text: the cause belongs in the log, and the contract's

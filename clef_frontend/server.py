@@ -29,9 +29,8 @@ from clef_frontend.auth import ApiKeys
 from clef_frontend.catalogue import Catalogue
 from clef_frontend.config import ServerConfig
 from clef_frontend.connection import READ_SIZE, HttpConnection
-from clef_frontend.dispatch.admission import Admission, AdmissionEvents
-from clef_frontend.dispatch.supervisor import StartupFailed, Supervisor
-from clef_frontend.dispatch.worker_pool import WorkerPool
+from clef_frontend.dispatch.dispatcher import Dispatcher, DispatchEvents
+from clef_frontend.dispatch.supervisor import StartupFailed
 from clef_frontend.health import Health
 from clef_frontend.metrics import LiveState, Metrics
 from clef_frontend.pipeline import Pipeline
@@ -50,14 +49,14 @@ class FrontServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self._config = config
-        self._pool = WorkerPool(config, on_all_lost=self._worker_lost,
-                                on_ready=self._worker_ready, on_worker_failed=self._worker_failed,
-                                on_suspect=self._worker_suspect)
-        self._admission = Admission(
-            capacity=config.queue_size, retry_after=config.retry_after, workers=self._pool,
-            queue_timeout=config.queue_timeout, resend_timeout=config.request_timeout,
-            events=AdmissionEvents(resent=self._request_resent, expired=self._deadline_expired),
-        )
+        self._dispatch = Dispatcher(
+            config.workers, queue_size=config.queue_size, retry_after=config.retry_after,
+            queue_timeout=config.queue_timeout,
+            events=DispatchEvents(ready=self._worker_ready, worker_failed=self._worker_failed,
+                                  resent=self._request_resent, expired=self._deadline_expired,
+                                  suspect=self._worker_suspect))
+        self._pool = self._dispatch.pool
+        self._admission = self._dispatch.admission
         self._health = Health(self._pool, self._admission, config.retry_after)
         self._api = api_surface(config)
         self._metrics = Metrics(LiveState(
@@ -115,7 +114,7 @@ class FrontServer:
                 self._address = self._address or f"{shown}:{port}"
             # The socket is listening (connections queue in its backlog): only now is it READY.
             self._systemd.ready(self._address)
-            watcher = asyncio.create_task(self._pool.watch(), name="supervisor")
+            watcher = asyncio.create_task(self._dispatch.supervise(), name="supervisor")
             await self._stop_requested.wait()
             await self._drain(server, watcher)
             log.info("stopped")
@@ -222,21 +221,15 @@ class FrontServer:
         finally:
             del self._connections[connection]
 
-    def _worker_lost(self) -> None:
-        """The last ready worker is gone: what waits would wait for a whole warm-up."""
-        self._admission.refuse_waiting("worker is restarting", resent_too=False)
-
     def _worker_ready(self) -> None:
-        """A worker became ready (first start, restart, reload): it can take waiting tickets.
-
-        A restart loads whatever snapshot is at --model now: if the workers' snapshots changed,
-        the kept answers may be another model's, so they go.
+        """A worker became ready (first start, restart, reload), before it takes waiting
+        tickets: it loaded whatever snapshot is at --model now, so if the workers' snapshots
+        changed, the kept answers may be another model's, and they go.
         """
         snapshots = tuple(lane.info.snapshot if lane.info else "" for lane in self._pool.lanes)
         if self._snapshots is not None and snapshots != self._snapshots:
             self._cache.flush()
         self._snapshots = snapshots
-        self._admission.pump()
 
     async def _roll_workers(self) -> None:
         """SIGHUP's job: every worker onto the snapshot at --model; the answers kept from the
@@ -269,11 +262,8 @@ class FrontServer:
     def _worker_failed(self, reason: str) -> None:
         self._metrics.worker_failed(reason)
 
-    def _worker_suspect(self, lane: Supervisor, suspect: bool) -> None:
-        """A worker became suspect (its requests go elsewhere) or answered again."""
-        if suspect:
-            self._metrics.worker_suspect()
-        self._admission.lane_suspect(lane, suspect)
+    def _worker_suspect(self) -> None:
+        self._metrics.worker_suspect()
 
     def _request_resent(self, reason: str) -> None:
         self._metrics.request_resent(reason)

@@ -1,9 +1,9 @@
 """Following one request: its id (`X-Request-Id`) and where its time went (`Server-Timing`).
 
 The id is the client's (or the balancer's) `X-Request-Id` when it is printable ASCII without
-spaces and at most 128 characters (`clef_protocol.messages.is_trace_id`, the rule the worker
+spaces and at most 128 characters (`clef_protocol.messages.is_request_id`, the rule the worker
 checks too); otherwise, or when absent, a fresh one is made. It is echoed on every response,
-written on the access-log line, and sent to the worker as the request frame's `trace_id`, which
+written on the access-log line, and sent to the worker as the request frame's `request_id`, which
 puts it on every worker log line about that request.
 
 A request may also belong to a distributed trace: W3C Trace Context's `traceparent` (and its
@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from clef_protocol.messages import is_trace_id
+from clef_protocol.messages import is_request_id
 
 HEADER = "X-Request-Id"
 _HEADER_KEY = HEADER.lower().encode("ascii")
@@ -103,7 +103,7 @@ def trace_context_of(headers: Iterable[tuple[bytes, bytes]]) -> tuple[str, Trace
         if key == _HEADER_KEY:
             if request_id is None:
                 text = value.decode("latin-1")
-                request_id = text if is_trace_id(text) else new_request_id()
+                request_id = text if is_request_id(text) else new_request_id()
         elif key == _TRACEPARENT:
             traceparents.append(value)
         elif key == _TRACESTATE:
@@ -131,7 +131,7 @@ def request_id_of(headers: Iterable[tuple[bytes, bytes]]) -> str:
     for name, value in headers:
         if name.lower() == _HEADER_KEY:
             text = value.decode("latin-1")
-            return text if is_trace_id(text) else new_request_id()
+            return text if is_request_id(text) else new_request_id()
     return new_request_id()
 
 

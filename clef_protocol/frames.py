@@ -13,12 +13,14 @@ from typing import Any, BinaryIO
 
 import msgpack
 
+from clef_protocol.errors import ProtocolError
+
 HEADER = struct.Struct(">I")
 # Large enough for an 8 MiB request body plus envelope; every limit flag is checked against it.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 
-class FrameError(Exception):
+class FrameError(ProtocolError):
     """The byte stream does not hold a valid frame; the channel cannot be trusted any more."""
 
 

@@ -1,16 +1,27 @@
-"""Message kinds exchanged over the frame channel, and constructors that fix their fields.
+"""Every frame of the channel, both ways, as typed values with strict decoding.
 
 Worker -> front: `ready` (once, after warm-up), `fatal` (could not start), `response` and `error`
-(one per request), `pong` (one per `ping`, sent between forwards). Front -> worker: `request`,
-`ping` (liveness: a worker that neither answers pings nor completes forwards is wedged),
-`shutdown`. Request ids are chosen by the front and
-echoed by the worker, so a reply can never be matched to the wrong request.
+(one per request, both decoded as one `WorkerReply`), `pong` (one per `ping`, sent between
+forwards). Front -> worker: `request`, `ping` (liveness: a worker that neither answers pings nor
+completes forwards is wedged), `shutdown`. `from_worker` and `from_front` turn a decoded frame
+into its value or raise `ProtocolError` (an unknown kind, a missing or mistyped field): each side
+trusts nothing the other writes. The constructors below (`request`, `response`, ...) are the
+only way frames are built, so the field names live here alone.
+
+Three ids, one name each: `id` is the int frame id, chosen by the front per request sent and
+echoed by the worker, so a reply can never be matched to the wrong request; `request_id` is the
+client's request id (`X-Request-Id`, or one the front made); `trace_id` is the W3C trace id (32
+hex digits, empty when the request is not traced). The worker puts the last two on every log
+line about the request, so its lines join both the access log and the trace.
 """
 
 from __future__ import annotations
 
+import signal
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from clef_protocol.errors import ProtocolError
 
 READY = "ready"
 FATAL = "fatal"
@@ -21,15 +32,31 @@ SHUTDOWN = "shutdown"
 PING = "ping"
 PONG = "pong"
 
-# The request id rule (`X-Request-Id`, the `trace_id` of a request frame): printable ASCII
+# The request id rule (`X-Request-Id`, the `request_id` of a request frame): printable ASCII
 # without spaces, so it stays one token in a `key=value` log line, and bounded.
-TRACE_ID_MAX_CHARS = 128
+REQUEST_ID_MAX_CHARS = 128
+
+
+def is_request_id(value: object) -> bool:
+    """Whether `value` may be used as a request id as it is (else the front makes one)."""
+    return (isinstance(value, str) and 0 < len(value) <= REQUEST_ID_MAX_CHARS
+            and all("!" <= ch <= "~" for ch in value))
 
 
 def is_trace_id(value: object) -> bool:
-    """Whether `value` may be used as a request id as it is (else the front makes one)."""
-    return (isinstance(value, str) and 0 < len(value) <= TRACE_ID_MAX_CHARS
-            and all("!" <= ch <= "~" for ch in value))
+    """Whether `value` is a W3C trace id: 32 lower-case hex digits, not all zero."""
+    return (isinstance(value, str) and len(value) == 32 and value != "0" * 32
+            and all(ch in "0123456789abcdef" for ch in value))
+
+
+# The signal on which a worker writes every thread's Python stack to its stderr (`faulthandler`)
+# and then exits (SIGUSR1's default action, which faulthandler chains to): the front sends it to
+# a worker it is about to kill as hung or stalled, so the log says where the worker was stuck,
+# and SIGKILLs it only if it is still there `STACK_DUMP_SECONDS` later. gunicorn's
+# SIGABRT-then-SIGKILL, without SIGABRT's core file (gigabytes for a GPU process); and since
+# the worker exits once the stack is out, the replacement is not held up by a fixed wait.
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+STACK_DUMP_SECONDS = 2.0
 
 
 # The `detail` of every 5xx a client sees for a request the worker could not answer (the
@@ -116,7 +143,149 @@ class ReadyInfo(ModelInfo):
                 pings=bool(message.get("pings", False)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"malformed ready frame: {exc!r}") from None
+            raise ProtocolError(f"malformed ready frame: {exc!r}") from None
+
+
+@dataclass(frozen=True)
+class Fatal:
+    """The worker cannot start; `reason` is shown to the operator verbatim."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Request:
+    """One admitted `/v1/systemone` body, as the client sent it, and its three ids."""
+
+    id: int
+    body: bytes
+    request_id: str = ""
+    trace_id: str = ""
+
+    def message(self) -> dict[str, Any]:
+        return request(self.id, self.body, self.request_id, self.trace_id)
+
+
+@dataclass(frozen=True)
+class WorkerReply:
+    """The worker's one reply to a request: a `response` (body set) or an `error` (detail set).
+
+    `id` is the request's frame id (0 where a reply is built outside the channel, in tests).
+    """
+
+    status: int
+    body: bytes | None
+    detail: str | None
+    worker_ms: float | None
+    input_tokens: int = 0  # the encoded sequence's length (responses only)
+    truncated_tokens: int = 0  # state tokens dropped to fit --max-length (responses only)
+    batch_size: int = 1  # requests in the worker forward that answered it (responses only)
+    # The worker's stage durations (encode_ms, forward_ms, head_ms), when it reports them; the
+    # trace spans' only source (clef_frontend.otel), so a malformed one is dropped, not fatal.
+    stages: dict[str, float] | None = None
+    id: int = 0
+
+
+@dataclass(frozen=True)
+class Ping:
+    seq: int
+
+
+@dataclass(frozen=True)
+class Pong:
+    seq: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Finish the requests already read and exit 0."""
+
+
+FromWorker = ReadyInfo | Fatal | WorkerReply | Pong
+FromFront = Request | Ping | Shutdown
+
+
+def _int(message: dict[str, Any], key: str, *, absent: int | None = None, least: int = 0) -> int:
+    """A whole-number field of at least `least`; `absent` stands in for a missing one (None:
+    it is required)."""
+    value = message.get(key, absent)
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ProtocolError(f"malformed {message.get('kind')} frame ({key} {value!r})")
+    return value
+
+
+def _text(message: dict[str, Any], key: str) -> str:
+    """An optional string field ("" when absent)."""
+    value = message.get(key, "")
+    if not isinstance(value, str):
+        raise ProtocolError(f"malformed {message.get('kind')} frame ({key} {value!r})")
+    return value
+
+
+def _stages(value: object) -> dict[str, float] | None:
+    """A response's `stages`: names to non-negative milliseconds, or None."""
+    if not isinstance(value, dict):
+        return None
+    stages = {key: float(ms) for key, ms in value.items() if isinstance(key, str)
+              and isinstance(ms, int | float) and not isinstance(ms, bool)
+              and 0 <= ms < float("inf")}
+    return stages or None
+
+
+def _reply(message: dict[str, Any]) -> WorkerReply:
+    """A `response` or `error` frame; a missing status is malformed too: guessing 200 for it
+    would forward whatever body came with a broken frame as a success."""
+    kind = message["kind"]
+    frame_id = _int(message, "id")
+    status = message.get("status")
+    worker_ms = message.get("worker_ms")
+    if not isinstance(worker_ms, int | float) or isinstance(worker_ms, bool):
+        worker_ms = None
+    if kind == RESPONSE:
+        body = message.get("body")
+        if not isinstance(body, bytes) or not isinstance(status, int) or not 200 <= status < 300:
+            raise ProtocolError(f"malformed response frame (status {status!r})")
+        return WorkerReply(status, body, None, worker_ms,
+                           input_tokens=_int(message, "input_tokens", absent=0),
+                           truncated_tokens=_int(message, "truncated_tokens", absent=0),
+                           batch_size=_int(message, "batch_size", absent=1, least=1),
+                           stages=_stages(message.get("stages")), id=frame_id)
+    detail = message.get("detail")
+    if not isinstance(status, int) or not 400 <= status < 600 or not isinstance(detail, str):
+        raise ProtocolError(f"malformed error frame (status {status!r})")
+    return WorkerReply(status, None, detail, worker_ms, id=frame_id)
+
+
+def from_worker(message: dict[str, Any]) -> FromWorker:
+    """A frame the worker sent, as its value; ProtocolError if it is not one the worker may
+    send or a field is malformed."""
+    kind = message.get("kind")
+    if kind in (RESPONSE, ERROR):
+        return _reply(message)
+    if kind == PONG:
+        return Pong(_int(message, "seq"))
+    if kind == READY:
+        return ReadyInfo.from_message(message)
+    if kind == FATAL:
+        return Fatal(str(message.get("reason", "(no reason)")))
+    raise ProtocolError(f"unexpected {kind!r} frame from the worker")
+
+
+def from_front(message: dict[str, Any]) -> FromFront:
+    """A frame the front sent, as its value; ProtocolError if it is not one the front may send
+    or a field is malformed (a request's body is always bytes)."""
+    kind = message.get("kind")
+    if kind == REQUEST:
+        body = message.get("body")
+        if not isinstance(body, bytes):
+            raise ProtocolError(f"malformed request frame (body {type(body).__name__})")
+        return Request(_int(message, "id"), body, _text(message, "request_id"),
+                       _text(message, "trace_id"))
+    if kind == PING:
+        return Ping(_int(message, "seq"))
+    if kind == SHUTDOWN:
+        return Shutdown()
+    raise ProtocolError(f"unexpected {kind!r} frame from the front")
 
 
 def ready(info: ReadyInfo) -> dict[str, Any]:
@@ -129,13 +298,16 @@ def fatal(reason: str) -> dict[str, Any]:
     return {"kind": FATAL, "reason": reason}
 
 
-def request(request_id: int, body: bytes, trace_id: str = "") -> dict[str, Any]:
-    """One admitted `/v1/systemone` body, as the client sent it.
-
-    `trace_id` is the HTTP request id (`X-Request-Id`): the worker puts it on every log line
-    about this request, so one request can be followed from the balancer to the worker log.
-    """
-    return {"kind": REQUEST, "id": request_id, "body": body, "trace_id": trace_id}
+def request(frame_id: int, body: bytes, request_id: str = "",
+            trace_id: str = "") -> dict[str, Any]:
+    """One admitted body and its ids (see the module docstring); the string ids are sent only
+    when known, so an untraced request's frame carries no trace id (nor the access log's `-`)."""
+    message: dict[str, Any] = {"kind": REQUEST, "id": frame_id, "body": body}
+    if request_id:
+        message["request_id"] = request_id
+    if is_trace_id(trace_id):
+        message["trace_id"] = trace_id
+    return message
 
 
 def response(

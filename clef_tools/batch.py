@@ -3,31 +3,30 @@
 Bulk work (an eval set, re-enriching a whole collection) sent through the server pays the FIFO,
 the clients' timeouts and retries, and delays the people waiting on interactive requests. This
 command runs the server's own worker on the model flags of `clef-serve` (one definition,
-`clef_protocol.options`), checks every body with the front's own checks, and keeps the worker
-fed with full batches of similar-length requests. The output has one line per input line, in
-OpenAI's batch output shape, keyed by custom_id (order differs from the input's). An existing
-output is resumed. See docs/batch.md.
+`clef_protocol.options`) and drives the server's own dispatch (`clef_frontend.dispatch`: the
+same worker flags, supervision, liveness and resend policy), checks every body with the front's
+own checks, and keeps the worker fed with full batches of similar-length requests. The output
+has one line per input line, in OpenAI's batch output shape, keyed by custom_id (order differs
+from the input's). An existing output is resumed. See docs/batch.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import shlex
+import logging
 import sys
 from pathlib import Path
 
 from clef_frontend.catalogue import Catalogue, served_name
-from clef_frontend.cli import DEFAULTS
-from clef_frontend.dispatch.worker_errors import WorkerFailure
+from clef_frontend.dispatch.settings import add_worker_arguments, worker_settings_from
+from clef_frontend.dispatch.supervisor import StartupFailed
 from clef_frontend.responses import Reply
 from clef_protocol.options import (
     add_model_arguments,
     limits_from,
     non_negative_float,
-    non_negative_int,
     positive_int,
-    worker_argv,
 )
 from clef_tools.batch_input import BadLine, InputScan, Job, read_input
 from clef_tools.batch_output import OutputFile, bad_line, new_request_id
@@ -39,18 +38,13 @@ from clef_tools.batch_runner import (
     EXIT_NOT_STARTED,
     BatchRunner,
     RunState,
-    WorkerSettings,
 )
 from clef_tools.progress import Progress
 from clef_tools.resume import Done, ResumeError, load_done
 from clef_tools.screening import DEFAULT_BODY_LIMIT, Screen
 
-
-def _seconds(value: str) -> float:
-    number = non_negative_float(value)
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
-    return number
+# Worker replacements before a run gives up (a rerun resumes); the server never gives up.
+DEFAULT_MAX_RESTARTS = 5
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,23 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     files.add_argument("--output", required=True, type=Path, metavar="OUT.jsonl",
                        help="answers, one a line; an existing file is resumed")
     add_model_arguments(parser)
-    d = DEFAULTS
-    run = parser.add_argument_group("worker")
-    run.add_argument("--max-batch", type=positive_int, default=None,
-                     help="requests in flight to the worker (default: as clef-serve, by the "
-                          "worker's device)")
-    run.add_argument("--worker-command", default=None,
-                     help="command replacing 'python -m clef_worker' (shell-split); the model "
-                          "flags are appended")
-    run.add_argument("--startup-timeout", type=_seconds, default=d.startup_timeout,
-                     help="seconds the worker may take to load and warm up")
-    run.add_argument("--request-timeout", type=_seconds, default=d.request_timeout,
-                     help="seconds the worker may take to answer one request before it is "
-                          "taken as hung and replaced")
-    run.add_argument("--shutdown-grace", type=_seconds, default=d.shutdown_grace,
-                     help="seconds the worker may take to exit at the end before SIGKILL")
-    run.add_argument("--max-restarts", type=non_negative_int, default=5,
-                     help="worker replacements before the run gives up (a rerun resumes)")
+    add_worker_arguments(parser, max_restarts=DEFAULT_MAX_RESTARTS)
     api = parser.add_argument_group("requests")
     api.add_argument("--served-model-name", nargs="+", type=served_name, default=None,
                      metavar="NAME",
@@ -94,15 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def worker_command(args: argparse.Namespace) -> tuple[str, ...]:
-    """The worker's command line, built as clef-serve builds it."""
-    command = (shlex.split(args.worker_command) if args.worker_command is not None
-               else [sys.executable, "-m", "clef_worker"])
-    if not command:
-        raise ValueError("--worker-command is empty")
-    return (*command, *worker_argv(args))
-
-
 def _remaining(scan: InputScan, done: Done) -> tuple[list[Job], list[BadLine], int]:
     """The jobs and bad lines the output does not answer yet, and how many it does."""
     jobs = [job for job in scan.jobs if job.custom_id not in done.custom_ids]
@@ -110,6 +79,25 @@ def _remaining(scan: InputScan, done: Done) -> tuple[list[Job], list[BadLine], i
            if (b.custom_id not in done.custom_ids if b.custom_id is not None
                else b.line not in done.lines)]
     return jobs, bad, scan.lines - len(jobs) - len(bad)
+
+
+class _ProgressHandler(logging.Handler):
+    """The dispatch package's log lines (a worker lost, replaced, its stack) on stderr, through
+    the progress display so they never break its bar."""
+
+    def __init__(self, progress: Progress) -> None:
+        super().__init__(logging.WARNING)
+        self._progress = progress
+        self.setFormatter(logging.Formatter("clef-batch: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._progress.write(self.format(record))
+
+
+def _log_through(progress: Progress) -> None:
+    root = logging.getLogger()
+    root.handlers[:] = [_ProgressHandler(progress)]
+    root.setLevel(logging.WARNING)
 
 
 def _exit_status(state: RunState, bad_lines: int) -> int:
@@ -132,7 +120,7 @@ def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        command = worker_command(args)
+        settings = worker_settings_from(args)
     except ValueError as exc:
         parser.error(str(exc))
     if not args.input.is_file():
@@ -169,8 +157,7 @@ def _main(argv: list[str] | None) -> int:
     # token count (the front has no tokenizer).
     forward.sort(key=lambda job: len(job.body))
     output = OutputFile(args.output)
-    settings = WorkerSettings(command, args.max_batch, args.startup_timeout,
-                              args.request_timeout, args.shutdown_grace, args.max_restarts)
+    _log_through(progress)
     runner = BatchRunner(forward, settings, output.write, progress.update, progress.write)
     try:
         for item in bad:
@@ -179,7 +166,7 @@ def _main(argv: list[str] | None) -> int:
         for job, refusal in refused:
             runner.record(job, new_request_id(), refusal)
         state = asyncio.run(runner.run()) if forward else runner.state
-    except WorkerFailure as exc:
+    except StartupFailed as exc:
         progress.close()
         print(f"clef-batch: the worker did not start: {exc}", file=sys.stderr)
         return EXIT_NOT_STARTED

@@ -1,32 +1,33 @@
-"""Drive one worker through a list of jobs: the pipe kept full, answers written as they come.
+"""Drive the server's dispatch through a list of jobs: the workers kept fed, answers written as
+they come.
 
-The worker is the server's own (`WorkerChannel.spawn` + `wait_ready`, as the supervisor starts
-it), and it is fed the way the front feeds it: up to `max_batch` requests outstanding, each
-reply letting the next request through from inside the reply's callback, so the worker always
-finds a full batch waiting on its pipe. Jobs arrive sorted by body length, so the requests
-batched together have similar lengths and little padding.
+The workers, their supervision and the queue are the server's own (`clef_frontend.dispatch`):
+the same start, liveness (`--stall-timeout`, `--request-timeout`, the stack of a stuck worker
+in the log), restart with back-off, and resend-alone policy. A request lost with a worker is not
+answered 500 at once, since one request that crashes the worker would otherwise fail every
+request batched with it: it is sent again alone, and the one that fails again alone is the
+cause and gets the API's 500 `inference failed`. What differs from the server is the give-up:
+after `--max-restarts` replacements the run stops (exit status 3), and a rerun resumes.
 
-A worker that dies or hangs takes its outstanding requests with it. Those are not answered
-500 at once: one request that crashes the worker would otherwise fail every request batched with
-it. They are rerun one at a time on a fresh worker; the one that fails again alone is the cause
-and gets the API's 500 `inference failed`. After `max_restarts` replacements the run gives up
-(exit status 3), and a rerun resumes.
+Jobs arrive sorted by body length and are submitted in that order, a bounded window ahead of
+the workers (`FEED_AHEAD`), so requests batched together have similar lengths and little
+padding, and a million-line input never becomes a million queued tickets.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
+import functools
 import signal
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from clef_frontend import responses
-from clef_frontend.dispatch.supervisor import default_max_batch
-from clef_frontend.dispatch.worker_channel import WorkerChannel, WorkerReply
-from clef_frontend.dispatch.worker_errors import WorkerFailure
+from clef_frontend.dispatch.admission import Ticket
+from clef_frontend.dispatch.dispatcher import Dispatcher, DispatchEvents
+from clef_frontend.dispatch.settings import WorkerSettings
 from clef_protocol.messages import ReadyInfo
 from clef_tools.batch_input import Job
 from clef_tools.batch_output import answered_line, new_request_id
@@ -39,17 +40,9 @@ EXIT_NOT_STARTED = 2
 EXIT_GAVE_UP = 3
 EXIT_INTERRUPTED = 130
 
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    """How the worker is started and fed (the front's flags of the same names)."""
-
-    argv: tuple[str, ...]
-    max_batch: int | None = None  # None: the front's default for the worker's device
-    startup_timeout: float = 900.0
-    request_timeout: float = 300.0
-    shutdown_grace: float = 10.0
-    max_restarts: int = 5
+# Tickets queued ahead of the workers: far more than any worker holds (--max-batch), so a
+# worker never waits for the next request, and few enough to keep memory flat.
+FEED_AHEAD = 1024
 
 
 @dataclass
@@ -57,7 +50,7 @@ class RunState:
     """Counts for the summary line and the exit status."""
 
     statuses: Counter[int] = field(default_factory=Counter)
-    # Requests answered by the worker, and the sum of the sizes of the forwards that answered
+    # Requests answered by a worker, and the sum of the sizes of the forwards that answered
     # them: their ratio is the mean batch a request was part of (did batching happen?).
     worker_answers: int = 0
     batch_size_sum: int = 0
@@ -68,179 +61,149 @@ class RunState:
 
 
 class BatchRunner:
-    """Answers `jobs` with one worker (replaced when it fails); `write` gets each output line."""
+    """Answers `jobs` through a `Dispatcher`; `write` gets each output line."""
 
     def __init__(self, jobs: list[Job], settings: WorkerSettings,
                  write: Callable[[bytes], None], on_answer: Callable[[], None],
                  say: Callable[[str], None]) -> None:
         self._pending: deque[Job] = deque(jobs)
-        self._suspects: deque[Job] = deque()  # lost with a failed worker: rerun alone
         self._settings = settings
         self._write = write
         self._on_answer = on_answer
         self._say = say
-        self._ids = itertools.count(1)
-        self._lost_once: set[str] = set()
-        self._channel: WorkerChannel | None = None
-        self._max_batch = 1
-        self._idle = asyncio.Event()
-        self._stop = asyncio.Event()
+        self._open: dict[Ticket, Job] = {}  # submitted, not yet answered
+        self._dispatch: Dispatcher | None = None
+        self._stop = asyncio.Event()  # send nothing more (a signal, or the pool gave up)
+        self._finished = asyncio.Event()  # nothing more will be answered this run
         self._force = False
+        self._announced: set[int] = set()  # worker pids said ready
         self.state = RunState()
 
     # -- the run -----------------------------------------------------------------------------
 
     async def run(self) -> RunState:
-        """Answer every job, or stop early (SIGINT/SIGTERM, too many worker failures)."""
+        """Answer every job, or stop early (SIGINT/SIGTERM, a worker slot gave up).
+
+        Raises StartupFailed when the workers cannot start (nothing ran).
+        """
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self._interrupt)
+        dispatch = self._dispatch = Dispatcher(
+            self._settings, queue_size=FEED_AHEAD, wait_for_workers=True,
+            events=DispatchEvents(ready=self._worker_ready, gave_up=self._gave_up))
+        supervise: asyncio.Task[None] | None = None
         try:
-            while self._has_work() and not self._stop.is_set():
-                channel = await self._start_worker()
-                if channel is None:
-                    break
-                self._channel = channel
-                self._idle.clear()
-                self._pump()
-                broken = asyncio.ensure_future(channel.broken())
-                idle = asyncio.ensure_future(self._idle.wait())
-                await asyncio.wait({broken, idle}, return_when=asyncio.FIRST_COMPLETED)
-                idle.cancel()
-                broken.cancel()
-                if channel.is_broken and not self._stop.is_set() and self._has_work():
-                    await self._replace(channel)
-                    continue
-                break
+            if await self._started(dispatch):
+                supervise = asyncio.create_task(dispatch.supervise(), name="supervisor")
+                self._feed()
+                await self._finished.wait()
         finally:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(signum)
+            if supervise is not None:
+                supervise.cancel()
+                await asyncio.wait({supervise})
+            self.state.restarts = dispatch.pool.restarts
             if not self._has_work():
-                # Said before the worker's exit, which can take seconds: a rate measured up to
+                # Said before the workers' exit, which can take seconds: a rate measured up to
                 # this line is the answering's alone (bench/bench_batch_vs_server.py).
                 mean = self.state.batch_size_sum / max(self.state.worker_answers, 1)
                 self._say(f"clef-batch: every request answered "
                           f"({sum(self.state.statuses.values())} this run, forwards of "
                           f"{mean:.1f} requests on average); stopping the worker")
-            if self._channel is not None:
-                channel, self._channel = self._channel, None
-                if self._force:
-                    await channel.kill()
-                else:
-                    await channel.stop(self._settings.shutdown_grace)
+            await dispatch.stop(grace=0.0 if self._force else None)
         return self.state
 
+    async def _started(self, dispatch: Dispatcher) -> bool:
+        """Start the workers; False when a signal came first (they are stopped again)."""
+        starting = asyncio.ensure_future(dispatch.start())
+        stopped = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if starting.done():
+            starting.result()  # StartupFailed: the operator must see why
+            return True
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        return False
+
     def _has_work(self) -> bool:
-        return bool(self._pending or self._suspects)
+        return bool(self._pending or self._open)
 
-    async def _start_worker(self) -> WorkerChannel | None:
-        """A warm worker, or None when the run stopped (or gave up) before one was ready."""
-        settings = self._settings
-        while True:
-            channel = await WorkerChannel.spawn(settings.argv)
-            ready = asyncio.ensure_future(channel.wait_ready(settings.startup_timeout))
-            stopped = asyncio.ensure_future(self._stop.wait())
-            await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
-            stopped.cancel()
-            if not ready.done():
-                ready.cancel()
-                with contextlib.suppress(asyncio.CancelledError, WorkerFailure):
-                    await ready
-                await channel.kill()
-                return None
-            try:
-                info = ready.result()
-            except WorkerFailure as exc:
-                await channel.kill()
-                if self.state.ready is None:
-                    raise  # the first start: the operator must see why, nothing ran
-                self.state.restarts += 1
-                if self.state.restarts > settings.max_restarts:
-                    self.state.gave_up = f"replacement worker failed to start: {exc}"
-                    return None
-                self._say(f"clef-batch: replacement worker failed to start ({exc}); retrying")
+    def _worker_ready(self) -> None:
+        """A worker became ready (first start or replacement): say so, once per process."""
+        assert self._dispatch is not None
+        for lane in self._dispatch.pool.ready_lanes():
+            info = lane.info
+            if info is None or info.pid in self._announced:
                 continue
-            if self.state.ready is None:
-                self._say(f"clef-batch: worker ready (pid {info.pid}, device {info.device}, "
-                          f"dtype {info.dtype}, warm-up {info.warmup_ms:.0f} ms)")
-                if info.demo:
-                    self._say("clef-batch: DEMO SNAPSHOT: a tiny random model; its answers are "
-                              "meaningless")
+            self._announced.add(info.pid)
+            if self.state.ready is None and info.demo:
+                self._say("clef-batch: DEMO SNAPSHOT: a tiny random model; its answers are "
+                          "meaningless")
             self.state.ready = info
-            self._max_batch = settings.max_batch or default_max_batch(info.device)
-            return channel
+            self._say(f"clef-batch: worker ready (pid {info.pid}, device {info.device}, "
+                      f"dtype {info.dtype}, warm-up {info.warmup_ms:.0f} ms)")
 
-    async def _replace(self, channel: WorkerChannel) -> None:
-        """The worker failed: reap it and count the restart (the next loop starts another)."""
-        failure = await channel.broken()
-        code = await channel.kill()
-        self._channel = None
-        self.state.restarts += 1
-        self._say(f"clef-batch: worker failed ({failure}, exit code {code}); "
-                  f"{len(self._suspects)} request(s) it held will be rerun one at a time")
-        if self.state.restarts > self._settings.max_restarts:
-            self.state.gave_up = (f"the worker failed {self.state.restarts} times "
-                                  f"(--max-restarts {self._settings.max_restarts})")
-            self._stop.set()
+    def _gave_up(self, reason: str) -> None:
+        """A worker slot spent its `--max-restarts`: stop; a rerun resumes what is left."""
+        self.state.gave_up = reason
+        self._stop_sending()
+        self._finished.set()
 
     def _interrupt(self) -> None:
-        """First signal: send nothing more, finish what the worker holds. Second: stop now."""
+        """First signal: send nothing more, finish what the workers hold. Second: stop now."""
         if self._stop.is_set():
             self._force = True
-            self._idle.set()
+            self._finished.set()
             return
         self.state.interrupted = True
         self._say("clef-batch: interrupted; finishing the requests in flight (again to stop "
                   "at once); rerun the same command to resume")
+        self._stop_sending()
+        self._check_finished()
+
+    def _stop_sending(self) -> None:
+        """Nothing more is submitted, and what waits is withdrawn (a rerun answers it)."""
         self._stop.set()
-        if self._channel is None or self._channel.in_flight == 0:
-            self._idle.set()
+        assert self._dispatch is not None
+        for ticket in [t for t in self._open if t.started_at is None]:
+            del self._open[ticket]
+            self._dispatch.admission.abandon(ticket)
 
-    # -- feeding the worker ------------------------------------------------------------------
+    # -- feeding the workers -----------------------------------------------------------------
 
-    def _pump(self) -> None:
-        """Send jobs while the worker has room: suspects alone, the rest up to max_batch."""
-        channel = self._channel
-        if channel is None or channel.is_broken or self._stop.is_set():
-            return
-        while self._suspects or self._pending:
-            if self._suspects:
-                if channel.in_flight:
-                    return
-                self._send(channel, self._suspects.popleft())
-                return
-            if channel.in_flight >= self._max_batch:
-                return
-            self._send(channel, self._pending.popleft())
+    def _feed(self) -> None:
+        """Submit jobs in order while fewer than FEED_AHEAD wait."""
+        dispatch = self._dispatch
+        assert dispatch is not None
+        while self._pending and not self._stop.is_set() and \
+                dispatch.admission.depth < FEED_AHEAD:
+            job = self._pending.popleft()
+            request_id = new_request_id()
+            ticket = dispatch.submit(job.body, request_id)
+            self._open[ticket] = job
+            ticket.outcome.add_done_callback(
+                functools.partial(self._answered, ticket, request_id))
+        self._check_finished()
 
-    def _send(self, channel: WorkerChannel, job: Job) -> None:
-        request_id = new_request_id()
-
-        def deliver(outcome: WorkerReply | WorkerFailure) -> None:
-            self._answered(channel, job, request_id, outcome)
-
-        channel.submit(next(self._ids), job.body, self._settings.request_timeout, deliver,
-                       request_id)
-
-    def _answered(self, channel: WorkerChannel, job: Job, request_id: str,
-                  outcome: WorkerReply | WorkerFailure) -> None:
-        if isinstance(outcome, WorkerFailure):
-            if job.custom_id not in self._lost_once:
-                self._lost_once.add(job.custom_id)
-                self._suspects.append(job)
-                return
-            self._say(f"clef-batch: {job.custom_id!r} (line {job.line}) failed the worker "
-                      f"again when run alone: answered 500 ({outcome})")
-            reply = responses.error(500, responses.INFERENCE_FAILED)
-        else:
-            reply = responses.from_worker(outcome)
+    def _answered(self, ticket: Ticket, request_id: str,
+                  outcome: asyncio.Future[responses.Reply]) -> None:
+        job = self._open.pop(ticket, None)
+        if job is None or outcome.cancelled():
+            return  # withdrawn: a rerun answers it
+        worker_reply = ticket.worker_reply
+        if worker_reply is not None:
             self.state.worker_answers += 1
-            self.state.batch_size_sum += outcome.batch_size
-        self.record(job, request_id, reply)
-        if not channel.is_broken:
-            self._pump()
-        if channel.in_flight == 0 and (self._stop.is_set() or not self._has_work()):
-            self._idle.set()
+            self.state.batch_size_sum += worker_reply.batch_size
+        self.record(job, request_id, outcome.result())
+        self._feed()
+
+    def _check_finished(self) -> None:
+        if not self._open and (self._stop.is_set() or not self._pending):
+            self._finished.set()
 
     def record(self, job: Job, request_id: str, reply: responses.Reply) -> None:
         """Write one job's answer (as its route shapes it) and count it."""

@@ -15,13 +15,10 @@ import asyncio
 import json
 import os
 import sys
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import h11
 
 from clef_frontend import auth
 from clef_frontend.workers_ai import PATH_TEMPLATE
@@ -29,11 +26,10 @@ from clef_protocol.options import positive_int
 from clef_tools.bench_body import generated_body
 from clef_tools.bench_report import RunRow, plot_runs, summarise, write_report
 from clef_tools.http_client import Endpoint, HttpConnection
+from clef_tools.load import EXCHANGE_ERRORS, closed_loop
 from clef_tools.progress import Progress
 
 SYSTEMONE = "/v1/systemone"
-# What a failed exchange raises: the socket, h11 (a malformed answer), or the timeout.
-_EXCHANGE_ERRORS = (OSError, h11.ProtocolError, TimeoutError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,35 +107,13 @@ async def _level(endpoint: Endpoint, target: str, bodies: Bodies, first: int,
                  timeout: float, progress: Progress | None) -> tuple[RunRow, Counter[str]]:
     """One closed-loop run: `concurrency` clients share `requests` requests, numbered from
     `first` (their bodies: `bodies(number)`)."""
-    tickets = iter(range(first, first + requests))
-    latencies: list[float] = []
-    outcomes: Counter[str] = Counter()
-
-    async def client() -> None:
-        connection = HttpConnection(endpoint, timeout)
-        try:
-            for number in tickets:  # one iterator shared by every client: each sent once
-                body = bodies(number)
-                started = time.perf_counter()
-                try:
-                    answer = await connection.request("POST", target, body, headers)
-                    outcome = str(answer.status)
-                except _EXCHANGE_ERRORS as exc:
-                    outcome = type(exc).__name__
-                elapsed = (time.perf_counter() - started) * 1000.0
-                outcomes[outcome] += 1
-                if outcome == "200":
-                    latencies.append(elapsed)
-                if progress is not None:
-                    progress.update()
-        finally:
-            await connection.close()
-
-    started = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(min(concurrency, requests))))
-    wall = time.perf_counter() - started
+    run = await closed_loop(endpoint, "POST", target, bodies, clients=concurrency,
+                            requests=requests, first=first, headers=headers, timeout=timeout,
+                            on_answer=progress.update if progress is not None else None)
+    outcomes = Counter(sample.outcome for sample in run.samples)
+    latencies = [sample.ms for sample in run.samples if sample.outcome == "200"]
     errors = sum(count for outcome, count in outcomes.items() if outcome != "200")
-    return summarise(concurrency, latencies, errors, wall), outcomes
+    return summarise(concurrency, latencies, errors, run.wall_s), outcomes
 
 
 async def run(args: argparse.Namespace, body: bytes) -> int:
@@ -199,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         body = generated_body(args.tokens, args.questions, args.model)
     try:
         return asyncio.run(run(args, body))
-    except (ValueError, *_EXCHANGE_ERRORS) as exc:
+    except (ValueError, *EXCHANGE_ERRORS) as exc:
         print(f"clef-bench: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

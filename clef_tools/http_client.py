@@ -3,14 +3,16 @@
 `clef-bench` needs one persistent connection per simulated client, many of them in one event
 loop, and nothing else: no redirects, no TLS (point it at the server or at a plain-HTTP
 balancer), no cookies. A connection the server closes (`Connection: close`, a restart) is
-reopened for the next request, so a long run survives the server's keep-alive timeout.
+reopened for the next request, so a long run survives the server's keep-alive timeout. The one
+asyncio client of the project: the benchmarks and stress scenarios (`benchlib.http_client`)
+use it too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import h11
@@ -43,8 +45,12 @@ class Endpoint:
 
 @dataclass(frozen=True)
 class HttpResponse:
+    """One answer: its status, its headers (names in lower case, the last value of a repeated
+    one) and its whole body."""
+
     status: int
     body: bytes
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 class HttpConnection:
@@ -58,12 +64,14 @@ class HttpConnection:
         self._conn = h11.Connection(h11.CLIENT)
 
     async def request(self, method: str, target: str, body: bytes = b"",
-                      headers: tuple[tuple[str, str], ...] = ()) -> HttpResponse:
-        """Send one request and read its whole answer; OSError/h11 errors on failure (the
-        connection is then closed and reopened by the next call)."""
+                      headers: tuple[tuple[str, str], ...] = (),
+                      timeout: float | None = None) -> HttpResponse:
+        """Send one request and read its whole answer within `timeout` (default: the
+        connection's); OSError/h11 errors or TimeoutError on failure (the connection is then
+        closed and reopened by the next call)."""
         try:
             return await asyncio.wait_for(self._exchange(method, target, body, headers),
-                                          self._timeout)
+                                          self._timeout if timeout is None else timeout)
         except BaseException:
             await self.close()
             raise
@@ -86,6 +94,7 @@ class HttpConnection:
         self._writer.write(data)
         await self._writer.drain()
         status = 0
+        received: dict[str, str] = {}
         chunks: list[bytes] = []
         while True:
             event = self._conn.next_event()
@@ -93,6 +102,8 @@ class HttpConnection:
                 self._conn.receive_data(await self._reader.read(READ_CHUNK))
             elif isinstance(event, h11.Response):
                 status = event.status_code
+                received = {name.decode("latin-1"): value.decode("latin-1")
+                            for name, value in event.headers}
             elif isinstance(event, h11.Data):
                 chunks.append(bytes(event.data))
             elif isinstance(event, h11.EndOfMessage):
@@ -103,7 +114,7 @@ class HttpConnection:
             self._conn.start_next_cycle()
         else:
             await self.close()  # `Connection: close`: the next request opens a new one
-        return HttpResponse(status, b"".join(chunks))
+        return HttpResponse(status, b"".join(chunks), received)
 
     async def close(self) -> None:
         writer, self._writer, self._reader = self._writer, None, None

@@ -1,13 +1,15 @@
 """The worker's log set-up: stderr lines that name the request they are about.
 
 While a request is being answered, every log record (the loop's, the executor's, a library's)
-carries `request_id=<the front's X-Request-Id>`, so a failure in the worker log can be matched
-to the access-log line and to what the client saw. The id comes from the request frame's
-`trace_id`; a context variable holds it for the length of the request.
+carries `request_id=<the front's X-Request-Id>` and, when the request is traced,
+`trace_id=<its W3C trace id>`, so a failure in the worker log can be matched to the access-log
+line, to what the client saw, and to the request's trace. Both come from the request frame; a
+context variable holds them for the length of the request.
 
 With `--log-format json` the lines are the front's JSON shape (`clef_protocol.logfmt`), the
-request id a key of its own; the worker is not told the W3C trace id, so its lines join a trace
-through the front's access line, which carries both. Everything else that reaches stderr in
+request id and the trace id keys of their own. `enable_stack_dumps` makes the worker write every
+thread's stack to its stderr on `STACK_DUMP_SIGNAL` and exit, which the front asks of a worker
+it is about to kill as hung or stalled. Everything else that reaches stderr in
 Python (the model libraries' own handlers, warnings, stray prints, which `stdio` sends to
 stderr) is turned into JSON lines as well, and so is what native code writes to file
 descriptors 1 and 2 (a C++ library's warning, a compiler the kernels run): those descriptors
@@ -21,6 +23,7 @@ import atexit
 import codecs
 import contextlib
 import contextvars
+import faulthandler
 import importlib.util
 import logging
 import os
@@ -30,22 +33,31 @@ from collections.abc import Iterator
 from typing import TextIO
 
 from clef_protocol.logfmt import JsonFormatter, JsonLinesStream, capture_stray_output
-from clef_protocol.messages import is_trace_id
+from clef_protocol.messages import STACK_DUMP_SIGNAL, is_request_id, is_trace_id
 
 FORMAT = "%(asctime)s clef-worker[%(process)d] %(levelname)s %(trace)s%(message)s"
 
-_current: contextvars.ContextVar[str | None] = contextvars.ContextVar("trace_id", default=None)
+# The request being answered: (request_id, trace_id); the trace id is "" when not traced.
+_current: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
+    "request", default=None)
 
 
 class TraceFilter(logging.Filter):
-    """Adds `record.trace` (`request_id=... ` during a request, empty otherwise) for the text
-    format and `record.request_id` for the JSON one."""
+    """Adds `record.trace` (`request_id=... [trace_id=...] ` during a request, empty otherwise)
+    for the text format, and `record.request_id` and `record.trace_id` for the JSON one."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        trace_id = _current.get()
-        record.trace = f"request_id={trace_id} " if trace_id else ""
-        if trace_id and not hasattr(record, "request_id"):
-            record.request_id = trace_id
+        current = _current.get()
+        if current is None:
+            record.trace = ""
+            return True
+        request_id, trace_id = current
+        record.trace = (f"request_id={request_id} "
+                        + (f"trace_id={trace_id} " if trace_id else ""))
+        if not hasattr(record, "request_id"):
+            record.request_id = request_id
+            if trace_id:
+                record.trace_id = trace_id
         return True
 
 
@@ -126,11 +138,27 @@ def _adopt_transformers_logging() -> None:
 
 
 @contextlib.contextmanager
-def request_context(trace_id: object) -> Iterator[None]:
-    """Tag log records with `trace_id` while the block runs; an id that breaks the rule (the
-    worker trusts no input) is logged as `-` rather than written into the log verbatim."""
-    token = _current.set(trace_id if isinstance(trace_id, str) and is_trace_id(trace_id) else "-")
+def request_context(request_id: object, trace_id: object = "") -> Iterator[None]:
+    """Tag log records with the request's ids while the block runs; a request id that breaks
+    the rule (the worker trusts no input) is logged as `-` rather than written into the log
+    verbatim, and a trace id that is not one is left out."""
+    token = _current.set((
+        request_id if isinstance(request_id, str) and is_request_id(request_id) else "-",
+        trace_id if isinstance(trace_id, str) and is_trace_id(trace_id) else ""))
     try:
         yield
     finally:
         _current.reset(token)
+
+
+def enable_stack_dumps() -> None:
+    """On `STACK_DUMP_SIGNAL`, write every thread's Python stack to stderr, then exit.
+
+    faulthandler writes from the signal handler itself, in C, so the stack comes out even while
+    the main thread is stuck inside a C call (a driver call, a deadlocked kernel launch) and
+    never takes the GIL; it then chains to the signal's default action, which ends the process
+    (the front was about to kill it anyway). It writes to the descriptor stderr has now: with
+    `--log-format json` that is the pipe `_capture_descriptors` wraps into JSON lines.
+    """
+    faulthandler.register(STACK_DUMP_SIGNAL, file=sys.__stderr__ or sys.stderr,
+                          all_threads=True, chain=True)

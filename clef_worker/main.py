@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from clef_protocol import messages
-from clef_protocol.errors import BadRequestBody, RequestInvalid
+from clef_protocol.errors import BadRequestBody, ProtocolError, RequestInvalid
 from clef_protocol.frames import (
-    FrameError,
     encode_frame,
     read_frame_blocking,
     write_frame_blocking,
@@ -41,7 +40,7 @@ from clef_worker.batching import (
 from clef_worker.errors import ExecutorBroken, StartupError
 from clef_worker.executor import Executor
 from clef_worker.logs import configure as configure_logs
-from clef_worker.logs import request_context
+from clef_worker.logs import enable_stack_dumps, request_context
 
 log = logging.getLogger("clef_worker")
 
@@ -93,7 +92,7 @@ def reply_for(request_id: int, outcome: Outcome, worker_ms: float) -> tuple[dict
 class Received:
     """A request frame and when it was read (its `worker_ms` counts from then)."""
 
-    frame: dict
+    frame: messages.Request
     read_at: float
 
 
@@ -132,25 +131,19 @@ class FrameReader:
     def _read_one(self) -> None:
         try:
             message = read_frame_blocking(self.channel_in)
-        except FrameError as exc:
+            frame = None if message is None else messages.from_front(message)
+        except ProtocolError as exc:
             log.error("unreadable frame from the front, exiting%s: %s",
                       " after the requests already read" if self.pending else "", exc)
             self.stop = messages.EXIT_PROTOCOL_ERROR
             return
-        if message is None or message["kind"] == messages.SHUTDOWN:
+        if frame is None or isinstance(frame, messages.Shutdown):
             log.info("shutting down")
             self.stop = 0
-        elif message["kind"] == messages.PING and _is_int(message.get("seq")):
-            write_frame_blocking(self.channel_out, messages.pong(message["seq"]))
-        elif message["kind"] == messages.REQUEST and _is_int(message.get("id")):
-            self.pending.append(Received(message, time.perf_counter()))
+        elif isinstance(frame, messages.Ping):
+            write_frame_blocking(self.channel_out, messages.pong(frame.seq))
         else:
-            log.error("unexpected %r frame from the front, exiting", message["kind"])
-            self.stop = messages.EXIT_PROTOCOL_ERROR
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+            self.pending.append(Received(frame, time.perf_counter()))
 
 
 def serve(executor: Executor | BatchingExecutor, channel_in: BinaryIO, channel_out: BinaryIO,
@@ -178,20 +171,21 @@ def _answer_all(batcher: BatchingExecutor, requests: list[Received], reader: Fra
                 policy: BatchPolicy) -> bool:
     """Write one reply per request, in order; True when the executor broke (the requests
     not yet run then fail with 500 without touching the device)."""
-    ids = [int(request.frame["id"]) for request in requests]
-    bodies = [request.frame.get("body") for request in requests]
+    ids = [request.frame.id for request in requests]
+    bodies: list[object] = [request.frame.body for request in requests]
     channel_out = reader.channel_out
     for group in answer_groups(batcher, bodies, policy):
         frames = []
         for position, outcome in group:
-            with request_context(requests[position].frame.get("trace_id")):
+            frame = requests[position].frame
+            with request_context(frame.request_id, frame.trace_id):
                 reply, broken = reply_for(ids[position], outcome,
                                           _elapsed_ms(requests[position].read_at))
             frames.append(encode_frame(reply))
             if broken:
                 write_frames(channel_out, frames)
                 _fail_rest(ids[position + 1:], channel_out)
-                _fail_rest([int(r.frame["id"]) for r in reader.pending], channel_out)
+                _fail_rest([r.frame.id for r in reader.pending], channel_out)
                 reader.pending.clear()
                 return True
         write_frames(channel_out, frames)  # a forward's replies leave together
@@ -252,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logs()
     args = parse_args(argv)
     configure_logs(log_format=args.log_format)
+    enable_stack_dumps()
     keep_freed_memory()
     executor = start(args, channel_out)
     if executor is None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from stress.common import Connection, Report, build_request, clef_body, main_for
+from stress.common import Connection, Report, clef_body, main_for
 
 DISTINCT = 5
 
@@ -41,7 +41,7 @@ async def cache_lookups(port: int) -> dict[str, int]:
     """`clef_answer_cache_total` by result, from /metrics."""
     probe = Connection(port)
     try:
-        text = (await probe.exchange(build_request("GET", "/metrics"))).body.decode()
+        text = (await probe.request("GET", "/metrics")).body.decode()
     finally:
         await probe.close()
     return {sample.labels["result"]: int(sample.value)

@@ -25,7 +25,6 @@ from typing import Any
 from benchlib.http_client import (
     HOST,
     WAIT,
-    Answer,
     Connection,
     build_request,
     clef_body,
@@ -34,7 +33,7 @@ from benchlib.http_client import (
 from benchlib.serve import Serve
 from benchlib.timing import percentile
 
-__all__ = ["HOST", "WAIT", "Answer", "Connection", "Serve", "build_request", "clef_body",
+__all__ = ["HOST", "WAIT", "Connection", "Serve", "build_request", "clef_body",
            "health", "percentile", "read_answer"]
 
 
@@ -43,7 +42,7 @@ async def health(port: int) -> dict[str, Any]:
     while their clients hold theirs)."""
     probe = Connection(port)
     try:
-        return json.loads((await probe.exchange(build_request("GET", "/health"))).body)
+        return json.loads((await probe.request("GET", "/health")).body)
     finally:
         await probe.close()
 

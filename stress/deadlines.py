@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from stress.common import Connection, Report, build_request, clef_body, latency_rows, main_for
+from stress.common import Connection, Report, clef_body, latency_rows, main_for
 
 DEADLINE_MS = 100
 
@@ -40,15 +40,16 @@ async def run(port: int, seconds: float) -> tuple[Counter[int], list[float]]:
     expired: list[float] = []
     stop = time.monotonic() + seconds
 
+    deadline = (("X-Clef-Deadline-Ms", str(DEADLINE_MS)),)
+
     async def client(n: int) -> None:
         connection = Connection(port)
         try:
             i = 0
             while time.monotonic() < stop:
-                request = build_request("POST", "/v1/systemone", clef_body(tag=f"c{n}-{i}"),
-                                        headers=[("X-Clef-Deadline-Ms", str(DEADLINE_MS))])
                 began = time.monotonic()
-                answer = await connection.exchange(request)
+                answer = await connection.request("POST", "/v1/systemone",
+                                                  clef_body(tag=f"c{n}-{i}"), deadline)
                 statuses[answer.status] += 1
                 if answer.status == 504:
                     expired.append(time.monotonic() - began)

@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from stress.common import Connection, Report, build_request, clef_body, main_for
+from stress.common import Connection, Report, clef_body, main_for
 
 REQUEST_TIMEOUT = 1.0
 
@@ -57,7 +57,7 @@ async def run(port: int, hangs: int, never: Path
     async def ready_pid() -> int | None:
         probe = Connection(port)
         try:
-            document = json.loads((await probe.exchange(build_request("GET", "/health"))).body)
+            document = json.loads((await probe.request("GET", "/health")).body)
         finally:
             await probe.close()
         return document["worker"]["pid"] if document["status"] == "ready" else None

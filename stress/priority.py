@@ -11,7 +11,6 @@ import time
 from stress.common import (
     Connection,
     Report,
-    build_request,
     clef_body,
     latency_rows,
     main_for,
@@ -47,10 +46,10 @@ async def run(port: int, seconds: float) -> tuple[list[float], list[float], set[
         try:
             i = 0
             while time.monotonic() < stop:
-                request = build_request("POST", "/v1/systemone", clef_body(tag=f"{tag}-{i}"),
-                                        headers=headers)
                 began = time.monotonic()
-                answer = await connection.exchange(request, timeout=60)
+                answer = await connection.request("POST", "/v1/systemone",
+                                                  clef_body(tag=f"{tag}-{i}"), tuple(headers),
+                                                  timeout=60)
                 latencies.append(time.monotonic() - began)
                 statuses.add(answer.status)
                 i += 1

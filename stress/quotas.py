@@ -10,7 +10,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from stress.common import Connection, Report, build_request, clef_body, main_for
+from stress.common import Connection, Report, clef_body, main_for
 
 RATE, BURST = 20, 20
 FLOOD_KEY, CALM_KEY = "sk-stress-flood-1a2b", "sk-stress-calm-3c4d"
@@ -51,8 +51,7 @@ async def run(port: int, seconds: float
             i = 0
             while time.monotonic() < stop:
                 body = clef_body(tag=f"{key[-4:]}-{index}-{i}")
-                answer = await connection.exchange(build_request("POST", "/v1/systemone", body,
-                                                                 headers=auth))
+                answer = await connection.request("POST", "/v1/systemone", body, tuple(auth))
                 statuses[answer.status] += 1
                 if answer.status == 429:
                     retry_after[int(answer.headers["retry-after"])] += 1

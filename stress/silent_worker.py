@@ -26,12 +26,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from benchlib.paths import TINY_SNAPSHOT
+from clef_tools.http_client import HttpResponse
 from stress.common import (
-    Answer,
     Connection,
     Report,
     Serve,
-    build_request,
     health,
     latency_rows,
     main_for,
@@ -180,7 +179,7 @@ async def slow_but_live(report: Report, serve: Serve) -> None:
     report.check(after["restarts"] == restarts, "slow but live: no worker was killed")
 
 
-async def post(port: int, raw_body: bytes, timeout: float) -> Answer:
+async def post(port: int, raw_body: bytes, timeout: float) -> HttpResponse:
     connection = Connection(port)
     try:
         return await connection.post(raw_body, timeout=timeout)
@@ -191,7 +190,7 @@ async def post(port: int, raw_body: bytes, timeout: float) -> Answer:
 async def counter(port: int, name: str) -> float:
     connection = Connection(port)
     try:
-        text = (await connection.exchange(build_request("GET", "/metrics"))).body.decode()
+        text = (await connection.request("GET", "/metrics")).body.decode()
     finally:
         await connection.close()
     match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)

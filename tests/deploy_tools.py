@@ -1,4 +1,5 @@
-"""Finding the command-line tools the deploy/ checks run (kubectl, promtool, hadolint).
+"""What the deploy/ checks share: the files they read (`RULES`, `BASE`, the scoring routes)
+and finding the command-line tools they run (kubectl, promtool, hadolint).
 
 Locally a missing tool skips its test with the package that brings it; under CI (`CI` set) it
 fails instead, because `.ci/run` installs every one of them and a silent skip there would hide a
@@ -9,12 +10,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from clef_frontend.routes import Route
+from tests.conftest import REPO
+
+RULES = REPO / "deploy" / "prometheus" / "clef-serve-rules.yaml"
+K8S = REPO / "deploy" / "k8s"
+BASE = K8S / "base"
+SCORING = (Route.SYSTEMONE, Route.WORKERS_AI)
 
 # Where each tool comes from, for the skip message (and .ci/run, which installs them).
 SOURCES = {
@@ -69,3 +80,21 @@ def require_kustomize() -> str:
         pytest.skip(f"kubectl at {kubectl} has kustomize {'.'.join(map(str, version))}; the "
                 "overlays need v4 or newer (Components)")
     return kubectl
+
+
+def scoring_matcher(rules: dict[str, Any]) -> str:
+    """The `route=~"..."` regex of the scoring-requests recording rule (the one place the
+    rules name the scoring routes)."""
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if rule.get("record") == "clef:scoring_requests:rate5m":
+                match = re.search(r'route=~"([^"]+)"', rule["expr"])
+                assert match, "the recording rule must select routes with route=~"
+                return match[1]
+    raise AssertionError("no clef:scoring_requests:rate5m recording rule")
+
+
+def one(documents: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    matches = [doc for doc in documents if doc["kind"] == kind]
+    assert len(matches) == 1, f"expected one {kind}, found {len(matches)}"
+    return matches[0]

@@ -24,7 +24,7 @@ the request body (the front validates first, so bodies are valid Clef requests p
   "oversize": true  write a frame header announcing 2 GiB
   "print": true     print to stdout and write to fd 1 (must not reach the channel)
   "error": "text"   answer an `error` frame, status 422 (or "error_status"); a 5xx is logged
-                    through clef_worker.logs, tagged with the frame's trace_id
+                    through clef_worker.logs, tagged with the frame's request and trace ids
   "truncated_tokens": N   report N state tokens dropped (input_tokens is the body's length)
   "batch_size": N   report that a forward of N requests answered it
   "stages": {...}   send this as the response frame's `stages` (encode_ms, forward_ms, head_ms)
@@ -58,7 +58,7 @@ from clef_protocol.frames import read_frame_blocking, write_frame_blocking  # no
 from clef_protocol.options import add_model_arguments  # noqa: E402
 from clef_worker.batching import frame_waiting  # noqa: E402
 from clef_worker.logs import configure as configure_logs  # noqa: E402
-from clef_worker.logs import request_context  # noqa: E402
+from clef_worker.logs import enable_stack_dumps, request_context  # noqa: E402
 
 logger = logging.getLogger("fake_worker")
 
@@ -191,6 +191,7 @@ def main() -> int:
     configure_logs()
     args = parse_args()
     configure_logs(log_format=args.log_format)
+    enable_stack_dumps()  # as the real worker: a hung one says where it was stuck
     out, inp = _CHANNEL_OUT, _CHANNEL_IN
     time.sleep(args.ready_delay)
     while args.ready_gate and not os.path.exists(args.ready_gate):
@@ -226,7 +227,7 @@ def main() -> int:
         if message["kind"] == messages.PING:
             write_frame_blocking(out, messages.pong(message["seq"]))
             continue
-        with request_context(message.get("trace_id")):
+        with request_context(message.get("request_id"), message.get("trace_id")):
             answer(args, out, message, reader)
 
 

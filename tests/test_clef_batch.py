@@ -7,6 +7,7 @@ lines and stderr lines, each with a bound, never on a sleep.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -301,6 +302,48 @@ def test_sigint_finishes_the_requests_in_flight_then_resumes(tmp_path: Path) -> 
     code, stderr = run_batch(*args, *fake_worker())
     assert code == 0, stderr
     assert sorted(by_id(read_output(out))) == sorted(r["custom_id"] for r in records)
+
+
+def test_a_wedged_worker_is_replaced_and_its_lines_sent_again(tmp_path: Path) -> None:
+    """SIGSTOP the worker mid-run: with `--stall-timeout 5` (the subject; the default is 30 s)
+    the run notices within seconds, logs the worker's stack, replaces it and sends its lines
+    again; it finishes well within 60 s of the stop, every line answered exactly once, 200."""
+    records = [{"custom_id": f"s{i:04d}", "body": clef_request(tag=f"line-{i}")}
+               for i in range(1500)]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(source, records)
+    # 5 ms a request keeps the run going long enough to stop it halfway (the fake worker answers
+    # one request at a time: about 8 s of work in all).
+    batch = Batch("--input", str(source), "--output", str(out), "--stall-timeout", "5",
+                  *fake_worker("--delay", "0.005"))
+    stopped_pid = 0
+    try:
+        stopped_pid = int(batch.wait_for(r"worker ready \(pid (\d+)")[1])
+        wait_until(lambda: output_lines(out) >= 300, "300 answers before the stop")
+        os.kill(stopped_pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        assert output_lines(out) < len(records), "the run finished before the worker stopped"
+        code = batch.finish(timeout=60)
+        took = time.monotonic() - stopped_at
+    finally:
+        if batch.process.poll() is None:
+            batch.process.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped_pid, signal.SIGCONT)
+    assert code == 0, batch.stderr
+    assert took < 60, took
+    got = by_id(read_output(out))  # by_id fails on a line answered twice
+    assert sorted(got) == [r["custom_id"] for r in records]
+    assert {r["response"]["status_code"] for r in got.values()} == {200}
+    stderr = batch.stderr
+    assert re.search(rf"worker pid={stopped_pid} failed .*no pong and no reply within 5s.*"
+                     r"reason=stalled", stderr), stderr
+    assert re.search(r"[1-9]\d* worker restart\(s\)", stderr), stderr
+    # Where it was stuck, before it was replaced: the worker's stack, asked for before the kill.
+    stuck = stderr.index(f"worker pid={stopped_pid} is stuck")
+    stack = stderr.index("most recent call first", stuck)
+    assert "fake_worker.py" in stderr[stack:]
+    assert stack < stderr.index(f"worker pid={stopped_pid} failed")
 
 
 # -- the pieces, without a worker --------------------------------------------------------------

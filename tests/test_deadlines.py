@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from clef_frontend.dispatch.admission import Admission
+from tests.doubles import FakeLane, FakeWorkers
 from tests.frontend_helpers import Serve, background, clef_body
-from tests.test_frontend_units import FakeLane, FakeWorkers
 from tests.traffic_helpers import metric
 
 
@@ -35,7 +35,7 @@ def test_a_deadline_that_passes_in_the_queue_never_reaches_the_worker(
         assert log.read_text().split() == ["running", "after"]  # "late" never reached it
         priority = dict(headers).get("X-Clef-Priority", "interactive")
         assert metric(serve, "clef_deadline_expired_total", **{"class": priority}) == 1
-        serve.wait_for(r"request id=\d+ request_id=\S+ class=\w+: deadline passed after \d+ ms")
+        serve.wait_for(r"frame_id=\d+ request_id=\S+ class=\w+: deadline passed after \d+ ms")
 
 
 def test_a_request_within_its_deadline_is_answered(tmp_path: Path) -> None:

@@ -18,12 +18,10 @@ import yaml
 from clef_frontend.metrics import route_label
 from clef_frontend.routes import Route
 from tests.conftest import REPO
-from tests.deploy_tools import require
+from tests.deploy_tools import RULES, SCORING, require, scoring_matcher
 
-RULES = REPO / "deploy" / "prometheus" / "clef-serve-rules.yaml"
 RULE_TESTS = RULES.with_name("clef-serve-rules.test.yaml")
 PROMETHEUS_RULE = REPO / "deploy" / "k8s" / "components" / "monitoring" / "prometheusrule.yaml"
-SCORING = (Route.SYSTEMONE, Route.WORKERS_AI)
 HEADER = """\
 # deploy/prometheus/clef-serve-rules.yaml as a PrometheusRule: the groups are a copy of that file,
 # which owns them (tests/test_deploy_alerts.py fails when the two differ). After editing the
@@ -72,18 +70,6 @@ def test_prometheus_rule_carries_the_rules_file() -> None:
     assert rule["spec"]["groups"] == groups(), (
         "the PrometheusRule differs from deploy/prometheus/clef-serve-rules.yaml: run "
         "`python -m tests.test_deploy_alerts --write`")
-
-
-def scoring_matcher(rules: dict[str, Any]) -> str:
-    """The `route=~"..."` regex of the scoring-requests recording rule (the one place the
-    rules name the scoring routes)."""
-    for group in rules["groups"]:
-        for rule in group["rules"]:
-            if rule.get("record") == "clef:scoring_requests:rate5m":
-                match = re.search(r'route=~"([^"]+)"', rule["expr"])
-                assert match, "the recording rule must select routes with route=~"
-                return match[1]
-    raise AssertionError("no clef:scoring_requests:rate5m recording rule")
 
 
 def test_the_route_matcher_is_the_scoring_routes() -> None:

@@ -21,9 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from clef_frontend.metrics import route_label
 from clef_frontend.routes import Route
 from tests.conftest import REPO
-from tests.deploy_tools import require
+from tests.deploy_tools import RULES, SCORING, require, scoring_matcher
 from tests.frontend_helpers import Serve, clef_body
-from tests.test_deploy_alerts import RULES, SCORING, scoring_matcher
 
 DASHBOARD = REPO / "deploy" / "grafana" / "clef-serve.json"
 # Grafana's variables, replaced by values a query would run with.

@@ -22,8 +22,7 @@ from packaging.requirements import Requirement
 
 from clef_frontend.cli import build_parser, config_from
 from tests.conftest import REPO
-from tests.deploy_tools import find, require
-from tests.test_deploy_manifests import BASE, one
+from tests.deploy_tools import BASE, find, one, require
 
 DEPLOY = REPO / "deploy"
 DOCKERFILE = DEPLOY / "Dockerfile"

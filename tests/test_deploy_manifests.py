@@ -16,11 +16,8 @@ import yaml
 
 from clef_frontend.cli import build_parser, config_from
 from clef_frontend.server import FINAL_WRITE_SECONDS
-from tests.conftest import REPO
-from tests.deploy_tools import require_kustomize
+from tests.deploy_tools import BASE, K8S, one, require_kustomize
 
-K8S = REPO / "deploy" / "k8s"
-BASE = K8S / "base"
 OVERLAYS = sorted(path.parent for path in (K8S / "overlays").glob("*/kustomization.yaml"))
 KUSTOMIZATIONS = [BASE, *OVERLAYS]
 # The oldest Kubernetes release still commonly run, and the newest the package knows.
@@ -52,12 +49,6 @@ def base_documents() -> list[tuple[Path, dict[str, Any]]]:
             if document:
                 found.append((path, document))
     return found
-
-
-def one(documents: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    matches = [doc for doc in documents if doc["kind"] == kind]
-    assert len(matches) == 1, f"expected one {kind}, found {len(matches)}"
-    return matches[0]
 
 
 def base_kinds() -> list[dict[str, Any]]:

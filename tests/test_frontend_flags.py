@@ -108,10 +108,51 @@ def test_the_device_grammar_refuses(text: str) -> None:
 def test_devices_are_parsed_by_the_one_grammar_and_pin_their_gpu() -> None:
     parser = build_parser()
     args = parser.parse_args(["--devices", "cuda:1, cpu", "--worker-command", "w"])
-    slots = plan_slots(config_from(args))
+    slots = plan_slots(config_from(args).workers)
     assert [(slot.name, slot.env.get("CUDA_VISIBLE_DEVICES")) for slot in slots] == [
         ("cuda:1", "1"), ("cpu", None)]
     assert slots[0].argv[-2:] == ("--device", "cuda")
     for refused in ("cuda", "auto", "cuda:1,cuda:1", "tpu:0"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--devices", refused])
+
+
+def _worker_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[object, str | None]]:
+    """The worker group's flags: name -> (default, help)."""
+    group = next(g for g in parser._action_groups if g.title == "workers")
+    return {action.option_strings[0]: (action.default, action.help)
+            for action in group._group_actions}
+
+
+def test_clef_serve_and_clef_batch_share_one_worker_flag_group(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Same flags, same defaults, same help: one definition (dispatch.settings); clef-batch
+    adds only its give-up (`--max-restarts`), and both refuse a bad value the same way."""
+    from clef_tools.batch import build_parser as batch_parser
+
+    serve, batch = _worker_flags(build_parser()), _worker_flags(batch_parser())
+    assert set(batch) - set(serve) == {"--max-restarts"}
+    assert {name: batch[name] for name in serve} == serve
+    assert serve["--stall-timeout"][0] == 30.0
+    for parser, required in ((build_parser(), []),
+                             (batch_parser(), ["--input", "i", "--output", "o"])):
+        assert parser.parse_args([*required, "--stall-timeout", "5"]).stall_timeout == 5.0
+        with pytest.raises(SystemExit):
+            parser.parse_args([*required, "--stall-timeout", "0"])
+        assert "--stall-timeout: expected a positive number of seconds" in capsys.readouterr().err
+
+
+def test_clef_tools_imports_nothing_from_the_servers_cli() -> None:
+    """clef_tools reaches the front through its packages (dispatch, routes), never through
+    `clef-serve`'s command line."""
+    import ast
+    from pathlib import Path
+
+    import clef_tools
+
+    for path in Path(clef_tools.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                     for alias in node.names}
+        assert "clef_frontend.cli" not in imported, path

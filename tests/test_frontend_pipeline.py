@@ -15,14 +15,15 @@ import pytest
 
 from clef_frontend import responses, workers_ai
 from clef_frontend.config import ServerConfig
-from clef_frontend.dispatch.admission import Admission, Deliver
-from clef_frontend.dispatch.worker_channel import WorkerReply
+from clef_frontend.dispatch.admission import Admission
+from clef_frontend.dispatch.worker_errors import Deliver
 from clef_frontend.http1 import BODY_END, Http1Session, Need, RefusedHead, RequestHead
 from clef_frontend.metrics import LiveState, Metrics
 from clef_frontend.pipeline import ClientGone, Pipeline, RequestContext
 from clef_frontend.responses import Reply
 from clef_frontend.routes import Route
-from tests.test_frontend_units import FakeLane, FakeWorkers
+from clef_protocol.messages import Request, WorkerReply
+from tests.doubles import FakeLane, FakeWorkers
 
 BODY = json.dumps({"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}).encode()
 RUN = "/accounts/acct-1/ai/run/@cf/cloudflare/clef-flash"
@@ -85,8 +86,8 @@ class SignallingLane(FakeLane):
         super().__init__(room)
         self.reached = asyncio.Event()
 
-    def submit(self, request_id: int, body: bytes, deliver: Deliver, trace_id: str = "") -> None:
-        super().submit(request_id, body, deliver, trace_id)
+    def submit(self, request: Request, deliver: Deliver) -> None:
+        super().submit(request, deliver)
         self.reached.set()
 
 
@@ -129,7 +130,7 @@ async def answered_by_lane(rig: Rig, ctx: RequestContext) -> Reply | None:
     await asyncio.wait({task, reached}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
     reached.cancel()
     if rig.lane.held:
-        _, _, deliver = rig.lane.held.pop(0)
+        _, deliver = rig.lane.held.pop(0)
         deliver(WorkerReply(200, b'{"answers": 1}', None, 12.0, input_tokens=40,
                             truncated_tokens=3, batch_size=2))
     return await asyncio.wait_for(task, 10)

@@ -13,13 +13,14 @@ from hypothesis import strategies as st
 
 from clef_frontend import responses
 from clef_frontend.config import ServerConfig
-from clef_frontend.dispatch.admission import Admission, Deliver, Refused, Ticket
-from clef_frontend.dispatch.worker_channel import WorkerReply, _reply_from
-from clef_frontend.dispatch.worker_errors import WorkerFailure
+from clef_frontend.dispatch.admission import Admission, Refused, Ticket
 from clef_frontend.framing import reparse_without_framing, scan_framing
 from clef_frontend.responses import Reply
 from clef_frontend.routes import Route, check_post_head, media_type, route
 from clef_protocol import messages
+from clef_protocol.errors import ProtocolError
+from clef_protocol.messages import WorkerReply
+from tests.doubles import FakeLane, FakeWorkers
 
 LIMIT = 8 * 1024 * 1024
 
@@ -125,15 +126,16 @@ def test_worker_500_never_leaks_its_cause() -> None:
 
 def test_a_worker_reply_without_a_valid_status_is_a_protocol_failure() -> None:
     good = messages.response(7, b"{}", 1.0)
-    assert _reply_from(good).status == 200
+    assert messages.from_worker(good) == WorkerReply(200, b"{}", None, 1.0, id=7)
     for broken in ({k: v for k, v in good.items() if k != "status"}, {**good, "status": "200"},
                    {**good, "status": 422}):
-        with pytest.raises(WorkerFailure, match="malformed response frame"):
-            _reply_from(broken)
+        with pytest.raises(ProtocolError, match="malformed response frame"):
+            messages.from_worker(broken)
     refusal = messages.error(7, 422, "bad", 1.0)
-    assert _reply_from(refusal).detail == "bad"
-    with pytest.raises(WorkerFailure, match="malformed error frame"):
-        _reply_from({k: v for k, v in refusal.items() if k != "status"})
+    reply = messages.from_worker(refusal)
+    assert isinstance(reply, WorkerReply) and reply.detail == "bad"
+    with pytest.raises(ProtocolError, match="malformed error frame"):
+        messages.from_worker({k: v for k, v in refusal.items() if k != "status"})
 
 
 _FRAMING_VALUES = st.sampled_from(["5", "abc", "5, 5", "-1", "+5", " 5", "chunked", "gzip", ""])
@@ -165,44 +167,6 @@ def test_config_refuses_a_body_limit_beyond_one_frame() -> None:
     with pytest.raises(ValueError, match="does not fit a worker frame"):
         ServerConfig(worker_argv=("w",), body_limit=64 * 1024 * 1024)
     ServerConfig(worker_argv=("w",), body_limit=8 * 1024 * 1024)
-
-
-class FakeLane:
-    """A worker as admission sees it: holds up to `room` requests until the test answers."""
-
-    def __init__(self, room: int) -> None:
-        self.room = room
-        self.ready = True
-        self.held: list[tuple[int, bytes, Deliver]] = []
-        self.sent: list[bytes] = []
-
-    def has_room(self) -> bool:
-        return self.ready and len(self.held) < self.room
-
-    @property
-    def in_flight(self) -> int:
-        return len(self.held)
-
-    def submit(self, request_id: int, body: bytes, deliver: Deliver, trace_id: str = "") -> None:
-        self.held.append((request_id, body, deliver))
-        self.sent.append(body)
-
-    def answer_oldest(self) -> None:
-        _, body, deliver = self.held.pop(0)
-        deliver(WorkerReply(200, body, None, 0.0))
-
-    def crash(self) -> None:
-        held, self.held = self.held, []
-        for _, _, deliver in held:
-            deliver(WorkerFailure("worker closed its output"))
-
-
-class FakeWorkers:
-    def __init__(self, *lanes: FakeLane) -> None:
-        self.lanes = list(lanes)
-
-    def unavailable_reason(self) -> str | None:
-        return None if any(lane.ready for lane in self.lanes) else "worker is restarting"
 
 
 def test_admission_is_fifo_and_drops_abandoned_tickets() -> None:

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from clef_frontend.cli import build_parser, workers_from
+from clef_frontend.cli import build_parser
 from clef_frontend.config import ServerConfig
 from clef_frontend.dispatch import worker_pool
+from clef_frontend.dispatch.settings import WorkerSettings, workers_from
 from clef_frontend.dispatch.supervisor import DEFAULT_MAX_BATCH_CPU
 from clef_frontend.dispatch.worker_pool import plan_slots
 from tests.frontend_helpers import WAIT, Response, Serve, background, clef_body
@@ -32,12 +33,12 @@ def test_devices_pin_each_worker_with_cuda_visible_devices(
     monkeypatch.setattr(worker_pool, "host_cores", lambda: 16)
     config = ServerConfig(worker_argv=("w", "--device", "auto"), devices=("cuda:0", "cuda:3"),
                           workers_per_device=2)
-    slots = plan_slots(config)
+    slots = plan_slots(config.workers)
     assert [s.name for s in slots] == ["cuda:0#0", "cuda:0#1", "cuda:3#0", "cuda:3#1"]
     assert [s.env for s in slots] == [{"CUDA_VISIBLE_DEVICES": "0"}] * 2 + \
         [{"CUDA_VISIBLE_DEVICES": "3"}] * 2
     assert all(s.argv[-2:] == ("--device", "cuda") for s in slots)  # the last --device wins
-    plain = plan_slots(ServerConfig(worker_argv=("w",), workers_per_device=2))
+    plain = plan_slots(WorkerSettings(worker_argv=("w",), workers_per_device=2))
     split = {"OMP_NUM_THREADS": "8"}  # two unpinned workers share the 16 cores
     assert [(s.name, s.argv, s.env) for s in plain] == [("0", ("w",), split),
                                                          ("1", ("w",), split)]
@@ -48,16 +49,16 @@ def test_unpinned_workers_split_the_cores_unless_the_operator_chose(
     """Several CPU workers would each start a thread per core and fight over them."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(worker_pool, "host_cores", lambda: 2)
-    one = plan_slots(ServerConfig(worker_argv=("w", "--device", "cpu")))
+    one = plan_slots(WorkerSettings(worker_argv=("w", "--device", "cpu")))
     assert [s.env for s in one] == [{}]  # one worker keeps torch's own choice
-    cpu = plan_slots(ServerConfig(worker_argv=("w",), devices=("cpu", "cuda:1"),
+    cpu = plan_slots(WorkerSettings(worker_argv=("w",), devices=("cpu", "cuda:1"),
                                   workers_per_device=3))
     assert [s.env for s in cpu] == [{"OMP_NUM_THREADS": "1"}] * 3 + \
         [{"CUDA_VISIBLE_DEVICES": "1"}] * 3
     assert worker_pool.shared_core_env(4, environ={}, cores=18) == {"OMP_NUM_THREADS": "4"}
     assert worker_pool.shared_core_env(2, environ={"OMP_NUM_THREADS": "3"}, cores=8) == {}
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    chosen = plan_slots(ServerConfig(worker_argv=("w",), workers_per_device=2))
+    chosen = plan_slots(WorkerSettings(worker_argv=("w",), workers_per_device=2))
     assert [s.env for s in chosen] == [{}, {}]
 
 
@@ -139,7 +140,7 @@ def test_a_crash_mid_batch_sends_that_batch_again_each_alone(tmp_path: Path) -> 
         # The dead worker read a (c was still on its pipe); worker 1 read b, then d after it.
         lines = log.read_text().split()
         assert lines[:4] == ["a", "b", "a", "c"] and sorted(lines[4:]) == ["d", "e"]
-        serve.wait_for(r"request id=\d+ request_id=\S+ lost with its worker .*sending it again")
+        serve.wait_for(r"frame_id=\d+ request_id=\S+ lost with its worker .*sending it again")
 
 
 def test_killing_one_worker_leaves_the_other_serving_without_503(tmp_path: Path) -> None:

@@ -106,8 +106,11 @@ def test_front_and_fake_worker_lines_are_all_json(tmp_path: Path) -> None:
                                               ("traceparent", TRACEPARENT)])
         failed = serve.post(clef_body(error="device fault", error_status=500),
                             headers=[("X-Request-Id", "json-500")])
+        traced = serve.post(clef_body(error="device fault", error_status=500),
+                            headers=[("X-Request-Id", "json-500-traced"),
+                                     ("traceparent", TRACEPARENT)])
         chatty = serve.post(clef_body(print=True), headers=[("X-Request-Id", "json-print")])
-        assert (ok.status, failed.status, chatty.status) == (200, 500, 200)
+        assert (ok.status, failed.status, traced.status, chatty.status) == (200, 500, 500, 200)
         serve.wait_for(r'"request_id": "json-print"')
         serve.terminate()
         assert serve.wait_exit() == 0
@@ -122,9 +125,11 @@ def test_front_and_fake_worker_lines_are_all_json(tmp_path: Path) -> None:
         "key": "-"}
     assert isinstance(line["queue_ms"], float) and isinstance(line["worker_ms"], float)
     assert _access(documents, "json-500")["trace_id"] == "-"
-    # The worker's own line about the failed request carries its request id.
+    # The worker's own lines about the failed requests carry their request ids, and the traced
+    # one its W3C trace id (sent in the request frame), so the worker's line joins the trace.
     worker = [d for d in documents if d["logger"] == "fake_worker"]
-    assert [d.get("request_id") for d in worker] == ["json-500"]
+    assert [(d.get("request_id"), d.get("trace_id")) for d in worker] == [
+        ("json-500", None), ("json-500-traced", TRACE)]
     assert worker[0]["message"].endswith("failed: device fault")
     # A library's print (redirected to stderr by the worker) became a line of its own.
     assert any(d["logger"] == "stdout" and d["message"] == "library chatter on stdout"

@@ -30,11 +30,10 @@ class Clock:
         self.now += seconds
 
 
-def watched(rates: ForwardRates | None = None, max_tokens: int | None = 16384,
-            stall: float = STALL) -> tuple[Liveness, Clock]:
+def watched(rates: ForwardRates | None = None, stall: float = STALL
+            ) -> tuple[Liveness, Clock]:
     clock = Clock()
-    return Liveness(stall_timeout=stall, rates=rates or ForwardRates(), clock=clock,
-                    max_tokens=max_tokens), clock
+    return Liveness(stall_timeout=stall, rates=rates or ForwardRates(), clock=clock), clock
 
 
 def taught(seconds: float, body_bytes: int = 100) -> ForwardRates:
@@ -165,7 +164,7 @@ def test_rates_scale_recent_forwards_of_about_the_same_size() -> None:
     # Only smaller ones: linearly up from them (their fixed cost too: it errs long).
     assert rates.estimate(1000) == pytest.approx(max(0.2 * 10, 0.24 * 1000 / 150))
     # Only bigger ones: the fastest of them bounds it.
-    rates.observe(70_000, 16384, 5000.0, max_tokens=16384)  # cut to --max-length
+    rates.observe(70_000, 16384, 5000.0, cut=True)  # its state cut to fit --max-length
     assert rates.estimate(20) == pytest.approx(0.2)
     # A forward cut to --max-length costs the same for any bigger body.
     assert rates.estimate(1_000_000) == pytest.approx(5.0)

@@ -26,8 +26,8 @@ from clef_protocol import messages
 from clef_protocol.frames import encode_frame, read_frame_blocking
 from clef_worker import logs as worker_logs
 from clef_worker.main import serve as worker_serve
+from tests.doubles import ScriptedExecutor
 from tests.frontend_helpers import Response, Serve, clef_body
-from tests.test_worker_loop import ScriptedExecutor
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -289,7 +289,7 @@ def test_request_id_rule() -> None:
     assert tracing.request_id_of([(b"X-Request-ID", b"A" * 128)]) == "A" * 128
     assert tracing.request_id_of([(b"x-request-id", b"A" * 129)]) != "A" * 129
     assert tracing.request_id_of([(b"x-request-id", b"a\x7fb")]) != "a\x7fb"
-    assert messages.is_trace_id("!~") and not messages.is_trace_id(7)
+    assert messages.is_request_id("!~") and not messages.is_request_id(7)
     assert tracing.server_timing(None, None, None) is None
     assert tracing.server_timing(0.25, None, 3.0) == "queue;dur=0.2, total;dur=3.0"
 

@@ -8,8 +8,8 @@ import asyncio
 from pathlib import Path
 
 from clef_frontend.dispatch.admission import BULK_EVERY, Admission
+from tests.doubles import FakeLane, FakeWorkers
 from tests.frontend_helpers import Serve, background, clef_body
-from tests.test_frontend_units import FakeLane, FakeWorkers
 from tests.traffic_helpers import metric
 
 BULK_KEY = "sk-ingest-4c4c4c"

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from clef_protocol import messages
+from clef_protocol.errors import ProtocolError
 from clef_protocol.frames import (
     FrameBuffer,
     FrameDecodeError,
@@ -95,9 +96,60 @@ def test_header_is_big_endian_length() -> None:
 def test_request_body_bytes_survive_unchanged() -> None:
     body = b'{"model":"m","state":"\xc3\xa9"}'
     out = io.BytesIO()
-    write_frame_blocking(out, messages.request(7, body, "req-7"))
+    write_frame_blocking(out, messages.request(7, body, "req-7", TRACE))
     got = read_frame_blocking(io.BytesIO(out.getvalue()))
-    assert got == {"kind": "request", "id": 7, "body": body, "trace_id": "req-7"}
+    assert got == {"kind": "request", "id": 7, "body": body, "request_id": "req-7",
+                   "trace_id": TRACE}
+    assert got is not None and messages.from_front(got) == messages.Request(7, body, "req-7",
+                                                                            TRACE)
+
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def test_every_frame_decodes_to_its_typed_value() -> None:
+    """Both ways: what the constructors build, the decoders give back as one value each."""
+    assert messages.from_front(messages.ping(3)) == messages.Ping(3)
+    assert messages.from_front(messages.shutdown()) == messages.Shutdown()
+    assert messages.from_worker(messages.pong(3)) == messages.Pong(3)
+    assert messages.from_worker(messages.fatal("no GPU")) == messages.Fatal("no GPU")
+    reply = messages.from_worker(messages.response(5, b"{}", 2.0, batch_size=3,
+                                                   stages={"forward_ms": 1.5}))
+    assert reply == messages.WorkerReply(200, b"{}", None, 2.0, batch_size=3,
+                                         stages={"forward_ms": 1.5}, id=5)
+    assert messages.from_worker(messages.error(6, 422, "q: nope", 1.0)) == \
+        messages.WorkerReply(422, None, "q: nope", 1.0, id=6)
+
+
+def test_an_untraced_request_frame_carries_no_trace_id() -> None:
+    """The access log's `-` (no trace) or anything else that is not a W3C id stays home."""
+    for not_a_trace in ("", "-", TRACE.upper(), "0" * 32, TRACE[:31]):
+        frame = messages.request(1, b"{}", "r", not_a_trace)
+        assert "trace_id" not in frame
+        assert messages.from_front(frame) == messages.Request(1, b"{}", "r", "")
+
+
+@pytest.mark.parametrize("frame", [
+    {"kind": "ready"},  # a worker-only kind, sent by the front
+    {"kind": "request", "id": "7", "body": b"{}"},
+    {"kind": "request", "id": 7, "body": "{}"},  # a body is always bytes
+    {"kind": "request", "id": 7, "body": b"{}", "trace_id": 7},
+    {"kind": "ping", "seq": True},
+])
+def test_front_frames_are_decoded_strictly(frame: dict[str, object]) -> None:
+    with pytest.raises(ProtocolError):
+        messages.from_front(frame)
+
+
+@pytest.mark.parametrize("frame", [
+    {"kind": "request", "id": 1, "body": b"{}"},  # a front-only kind, sent by the worker
+    {"kind": "response", "status": 200, "body": b"{}"},  # no id
+    {"kind": "error", "id": 1, "status": 422},  # no detail
+    {"kind": "pong"},
+])
+def test_worker_frames_are_decoded_strictly(frame: dict[str, object]) -> None:
+    with pytest.raises(ProtocolError):
+        messages.from_worker(frame)
 
 
 def test_clean_eof_between_frames_is_none() -> None:

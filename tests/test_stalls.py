@@ -90,3 +90,20 @@ def test_a_worker_without_pings_is_judged_by_its_requests_alone() -> None:
         serve.wait_for(rf"worker pid={pid} failed .*no pong and no reply within 1s "
                        r"\(1 request\(s\) in flight\)")
         assert not re.search(r": pong \d+", serve.stderr)  # never pinged
+
+
+def test_a_hung_worker_says_where_it_was_stuck_before_it_is_replaced() -> None:
+    """A worker wedged inside a request (the fake worker's `wedge` marker: alive, silent) is
+    asked for its stack before the kill: the log shows the frame it was stuck in, then the
+    failure and the replacement."""
+    with Serve(front_args=("--stall-timeout", str(STALL))) as serve:
+        pid = serve.health().json()["worker"]["pid"]
+        # Sent again alone after the first stall, it wedges the replacement too: a 500.
+        assert serve.post(clef_body(wedge=True)).status == 500
+        serve.wait_for(rf"worker pid={pid} failed .*reason=stalled\)")
+        stderr = serve.stderr
+    asked = stderr.index(f"worker pid={pid} is stuck: asking for its stack")
+    stack = stderr.index("most recent call first", asked)
+    failed = stderr.index(f"worker pid={pid} failed")
+    assert stack < failed
+    assert re.search(r'File ".*fake_worker\.py", line \d+ in answer', stderr[stack:failed])

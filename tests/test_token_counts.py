@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from clef_frontend.dispatch.worker_channel import WorkerFailure, _reply_from
 from clef_protocol import messages
+from clef_protocol.errors import ProtocolError
+from clef_protocol.messages import WorkerReply
+
+
+def _reply_from(frame: dict[str, object]) -> WorkerReply:
+    reply = messages.from_worker(frame)
+    assert isinstance(reply, WorkerReply)
+    return reply
 
 
 def test_worker_reply_carries_token_counts() -> None:
@@ -31,7 +38,7 @@ def test_batch_size_travels_and_reads_as_one_when_absent() -> None:
 
 @pytest.mark.parametrize("bad", ["3", 1.5, True, 0, -1, None])
 def test_a_malformed_batch_size_breaks_the_channel(bad: object) -> None:
-    with pytest.raises(WorkerFailure, match="batch_size"):
+    with pytest.raises(ProtocolError, match="batch_size"):
         _reply_from({**messages.response(7, b"{}", 1.0), "batch_size": bad})
 
 
@@ -39,5 +46,5 @@ def test_a_malformed_batch_size_breaks_the_channel(bad: object) -> None:
 @pytest.mark.parametrize("key", ["input_tokens", "truncated_tokens"])
 def test_malformed_token_counts_break_the_channel(key: str, bad: object) -> None:
     frame = {**messages.response(7, b"{}", 1.0), key: bad}
-    with pytest.raises(WorkerFailure, match=key):
+    with pytest.raises(ProtocolError, match=key):
         _reply_from(frame)

@@ -7,13 +7,9 @@ import asyncio
 import sys
 from pathlib import Path
 
-from clef_frontend.dispatch.worker_channel import (
-    Deliver,
-    WorkerChannel,
-    WorkerFailure,
-    WorkerProtocolError,
-    WorkerReply,
-)
+from clef_frontend.dispatch.worker_channel import WorkerChannel, WorkerProtocolError
+from clef_frontend.dispatch.worker_errors import Deliver, Outcome, WorkerFailure
+from clef_protocol.messages import Request, WorkerReply
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,8 +34,6 @@ REVERSED = PREAMBLE + "out.write(b''.join(reply(i) for i in reversed(ids))); out
 UNKNOWN_ID = PREAMBLE + "out.write(reply(ids[1]) + reply(max(ids) + 100)); out.flush()\n" \
     "read_frame_blocking(inp)\n"
 
-Outcome = WorkerReply | WorkerFailure
-
 
 async def _three_requests(script: str) -> tuple[dict[int, Outcome], WorkerChannel]:
     """Submit requests 10, 11 and 12; every outcome, once all three have one."""
@@ -58,7 +52,7 @@ async def _three_requests(script: str) -> tuple[dict[int, Outcome], WorkerChanne
         return on_outcome
 
     for request_id in (10, 11, 12):
-        channel.submit(request_id, b"{}", 30, deliver(request_id))
+        channel.submit(Request(request_id, b"{}"), 30, deliver(request_id))
     await asyncio.wait_for(all_in, 30)
     return outcomes, channel
 

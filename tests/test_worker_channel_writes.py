@@ -7,7 +7,9 @@ import asyncio
 import sys
 from pathlib import Path
 
-from clef_frontend.dispatch.worker_channel import Deliver, WorkerChannel, WorkerFailure, WorkerReply
+from clef_frontend.dispatch.worker_channel import WorkerChannel
+from clef_frontend.dispatch.worker_errors import Deliver, WorkerFailure
+from clef_protocol.messages import Request, WorkerReply
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,13 +60,13 @@ def test_requests_sent_while_replies_are_handed_on_leave_in_one_write() -> None:
                     return
                 answered.append(request_id)
                 if request_id < 3:  # each of the first three replies lets one more through
-                    channel.submit(request_id + 3, b"{}", 30, deliver(request_id + 3))
+                    channel.submit(Request(request_id + 3, b"{}"), 30, deliver(request_id + 3))
                 if len(answered) == 6:
                     done.set_result(None)
             return on_reply
 
         for request_id in range(3):
-            channel.submit(request_id, b"{}", 30, deliver(request_id))
+            channel.submit(Request(request_id, b"{}"), 30, deliver(request_id))
         await asyncio.wait_for(done, 30)
         await channel.stop(grace=5)
         return frames_per_write, answered

@@ -8,49 +8,18 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from clef_protocol import messages
-from clef_protocol.errors import BadRequestBody, RequestInvalid
 from clef_protocol.frames import encode_frame, read_frame_blocking
-from clef_protocol.messages import ModelInfo
-from clef_worker.errors import ExecutorBroken
 from clef_worker.executor import Answer
 from clef_worker.main import handle_request, serve
+from tests.doubles import ScriptedExecutor
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-class ScriptedExecutor:
-    """Answers by the request's `do` key; records the thread each call ran on."""
-
-    def __init__(self) -> None:
-        self.threads: list[str] = []
-
-    def describe(self) -> ModelInfo:
-        return ModelInfo(model="t", variant="clef-flash", device="cpu", dtype="float32",
-                            gdn_path="torch")
-
-    def warm_up(self) -> None:
-        pass
-
-    def answer(self, body: bytes) -> Answer:
-        self.threads.append(threading.current_thread().name)
-        do = json.loads(body).get("do")
-        if do == "invalid":
-            raise RequestInvalid("q: nope")
-        if do == "badjson":
-            raise BadRequestBody("request must be a JSON object")
-        if do == "boom":
-            raise RuntimeError("secret internal detail")
-        if do == "poisoned":
-            raise ExecutorBroken("CUDA error: an illegal memory access was encountered")
-        return Answer(b'{"echo":' + body + b"}", input_tokens=len(body),
-                      truncated_tokens=int(do == "cut"))
 
 
 @pytest.mark.parametrize(

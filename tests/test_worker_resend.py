@@ -67,4 +67,4 @@ def test_a_poison_request_costs_at_most_two_workers_then_service_resumes(
         assert metric(serve, "clef_requests_resent_total", reason="crash") == 2  # a and c
         assert serve.post(clef_body(tag="next")).status == 200
         assert after["restarts"] == 2
-        serve.wait_for(r"request id=\d+ request_id=\S+ failed: worker closed its output")
+        serve.wait_for(r"frame_id=\d+ request_id=\S+ failed: worker closed its output")

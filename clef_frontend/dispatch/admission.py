@@ -22,7 +22,12 @@ again, once, before anything else, each alone on an idle worker. A poison reques
 most two workers (the one it shared, the one it ran alone on) and gets a 500; its companions are
 answered. While a resent ticket waits for an idle worker nothing new is sent, so one drains.
 Resent tickets also wait through a restart of the last worker (bounded by their deadline, or
-`resend_timeout`), where new tickets would get 503.
+`resend_timeout`), where new tickets would get 503 (unless `wait_for_workers`: clef-batch's
+lines wait for a replacement rather than be answered 503).
+
+Each ticket carries three ids, one name each (`clef_protocol.messages`): `frame_id`, the int
+id of its request frame; `request_id`, the client's `X-Request-Id`; `trace_id`, the W3C trace
+id ("" when untraced). The last two travel in the frame, so the worker's log lines carry them.
 
 A suspect worker (`lane_suspect`, from dispatch/liveness.py: its pong or reply is overdue) is not
 lost yet: what it holds is queued to be sent again by the same rule (once, alone, first), while
@@ -53,15 +58,18 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from clef_frontend import deadlines, responses
-from clef_frontend.dispatch.worker_errors import WorkerFailure, WorkerLost, WorkerUnavailable
+from clef_frontend.dispatch.worker_errors import (
+    Deliver,
+    Outcome,
+    WorkerFailure,
+    WorkerLost,
+    WorkerUnavailable,
+)
 from clef_frontend.priority import BULK, CLASSES, INTERACTIVE
-from clef_frontend.responses import Reply, WorkerAnswer
-from clef_protocol.messages import INFERENCE_FAILED
+from clef_frontend.responses import Reply
+from clef_protocol.messages import INFERENCE_FAILED, Request, WorkerReply
 
 log = logging.getLogger("clef_frontend.dispatch.admission")
-
-# Called once per submitted request with its answer, or with the failure that lost it.
-Deliver = Callable[[WorkerAnswer | WorkerFailure], None]
 
 # While both classes wait, one admission in this many goes to the oldest bulk ticket: an
 # interactive request waits behind at most one bulk request per BULK_EVERY - 1 interactive ones,
@@ -77,9 +85,7 @@ class Lane(Protocol):
     @property
     def in_flight(self) -> int: ...
 
-    def submit(
-        self, request_id: int, body: bytes, deliver: Deliver, trace_id: str = ""
-    ) -> None: ...
+    def submit(self, request: Request, deliver: Deliver) -> None: ...
 
 
 class Workers(Protocol):
@@ -115,9 +121,10 @@ class Ticket:
     `deadline` is when a still waiting ticket is answered 504 (`time.monotonic()`; None: never).
     """
 
-    request_id: int
+    frame_id: int
     body: bytes
     outcome: asyncio.Future[Reply]
+    request_id: str = ""
     trace_id: str = ""
     priority: str = INTERACTIVE
     deadline: float | None = None
@@ -125,7 +132,7 @@ class Ticket:
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     worker_ms: float | None = None
-    worker_reply: WorkerAnswer | None = None
+    worker_reply: WorkerReply | None = None
     resent: bool = False  # sent again after its worker was lost (it never is a second time)
 
     @property
@@ -149,8 +156,9 @@ class Admission:
 
     def __init__(self, *, capacity: int, retry_after: int, workers: Workers,
                  queue_timeout: float | None = None, resend_timeout: float = 300.0,
-                 events: AdmissionEvents | None = None) -> None:
+                 events: AdmissionEvents | None = None, wait_for_workers: bool = False) -> None:
         self._capacity = capacity
+        self._wait_for_workers = wait_for_workers
         self._retry_after = retry_after
         self._workers = workers
         self._queue_timeout = queue_timeout
@@ -199,14 +207,16 @@ class Admission:
             return ticket.started_at
         return None
 
-    def submit(self, body: bytes, trace_id: str = "", *, priority: str = INTERACTIVE,
-               deadline: float | None = None,
+    def submit(self, body: bytes, request_id: str = "", *, trace_id: str = "",
+               priority: str = INTERACTIVE, deadline: float | None = None,
                gone: Callable[[], bool] = _never_gone) -> Ticket:
         """Admit a checked body (sent at once if a worker has room), or raise Refused (row 14).
 
         A ticket whose deadline has already passed is answered 504 at once.
         """
         reason = "server is draining" if self._draining else self._workers.unavailable_reason()
+        if reason is not None and self._wait_for_workers and not self._draining:
+            reason = None
         lane = None
         if reason is None and not self.depth:
             lane = self._lane_with_room()
@@ -216,7 +226,7 @@ class Admission:
             raise Refused(responses.unavailable(reason, self._retry_after))
         now = time.monotonic()
         ticket = Ticket(next(self._ids), body, asyncio.get_running_loop().create_future(),
-                        trace_id, priority,
+                        request_id, trace_id, priority,
                         deadlines.earliest(deadline, now, self._queue_timeout), gone,
                         enqueued_at=now)
         if ticket.deadline is not None and ticket.deadline <= now:
@@ -232,8 +242,8 @@ class Admission:
     def abandon(self, ticket: Ticket) -> None:
         """The client has gone: drop the ticket if it still waits; if in flight, let it finish."""
         if self._unqueue(ticket):
-            log.info("request id=%d request_id=%s dropped from the queue: client gone",
-                     ticket.request_id, ticket.trace_id)
+            log.info("frame_id=%d request_id=%s dropped from the queue: client gone",
+                     ticket.frame_id, ticket.request_id)
             self._update_idle()
         if not ticket.outcome.done():
             ticket.outcome.cancel()
@@ -270,9 +280,9 @@ class Admission:
         if suspect:
             for ticket in mine:
                 if not ticket.resent and not ticket.outcome.done():
-                    log.warning("request id=%d request_id=%s held by a suspect worker: sending "
-                                "it again, alone (the first answer wins)", ticket.request_id,
-                                ticket.trace_id)
+                    log.warning("frame_id=%d request_id=%s held by a suspect worker: sending it "
+                                "again, alone (the first answer wins)", ticket.frame_id,
+                                ticket.request_id)
                     self._queue_again(ticket, "suspect")
         else:
             for ticket in mine:
@@ -316,7 +326,7 @@ class Admission:
     def _keep_deadline(self, ticket: Ticket) -> None:
         if ticket.deadline is None:
             return
-        heapq.heappush(self._deadlines, (ticket.deadline, ticket.request_id, ticket))
+        heapq.heappush(self._deadlines, (ticket.deadline, ticket.frame_id, ticket))
         if self._deadlines[0][2] is ticket:  # the new earliest: aim the timer at it
             self._arm_deadline_timer()
 
@@ -340,8 +350,8 @@ class Admission:
         self._update_idle()
 
     def _expire(self, ticket: Ticket) -> None:
-        log.info("request id=%d request_id=%s class=%s: deadline passed after %.0f ms waiting, "
-                 "not sent", ticket.request_id, ticket.trace_id, ticket.priority,
+        log.info("frame_id=%d request_id=%s class=%s: deadline passed after %.0f ms waiting, "
+                 "not sent", ticket.frame_id, ticket.request_id, ticket.priority,
                  ticket.queue_ms)
         self._events.expired(ticket.priority)
         if not ticket.outcome.done():
@@ -369,8 +379,8 @@ class Admission:
         if ticket.outcome.done():
             return False
         if ticket.gone():
-            log.info("request id=%d request_id=%s not sent: client gone", ticket.request_id,
-                     ticket.trace_id)
+            log.info("frame_id=%d request_id=%s not sent: client gone", ticket.frame_id,
+                     ticket.request_id)
             ticket.outcome.cancel()
             return False
         if ticket.deadline is not None and ticket.deadline <= time.monotonic():
@@ -405,15 +415,14 @@ class Admission:
         if alone:
             self._alone[lane] = ticket
         try:
-            lane.submit(ticket.request_id, ticket.body,
-                        lambda outcome: self._done(ticket, lane, outcome), ticket.trace_id)
+            lane.submit(Request(ticket.frame_id, ticket.body, ticket.request_id, ticket.trace_id),
+                        lambda outcome: self._done(ticket, lane, outcome))
         except WorkerUnavailable as exc:  # has_room said yes; nothing was sent
             self._forget_copy(ticket, lane)
             if not ticket.outcome.done() and ticket not in self._sent:
                 ticket.outcome.set_result(responses.unavailable(str(exc), self._retry_after))
 
-    def _done(self, ticket: Ticket, lane: Lane,
-              outcome: WorkerAnswer | WorkerFailure) -> None:
+    def _done(self, ticket: Ticket, lane: Lane, outcome: Outcome) -> None:
         """A worker answered the ticket (or failed with it in flight): reply, send the next.
 
         With two copies (one on a suspect worker) the first answer wins: a later one is dropped,
@@ -422,17 +431,17 @@ class Admission:
         self._forget_copy(ticket, lane)
         if ticket.outcome.done():
             if not isinstance(outcome, WorkerFailure) and ticket.resent:
-                log.info("request id=%d request_id=%s answered again by a second worker: the "
-                         "later answer is dropped", ticket.request_id, ticket.trace_id)
+                log.info("frame_id=%d request_id=%s answered again by a second worker: the "
+                         "later answer is dropped", ticket.frame_id, ticket.request_id)
         elif isinstance(outcome, WorkerFailure) and (ticket in self._sent
                                                      or ticket in self._resend):
-            log.info("request id=%d request_id=%s: one copy failed (%s), the other is still "
-                     "due", ticket.request_id, ticket.trace_id, outcome)
+            log.info("frame_id=%d request_id=%s: one copy failed (%s), the other is still due",
+                     ticket.frame_id, ticket.request_id, outcome)
         elif isinstance(outcome, WorkerLost) and not ticket.resent:
             self._resend_later(ticket, outcome)
         elif isinstance(outcome, WorkerFailure):
-            log.error("request id=%d request_id=%s failed: %s", ticket.request_id,
-                      ticket.trace_id, outcome)
+            log.error("frame_id=%d request_id=%s failed: %s", ticket.frame_id,
+                      ticket.request_id, outcome)
             if not ticket.outcome.done():
                 ticket.outcome.set_result(responses.error(500, INFERENCE_FAILED))
         else:
@@ -454,8 +463,8 @@ class Admission:
 
     def _resend_later(self, ticket: Ticket, failure: WorkerLost) -> None:
         """Queue a ticket lost with its worker to be sent again, alone, before anything else."""
-        log.warning("request id=%d request_id=%s lost with its worker (%s): sending it again, "
-                    "alone", ticket.request_id, ticket.trace_id, failure)
+        log.warning("frame_id=%d request_id=%s lost with its worker (%s): sending it again, "
+                    "alone", ticket.frame_id, ticket.request_id, failure)
         ticket.started_at = None  # waiting again
         self._queue_again(ticket, failure.reason)
 

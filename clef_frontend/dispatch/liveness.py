@@ -24,8 +24,9 @@ than the stall timeout. A request's estimated time comes from its worker slot's 
 (`ForwardRates`), per unit of size: the body's bytes stand for its tokens (the front does not
 tokenize), and a forward is scaled to the request's size from recent ones of about the same size
 (within a factor of two), else from the fastest bigger one (a bigger forward bounds a smaller
-one), else linearly up from the biggest smaller ones (which also scales up their fixed cost,
-so errs long). A forward cut to `--max-length` tokens bounds every bigger body. The estimate errs
+one), else linearly up from the smaller ones (which also scales up their fixed cost, so errs
+long). A forward whose state was cut to fit `--max-length` (its reply's `truncated_tokens`)
+bounds every bigger body. The estimate errs
 long on purpose (a forward's time is the whole group's, charged to each request of it, and the
 slowest of the recent ones counts), so it is never less than the longest forward the worker is
 known to be running. Without any recent forward the time of held work is unknown: the margin is
@@ -96,11 +97,11 @@ class ForwardRates:
         self._forwards: deque[_Forward] = deque(maxlen=window)
 
     def observe(self, body_bytes: int, tokens: int, worker_ms: float | None,
-                max_tokens: int | None = None) -> None:
-        """A response: its body's size, the tokens the worker read, the milliseconds it took."""
+                cut: bool = False) -> None:
+        """A response: its body's size, the tokens the worker read, the milliseconds it took,
+        and whether its state was cut to fit `--max-length`."""
         if worker_ms is None or tokens <= 0 or body_bytes <= 0 or worker_ms < 0:
             return  # refusals and older workers say nothing about forwards
-        cut = max_tokens is not None and tokens >= max_tokens
         self._forwards.append(_Forward(body_bytes, worker_ms / 1000.0, cut))
 
     @property
@@ -157,11 +158,10 @@ class Liveness:
     """One worker's obligations (pong owed, requests held) and the judgement of its silence."""
 
     def __init__(self, *, stall_timeout: float, rates: ForwardRates,
-                 clock: Callable[[], float], max_tokens: int | None = None) -> None:
+                 clock: Callable[[], float]) -> None:
         self._stall = stall_timeout
         self._rates = rates
         self._clock = clock
-        self._max_tokens = max_tokens
         self._order = itertools.count()
         self._held: dict[int, _Held] = {}  # request id -> what it is; insertion order
         self._ping: tuple[int, float] | None = None  # (order, sent at) of the ping owed a pong
@@ -185,12 +185,12 @@ class Liveness:
         self._held[request_id] = _Held(next(self._order), body_bytes)
 
     def request_answered(self, request_id: int, tokens: int = 0,
-                         worker_ms: float | None = None) -> None:
+                         worker_ms: float | None = None, cut: bool = False) -> None:
         """A reply (a response or an error): a sign of life, and a forward to learn from."""
         self.life()
         held = self._held.pop(request_id, None)
         if held is not None:
-            self._rates.observe(held.body_bytes, tokens, worker_ms, self._max_tokens)
+            self._rates.observe(held.body_bytes, tokens, worker_ms, cut)
 
     def ping_due(self) -> bool:
         """Whether to send a ping now: none is owed, and the last went out a while ago."""

@@ -11,10 +11,12 @@ Like gunicorn's arbiter, but for the one child of this slot, which must be warm 
 is only `ready` after its `ready` frame. The first start is special: if it fails the operator
 must see why and the server must not bind its port, so `start()` raises. Later failures are
 survived: the state goes to `restarting` (so `/health` and admission refuse with 503), and a new
-worker is started after an exponential backoff, forever, until one sends `ready` again. A
-replacement that sends `fatal` is retried the same way (a passing cause, such as a GPU still held
-by the dead worker, should not need an operator), and every attempt is logged. The backoff grows
-only in a crash loop: a worker that answered a request before dying resets it (backoff.py).
+worker is started after an exponential backoff until one sends `ready` again: forever for the
+server, at most `max_restarts` times for clef-batch, which then gives up (its rerun resumes).
+A replacement that sends `fatal` is retried the same way (a passing cause, such as a GPU still
+held by the dead worker, should not need an operator), and every attempt is logged. The backoff
+grows only in a crash loop: a worker that answered a request before dying resets it
+(backoff.py).
 """
 
 from __future__ import annotations
@@ -26,17 +28,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from clef_frontend.config import ServerConfig
 from clef_frontend.dispatch.backoff import RestartBackoff
 from clef_frontend.dispatch.liveness import ForwardRates, Judgement
-from clef_frontend.dispatch.worker_channel import (
-    Deliver,
-    WorkerChannel,
-    WorkerReply,
-    failure_reason,
+from clef_frontend.dispatch.settings import (
+    DEFAULT_MAX_BATCH_CPU,
+    DEFAULT_MAX_BATCH_CUDA,
+    WorkerSettings,
 )
-from clef_frontend.dispatch.worker_errors import WorkerFailure, WorkerUnavailable
-from clef_protocol.messages import ReadyInfo
+from clef_frontend.dispatch.worker_channel import WorkerChannel, failure_reason
+from clef_frontend.dispatch.worker_errors import (
+    Deliver,
+    Outcome,
+    WorkerFailure,
+    WorkerUnavailable,
+)
+from clef_protocol.messages import ReadyInfo, Request, WorkerReply
 
 log = logging.getLogger("clef_frontend.dispatch.supervisor")
 
@@ -52,17 +58,14 @@ class StartupFailed(Exception):
     """The first worker did not become ready; str() is the reason for the operator."""
 
 
-# Requests outstanding per worker when --max-batch is not given: a worker batches what waits on
-# its pipe into one forward. A CPU worker's forwards hold about eight ~500-token requests
-# (clef_worker.batching), and 8 in flight measured as good as 16 through the whole server
-# (docs/benchmarks.md); more only moves the queue out of the front, where a request whose
-# client left can still be dropped.
-DEFAULT_MAX_BATCH_CUDA = 16
-DEFAULT_MAX_BATCH_CPU = 8
-
-
 def default_max_batch(device: str) -> int:
-    """The in-flight cap for a worker that reported `device` in its ready frame."""
+    """The in-flight cap for a worker that reported `device` in its ready frame.
+
+    A worker batches what waits on its pipe into one forward. A CPU worker's forwards hold
+    about eight ~500-token requests (clef_worker.batching), and 8 in flight measured as good as
+    16 through the whole server (docs/benchmarks.md); more only moves the queue out of the
+    front, where a request whose client left can still be dropped.
+    """
     return DEFAULT_MAX_BATCH_CUDA if device.startswith("cuda") else DEFAULT_MAX_BATCH_CPU
 
 
@@ -85,12 +88,13 @@ class Supervisor:
 
     def __init__(
         self,
-        config: ServerConfig,
+        config: WorkerSettings,
         on_worker_lost: Callable[[], None],
         *,
         slot: WorkerSlot | None = None,
         on_ready: Callable[[], None] = _ignore,
         on_worker_failed: Callable[[str], None] | None = None,
+        on_gave_up: Callable[[str], None] | None = None,
         on_suspect: Callable[[Supervisor, bool], None] | None = None,
     ) -> None:
         self._config = config
@@ -98,11 +102,14 @@ class Supervisor:
         self._on_worker_lost = on_worker_lost
         self._on_ready = on_ready
         self._on_worker_failed = on_worker_failed
+        self._on_gave_up = on_gave_up
         self.slot = slot or WorkerSlot("0", "default", config.worker_argv)
         self.max_batch = config.max_batch or 1
         self._backoff = RestartBackoff(
             config.restart_backoff, config.restart_backoff_max, config.restart_reset_after
         )
+        self._failures = 0  # workers lost and replacements failed, for `max_restarts`
+        self.gave_up: str | None = None  # why the slot stopped replacing its worker
         self._channel: WorkerChannel | None = None
         self._rates = ForwardRates()  # this slot's recent forwards, across its workers
         self._ready_at = 0.0
@@ -154,7 +161,7 @@ class Supervisor:
     def in_flight(self) -> int:
         return 0 if self._channel is None else self._channel.in_flight
 
-    def submit(self, request_id: int, body: bytes, deliver: Deliver, trace_id: str = "") -> None:
+    def submit(self, request: Request, deliver: Deliver) -> None:
         """Send one request to the warm worker; `deliver` gets its reply or its failure.
 
         Raises WorkerUnavailable (nothing was sent) when the worker is not warm.
@@ -165,16 +172,17 @@ class Supervisor:
         channel = self._channel
         assert channel is not None
 
-        def answered(outcome: WorkerReply | WorkerFailure) -> None:
+        def answered(outcome: Outcome) -> None:
             if (isinstance(outcome, WorkerReply) and outcome.status == 200
                     and channel is self._channel):
                 self._served += 1  # useful work: resets the restart backoff (backoff.py)
             deliver(outcome)
 
-        channel.submit(request_id, body, self._config.request_timeout, answered, trace_id)
+        channel.submit(request, self._config.request_timeout, answered)
 
     async def watch(self) -> None:
-        """Run until cancelled: each time the worker fails, replace it (with backoff)."""
+        """Run until cancelled: each time the worker fails, replace it (with backoff); return
+        only when `max_restarts` replacements are spent (the slot gave up)."""
         while True:
             channel = self._channel
             assert channel is not None
@@ -193,24 +201,44 @@ class Supervisor:
                 self._on_worker_failed(reason)
             decision = self._backoff.worker_died(uptime=uptime, served=self._served)
             while True:
+                self._failures += 1
+                if self._spent():
+                    self._give_up(f"worker {self.slot.name} failed {self._failures} times "
+                                  f"(--max-restarts {self._config.max_restarts}); last: "
+                                  f"{failure}")
+                    return
                 log.warning("starting a new worker in %.2fs (%s)", decision.delay, decision.reason)
                 await asyncio.sleep(decision.delay)
                 try:
                     await self._launch()
                 except WorkerFailure as exc:
                     log.error("replacement worker failed to start: %s", exc)
+                    failure = exc
                     decision = self._backoff.start_failed()
                     continue
                 break
             self.restarts += 1
 
-    async def stop(self) -> None:
-        """Send `shutdown`, let the worker finish the request it holds, reap it."""
+    def _spent(self) -> bool:
+        limit = self._config.max_restarts
+        return limit is not None and self._failures > limit
+
+    def _give_up(self, reason: str) -> None:
+        """No more replacements: the slot stays stopped, and the driver hears why."""
+        self.state = WorkerState.STOPPED
+        self.gave_up = reason
+        log.error("giving up on worker %s: %s", self.slot.name, reason)
+        if self._on_gave_up is not None:
+            self._on_gave_up(reason)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Send `shutdown`, let the worker finish the requests it holds (up to `grace`, by
+        default `--shutdown-grace`), reap it."""
         self.state = WorkerState.STOPPED
         channel, self._channel = self._channel, None
         if channel is None:
             return
-        code = await channel.stop(self._config.shutdown_grace)
+        code = await channel.stop(self._config.shutdown_grace if grace is None else grace)
         log.info("worker pid=%d stopped (exit code %s)", channel.pid, code)
 
     async def reload(self) -> bool:
@@ -252,7 +280,6 @@ class Supervisor:
             await asyncio.shield(channel.kill())
             raise
         channel.watch_liveness(self._config.stall_timeout, pings=info.pings, rates=self._rates,
-                               max_tokens=self._config.limits.max_length,
                                on_suspect=lambda suspect: self._suspicion(channel, suspect))
         return channel, info
 

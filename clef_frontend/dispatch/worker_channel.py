@@ -16,11 +16,17 @@ request timeout's reach): the channel breaks with `WorkerStalled`, so the superv
 replaces it and admission sends its requests again. A worker that does not answer pings is
 judged by its requests alone: a wedged one is found once a request waits on it, not while idle.
 
-The channel trusts nothing it reads. End of stream, a truncated, oversize or undecodable frame,
-an unexpected kind, or a reply for an id that is not outstanding all break the channel for
-good: every outstanding request fails at once with `WorkerFailure` (exactly those, nothing
-else) and `broken()` resolves, so the supervisor can replace the process. A broken channel is
-never reused, because after one bad frame nothing later on the pipe can be trusted either.
+The channel trusts nothing it reads: frames are decoded by `clef_protocol.messages.from_worker`.
+End of stream, a truncated, oversize or undecodable frame, an unexpected kind, a malformed field,
+or a reply for an id that is not outstanding all break the channel for good: every outstanding
+request fails at once with `WorkerFailure` (exactly those, nothing else) and `broken()`
+resolves, so the supervisor can replace the process. A broken channel is never reused, because
+after one bad frame nothing later on the pipe can be trusted either.
+
+A worker killed as hung or stalled is first sent `STACK_DUMP_SIGNAL` (and SIGCONT, should it be
+stopped): it writes every thread's stack to the log and exits, so the log says where it was
+stuck; one still there `STACK_DUMP_SECONDS` later is SIGKILLed (gunicorn's SIGABRT-then-SIGKILL,
+without the core file).
 """
 
 from __future__ import annotations
@@ -29,15 +35,17 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from clef_frontend.dispatch.liveness import ForwardRates, Judgement, Liveness, Verdict
-from clef_frontend.dispatch.worker_errors import WorkerFailure, WorkerLost
+from clef_frontend.dispatch.worker_errors import Deliver, WorkerFailure, WorkerLost
 from clef_protocol import messages
-from clef_protocol.frames import MAX_FRAME_BYTES, FrameBuffer, FrameError, encode_frame
-from clef_protocol.messages import ReadyInfo
+from clef_protocol.errors import ProtocolError
+from clef_protocol.frames import MAX_FRAME_BYTES, FrameBuffer, encode_frame
+from clef_protocol.messages import ReadyInfo, Request
 
 log = logging.getLogger("clef_frontend.worker")
 
@@ -95,76 +103,11 @@ RESTART_REASONS = ("crash", "hung", "protocol", "cuda_error", "stalled")
 EXIT_GRACE_SECONDS = 1.0
 
 
-@dataclass(frozen=True)
-class WorkerReply:
-    """A `response` (body set) or an `error` (detail set) for the request in flight."""
-
-    status: int
-    body: bytes | None
-    detail: str | None
-    worker_ms: float | None
-    input_tokens: int = 0  # the encoded sequence's length (responses only)
-    truncated_tokens: int = 0  # state tokens dropped to fit --max-length (responses only)
-    batch_size: int = 1  # requests in the worker forward that answered it (responses only)
-    # The worker's stage durations (encode_ms, forward_ms, head_ms), when it reports them; the
-    # trace spans' only source (clef_frontend.otel), so a malformed one is dropped, not fatal.
-    stages: dict[str, float] | None = None
-
-
-def _count(message: dict[str, Any], key: str, absent: int = 0, least: int = 0) -> int:
-    """A response's count (tokens, batch size): absent means `absent` (an older worker);
-    anything but an integer of at least `least` is a protocol failure."""
-    value = message.get(key, absent)
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        raise WorkerProtocolError(f"malformed response frame ({key} {value!r})")
-    return value
-
-
-def _stages(value: object) -> dict[str, float] | None:
-    """A response's `stages`: names to non-negative milliseconds, or None."""
-    if not isinstance(value, dict):
-        return None
-    stages = {key: float(ms) for key, ms in value.items() if isinstance(key, str)
-              and isinstance(ms, int | float) and not isinstance(ms, bool)
-              and 0 <= ms < float("inf")}
-    return stages or None
-
-
-# Called exactly once per submitted request, with its reply or with the failure that lost it.
-Deliver = Callable[["WorkerReply | WorkerFailure"], None]
-
-
 @dataclass
 class _Outstanding:
     deliver: Deliver
     deadline: float
     timeout: float
-
-
-def _reply_from(message: dict[str, Any]) -> WorkerReply:
-    """Check a reply's fields; anything off is a protocol failure, not a client error.
-
-    A missing status is off too: the worker always sends one, and guessing 200 for it would
-    forward whatever body came with a broken frame as a success.
-    """
-    kind = message["kind"]
-    status = message.get("status")
-    worker_ms = message.get("worker_ms")
-    if not isinstance(worker_ms, int | float) or isinstance(worker_ms, bool):
-        worker_ms = None
-    if kind == messages.RESPONSE:
-        body = message.get("body")
-        if not isinstance(body, bytes) or not isinstance(status, int) or not 200 <= status < 300:
-            raise WorkerProtocolError(f"malformed response frame (status {status!r})")
-        return WorkerReply(status, body, None, worker_ms,
-                           input_tokens=_count(message, "input_tokens"),
-                           truncated_tokens=_count(message, "truncated_tokens"),
-                           batch_size=_count(message, "batch_size", absent=1, least=1),
-                           stages=_stages(message.get("stages")))
-    detail = message.get("detail")
-    if not isinstance(status, int) or not 400 <= status < 600 or not isinstance(detail, str):
-        raise WorkerProtocolError(f"malformed error frame (status {status!r})")
-    return WorkerReply(status, None, detail, worker_ms)
 
 
 class _Pipes(asyncio.subprocess.SubprocessStreamProtocol):
@@ -198,7 +141,7 @@ class WorkerChannel:
         self._loop = asyncio.get_running_loop()
         self._process: asyncio.subprocess.Process | None = None
         self._frames = FrameBuffer(MAX_FRAME_BYTES)
-        self._first: asyncio.Future[dict[str, Any] | None] = self._loop.create_future()
+        self._first: asyncio.Future[messages.FromWorker | None] = self._loop.create_future()
         self._started = False  # the ready frame was read: later frames are replies
         self._broken: asyncio.Future[WorkerFailure] = self._loop.create_future()
         self._outstanding: dict[int, _Outstanding] = {}  # insertion order: oldest first
@@ -217,6 +160,7 @@ class WorkerChannel:
         self._suspect: Judgement | None = None
         self._suspect_since = 0.0
         self._on_suspect: Callable[[bool], None] = _ignore_suspicion
+        self._stuck = False  # hung, stalled or silent at start-up: dump its stack before a kill
 
     @classmethod
     async def spawn(
@@ -269,35 +213,32 @@ class WorkerChannel:
     async def wait_ready(self, timeout: float) -> ReadyInfo:
         """Wait for the first frame: after `ready` the rest are replies; else a failure."""
         try:
-            message = await asyncio.wait_for(self._first, timeout)
+            frame = await asyncio.wait_for(self._first, timeout)
         except TimeoutError:
+            self._stuck = True
             raise WorkerFailure(f"worker sent no ready frame within {timeout:g}s") from None
-        if message is None:
+        if frame is None:
             code = await self._exit_code(grace=5.0)
             raise WorkerFailure(f"worker exited before it was ready (exit code {code})")
-        if message["kind"] == messages.FATAL:
-            raise WorkerFailure(f"worker could not start: {message.get('reason', '(no reason)')}")
-        if message["kind"] != messages.READY:
-            raise WorkerFailure(f"worker sent {message['kind']!r} before ready")
-        try:
-            info = ReadyInfo.from_message(message)
-        except ValueError as exc:
-            raise WorkerFailure(str(exc)) from None
+        if isinstance(frame, messages.Fatal):
+            raise WorkerFailure(f"worker could not start: {frame.reason}")
+        if not isinstance(frame, ReadyInfo):
+            raise WorkerFailure(f"worker sent {type(frame).__name__} before ready")
+        info = frame
         self._started = True
         return info
 
     def watch_liveness(self, stall_timeout: float, *, pings: bool,
-                       rates: ForwardRates | None = None, max_tokens: int | None = None,
+                       rates: ForwardRates | None = None,
                        on_suspect: Callable[[bool], None] | None = None) -> None:
         """Judge the (ready) worker's silence (liveness.py): suspect after a short margin, wedged
         after `stall_timeout`; ping it meanwhile if it answers pings (its ready frame says so).
 
-        `rates` are its slot's recent forwards (the estimate of the work it holds), `max_tokens`
-        the `--max-length` that caps a request's tokens, `on_suspect` hears each change of
-        suspicion (True: suspect, False: healthy again).
+        `rates` are its slot's recent forwards (the estimate of the work it holds); `on_suspect`
+        hears each change of suspicion (True: suspect, False: healthy again).
         """
         self._liveness = Liveness(stall_timeout=stall_timeout, rates=rates or ForwardRates(),
-                                  clock=self._loop.time, max_tokens=max_tokens)
+                                  clock=self._loop.time)
         self._pings = pings
         if on_suspect is not None:
             self._on_suspect = on_suspect
@@ -314,9 +255,7 @@ class WorkerChannel:
         """Seconds since the worker became suspect (0 when it is not)."""
         return self._loop.time() - self._suspect_since if self._suspect is not None else 0.0
 
-    def submit(
-        self, request_id: int, body: bytes, timeout: float, deliver: Deliver, trace_id: str = ""
-    ) -> None:
+    def submit(self, request: Request, timeout: float, deliver: Deliver) -> None:
         """Send one request; `deliver` is called once with its reply or its failure.
 
         No task and no await per request: the frame is written at once (the pipe's transport
@@ -328,8 +267,8 @@ class WorkerChannel:
         if self._broken.done():
             deliver(self._broken.result())
             return
-        if request_id in self._outstanding:
-            raise RuntimeError(f"request id {request_id} is already in flight on this worker")
+        if request.id in self._outstanding:
+            raise RuntimeError(f"frame id {request.id} is already in flight on this worker")
         if self._liveness is not None:
             # A fresh ping ahead of the request (unless one is owed): an idle worker owes its
             # pong at once, so one that wedged since its last pong is suspect within the floor,
@@ -337,13 +276,13 @@ class WorkerChannel:
             if self._pings and self._ping_waiting is None and not self._send_ping():
                 deliver(self._broken.result())
                 return
-            self._liveness.request_sent(request_id, len(body))
-        self._outstanding[request_id] = _Outstanding(deliver, self._loop.time() + timeout,
-                                                    timeout)
+            self._liveness.request_sent(request.id, len(request.body))
+        self._outstanding[request.id] = _Outstanding(deliver, self._loop.time() + timeout,
+                                                     timeout)
         if self._watchdog is None:
             self._arm_watchdog()
         self._look_sooner()
-        if not self._write(messages.request(request_id, body, trace_id)):
+        if not self._write(request.message()):
             self._fail(WorkerExited("worker closed its input"))
 
     async def broken(self) -> WorkerFailure:
@@ -364,11 +303,30 @@ class WorkerChannel:
     async def kill(self) -> int | None:
         """Kill the process (if still running) and reap it, so no zombie is left behind.
 
-        A worker that has already closed its output is given a moment to exit by itself.
+        A worker that has already closed its output is given a moment to exit by itself; one
+        that is stuck (hung, stalled, silent at start-up) first dumps its stack to the log.
         """
         exiting = self._broken.done() and isinstance(self._broken.result(), WorkerExited)
         self._fail(WorkerFailure("worker killed"))
+        if self._stuck and not exiting:
+            await self._dump_stack()
         return await self._exit_code(grace=EXIT_GRACE_SECONDS if exiting else 0.0)
+
+    async def _dump_stack(self) -> None:
+        """Ask the stuck worker for its stack (`STACK_DUMP_SIGNAL`; SIGCONT wakes a stopped
+        one), which it writes before it exits; wait for the exit up to `STACK_DUMP_SECONDS`."""
+        process = self.process
+        if process.returncode is not None:
+            return
+        log.warning("worker pid=%d is stuck: asking for its stack (signal %s) before the kill",
+                    self.pid, messages.STACK_DUMP_SIGNAL.name)
+        try:
+            process.send_signal(messages.STACK_DUMP_SIGNAL)
+            process.send_signal(signal.SIGCONT)
+        except ProcessLookupError:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(process.wait(), messages.STACK_DUMP_SECONDS)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -382,14 +340,15 @@ class WorkerChannel:
         self._corked = []
         try:
             while (message := self._frames.next_frame()) is not None:
+                frame = messages.from_worker(message)
                 if not self._first.done():
-                    self._first.set_result(message)
+                    self._first.set_result(frame)
                 elif not self._started:
                     raise WorkerProtocolError(
                         f"worker sent {message['kind']!r} right after its first frame")
                 else:
-                    self._deliver(message)
-        except FrameError as exc:
+                    self._deliver(frame)
+        except ProtocolError as exc:
             self._lose(WorkerProtocolError(f"invalid frame from worker: {exc}"))
         except WorkerFailure as failure:
             self._lose(failure)
@@ -404,7 +363,7 @@ class WorkerChannel:
             return
         try:
             self._frames.end()
-        except FrameError as exc:
+        except ProtocolError as exc:
             self._lose(WorkerProtocolError(f"invalid frame from worker: {exc}"))
             return
         self._lose(WorkerExited("worker closed its output"))
@@ -418,30 +377,27 @@ class WorkerChannel:
                 self._first.set_exception(failure)
         self._fail(failure)
 
-    def _deliver(self, message: dict[str, Any]) -> None:
-        kind = message["kind"]
-        if kind == messages.PONG:
-            if self._ping_waiting is None or message.get("seq") != self._ping_waiting:
-                raise WorkerProtocolError(f"unsolicited pong from worker (seq "
-                                          f"{message.get('seq')!r})")
+    def _deliver(self, frame: messages.FromWorker) -> None:
+        if isinstance(frame, messages.Pong):
+            if self._ping_waiting is None or frame.seq != self._ping_waiting:
+                raise WorkerProtocolError(f"unsolicited pong from worker (seq {frame.seq!r})")
             self._ping_waiting = None
             if self._liveness is not None:
                 self._liveness.pong()
-            log.debug("worker pid=%d: pong %d", self.pid, message["seq"])
+            log.debug("worker pid=%d: pong %d", self.pid, frame.seq)
             self._sign_of_life()
             return
-        if kind not in (messages.RESPONSE, messages.ERROR):
-            raise WorkerProtocolError(f"unexpected {kind!r} frame from worker")
-        request_id = message.get("id")
-        waiting = self._outstanding.pop(request_id, None) if isinstance(request_id, int) else None
+        if not isinstance(frame, messages.WorkerReply):
+            raise WorkerProtocolError(f"unexpected {type(frame).__name__} frame from worker")
+        waiting = self._outstanding.pop(frame.id, None)
         if waiting is None:
-            raise WorkerProtocolError(f"unsolicited {kind!r} frame from worker (id {request_id!r})")
-        reply = _reply_from(message)
+            kind = messages.RESPONSE if frame.body is not None else messages.ERROR
+            raise WorkerProtocolError(f"unsolicited {kind!r} frame from worker (id {frame.id!r})")
         if self._liveness is not None:
-            assert isinstance(request_id, int)
-            self._liveness.request_answered(request_id, reply.input_tokens, reply.worker_ms)
+            self._liveness.request_answered(frame.id, frame.input_tokens, frame.worker_ms,
+                                            cut=frame.truncated_tokens > 0)
         self._sign_of_life()
-        waiting.deliver(reply)
+        waiting.deliver(frame)
 
     def _sign_of_life(self) -> None:
         """A sign of life: a suspect is judged again now (healthy again unless it still owes
@@ -482,6 +438,7 @@ class WorkerChannel:
         self._watchdog = None
         for request_id, waiting in self._outstanding.items():
             if waiting.deadline <= self._loop.time():
+                self._stuck = True
                 self._fail(WorkerHung(f"no reply to request {request_id} within "
                                       f"{waiting.timeout:g}s"))
                 return
@@ -535,6 +492,7 @@ class WorkerChannel:
         liveness = self._liveness
         assert liveness is not None
         if judgement.verdict is Verdict.WEDGED:
+            self._stuck = True
             if judgement.kill_after >= liveness.stall_timeout:
                 self._fail(WorkerStalled(
                     f"no pong and no reply within {liveness.stall_timeout:g}s "

@@ -1,10 +1,15 @@
-"""The two ways forwarding a request can fail, shared by the channel, supervisor and admission.
+"""A request's outcome and the ways forwarding it can fail, shared by the channel, supervisor
+and admission.
 
 They live apart from the classes that raise them so that admission can tell a 503 from a 500
 without importing the process machinery (supervisor, channel) it never calls directly.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+
+from clef_protocol.messages import WorkerReply
 
 
 class WorkerFailure(Exception):
@@ -27,3 +32,10 @@ class WorkerLost(WorkerFailure):
     """
 
     reason = "crash"
+
+
+# What a request sent to a worker comes to: the worker's reply, or the failure that lost it.
+Outcome = WorkerReply | WorkerFailure
+# Called exactly once per submitted request, with its outcome (the channel, the supervisor and
+# admission all hand outcomes on through this one shape).
+Deliver = Callable[[Outcome], None]

@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from clef_frontend.config import ServerConfig
+from clef_frontend.dispatch.settings import WorkerSettings
 from clef_frontend.dispatch.supervisor import StartupFailed, Supervisor, WorkerSlot, WorkerState
 from clef_protocol.messages import ReadyInfo
 from clef_protocol.options import parse_device
@@ -30,7 +30,7 @@ from clef_protocol.options import parse_device
 log = logging.getLogger("clef_frontend.pool")
 
 
-def plan_slots(config: ServerConfig) -> list[WorkerSlot]:
+def plan_slots(config: WorkerSettings) -> list[WorkerSlot]:
     """The worker slots for a config: names, devices, command lines and environments.
 
     A `cuda:N` device runs its worker with `CUDA_VISIBLE_DEVICES=N` and `--device cuda` (the
@@ -89,17 +89,19 @@ class WorkerPool:
 
     def __init__(
         self,
-        config: ServerConfig,
+        config: WorkerSettings,
         *,
         on_all_lost: Callable[[], None],
         on_ready: Callable[[], None],
         on_worker_failed: Callable[[str], None] | None = None,
+        on_gave_up: Callable[[str], None] | None = None,
         on_suspect: Callable[[Supervisor, bool], None] | None = None,
     ) -> None:
         self._on_all_lost = on_all_lost
         self.lanes: Sequence[Supervisor] = [
             Supervisor(config, self._worker_lost, slot=slot, on_ready=on_ready,
-                       on_worker_failed=on_worker_failed, on_suspect=on_suspect)
+                       on_worker_failed=on_worker_failed, on_gave_up=on_gave_up,
+                       on_suspect=on_suspect)
             for slot in plan_slots(config)
         ]
         self._reloading = asyncio.Lock()
@@ -209,8 +211,8 @@ class WorkerPool:
             done = [await lane.reload() for lane in self.lanes]
             log.info("reload finished: %d of %d worker(s) replaced", sum(done), len(done))
 
-    async def stop(self) -> None:
-        await asyncio.gather(*(lane.stop() for lane in self.lanes))
+    async def stop(self, grace: float | None = None) -> None:
+        await asyncio.gather(*(lane.stop(grace) for lane in self.lanes))
 
     def _worker_lost(self) -> None:
         if self.unavailable_reason() is not None:

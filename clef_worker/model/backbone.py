@@ -54,7 +54,13 @@ from clef_protocol.options import GDN_PATHS
 from clef_worker.errors import StartupError
 from clef_worker.model import gated_delta
 from clef_worker.model.kernel_advice import quiet_on_cpu
-from clef_worker.model.snapshot import LEXICAL_TABLE, TEXT_PREFIX, Snapshot, tensor_shapes
+from clef_worker.model.snapshot import (
+    LEXICAL_TABLE,
+    TEXT_PREFIX,
+    Snapshot,
+    first_and_count,
+    tensor_shapes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -372,9 +378,8 @@ def _check_backbone_tensors(
     missing = [name for name in expected if name not in files]
     if missing:
         raise StartupError(
-            f"snapshot {snapshot.root}: the backbone weights lack tensor {TEXT_PREFIX}"
-            f"{missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-            + " required by config.json"
+            f"snapshot {snapshot.root}: the backbone weights lack tensor "
+            f"{first_and_count(missing, TEXT_PREFIX)} required by config.json"
         )
     extra = sorted(set(files) - set(expected))
     if extra:

@@ -218,6 +218,13 @@ def expected_head_shapes(config: HeadConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in head.state_dict().items()}
 
 
+def first_and_count(names: list[str], prefix: str = "") -> str:
+    """The first of `names` (after `prefix`), and how many more there are: one message shape
+    for every missing or unexpected tensor list."""
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return f"{prefix}{names[0]}{more}"
+
+
 def check_head_tensors(path: Path, config: HeadConfig) -> None:
     """The head file must hold exactly the config's tensors with exactly their shapes."""
     expected = expected_head_shapes(config)
@@ -225,16 +232,13 @@ def check_head_tensors(path: Path, config: HeadConfig) -> None:
     missing = [name for name in expected if name not in found]
     if missing:
         raise StartupError(
-            f"{path}: missing tensor {missing[0]}"
-            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-            + f" required by {HEAD_CONFIG}"
+            f"{path}: missing tensor {first_and_count(missing)} required by {HEAD_CONFIG}"
         )
     unexpected = [name for name in found if name not in expected]
     if unexpected:
         raise StartupError(
-            f"{path}: unexpected tensor {unexpected[0]}"
-            + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
-            + f" not described by {HEAD_CONFIG}"
+            f"{path}: unexpected tensor {first_and_count(unexpected)} not described by "
+            f"{HEAD_CONFIG}"
         )
     for name, shape in expected.items():
         if found[name] != shape:

@@ -1,0 +1,85 @@
+"""Test doubles shared by several test modules, so no test module imports another.
+
+`FakeLane` / `FakeWorkers`: workers as admission sees them (`dispatch.admission.Lane` and
+`Workers`), answered or crashed by the test. `ScriptedExecutor`: a model-free executor for the
+worker loop, answering by the request's `do` key.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from clef_frontend.dispatch.worker_errors import Deliver, WorkerFailure
+from clef_protocol.errors import BadRequestBody, RequestInvalid
+from clef_protocol.messages import ModelInfo, Request, WorkerReply
+from clef_worker.errors import ExecutorBroken
+from clef_worker.executor import Answer
+
+
+class FakeLane:
+    """A worker as admission sees it: holds up to `room` requests until the test answers."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.ready = True
+        self.held: list[tuple[Request, Deliver]] = []
+        self.sent: list[bytes] = []
+
+    def has_room(self) -> bool:
+        return self.ready and len(self.held) < self.room
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.held)
+
+    def submit(self, request: Request, deliver: Deliver) -> None:
+        self.held.append((request, deliver))
+        self.sent.append(request.body)
+
+    def answer_oldest(self) -> None:
+        request, deliver = self.held.pop(0)
+        deliver(WorkerReply(200, request.body, None, 0.0, id=request.id))
+
+    def crash(self) -> None:
+        held, self.held = self.held, []
+        for _, deliver in held:
+            deliver(WorkerFailure("worker closed its output"))
+
+
+class FakeWorkers:
+    """All workers (`dispatch.admission.Workers`): available while one lane is ready."""
+
+    def __init__(self, *lanes: FakeLane) -> None:
+        self.lanes = list(lanes)
+
+    def unavailable_reason(self) -> str | None:
+        return None if any(lane.ready for lane in self.lanes) else "worker is restarting"
+
+
+class ScriptedExecutor:
+    """Answers by the request's `do` key; records the thread each call ran on."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def describe(self) -> ModelInfo:
+        return ModelInfo(model="t", variant="clef-flash", device="cpu", dtype="float32",
+                         gdn_path="torch")
+
+    def warm_up(self) -> None:
+        pass
+
+    def answer(self, body: bytes) -> Answer:
+        self.threads.append(threading.current_thread().name)
+        do = json.loads(body).get("do")
+        if do == "invalid":
+            raise RequestInvalid("q: nope")
+        if do == "badjson":
+            raise BadRequestBody("request must be a JSON object")
+        if do == "boom":
+            raise RuntimeError("secret internal detail")
+        if do == "poisoned":
+            raise ExecutorBroken("CUDA error: an illegal memory access was encountered")
+        return Answer(b'{"echo":' + body + b"}", input_tokens=len(body),
+                      truncated_tokens=int(do == "cut"))
