@@ -36,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchlib.bodies import request_bodies
 from benchlib.paths import TINY_SNAPSHOT
-from benchlib.timing import best_ms
+from benchlib.timing import best_ms, median_ms
 from clef_worker.allocator import keep_freed_memory
 from clef_worker.model.answers import build_response, serialize
 from clef_worker.model.gated_delta import chunk_size_for
@@ -161,13 +161,7 @@ def answered_ms(executor: NativeExecutor, bodies: list[bytes], rows: int,
     prepared = [executor.prepare(body) for body in bodies[:rows]]
     if len(prepared) != rows:
         raise SystemExit(f"--requests must be at least {rows}")
-    executor.answer_prepared(prepared)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        executor.answer_prepared(prepared)
-        times.append((time.perf_counter() - started) * 1000 / rows)
-    return statistics.median(times)
+    return median_ms(lambda: executor.answer_prepared(prepared), repeats) / rows
 
 
 def main() -> int:

@@ -305,12 +305,16 @@ def test_failure_reasons(failure: WorkerFailure, code: int | None, reason: str) 
     assert failure_reason(failure, code) == reason
 
 
-def test_worker_log_lines_carry_the_frame_trace_id() -> None:
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def test_worker_log_lines_carry_the_frame_ids() -> None:
+    """The request frame's request id and W3C trace id are on every worker line about it."""
     stream = io.StringIO()
     handler = worker_logs.configure(stream)
     try:
         frames = b"".join(encode_frame(m) for m in (
-            messages.request(1, b'{"do": "boom"}', "abc-123"),
+            messages.request(1, b'{"do": "boom"}', "abc-123", TRACE_ID),
             messages.request(2, b'{"do": "boom"}', "bad id with spaces"),
             messages.shutdown(),
         ))
@@ -319,7 +323,8 @@ def test_worker_log_lines_carry_the_frame_trace_id() -> None:
     finally:
         logging.getLogger().removeHandler(handler)
     text = stream.getvalue()
-    assert re.search(r"ERROR request_id=abc-123 request 1 failed:\nTraceback", text)
+    assert re.search(rf"ERROR request_id=abc-123 trace_id={TRACE_ID} request 1 failed:\n"
+                     r"Traceback", text)
     assert re.search(r"ERROR request_id=- request 2 failed:", text)
     assert "bad id with spaces" not in text
     assert re.search(r"INFO shutting down", text)  # outside a request: no id
