@@ -40,7 +40,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from clef_frontend.dispatch.liveness import ForwardRates, Judgement, Liveness, Verdict
+from clef_frontend.dispatch.liveness import (
+    ForwardRates,
+    Judgement,
+    Liveness,
+    Verdict,
+    ping_interval,
+)
 from clef_frontend.dispatch.worker_errors import Deliver, WorkerFailure, WorkerLost
 from clef_protocol import messages
 from clef_protocol.errors import ProtocolError
@@ -465,15 +471,17 @@ class WorkerChannel:
                    default=self._loop.time() + liveness.stall_timeout / 3)
 
     def _look_sooner(self) -> None:
-        """After a pong, a reply or a request: the next look may now be due sooner (the next
-        ping, a shorter margin) than the timer is aimed."""
+        """After a pong, a reply or a request the verdict may change sooner than the timer is
+        aimed (the next ping is due, the margin shrank or became known): the timer looks again
+        within a ping interval. Not judged here: a judgement costs a hundred microseconds with
+        a full batch held, too much for every reply."""
         liveness = self._liveness
         if liveness is None or self._pinger is None:
             return
-        look = self._next_look(liveness)
-        if look < self._pinger.when():
+        soon = self._loop.time() + ping_interval(liveness.stall_timeout)
+        if soon < self._pinger.when():
             self._pinger.cancel()
-            self._pinger = self._loop.call_at(look, self._tick)
+            self._pinger = self._loop.call_at(soon, self._tick)
 
     def _send_ping(self) -> bool:
         """Write a ping (none may be owed); False if the pipe is gone (the channel is broken)."""
