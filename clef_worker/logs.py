@@ -8,10 +8,10 @@ context variable holds them for the length of the request.
 
 With `--log-format json` the lines are the front's JSON shape (`clef_protocol.logfmt`), the
 request id and the trace id keys of their own. `enable_stack_dumps` makes the worker write every
-thread's stack to its stderr on `STACK_DUMP_SIGNAL` and exit, which the front asks of a worker
-it is about to kill as hung or stalled. Everything else that reaches stderr in
-Python (the model libraries' own handlers, warnings, stray prints, which `stdio` sends to
-stderr) is turned into JSON lines as well, and so is what native code writes to file
+thread's stack to its stderr on `STACK_DUMP_SIGNAL` (and exit, in the text format), which the
+front asks of a worker it is about to kill as hung or stalled. Everything else that reaches
+stderr in Python (the model libraries' own handlers, warnings, stray prints, which `stdio`
+sends to stderr) is turned into JSON lines as well, and so is what native code writes to file
 descriptors 1 and 2 (a C++ library's warning, a compiler the kernels run): those descriptors
 become a pipe whose lines a thread wraps (`_capture_descriptors`). A collector never meets a
 line it cannot parse.
@@ -157,8 +157,10 @@ def enable_stack_dumps() -> None:
     faulthandler writes from the signal handler itself, in C, so the stack comes out even while
     the main thread is stuck inside a C call (a driver call, a deadlocked kernel launch) and
     never takes the GIL; it then chains to the signal's default action, which ends the process
-    (the front was about to kill it anyway). It writes to the descriptor stderr has now: with
-    `--log-format json` that is the pipe `_capture_descriptors` wraps into JSON lines.
+    (the front was about to kill it anyway). With `--log-format json` descriptor 2 is the pipe
+    `_capture_descriptors` wraps into JSON lines, read by a thread of this process: exiting at
+    once would lose the stack in the pipe, so there the worker carries on and the front's
+    SIGKILL, `STACK_DUMP_SECONDS` later, ends it once the thread has had time to pass it on.
     """
     faulthandler.register(STACK_DUMP_SIGNAL, file=sys.__stderr__ or sys.stderr,
-                          all_threads=True, chain=True)
+                          all_threads=True, chain=_captured is None)

@@ -340,10 +340,11 @@ def test_a_wedged_worker_is_replaced_and_its_lines_sent_again(tmp_path: Path) ->
                      r"reason=stalled", stderr), stderr
     assert re.search(r"[1-9]\d* worker restart\(s\)", stderr), stderr
     # Where it was stuck, before it was replaced: the worker's stack, asked for before the kill.
-    stuck = stderr.index(f"worker pid={stopped_pid} is stuck")
-    stack = stderr.index("most recent call first", stuck)
-    assert "fake_worker.py" in stderr[stack:]
-    assert stack < stderr.index(f"worker pid={stopped_pid} failed")
+    assert f"worker pid={stopped_pid} is stuck" in stderr
+    ready = stderr.index(f"worker ready (pid {stopped_pid},")
+    failed = stderr.index(f"worker pid={stopped_pid} failed")
+    stack = stderr.index("most recent call first", ready)
+    assert stack < failed and "fake_worker.py" in stderr[stack:failed]
 
 
 # -- the pieces, without a worker --------------------------------------------------------------

@@ -154,3 +154,26 @@ def test_real_worker_lines_are_all_json() -> None:
     loggers = {d["logger"] for d in documents}
     assert any(name.startswith("clef_worker") for name in loggers), loggers
     assert any(name.startswith("clef_frontend") for name in loggers), loggers
+
+
+def test_a_stuck_workers_stack_reaches_the_json_log() -> None:
+    """`--log-format json` with a worker wedged in a request (`--stall-timeout 1`, the subject):
+    the stack it writes before the kill comes out as JSON lines like everything else."""
+    with Serve(front_args=("--log-format", "json", "--stall-timeout", "1")) as serve:
+        pid = serve.health().json()["worker"]["pid"]
+        assert serve.post(clef_body(wedge=True)).status == 500
+        serve.wait_for(rf'"message": "worker pid={pid} failed ')
+        serve.terminate()
+        assert serve.wait_exit() == 0
+        documents = _parse_all(serve.lines)
+    messages = [d["message"] for d in documents]
+    assert any(m.startswith(f"worker pid={pid} is stuck: asking for its stack") for m in messages)
+    # The front writes its own lines at the end of an event-loop turn, so its "is stuck" may
+    # follow the worker's first stack lines; the stack comes between the worker's ready and
+    # its failure.
+    ready = next(i for i, m in enumerate(messages)
+                 if m.startswith("worker ready:") and f" pid={pid} " in m)
+    failed = next(i for i, m in enumerate(messages) if m.startswith(f"worker pid={pid} failed"))
+    stack = messages[ready:failed]
+    assert any("most recent call first" in m for m in stack), stack
+    assert any(re.search(r'fake_worker\.py", line \d+ in answer', m) for m in stack), stack

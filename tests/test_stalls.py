@@ -102,8 +102,12 @@ def test_a_hung_worker_says_where_it_was_stuck_before_it_is_replaced() -> None:
         assert serve.post(clef_body(wedge=True)).status == 500
         serve.wait_for(rf"worker pid={pid} failed .*reason=stalled\)")
         stderr = serve.stderr
-    asked = stderr.index(f"worker pid={pid} is stuck: asking for its stack")
-    stack = stderr.index("most recent call first", asked)
+    assert f"worker pid={pid} is stuck: asking for its stack" in stderr
+    # Between the worker's ready and its failure (the front may write its own "is stuck" line
+    # after the worker's first stack lines: it writes at the end of an event-loop turn).
+    ready = re.search(rf"worker ready: .* pid={pid} ", stderr)
+    assert ready is not None
     failed = stderr.index(f"worker pid={pid} failed")
+    stack = stderr.index("most recent call first", ready.end())
     assert stack < failed
     assert re.search(r'File ".*fake_worker\.py", line \d+ in answer', stderr[stack:failed])
