@@ -4,8 +4,10 @@ Probes must learn the truth even while the workers are busy with long requests, 
 only in-memory state: each worker's state and ready info, the queue counters, and the drain
 flag (held by admission, which is what refuses requests while draining). With several workers
 the server is ready while at least one is: `workers` lists every one (name, device, status, pid,
-in_flight, max_batch, restarts), `ready_workers` names those that serve, and `worker` is the
-first ready one's ready info (the single-worker shape).
+in_flight, max_batch, restarts, suspect), `ready_workers` names those that serve, and `worker`
+is the first ready one's ready info (the single-worker shape). A suspect worker (its pong or
+reply overdue, dispatch/liveness.py) is still ready but gets no new work: `suspect_workers` names
+them, and when every ready worker is suspect `waiting_for` says why nothing new is sent.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class Health:
             "worker": worker,
             "workers": self._pool.describe(),
             "ready_workers": [lane.slot.name for lane in ready],
+            "suspect_workers": [lane.slot.name for lane in self._pool.suspect_lanes()],
+            "waiting_for": self._pool.waiting_on_suspects(),
             "queue_depth": self._admission.depth,
             "in_flight": self._admission.in_flight,
             "queue_capacity": self._admission.capacity,

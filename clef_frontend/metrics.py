@@ -107,6 +107,10 @@ class Metrics:
             registry=r)
         for reason in RESTART_REASONS:
             self.restarts.labels(reason=reason)
+        self.suspects = Counter(
+            "clef_worker_suspects", "Times a warm worker became suspect: its pong or reply "
+            "overdue by its margin (dispatch/liveness.py); it got no new work meanwhile.",
+            registry=r)
         depth = Gauge("clef_queue_depth", "Requests waiting for the worker, by priority class.",
                       ["class"], registry=r)
         for name in CLASSES:
@@ -198,6 +202,10 @@ class Metrics:
             self.truncated.inc()
             self.truncated_tokens.inc(worker_reply.truncated_tokens)
 
+    def worker_suspect(self) -> None:
+        """A worker became suspect (dispatch/liveness.py)."""
+        self.suspects.inc()
+
     def worker_failed(self, reason: str) -> None:
         """A warm worker was lost (see worker_channel.failure_reason for the reasons)."""
         self.restarts.labels(reason=reason).inc()
@@ -226,8 +234,9 @@ class Metrics:
             self._server = None
 
 
-# Why a request was sent again: `WorkerLost.reason` (worker_channel.py's failure kinds).
-RESEND_REASONS = ("crash", "hung", "protocol", "stalled")
+# Why a request was sent again: `WorkerLost.reason` (worker_channel.py's failure kinds), or
+# `suspect` (its worker was suspect, dispatch/liveness.py; the first answer wins).
+RESEND_REASONS = ("crash", "hung", "protocol", "stalled", "suspect")
 
 
 def _as_float(read: Callable[[str], int], name: str) -> float:

@@ -53,7 +53,8 @@ class FrontServer:
             config.workers, queue_size=config.queue_size, retry_after=config.retry_after,
             queue_timeout=config.queue_timeout,
             events=DispatchEvents(ready=self._worker_ready, worker_failed=self._worker_failed,
-                                  resent=self._request_resent, expired=self._deadline_expired))
+                                  resent=self._request_resent, expired=self._deadline_expired,
+                                  suspect=self._worker_suspect))
         self._pool = self._dispatch.pool
         self._admission = self._dispatch.admission
         self._health = Health(self._pool, self._admission, config.retry_after)
@@ -260,6 +261,9 @@ class FrontServer:
 
     def _worker_failed(self, reason: str) -> None:
         self._metrics.worker_failed(reason)
+
+    def _worker_suspect(self) -> None:
+        self._metrics.worker_suspect()
 
     def _request_resent(self, reason: str) -> None:
         self._metrics.request_resent(reason)

@@ -59,9 +59,11 @@ class Report:
     server_log: list[str] = field(default_factory=list)
 
     @contextlib.contextmanager
-    def serve(self, *worker_switches: str, front_args: tuple[str, ...] = ()) -> Iterator[Serve]:
-        """A server for this run; its log is kept, to be shown if a check fails."""
-        server = Serve(*worker_switches, front_args=front_args)
+    def serve(self, *worker_switches: str, front_args: tuple[str, ...] = (),
+              **options: Any) -> Iterator[Serve]:
+        """A server for this run; its log is kept, to be shown if a check fails. `options`
+        go to `Serve` (`real_worker`, `startup_wait`, `max_batch`, `answer_cache`)."""
+        server = Serve(*worker_switches, front_args=front_args, **options)
         try:
             yield server
         finally:

@@ -12,8 +12,12 @@ Start-up switches: --ready-delay S, --fatal REASON, --exit-code N (exit before r
 exists, waits for PATH before `ready`: tests observe the restarting state without timing),
 --ready-gate PATH (every worker waits for PATH before `ready`).
 Per request: --delay S (or "sleep": S in the body; "hold_until": PATH waits for that file to
-exist), spent before the markers act. Markers in
+exist), spent before the markers act. While it so holds a request the fake worker still reads
+its pipe and answers pings (a held request stands for a live worker that a test keeps busy;
+other frames read meanwhile wait their turn); with --silent-forwards it answers none until the
+request is answered, as the real worker does during a forward. Markers in
 the request body (the front validates first, so bodies are valid Clef requests plus these keys):
+  "wedge": true     stop reading and answering, for good (a deadlock that holds its pipe open)
   "crash": true     os._exit(70) before answering (only once per --crash-once-file PATH if given)
   "cuda_error": true  answer 500, then exit with the real worker's executor-broken status (3)
   "garbage": true   write non-frame bytes on the protocol channel
@@ -46,11 +50,13 @@ import logging  # noqa: E402
 import signal  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
+from collections import deque  # noqa: E402
 from typing import Any, BinaryIO  # noqa: E402
 
 from clef_protocol import messages  # noqa: E402
 from clef_protocol.frames import read_frame_blocking, write_frame_blocking  # noqa: E402
 from clef_protocol.options import add_model_arguments  # noqa: E402
+from clef_worker.batching import frame_waiting  # noqa: E402
 from clef_worker.logs import configure as configure_logs  # noqa: E402
 from clef_worker.logs import enable_stack_dumps, request_context  # noqa: E402
 
@@ -72,10 +78,37 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--replacement-ready-gate", default=None)
     parser.add_argument("--ready-gate", default=None)
     parser.add_argument("--no-pings", action="store_true")
+    parser.add_argument("--silent-forwards", action="store_true")
     return parser.parse_args()
 
 
-def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any]) -> None:
+class Reader:
+    """The front's frames, read in order; `hold` waits while answering pings (see above)."""
+
+    def __init__(self, inp: BinaryIO, out: BinaryIO, silent: bool) -> None:
+        self.inp, self.out, self.silent = inp, out, silent
+        self.later: deque[dict[str, Any] | None] = deque()  # read during a hold: not yet served
+
+    def next(self) -> dict[str, Any] | None:
+        return self.later.popleft() if self.later else read_frame_blocking(self.inp)
+
+    def hold(self, seconds: float, until: str | None = None) -> None:
+        """Wait `seconds`, then until the file `until` exists, answering pings meanwhile."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end or (until and not os.path.exists(until)):
+            step = max(0.0, min(0.01, end - time.monotonic())) or 0.01
+            if self.silent or (self.later and self.later[-1] is None):
+                time.sleep(step)  # held in flight until the time passes or the file appears
+            elif frame_waiting(self.inp, step):
+                message = read_frame_blocking(self.inp)
+                if message is not None and message["kind"] == messages.PING:
+                    write_frame_blocking(self.out, messages.pong(message["seq"]))
+                else:
+                    self.later.append(message)
+
+
+def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any],
+           reader: Reader) -> None:
     request_id = message["id"]
     start_ns = time.monotonic_ns()
     request = json.loads(message["body"])
@@ -83,10 +116,8 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any]) -> 
         with open(args.log_file, "a", encoding="utf-8") as log:
             log.write(f"{request.get('tag')}\n")
     delay = float(request.get("sleep", args.delay))
-    if delay:  # zero work costs no system call (bench_http.py --zero-work)
-        time.sleep(delay)
-    while request.get("hold_until") and not os.path.exists(request["hold_until"]):
-        time.sleep(0.01)  # held in flight until the test creates the file
+    if delay or request.get("hold_until"):  # zero work costs no system call (bench_http.py)
+        reader.hold(delay, request.get("hold_until"))
     while request.get("wedge"):
         time.sleep(3600)  # alive, silent, reading nothing: only a kill ends it
     if request.get("crash"):
@@ -188,15 +219,16 @@ def main() -> int:
         variant=args.variant, device="cpu", dtype="float32", gdn_path="none", warmup_ms=0.0,
         versions={"fake_worker": "1"}, demo=args.demo, snapshot="", pings=not args.no_pings,
     )))
+    reader = Reader(inp, out, args.silent_forwards)
     while True:
-        message = read_frame_blocking(inp)
+        message = reader.next()
         if message is None or message["kind"] == messages.SHUTDOWN:
             return 0
         if message["kind"] == messages.PING:
             write_frame_blocking(out, messages.pong(message["seq"]))
             continue
         with request_context(message.get("request_id"), message.get("trace_id")):
-            answer(args, out, message)
+            answer(args, out, message, reader)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,13 @@ Each ticket carries three ids, one name each (`clef_protocol.messages`): `frame_
 id of its request frame; `request_id`, the client's `X-Request-Id`; `trace_id`, the W3C trace
 id ("" when untraced). The last two travel in the frame, so the worker's log lines carry them.
 
+A suspect worker (`lane_suspect`, from dispatch/liveness.py: its pong or reply is overdue) is not
+lost yet: what it holds is queued to be sent again by the same rule (once, alone, first), while
+its own copy stays in flight. The first answer wins and the other is dropped, so every client
+gets exactly one answer; a copy that fails while another is in flight or queued is forgotten.
+A suspect that answers again takes back what is still queued (it was not sent elsewhere yet).
+With one worker the queued tickets simply wait for its answer or its replacement.
+
 Admission knows the workers only through the `Workers` and `Lane` protocols below and tells a
 503 from a 500 by the exceptions of `worker_errors`; it never imports the supervisor, the pool
 or the channel, so they can change shape behind it.
@@ -160,7 +167,7 @@ class Admission:
         self._waiting: dict[str, deque[Ticket]] = {name: deque() for name in CLASSES}
         self._resend: deque[Ticket] = deque()  # lost with their worker: next, each alone
         self._alone: dict[Lane, Ticket] = {}  # lanes running a resent ticket, and which
-        self._sent: dict[Ticket, None] = {}  # in flight, oldest first
+        self._sent: dict[Ticket, list[Lane]] = {}  # in flight, oldest first; on which lanes
         self._next_lane = 0
         self._turn = 0  # admissions made while both classes waited (see BULK_EVERY)
         self._ids = itertools.count(1)
@@ -263,12 +270,35 @@ class Admission:
         """Return once nothing waits and nothing is in flight."""
         await self._idle.wait()
 
+    def lane_suspect(self, lane: Lane, suspect: bool) -> None:
+        """A worker became suspect (True) or answered again (False); see the module docstring.
+
+        Suspect: each ticket it holds that was never sent again is queued to be, alone and first.
+        Healthy again: those of its tickets still queued (not sent elsewhere) are taken back.
+        """
+        mine = [ticket for ticket, lanes in self._sent.items() if lane in lanes]
+        if suspect:
+            for ticket in mine:
+                if not ticket.resent and not ticket.outcome.done():
+                    log.warning("frame_id=%d request_id=%s held by a suspect worker: sending it "
+                                "again, alone (the first answer wins)", ticket.frame_id,
+                                ticket.request_id)
+                    self._queue_again(ticket, "suspect")
+        else:
+            for ticket in mine:
+                if ticket in self._resend:
+                    self._resend.remove(ticket)
+                    ticket.resent = False
+        self.pump()
+
     def pump(self) -> None:
         """Send waiting tickets while some worker has room: resent ones first, each alone on an
         idle worker; then by class (see BULK_EVERY), oldest first within a class.
 
         Called after every reply and whenever a worker becomes ready.
         """
+        if any(ticket.outcome.done() for ticket in self._resend):  # answered by another copy
+            self._resend = deque(t for t in self._resend if not t.outcome.done())
         while self._resend:
             lane = self._idle_lane()
             if lane is None:
@@ -314,7 +344,7 @@ class Admission:
         now = time.monotonic()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, ticket = heapq.heappop(self._deadlines)
-            if self._unqueue(ticket):
+            if self._unqueue(ticket) and ticket not in self._sent:  # else its copy still runs
                 self._expire(ticket)
         self._arm_deadline_timer()
         self._update_idle()
@@ -381,24 +411,33 @@ class Admission:
 
     def _send(self, ticket: Ticket, lane: Lane, *, alone: bool = False) -> None:
         ticket.started_at = time.monotonic()
-        self._sent[ticket] = None
+        self._sent.setdefault(ticket, []).append(lane)
         if alone:
             self._alone[lane] = ticket
         try:
             lane.submit(Request(ticket.frame_id, ticket.body, ticket.request_id, ticket.trace_id),
                         lambda outcome: self._done(ticket, lane, outcome))
         except WorkerUnavailable as exc:  # has_room said yes; nothing was sent
-            del self._sent[ticket]
-            self._alone.pop(lane, None)
-            if not ticket.outcome.done():
+            self._forget_copy(ticket, lane)
+            if not ticket.outcome.done() and ticket not in self._sent:
                 ticket.outcome.set_result(responses.unavailable(str(exc), self._retry_after))
 
     def _done(self, ticket: Ticket, lane: Lane, outcome: Outcome) -> None:
-        """A worker answered the ticket (or failed with it in flight): reply, send the next."""
-        self._sent.pop(ticket, None)
-        if self._alone.get(lane) is ticket:
-            del self._alone[lane]
-        if isinstance(outcome, WorkerLost) and not ticket.resent and not ticket.outcome.done():
+        """A worker answered the ticket (or failed with it in flight): reply, send the next.
+
+        With two copies (one on a suspect worker) the first answer wins: a later one is dropped,
+        and a failure is forgotten while the other copy is in flight or queued to be sent.
+        """
+        self._forget_copy(ticket, lane)
+        if ticket.outcome.done():
+            if not isinstance(outcome, WorkerFailure) and ticket.resent:
+                log.info("frame_id=%d request_id=%s answered again by a second worker: the "
+                         "later answer is dropped", ticket.frame_id, ticket.request_id)
+        elif isinstance(outcome, WorkerFailure) and (ticket in self._sent
+                                                     or ticket in self._resend):
+            log.info("frame_id=%d request_id=%s: one copy failed (%s), the other is still due",
+                     ticket.frame_id, ticket.request_id, outcome)
+        elif isinstance(outcome, WorkerLost) and not ticket.resent:
             self._resend_later(ticket, outcome)
         elif isinstance(outcome, WorkerFailure):
             log.error("frame_id=%d request_id=%s failed: %s", ticket.frame_id,
@@ -412,13 +451,27 @@ class Admission:
                 ticket.outcome.set_result(responses.from_worker(outcome))
         self.pump()
 
+    def _forget_copy(self, ticket: Ticket, lane: Lane) -> None:
+        """The copy of `ticket` on `lane` is answered, failed, or was never sent."""
+        lanes = self._sent.get(ticket)
+        if lanes is not None and lane in lanes:
+            lanes.remove(lane)
+            if not lanes:
+                del self._sent[ticket]
+        if self._alone.get(lane) is ticket:
+            del self._alone[lane]
+
     def _resend_later(self, ticket: Ticket, failure: WorkerLost) -> None:
         """Queue a ticket lost with its worker to be sent again, alone, before anything else."""
         log.warning("frame_id=%d request_id=%s lost with its worker (%s): sending it again, "
                     "alone", ticket.frame_id, ticket.request_id, failure)
-        self._events.resent(failure.reason)
-        ticket.resent = True
         ticket.started_at = None  # waiting again
+        self._queue_again(ticket, failure.reason)
+
+    def _queue_again(self, ticket: Ticket, reason: str) -> None:
+        """Queue a ticket to be sent again (the once it may be), alone, before anything else."""
+        self._events.resent(reason)
+        ticket.resent = True
         if ticket.deadline is None:  # bounded even while the last worker is replaced
             ticket.deadline = time.monotonic() + self._resend_timeout
         self._resend.append(ticket)

@@ -10,6 +10,9 @@ and stopped by one policy, whoever drives:
   logged, then it is killed;
 - restart (`supervisor.py`, `backoff.py`): a lost worker is replaced, after a back-off only in a
   crash loop;
+- suspicion (`liveness.py`): a worker whose pong or reply is overdue by a short margin drawn
+  from its recent forwards is suspect: no new work for it, and what it holds is sent again at
+  once by the resend-alone rule (the first answer wins); it is healthy again when it answers;
 - resend-alone (`admission.py`): the requests a lost worker held are sent again, once, each
   alone, so a poison request costs only its own answer (500);
 - give-up (`settings.WorkerSettings.max_restarts`): never for the server; clef-batch stops after
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 
 from clef_frontend.dispatch.admission import Admission, AdmissionEvents, Ticket
 from clef_frontend.dispatch.settings import WorkerSettings
-from clef_frontend.dispatch.supervisor import StartupFailed
+from clef_frontend.dispatch.supervisor import StartupFailed, Supervisor
 from clef_frontend.dispatch.worker_pool import WorkerPool
 from clef_frontend.priority import INTERACTIVE
 
@@ -50,14 +53,15 @@ def _ignore(_: str) -> None:
 class DispatchEvents:
     """What the driver hears: a worker became ready (first start, restart, reload), a warm
     worker was lost (its reason: crash, hung, stalled, protocol, cuda_error), a request was
-    sent again (the reason), a waiting request's deadline passed (its class), and a worker slot
-    gave up (why)."""
+    sent again (the reason), a waiting request's deadline passed (its class), a worker slot
+    gave up (why), and a worker became suspect (dispatch/liveness.py)."""
 
     ready: Callable[[], None] = _nothing
     worker_failed: Callable[[str], None] = _ignore
     resent: Callable[[str], None] = _ignore
     expired: Callable[[str], None] = _ignore
     gave_up: Callable[[str], None] = _ignore
+    suspect: Callable[[], None] = _nothing
 
 
 class Dispatcher:
@@ -71,7 +75,7 @@ class Dispatcher:
         self._wait_for_workers = wait_for_workers
         self.pool = WorkerPool(settings, on_all_lost=self._all_lost, on_ready=self._ready,
                                on_worker_failed=self._events.worker_failed,
-                               on_gave_up=self._events.gave_up)
+                               on_gave_up=self._events.gave_up, on_suspect=self._suspect)
         self.admission = Admission(
             capacity=queue_size, retry_after=retry_after, workers=self.pool,
             queue_timeout=queue_timeout, resend_timeout=settings.request_timeout,
@@ -105,6 +109,12 @@ class Dispatcher:
         wait a whole warm-up; clef-batch's lines wait (resent requests always do)."""
         if not self._wait_for_workers:
             self.admission.refuse_waiting("worker is restarting", resent_too=False)
+
+    def _suspect(self, lane: Supervisor, suspect: bool) -> None:
+        """A worker became suspect (what it holds goes elsewhere) or answered again."""
+        if suspect:
+            self._events.suspect()
+        self.admission.lane_suspect(lane, suspect)
 
     def _ready(self) -> None:
         """A worker became ready: the driver hears of it first, then waiting tickets go."""

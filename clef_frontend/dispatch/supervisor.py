@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from clef_frontend.dispatch.backoff import RestartBackoff
+from clef_frontend.dispatch.liveness import ForwardRates, Judgement
 from clef_frontend.dispatch.settings import (
     DEFAULT_MAX_BATCH_CPU,
     DEFAULT_MAX_BATCH_CUDA,
@@ -94,8 +95,10 @@ class Supervisor:
         on_ready: Callable[[], None] = _ignore,
         on_worker_failed: Callable[[str], None] | None = None,
         on_gave_up: Callable[[str], None] | None = None,
+        on_suspect: Callable[[Supervisor, bool], None] | None = None,
     ) -> None:
         self._config = config
+        self._on_suspect = on_suspect
         self._on_worker_lost = on_worker_lost
         self._on_ready = on_ready
         self._on_worker_failed = on_worker_failed
@@ -108,6 +111,7 @@ class Supervisor:
         self._failures = 0  # workers lost and replacements failed, for `max_restarts`
         self.gave_up: str | None = None  # why the slot stopped replacing its worker
         self._channel: WorkerChannel | None = None
+        self._rates = ForwardRates()  # this slot's recent forwards, across its workers
         self._ready_at = 0.0
         self._served = 0  # successful answers of the current worker (see backoff.py)
         self.state = WorkerState.STARTING
@@ -136,10 +140,22 @@ class Supervisor:
         }.get(self.state, "server is shutting down")
 
     def has_room(self) -> bool:
-        """Ready, and fewer than `max_batch` requests outstanding on the worker."""
+        """Ready, not suspect, and fewer than `max_batch` requests outstanding on the worker."""
         channel = self._channel
         return (self.state is WorkerState.READY and channel is not None
-                and not channel.is_broken and channel.in_flight < self.max_batch)
+                and not channel.is_broken and channel.suspect is None
+                and channel.in_flight < self.max_batch)
+
+    @property
+    def suspect(self) -> Judgement | None:
+        """Why the warm worker is suspect (liveness.py), or None: it gets no new work meanwhile."""
+        channel = self._channel
+        return None if channel is None or self.state is not WorkerState.READY else channel.suspect
+
+    @property
+    def suspect_for(self) -> float:
+        """Seconds the worker has been suspect (0: it is not)."""
+        return 0.0 if self.suspect is None or self._channel is None else self._channel.suspect_for
 
     @property
     def in_flight(self) -> int:
@@ -263,8 +279,24 @@ class Supervisor:
         except BaseException:
             await asyncio.shield(channel.kill())
             raise
-        channel.watch_liveness(self._config.stall_timeout, pings=info.pings)
+        channel.watch_liveness(self._config.stall_timeout, pings=info.pings, rates=self._rates,
+                               on_suspect=lambda suspect: self._suspicion(channel, suspect))
         return channel, info
+
+    def _suspicion(self, channel: WorkerChannel, suspect: bool) -> None:
+        """The worker became suspect (or healthy again): log it and tell the pool."""
+        if channel is not self._channel:
+            return  # a retired worker finishing what it holds: no longer this slot's concern
+        judgement = channel.suspect
+        if suspect and judgement is not None:
+            log.warning("worker %s pid=%d is suspect: %s; no new work for it, its %d request(s) "
+                        "may be answered elsewhere (killed after %.1fs of silence)",
+                        self.slot.name, channel.pid, judgement.reason, channel.in_flight,
+                        judgement.kill_after)
+        elif not suspect:
+            log.info("worker %s pid=%d answered again: healthy", self.slot.name, channel.pid)
+        if self._on_suspect is not None:
+            self._on_suspect(self, suspect)
 
     async def _launch(self) -> None:
         """Spawn a worker, wait for `ready`, and make it this slot's worker."""

@@ -5,13 +5,16 @@ pipe); each reply is matched to its request by id, and each request has its own 
 deadlines are kept by one watchdog timer aimed at the oldest outstanding request, not one timer
 per request: the timeout is the same for all, so the oldest is always the first to expire.
 
-Liveness: once the worker is ready the channel pings it (`ping`/`pong`, every third of the
-stall timeout) if its ready frame says it answers pings; it answers between forwards. A worker
-that sends nothing (no pong, no reply) for `--stall-timeout` while a ping or a request waits on
-it is wedged (SIGSTOP, a stuck driver call, a deadlock outside the request timeout's reach): the
-channel breaks with `WorkerStalled`, so the supervisor kills and replaces it and admission sends
-its requests again. A worker that does not answer pings is judged by its requests alone: a wedged
-one is found once a request waits on it, not while it is idle.
+Liveness: once the worker is ready the channel pings it (`ping`/`pong`, every quarter second,
+`liveness.ping_interval`) if its ready frame says it answers pings; it answers between forwards.
+The rule that judges its silence is `liveness.py`'s: a worker whose pong or reply is overdue by a
+short margin is *suspect* (`suspect` says why, and `on_suspect` hears each change: it gets no new
+work and admission sends what it holds elsewhere), and healthy again at its next frame. A worker
+silent for `--stall-timeout` while a ping or a request waits on it (or sooner, when it owes a pong
+with no request ahead of it) is wedged (SIGSTOP, a stuck driver call, a deadlock outside the
+request timeout's reach): the channel breaks with `WorkerStalled`, so the supervisor kills and
+replaces it and admission sends its requests again. A worker that does not answer pings is
+judged by its requests alone: a wedged one is found once a request waits on it, not while idle.
 
 The channel trusts nothing it reads: frames are decoded by `clef_protocol.messages.from_worker`.
 End of stream, a truncated, oversize or undecodable frame, an unexpected kind, a malformed field,
@@ -33,10 +36,17 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from clef_frontend.dispatch.liveness import (
+    ForwardRates,
+    Judgement,
+    Liveness,
+    Verdict,
+    ping_interval,
+)
 from clef_frontend.dispatch.worker_errors import Deliver, WorkerFailure, WorkerLost
 from clef_protocol import messages
 from clef_protocol.errors import ProtocolError
@@ -68,6 +78,10 @@ class WorkerStalled(WorkerLost):
     reason = "stalled"
 
 
+def _ignore_suspicion(_: bool) -> None:
+    """Default for `on_suspect`."""
+
+
 def failure_reason(failure: WorkerFailure, exit_code: int | None) -> str:
     """Why a warm worker was lost, as one of a few fixed words (a metric label, a log token).
 
@@ -87,11 +101,6 @@ def failure_reason(failure: WorkerFailure, exit_code: int | None) -> str:
 
 
 RESTART_REASONS = ("crash", "hung", "protocol", "cuda_error", "stalled")
-
-
-# Pings per stall timeout: a ping goes out every third of it, so a worker that answers pings is
-# never close to the limit, and a wedged one is declared stalled within the timeout plus a third.
-PINGS_PER_STALL_TIMEOUT = 3
 
 
 # How long a worker that closed its output gets to finish exiting before SIGKILL. Waiting for
@@ -146,14 +155,17 @@ class WorkerChannel:
         # While replies are handed on, the requests they let through are framed here and written
         # together afterwards: one pipe write for several frames (see `_on_output`).
         self._corked: list[bytes] | None = None
-        # Liveness (see the module docstring): the last sign of life (a reply or a pong), the
-        # ping awaiting its pong (None: none), and the one timer that sends pings and judges.
-        self._stall_timeout: float | None = None
-        self._last_life = self._loop.time()
+        # Liveness (see the module docstring): the judge of its silence (None until
+        # `watch_liveness`), the ping awaiting its pong (None: none), the one timer that sends
+        # pings and judges, and the current suspicion (None: healthy).
+        self._liveness: Liveness | None = None
         self._ping_seq = 0
         self._ping_waiting: int | None = None
         self._pinger: asyncio.TimerHandle | None = None
         self._pings = False  # whether the worker answers pings (its ready frame's `pings`)
+        self._suspect: Judgement | None = None
+        self._suspect_since = 0.0
+        self._on_suspect: Callable[[bool], None] = _ignore_suspicion
         self._stuck = False  # hung, stalled or silent at start-up: dump its stack before a kill
 
     @classmethod
@@ -220,18 +232,34 @@ class WorkerChannel:
             raise WorkerFailure(f"worker sent {type(frame).__name__} before ready")
         info = frame
         self._started = True
-        self._last_life = self._loop.time()
         return info
 
-    def watch_liveness(self, stall_timeout: float, *, pings: bool) -> None:
-        """Declare the (ready) worker stalled after `stall_timeout` silent while the front waits
-        on it; ping it meanwhile if it answers pings (its ready frame says so)."""
-        self._stall_timeout = stall_timeout
+    def watch_liveness(self, stall_timeout: float, *, pings: bool,
+                       rates: ForwardRates | None = None,
+                       on_suspect: Callable[[bool], None] | None = None) -> None:
+        """Judge the (ready) worker's silence (liveness.py): suspect after a short margin, wedged
+        after `stall_timeout`; ping it meanwhile if it answers pings (its ready frame says so).
+
+        `rates` are its slot's recent forwards (the estimate of the work it holds); `on_suspect`
+        hears each change of suspicion (True: suspect, False: healthy again).
+        """
+        self._liveness = Liveness(stall_timeout=stall_timeout, rates=rates or ForwardRates(),
+                                  clock=self._loop.time)
         self._pings = pings
-        self._last_life = self._loop.time()
+        if on_suspect is not None:
+            self._on_suspect = on_suspect
         if self._pinger is None and not self._broken.done():
-            self._pinger = self._loop.call_later(stall_timeout / PINGS_PER_STALL_TIMEOUT,
-                                                 self._tick)
+            self._pinger = self._loop.call_at(self._loop.time(), self._tick)
+
+    @property
+    def suspect(self) -> Judgement | None:
+        """Why the worker is suspect (None: it is not): what it owes and for how long."""
+        return self._suspect
+
+    @property
+    def suspect_for(self) -> float:
+        """Seconds since the worker became suspect (0 when it is not)."""
+        return self._loop.time() - self._suspect_since if self._suspect is not None else 0.0
 
     def submit(self, request: Request, timeout: float, deliver: Deliver) -> None:
         """Send one request; `deliver` is called once with its reply or its failure.
@@ -247,12 +275,19 @@ class WorkerChannel:
             return
         if request.id in self._outstanding:
             raise RuntimeError(f"frame id {request.id} is already in flight on this worker")
-        if not self._outstanding and self._ping_waiting is None:
-            self._last_life = self._loop.time()  # silence counts only while the front waits
+        if self._liveness is not None:
+            # A fresh ping ahead of the request (unless one is owed): an idle worker owes its
+            # pong at once, so one that wedged since its last pong is suspect within the floor,
+            # whatever the request's length.
+            if self._pings and self._ping_waiting is None and not self._send_ping():
+                deliver(self._broken.result())
+                return
+            self._liveness.request_sent(request.id, len(request.body))
         self._outstanding[request.id] = _Outstanding(deliver, self._loop.time() + timeout,
                                                      timeout)
         if self._watchdog is None:
             self._arm_watchdog()
+        self._look_sooner()
         if not self._write(request.message()):
             self._fail(WorkerExited("worker closed its input"))
 
@@ -349,12 +384,14 @@ class WorkerChannel:
         self._fail(failure)
 
     def _deliver(self, frame: messages.FromWorker) -> None:
-        self._last_life = self._loop.time()  # any valid frame is a sign of life
         if isinstance(frame, messages.Pong):
             if self._ping_waiting is None or frame.seq != self._ping_waiting:
                 raise WorkerProtocolError(f"unsolicited pong from worker (seq {frame.seq!r})")
             self._ping_waiting = None
+            if self._liveness is not None:
+                self._liveness.pong()
             log.debug("worker pid=%d: pong %d", self.pid, frame.seq)
+            self._sign_of_life()
             return
         if not isinstance(frame, messages.WorkerReply):
             raise WorkerProtocolError(f"unexpected {type(frame).__name__} frame from worker")
@@ -362,7 +399,18 @@ class WorkerChannel:
         if waiting is None:
             kind = messages.RESPONSE if frame.body is not None else messages.ERROR
             raise WorkerProtocolError(f"unsolicited {kind!r} frame from worker (id {frame.id!r})")
+        if self._liveness is not None:
+            self._liveness.request_answered(frame.id, frame.input_tokens, frame.worker_ms,
+                                            cut=frame.truncated_tokens > 0)
+        self._sign_of_life()
         waiting.deliver(frame)
+
+    def _sign_of_life(self) -> None:
+        """A sign of life: a suspect is judged again now (healthy again unless it still owes
+        something overdue), and the timer may have to look sooner."""
+        if self._suspect is not None and self._liveness is not None:
+            self._judge(self._liveness.judge())
+        self._look_sooner()
 
     def _write(self, message: dict[str, Any]) -> bool:
         """Queue a frame on the worker's stdin; False if the pipe is already gone.
@@ -404,33 +452,79 @@ class WorkerChannel:
             return
 
     def _tick(self) -> None:
-        """The liveness timer: judge the silence, then ping if no ping is waiting."""
+        """The liveness timer: judge the silence, then ping if one is due; look again when the
+        verdict would change or the next ping is due, whichever is sooner."""
         self._pinger = None
-        timeout = self._stall_timeout
-        if self._broken.done() or timeout is None:
+        liveness = self._liveness
+        if self._broken.done() or liveness is None:
             return
-        now = self._loop.time()
-        waiting_on_worker = self._ping_waiting is not None or bool(self._outstanding)
-        if waiting_on_worker and now - self._last_life >= timeout:
+        if not self._judge(liveness.judge()):
+            return
+        if self._pings and liveness.ping_due() and not self._send_ping():
+            return
+        self._pinger = self._loop.call_at(self._next_look(liveness), self._tick)
+
+    def _next_look(self, liveness: Liveness) -> float:
+        """When the verdict would change or the next ping is due, whichever is sooner."""
+        looks = [liveness.judge().next_look, liveness.next_ping_at() if self._pings else None]
+        return min((look for look in looks if look is not None),
+                   default=self._loop.time() + liveness.stall_timeout / 3)
+
+    def _look_sooner(self) -> None:
+        """After a pong, a reply or a request the verdict may change sooner than the timer is
+        aimed (the next ping is due, the margin shrank or became known): the timer looks again
+        within a ping interval. Not judged here: a judgement costs a hundred microseconds with
+        a full batch held, too much for every reply."""
+        liveness = self._liveness
+        if liveness is None or self._pinger is None:
+            return
+        soon = self._loop.time() + ping_interval(liveness.stall_timeout)
+        if soon < self._pinger.when():
+            self._pinger.cancel()
+            self._pinger = self._loop.call_at(soon, self._tick)
+
+    def _send_ping(self) -> bool:
+        """Write a ping (none may be owed); False if the pipe is gone (the channel is broken)."""
+        assert self._liveness is not None
+        self._ping_seq += 1
+        self._ping_waiting = self._ping_seq
+        self._liveness.ping_sent()
+        if not self._write(messages.ping(self._ping_seq)):
+            self._fail(WorkerExited("worker closed its input"))
+            return False
+        return True
+
+    def _judge(self, judgement: Judgement) -> bool:
+        """Act on a verdict: break the channel if wedged (False), else track the suspicion and
+        tell `on_suspect` of each change (True)."""
+        liveness = self._liveness
+        assert liveness is not None
+        if judgement.verdict is Verdict.WEDGED:
             self._stuck = True
-            self._fail(WorkerStalled(f"no pong and no reply within {timeout:g}s "
-                                     f"({len(self._outstanding)} request(s) in flight)"))
-            return
-        if self._ping_waiting is None and self._pings:
-            self._ping_seq += 1
-            self._ping_waiting = self._ping_seq
-            if not self._write(messages.ping(self._ping_seq)):
-                self._fail(WorkerExited("worker closed its input"))
-                return
-        # The next look comes a third of the timeout later, or, while the front waits on the
-        # worker, right when the silence would reach the timeout, whichever is sooner.
-        later = now + timeout / PINGS_PER_STALL_TIMEOUT
-        if self._ping_waiting is not None or self._outstanding:
-            later = min(later, self._last_life + timeout)
-        self._pinger = self._loop.call_at(later, self._tick)
+            if judgement.kill_after >= liveness.stall_timeout:
+                self._fail(WorkerStalled(
+                    f"no pong and no reply within {liveness.stall_timeout:g}s "
+                    f"({len(self._outstanding)} request(s) in flight)"))
+            else:
+                self._fail(WorkerStalled(
+                    f"no pong within {judgement.kill_after:g}s with no request ahead of it "
+                    f"({len(self._outstanding)} request(s) in flight)"))
+            return False
+        was_suspect = self._suspect is not None
+        if judgement.verdict is Verdict.SUSPECT:
+            if not was_suspect:
+                self._suspect_since = self._loop.time()
+            self._suspect = judgement
+            if not was_suspect:
+                self._on_suspect(True)
+        elif was_suspect:
+            self._suspect = None
+            self._on_suspect(False)
+        return True
 
     def _stop_liveness(self) -> None:
-        self._stall_timeout = None
+        self._liveness = None
+        self._suspect = None
         if self._pinger is not None:
             self._pinger.cancel()
             self._pinger = None

@@ -95,11 +95,13 @@ class WorkerPool:
         on_ready: Callable[[], None],
         on_worker_failed: Callable[[str], None] | None = None,
         on_gave_up: Callable[[str], None] | None = None,
+        on_suspect: Callable[[Supervisor, bool], None] | None = None,
     ) -> None:
         self._on_all_lost = on_all_lost
         self.lanes: Sequence[Supervisor] = [
             Supervisor(config, self._worker_lost, slot=slot, on_ready=on_ready,
-                       on_worker_failed=on_worker_failed, on_gave_up=on_gave_up)
+                       on_worker_failed=on_worker_failed, on_gave_up=on_gave_up,
+                       on_suspect=on_suspect)
             for slot in plan_slots(config)
         ]
         self._reloading = asyncio.Lock()
@@ -149,12 +151,33 @@ class WorkerPool:
         ready = self.ready_lanes()
         return ready[0].info if ready else None
 
+    def suspect_lanes(self) -> list[Supervisor]:
+        """Ready workers that are suspect (liveness.py): they get no new work."""
+        return [lane for lane in self.ready_lanes() if lane.suspect is not None]
+
+    def waiting_on_suspects(self) -> str | None:
+        """Why nothing new is sent, when every ready worker is suspect (else None): their
+        requests wait for their answer or their replacement (/health's `waiting_for`)."""
+        ready = self.ready_lanes()
+        suspects = [lane for lane in ready if lane.suspect is not None]
+        if not suspects or len(suspects) < len(ready):
+            return None
+        parts = []
+        for lane in suspects:
+            judgement = lane.suspect
+            assert judgement is not None
+            parts.append(f"worker {lane.slot.name} is suspect ({judgement.reason}); its "
+                         f"{lane.in_flight} request(s) wait for its answer or its replacement "
+                         f"(killed after {judgement.kill_after:g}s of silence)")
+        return "; ".join(parts)
+
     def describe(self) -> list[dict[str, Any]]:
-        """One entry per worker for /health."""
+        """One entry per worker for /health; `suspect` is null or why (liveness.py)."""
         out = []
         for lane in self.lanes:
             ready = lane.unavailable_reason() is None
             state = lane.state
+            judgement = lane.suspect if ready else None
             out.append({
                 "name": lane.slot.name,
                 "device": lane.slot.device,
@@ -164,6 +187,13 @@ class WorkerPool:
                 "in_flight": lane.in_flight,
                 "max_batch": lane.max_batch,
                 "restarts": lane.restarts,
+                "suspect": None if judgement is None else {
+                    "reason": judgement.reason,
+                    "for_s": round(lane.suspect_for, 3),
+                    "silent_s": round(judgement.silent, 3),
+                    "allowed_s": round(judgement.allowed, 3),
+                    "kill_after_s": round(judgement.kill_after, 3),
+                },
             })
         return out
 
