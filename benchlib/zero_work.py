@@ -9,6 +9,9 @@ Three servers, one after the other, each alone on the machine while it is measur
 
 Each row is measured at 1 connection (latency) and 32 (throughput and tail), closed loop and
 keep-alive. Both servers log one access line per request to a file, as they do by default.
+clef-serve runs its defaults, answer cache included, so every POST body is distinct (numbered
+by the load generator, `benchlib.http_load`): each one is a miss that goes through admission
+and the worker, the path that ships; uvicorn gets the same bodies.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ class _Server:
 def _measure(port: int, method: str, path: str, body: bytes, args: argparse.Namespace) -> Row:
     def load(connections: int, seconds: float) -> LoadResult:
         return run_load("127.0.0.1", port, method, path, body, connections=connections,
-                        seconds=seconds, use_wrk=not args.no_wrk)
+                        seconds=seconds, use_wrk=not args.no_wrk, distinct=bool(body))
 
     load(4, min(1.0, args.seconds))  # warm-up, not reported
     c1, c32 = load(1, args.seconds), load(32, args.seconds)

@@ -135,13 +135,16 @@ def request_id_of(headers: Iterable[tuple[bytes, bytes]]) -> str:
     return new_request_id()
 
 
-def server_timing(
-    queue_ms: float | None, worker_ms: float | None, total_ms: float | None
-) -> str | None:
-    """`queue;dur=0.3, worker;dur=41.2, total;dur=43.0` with what is known; None if nothing."""
+def server_timing(queue_ms: float | None, worker_ms: float | None, total_ms: float | None,
+                  *, cache: str | None = None) -> str | None:
+    """`queue;dur=0.3, worker;dur=41.2, total;dur=43.0` with what is known, led by
+    `cache;desc=hit` (or `coalesced`) for an answer shared from the answer cache; None if
+    nothing is known."""
     parts = [f"{name};dur={value:.1f}" for name, value in
              (("queue", queue_ms), ("worker", worker_ms), ("total", total_ms))
              if value is not None]
+    if cache is not None:
+        parts.insert(0, f"cache;desc={cache}")
     return ", ".join(parts) or None
 
 

@@ -109,12 +109,8 @@ class Rig:
         return RequestContext.of(head, io or FakeIO(body))
 
     async def serve(self, ctx: RequestContext) -> Reply | None:
-        """The whole request as the connection runs it: answer, finish, count."""
-        reply = await self.pipeline.answer(ctx)
-        if reply is not None:
-            reply = self.pipeline.finish(ctx, reply)
-        self.pipeline.count(ctx, reply.status if reply is not None else 499)
-        return reply
+        """The whole request as the connection runs it: answered, in its form, counted."""
+        return await self.pipeline.answer(ctx)
 
     def sample(self, name: str, **labels: str) -> float:
         value = self.metrics.registry.get_sample_value(name, labels)
@@ -238,22 +234,45 @@ def test_a_client_that_leaves_takes_its_ticket_out_of_the_queue() -> None:
     asyncio.run(scenario())
 
 
-def test_a_step_inserted_before_admission_runs_in_its_place() -> None:
-    """The plug-in point for further stages: a plain async function over the context."""
+def test_the_steps_are_one_list_in_contract_order() -> None:
+    """The rig runs the list the server runs: the pipeline declares it, traffic steps and
+    sharing included, and nothing splices steps in afterwards."""
+    rig = Rig()
+    assert [step.__name__ for step in rig.pipeline.steps] == [
+        "check_head_size", "route", "decide_from_head", "identify", "classify", "set_deadline",
+        "check_post_head", "read_body", "validate", "share", "admit", "await_answer"]
+    assert rig.pipeline.cache.enabled  # the server's default: the answer cache is on
 
-    async def quota(ctx: RequestContext) -> Reply | None:
-        if ctx.header(b"x-tenant") == b"greedy":
-            return responses.error(429, "over quota", retry_after=1)
-        return None
 
+def test_a_hit_and_a_joiner_take_the_same_steps_and_leave_the_same_traces() -> None:
     async def scenario() -> None:
-        rig = Rig()
-        steps = rig.pipeline.steps
-        steps.insert(steps.index(rig.pipeline.admit), quota)
-        refused = await rig.serve(rig.context("POST", "/v1/systemone", BODY, "X-Tenant: greedy"))
-        assert refused is not None and refused.status == 429 and rig.lane.sent == []
-        served = await answered_by_lane(rig, rig.context("POST", "/v1/systemone", BODY))
-        assert served is not None and served.status == 200
+        rig = Rig(room=2)
+        first = rig.context("POST", "/v1/systemone", BODY)
+        joiner = rig.context("POST", "/v1/systemone", BODY)
+        owner = asyncio.ensure_future(rig.serve(first))
+        await rig.lane.reached.wait()
+        joined = asyncio.ensure_future(rig.serve(joiner))
+        while joiner.answer is None:  # the joiner reaches its wait without a second frame
+            await asyncio.sleep(0)
+        _, _, deliver = rig.lane.held.pop(0)
+        deliver(WorkerReply(200, b'{"answers": 1}', None, 12.0, input_tokens=40,
+                            truncated_tokens=0, batch_size=1))
+        replies = [await owner, await joined]
+        hit = rig.context("POST", "/v1/systemone", BODY)
+        replies.append(await rig.serve(hit))
+        assert [r.body for r in replies if r is not None] == [b'{"answers": 1}'] * 3
+        assert rig.lane.sent == [BODY]  # one forward for three requests
+        assert (first.cache, joiner.cache, hit.cache) == ("miss", "coalesced", "hit")
+        timing = [dict(ctx.trace_headers())["Server-Timing"] for ctx in (first, joiner, hit)]
+        assert timing[0].startswith("queue;dur=") and "worker;dur=12.0" in timing[0]
+        assert timing[1].startswith("cache;desc=coalesced, total;dur=")
+        assert timing[2].startswith("cache;desc=hit, total;dur=")
+        assert rig.sample("clef_http_requests_total", route="/v1/systemone", status="200",
+                          key="-") == 3
+        assert rig.sample("clef_request_duration_seconds_count") == 3
+        assert rig.sample("clef_request_worker_seconds_count") == 1  # one forward measured
+        for result in ("miss", "coalesced", "hit"):
+            assert rig.sample("clef_answer_cache_total", result=result) == 1
 
     asyncio.run(scenario())
 
