@@ -150,7 +150,10 @@ def _render(rows: list[Row], worker_ms: list[float], args: argparse.Namespace,
         f"{args.seconds:g} s per cell, closed loop, keep-alive, after a 1 s warm-up. 1-minute "
         f"load average {load[0]:.2f} at the start, {load[1]:.2f} at the end: the machine has 2 "
         "cores shared with other work, and the load generator runs on the same cores as the "
-        "server, so absolute numbers move from run to run; compare rows within one run.",
+        "server, so absolute numbers move from run to run; compare rows within one run. "
+        "clef-serve runs its defaults, answer cache on; every POST body is distinct (numbered "
+        "by the load generator), so each one is a miss that reaches the worker, and uvicorn "
+        "gets the same bodies.",
         "",
         "| path | C1 p50 | C32 throughput | C32 p99 |",
         "|---|---:|---:|---:|",

@@ -16,8 +16,8 @@ trace id also appears on the access line whether or not spans are exported.
 
 from __future__ import annotations
 
+import os
 import string
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -122,8 +122,9 @@ def trace_context_of(headers: Iterable[tuple[bytes, bytes]]) -> tuple[str, Trace
 
 
 def new_request_id() -> str:
-    """A fresh id: 32 hex digits, unique enough to grep for across replicas."""
-    return uuid.uuid4().hex
+    """A fresh id: 32 hex digits (128 random bits, as a UUID4's hex without its object),
+    unique enough to grep for across replicas."""
+    return os.urandom(16).hex()
 
 
 def request_id_of(headers: Iterable[tuple[bytes, bytes]]) -> str:
