@@ -41,15 +41,15 @@ class Serve:
         real_worker: bool = False,
         startup_wait: float = WAIT,
         env: dict[str, str] | None = None,
-        max_batch: int | None = 1,
+        max_batch: int | None = None,
         answer_cache: int | None = None,
     ) -> None:
-        # One request in flight per worker unless a test says otherwise (`max_batch`, or
-        # `--max-batch` in `front_args`, which comes later and wins): the queue tests count on
-        # it, and the CPU default (clef_frontend.dispatch.supervisor) may change with measurements.
-        # The answer cache is the server's default (on), as operators run it; `answer_cache`
-        # sets it for a test about it, with a comment why. Requests that must each reach a
-        # worker are distinct (`clef_body` numbers every body it makes).
+        # The server's own defaults, as operators run it: requests in flight per worker by its
+        # device (clef_frontend.dispatch.supervisor) and the answer cache on. A test about
+        # another setting passes it (`max_batch=1` where requests must visibly queue behind one
+        # held at the worker; `--max-batch` in `front_args` comes later and wins) with a comment
+        # why. Requests that must each reach a worker are distinct (`clef_body` numbers every
+        # body it makes).
         worker = shlex.join([sys.executable, str(FAKE_WORKER), *worker_switches])
         argv = [
             sys.executable, "-m", "clef_frontend", "--port", str(port),

@@ -116,7 +116,8 @@ class RequestContext:
     ticket: Ticket | None = None  # this request's own place in admission (a miss)
     started: float = field(default_factory=time.monotonic)
     # Traces (otel.py): the W3C trace id for the access line ("-": none known), the server
-    # span when tracing is on, and when the worker's reply arrived (its spans end there).
+    # span when tracing is on, and when the awaited answer arrived, a worker's, a kept or a
+    # shared one (its spans end there; None: the request ended before it awaited one).
     trace_id: str = tracing.NO_TRACE
     span: otel.RequestSpan | None = None
     answered_at: float | None = None
@@ -150,7 +151,7 @@ class RequestContext:
         """`X-Request-Id`, and `Server-Timing` on every answer that went through admission:
         the queue and the worker for this request's own forward, `cache;desc=hit` or
         `cache;desc=coalesced` for an answer it shared; `total` on both."""
-        if self.answer is None:
+        if self.answered_at is None:  # refused before its answer was awaited
             return tracing.response_headers(self.request_id, None)
         total_ms = (time.monotonic() - self.started) * 1000.0
         ticket = self.ticket
@@ -294,9 +295,14 @@ class Pipeline:
     async def admit(self, ctx: RequestContext) -> Reply | None:
         """Row 14: the queue takes the request, or refuses it (503); a request whose deadline
         passes while it waits gets 504 instead of a worker. A request answered from the cache or
-        sharing one in flight has its answer coming already and is not admitted again."""
+        sharing one in flight has its answer coming already and is not admitted again; while
+        the server drains it is refused all the same, as every new request is."""
         assert ctx.body is not None
         if ctx.answer is not None:
+            if self.admission.draining:
+                if ctx.flight is not None:
+                    ctx.flight.leave(ctx.answer)  # a joiner no longer waits
+                return responses.unavailable("server is draining", self.config.retry_after)
             return None
         flight = ctx.flight
         try:

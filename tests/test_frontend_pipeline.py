@@ -306,3 +306,19 @@ def test_routes_that_are_not_scored_stay_out_of_the_latency_histograms() -> None
         assert [r for r in Route if r.is_scoring] == [Route.SYSTEMONE, Route.WORKERS_AI]
 
     asyncio.run(scenario())
+
+
+def test_a_repeat_is_refused_like_any_new_request_while_draining() -> None:
+    async def scenario() -> None:
+        rig = Rig()
+        first = await answered_by_lane(rig, rig.context("POST", "/v1/systemone", BODY))
+        assert first is not None and first.status == 200
+        rig.admission.start_draining()
+        repeat = rig.context("POST", "/v1/systemone", BODY)
+        refused = await rig.serve(repeat)
+        assert refused is not None and refused.status == 503
+        assert json.loads(refused.body) == {"detail": "server is draining"}
+        assert repeat.cache == "hit" and rig.lane.sent == [BODY]
+        assert "Server-Timing" not in dict(repeat.trace_headers())  # refused, not answered
+
+    asyncio.run(scenario())
