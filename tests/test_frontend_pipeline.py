@@ -322,3 +322,35 @@ def test_a_repeat_is_refused_like_any_new_request_while_draining() -> None:
         assert "Server-Timing" not in dict(repeat.trace_headers())  # refused, not answered
 
     asyncio.run(scenario())
+
+
+def test_a_queued_request_is_joined_only_by_requests_it_cannot_make_wait_longer() -> None:
+    """Joining a request still in the queue means waiting in its class and to its deadline:
+    a request without a deadline does not join one with a deadline, nor an interactive
+    request a bulk one; each is admitted on its own. Joining the other way round is fine."""
+    other = json.dumps({"model": "m", "state": "other", "questions": {"q": {"type": "noul"}}})
+
+    async def scenario() -> None:
+        rig = Rig(room=0)  # the worker has no room: every admitted request waits in the queue
+        contexts = [
+            rig.context("POST", "/v1/systemone", BODY, "X-Clef-Deadline-Ms: 60000"),
+            rig.context("POST", "/v1/systemone", BODY),  # no deadline: not behind one
+            rig.context("POST", "/v1/systemone", BODY, "X-Clef-Deadline-Ms: 30000"),
+            rig.context("POST", "/v1/systemone", BODY, "X-Clef-Priority: bulk"),
+            rig.context("POST", "/v1/systemone", other.encode(), "X-Clef-Priority: bulk"),
+            rig.context("POST", "/v1/systemone", other.encode()),  # interactive: not behind bulk
+        ]
+        tasks = []
+        for ctx in contexts:
+            tasks.append(asyncio.ensure_future(rig.serve(ctx)))
+            while ctx.answer is None:  # each reaches its wait before the next one arrives
+                await asyncio.sleep(0)
+        assert [ctx.cache for ctx in contexts] == [
+            "miss", "miss", "coalesced", "coalesced", "miss", "miss"]
+        assert contexts[2].flight is contexts[3].flight is contexts[1].flight
+        assert rig.admission.depth == 4
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(scenario())
