@@ -4,7 +4,7 @@ The connection (connection.py) turns bytes into a `RequestContext` and a `Reply`
 bytes; everything in between is here, one step per stage of http-contract.md, declared once in
 `Pipeline.steps`, in contract order:
 
-    head size -> route -> head decisions (key, model name, /v1/models) -> key name and quota
+    head size -> route -> head decisions (key, model name, /v1/models) -> key name -> quota
     -> class -> deadline -> POST head checks -> body read -> body validation (and the
     request's identity) -> sharing (answer cache) -> admission -> the answer
 
@@ -35,7 +35,7 @@ from typing import Any, Protocol
 from clef_frontend import deadlines, logs, otel, responses, tracing, workers_ai
 from clef_frontend.answer_cache import COALESCED, AnswerCache, Flight, identity
 from clef_frontend.api import ApiSurface
-from clef_frontend.auth import NO_KEY
+from clef_frontend.auth import NO_KEY, NamedKey
 from clef_frontend.config import ServerConfig
 from clef_frontend.dispatch.admission import Admission, Refused, Ticket
 from clef_frontend.http1 import RefusedHead, RequestHead
@@ -100,6 +100,7 @@ class RequestContext:
     route: Route | None = None
     route_label: str = "-"
     key: str | None = None
+    api_key: NamedKey | None = None  # the key itself, for its quota (None: keys are off)
     priority: str = INTERACTIVE  # X-Clef-Priority, else the key's class (traffic.py)
     deadline: float | None = None  # X-Clef-Deadline-Ms as time.monotonic() (traffic.py)
     body_length: int | None = None
@@ -191,7 +192,7 @@ class Pipeline:
         traffic = self.traffic
         self.steps: list[Step] = [
             self.check_head_size, self.route, self.decide_from_head,
-            traffic.identify, traffic.classify, traffic.set_deadline,
+            traffic.identify, traffic.check_quota, traffic.classify, traffic.set_deadline,
             self.check_post_head, self.read_body, self.validate,
             traffic.share, self.admit, self.await_answer,
         ]

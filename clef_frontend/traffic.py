@@ -3,18 +3,19 @@ has this exact request already been answered or is it being answered now.
 
 Plain steps of `pipeline.Pipeline.steps`, which declares them in contract order with the rest:
 
-    ... decide_from_head -> identify (key name, quota 429) -> classify (X-Clef-Priority)
-        -> set_deadline (X-Clef-Deadline-Ms) -> ... validate -> share -> admit -> await_answer
+    ... decide_from_head -> identify (key name) -> check_quota (429) -> classify
+        (X-Clef-Priority) -> set_deadline (X-Clef-Deadline-Ms) -> ... validate -> share -> admit
+        -> await_answer
 
-`identify`, `classify` and `set_deadline` run before any body byte is read, so a refused request
-costs no upload. `share` only decides how the request will get its answer: from the cache (hit),
-by joining an identical request in flight (coalesced), or by being admitted as the first of its
-kind (miss); the pipeline's own `admit` and `await_answer` then run for all three, so every
-scoring request leaves the same traces. A request joins a flight only where the shared request
-cannot be cut short before its own deadline or wait behind a lower class than its own (a queued
-one with an earlier deadline, or bulk for an interactive joiner, is not joined: this request is
-admitted on its own). With `--answer-cache 0` nothing is shared: every request is a miss of its
-own.
+`identify`, `check_quota`, `classify` and `set_deadline` run before any body byte is read, so a
+refused request costs no upload. `share` only decides how the request will get its answer: from
+the cache (hit), by joining an identical request in flight (coalesced), or by being admitted as
+the first of its kind (miss); the pipeline's own `admit` and `await_answer` then run for all
+three, so every scoring request leaves the same traces. A request joins a flight only where the
+shared request cannot be cut short before its own deadline or wait behind a lower class than its
+own (a queued one with an earlier deadline, or bulk for an interactive joiner, is not joined:
+this request is admitted on its own). With `--answer-cache 0` nothing is shared: every request
+is admitted on its own and `cache` stays unset.
 """
 
 from __future__ import annotations
@@ -46,12 +47,19 @@ class TrafficSteps:
         self.quotas = quotas or Quotas()
 
     async def identify(self, ctx: RequestContext) -> Reply | None:
-        """The key's name, and its quota (429, before the body is read)."""
+        """The key's name (`-` without keys), and its class as the request's default."""
         key = self._keys.identify(ctx.header(b"authorization")) if self._keys.enabled else None
+        ctx.api_key = key
         ctx.key = key.name if key is not None else NO_KEY
+        if key is not None:
+            ctx.priority = key.priority  # unless X-Clef-Priority says otherwise
+        return None
+
+    async def check_quota(self, ctx: RequestContext) -> Reply | None:
+        """The key's quota: 429 with Retry-After over its rate, before the body is read."""
+        key = ctx.api_key
         if key is None:
             return None
-        ctx.priority = key.priority  # the class unless X-Clef-Priority says otherwise
         refusal = self.quotas.check(key)
         if refusal is not None:
             self._metrics.quota_refused(key.name)

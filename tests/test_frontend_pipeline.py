@@ -239,7 +239,8 @@ def test_the_steps_are_one_list_in_contract_order() -> None:
     sharing included, and nothing splices steps in afterwards."""
     rig = Rig()
     assert [step.__name__ for step in rig.pipeline.steps] == [
-        "check_head_size", "route", "decide_from_head", "identify", "classify", "set_deadline",
+        "check_head_size", "route", "decide_from_head", "identify", "check_quota", "classify",
+        "set_deadline",
         "check_post_head", "read_body", "validate", "share", "admit", "await_answer"]
     assert rig.pipeline.cache.enabled  # the server's default: the answer cache is on
 
