@@ -139,7 +139,8 @@ class Metrics:
                                for result in ("hit", "coalesced", "miss")}
         self.deadline_expired = Counter(
             "clef_deadline_expired", "Requests answered 504 because their deadline passed while "
-            "they waited, by priority class.", ["class"], registry=r)
+            "they waited (for a worker, or for a shared forward), by priority class.", ["class"],
+            registry=r)
         self.resent = Counter(
             "clef_requests_resent", "Requests sent again because their worker was lost with "
             "them in flight, by why it was lost.", ["reason"], registry=r)
