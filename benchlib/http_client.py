@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import select
 import socket
@@ -24,9 +25,15 @@ HOST = "127.0.0.1"
 WAIT = 10.0  # upper bound for anything that should happen "promptly"
 
 
+_SEQUENCE = itertools.count()
+
+
 def clef_request(**extra: Any) -> dict[str, Any]:
-    """A minimal valid Clef request; extra keys (tags, fake-worker markers) are ignored by Clef."""
-    return {"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}, **extra}
+    """A minimal valid Clef request, unlike any other this process made (its `seq`): servers
+    run with their default answer cache, so each one reaches a worker; a test about sharing
+    sends one body again. Extra keys (tags, fake-worker markers, `seq`) are ignored by Clef."""
+    return {"model": "m", "state": "s", "questions": {"q": {"type": "noul"}},
+            "seq": next(_SEQUENCE), **extra}
 
 
 def clef_body(**extra: Any) -> bytes:

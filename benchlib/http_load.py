@@ -5,8 +5,12 @@ for a fixed duration; the result is the completed count, the per-request latenci
 and how many answers were not the expected status. wrk (Debian package `wrk`) is preferred
 because a load generator written in Python spends as much CPU per request as the server under
 test, which on a small machine caps what can be measured; the asyncio loop of clef-bench
-(`clef_tools.load`) is the fallback so the benchmark still runs (and CI can smoke-test it) where
-wrk is absent.
+(`clef_tools.load`) is the fallback so the benchmark still runs (and CI can smoke-test it)
+where wrk is absent.
+
+With `distinct`, every request's JSON body is made unlike every other (a `"seq"` member put
+first, numbered per connection or wrk thread): a server with an answer cache (clef-serve's
+default) then answers each one as new, which is the path a benchmark of its work must measure.
 """
 
 from __future__ import annotations
@@ -40,11 +44,30 @@ class LoadResult:
 
 
 def run_load(host: str, port: int, method: str, path: str, body: bytes, *, connections: int,
-             seconds: float, expect: int = 200, use_wrk: bool = True) -> LoadResult:
-    """Load one route; wrk when asked for and installed, else the asyncio client."""
+             seconds: float, expect: int = 200, use_wrk: bool = True,
+             distinct: bool = False) -> LoadResult:
+    """Load one route; wrk when asked for and installed, else the asyncio client. With
+    `distinct`, no two requests carry the same body (see the module docstring)."""
+    if distinct:
+        _split_object(body)  # refuse a body that cannot be numbered before loading anything
     if use_wrk and shutil.which("wrk"):
-        return _wrk(host, port, method, path, body, connections, seconds)
-    return asyncio.run(_asyncio_load(host, port, method, path, body, connections, seconds, expect))
+        return _wrk(host, port, method, path, body, connections, seconds, distinct)
+    return asyncio.run(_asyncio_load(host, port, method, path, body, connections, seconds, expect,
+                                     distinct))
+
+
+def _split_object(body: bytes) -> tuple[bytes, bytes]:
+    """The text before and after a request's number: `{"seq":"` and `",` + the members."""
+    text = body.strip()
+    if not text.startswith(b"{") or text[1:].lstrip().startswith(b"}"):
+        raise ValueError("distinct bodies need a non-empty JSON object to number")
+    return b'{"seq":"', b'",' + text[1:]
+
+
+def numbered(body: bytes, number: str) -> bytes:
+    """`body` (a non-empty JSON object) with `"seq": number` as its first member."""
+    head, tail = _split_object(body)
+    return head + number.encode("ascii") + tail
 
 
 # -- wrk ---------------------------------------------------------------------------------------
@@ -60,10 +83,26 @@ def _duration_ms(text: str) -> float:
 
 
 def _wrk(host: str, port: int, method: str, path: str, body: bytes, connections: int,
-         seconds: float) -> LoadResult:
+         seconds: float, distinct: bool) -> LoadResult:
     lua = (f'wrk.method = "{method}"\n'
            f'wrk.headers["Content-Type"] = "application/json"\n'
            f"wrk.body = [==[{body.decode('utf-8')}]==]\n")
+    if distinct:
+        head, tail = _split_object(body)
+        # Each wrk thread has a Lua state of its own: `setup` (run once per thread in the
+        # main state) gives each a number, so thread and count make every body unique.
+        lua += (f"local head = [==[{head.decode('utf-8')}]==]\n"
+                f"local tail = [==[{tail.decode('utf-8')}]==]\n"
+                "local threads = 0\n"
+                "function setup(thread)\n"
+                "  threads = threads + 1\n"
+                "  thread:set(\"tid\", threads)\n"
+                "end\n"
+                "local count = 0\n"
+                "function request()\n"
+                "  count = count + 1\n"
+                "  return wrk.format(nil, nil, nil, head .. tid .. \"-\" .. count .. tail)\n"
+                "end\n")
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "request.lua"
         script.write_text(lua, encoding="utf-8")
@@ -93,8 +132,11 @@ def _wrk(host: str, port: int, method: str, path: str, body: bytes, connections:
 
 
 async def _asyncio_load(host: str, port: int, method: str, path: str, body: bytes,
-                        connections: int, seconds: float, expect: int) -> LoadResult:
-    run = await closed_loop(Endpoint(host, port), method, path, lambda _number: body,
+                        connections: int, seconds: float, expect: int,
+                        distinct: bool) -> LoadResult:
+    run = await closed_loop(Endpoint(host, port), method, path,
+                            (lambda number: numbered(body, str(number))) if distinct
+                            else (lambda _number: body),
                             clients=connections, seconds=seconds,
                             timeout=max(60.0, seconds * 4))
     latencies = [sample.ms for sample in run.samples]

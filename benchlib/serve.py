@@ -41,15 +41,15 @@ class Serve:
         real_worker: bool = False,
         startup_wait: float = WAIT,
         env: dict[str, str] | None = None,
-        max_batch: int | None = 1,
-        answer_cache: int | None = 0,
+        max_batch: int | None = None,
+        answer_cache: int | None = None,
     ) -> None:
-        # One request in flight per worker unless a test says otherwise (`max_batch`, or
-        # `--max-batch` in `front_args`, which comes later and wins): the queue tests count on
-        # it, and the CPU default (clef_frontend.dispatch.supervisor) may change with measurements.
-        # No answer cache unless a caller says otherwise (`answer_cache`, None for the server's
-        # default): tests and benchmarks send the same body again and count on each reaching a
-        # worker.
+        # The server's own defaults, as operators run it: requests in flight per worker by its
+        # device (clef_frontend.dispatch.supervisor) and the answer cache on. A test about
+        # another setting passes it (`max_batch=1` where requests must visibly queue behind one
+        # held at the worker; `--max-batch` in `front_args` comes later and wins) with a comment
+        # why. Requests that must each reach a worker are distinct (`clef_body` numbers every
+        # body it makes).
         worker = shlex.join([sys.executable, str(FAKE_WORKER), *worker_switches])
         argv = [
             sys.executable, "-m", "clef_frontend", "--port", str(port),
@@ -157,9 +157,12 @@ class Serve:
                 raise AssertionError(f"/health never satisfied the condition; last: {document}")
             time.sleep(0.01)  # polling interval, not a synchronisation guess
 
-    def hold_in_flight(self, gate: Path, tag: str = "running") -> background:
-        """POST a request the fake worker holds until `gate` exists; return once in flight."""
-        call = background(lambda: self.post(clef_body(tag=tag, hold_until=str(gate))))
+    def hold_in_flight(self, gate: Path, tag: str = "running",
+                       body: bytes | None = None) -> background:
+        """POST a request the fake worker holds until `gate` exists (`body`, if given, must
+        say so itself); return once in flight."""
+        held = body if body is not None else clef_body(tag=tag, hold_until=str(gate))
+        call = background(lambda: self.post(held))
         self.wait_health(lambda h: h["in_flight"] == 1)
         return call
 

@@ -1,6 +1,7 @@
 """`bench_http.py --zero-work`: the front's own cost, measured beside uvicorn on the same machine.
 
-Three servers, one after the other, each alone on the machine while it is measured:
+Three servers, started together and measured in turns (ROUNDS turns, every row once per turn,
+one row at a time), so that on a shared machine a change of load falls on every row alike:
 - clef-serve with tests/fake_worker.py (it answers at once): `GET /health` is the front without
   the worker hop, `POST /v1/systemone` the whole front path (h11, the contract's checks, body
   parsing and validation, admission, a frame each way over the pipe, the access log line);
@@ -9,6 +10,9 @@ Three servers, one after the other, each alone on the machine while it is measur
 
 Each row is measured at 1 connection (latency) and 32 (throughput and tail), closed loop and
 keep-alive. Both servers log one access line per request to a file, as they do by default.
+clef-serve runs its defaults, answer cache included, so every POST body is distinct (numbered
+by the load generator, `benchlib.http_load`): each one is a miss that goes through admission
+and the worker, the path that ships; uvicorn gets the same bodies.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import platform
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -71,17 +76,61 @@ class _Server:
         self._log.close()
 
 
-def _measure(port: int, method: str, path: str, body: bytes, args: argparse.Namespace) -> Row:
-    def load(connections: int, seconds: float) -> LoadResult:
-        return run_load("127.0.0.1", port, method, path, body, connections=connections,
-                        seconds=seconds, use_wrk=not args.no_wrk)
+# Each row is measured in this many turns, the rows one after the other within a turn, so a
+# change of load on a shared machine falls on every row alike instead of on whichever ran then.
+ROUNDS = 4
 
-    load(4, min(1.0, args.seconds))  # warm-up, not reported
-    c1, c32 = load(1, args.seconds), load(32, args.seconds)
-    for result in (c1, c32):
-        if result.bad_status:
-            raise RuntimeError(f"{method} {path}: {result.bad_status} failed requests")
-    return Row(f"{method} {path}", c1, c32)
+
+@dataclass(frozen=True)
+class _Target:
+    """One row to measure: a route on a running server."""
+
+    label: str
+    port: int
+    method: str
+    path: str
+    body: bytes
+
+
+def _load(target: _Target, connections: int, seconds: float,
+          args: argparse.Namespace) -> LoadResult:
+    result = run_load("127.0.0.1", target.port, target.method, target.path, target.body,
+                      connections=connections, seconds=seconds, use_wrk=not args.no_wrk,
+                      distinct=bool(target.body))
+    if result.bad_status:
+        raise RuntimeError(f"{target.label}: {result.bad_status} failed requests")
+    return result
+
+
+def _combined(results: list[LoadResult]) -> LoadResult:
+    """One cell from its turns: every request over every second, the median p50 and p99."""
+    return LoadResult(
+        tool=results[0].tool, connections=results[0].connections,
+        seconds=sum(r.seconds for r in results), requests=sum(r.requests for r in results),
+        p50_ms=statistics.median(r.p50_ms for r in results),
+        p99_ms=statistics.median(r.p99_ms for r in results),
+        bad_status=sum(r.bad_status for r in results))
+
+
+def _measure_in_turns(targets: list[_Target], args: argparse.Namespace) -> list[Row]:
+    """Every target at C1 and C32, in turns of at least a second (ROUNDS of them, fewer for a
+    short run), `args.seconds` per cell in all."""
+    for target in targets:
+        _load(target, 4, min(1.0, args.seconds), args)  # warm-up, not reported
+    rounds = _rounds(args)
+    turn = args.seconds / rounds
+    cells: dict[tuple[str, int], list[LoadResult]] = {}
+    for _ in range(rounds):
+        for target in targets:
+            for connections in (1, 32):
+                cells.setdefault((target.label, connections), []).append(
+                    _load(target, connections, turn, args))
+    return [Row(t.label, _combined(cells[(t.label, 1)]), _combined(cells[(t.label, 32)]))
+            for t in targets]
+
+
+def _rounds(args: argparse.Namespace) -> int:
+    return max(1, min(ROUNDS, int(args.seconds)))
 
 
 def _clef_server(tmp: Path, name: str, *flags: str) -> tuple[_Server, int]:
@@ -91,31 +140,7 @@ def _clef_server(tmp: Path, name: str, *flags: str) -> tuple[_Server, int]:
                     "--worker-command", worker, *flags], port, tmp / name, timeout=60), port
 
 
-def _clef_rows(args: argparse.Namespace, tmp: Path) -> tuple[list[Row], list[float]]:
-    """/health and POST with the defaults (one request in flight on a CPU worker), then POST
-    with 16 in flight, as on a CUDA worker: frames then queue on the pipe."""
-    server, port = _clef_server(tmp, "clef.log")
-    try:
-        health = _measure(port, "GET", "/health", b"", args)
-        post = _measure(port, "POST", "/v1/systemone", BODY, args)
-    finally:
-        server.stop()
-    text = server.log_path.read_text(errors="replace")
-    worker_ms = [float(m) for m in re.findall(r"worker_ms=([\d.]+)", text)]
-    server, port = _clef_server(tmp, "clef-batch.log", "--max-batch", "16")
-    try:
-        batch = _measure(port, "POST", "/v1/systemone", BODY, args)
-    finally:
-        server.stop()
-    return [
-        Row("clef-serve `GET /health` (no worker hop)", health.c1, health.c32),
-        Row("clef-serve `POST /v1/systemone` (zero-work worker)", post.c1, post.c32),
-        Row("clef-serve `POST`, `--max-batch 16` (up to 16 in flight to the worker)",
-            batch.c1, batch.c32),
-    ], worker_ms
-
-
-def _uvicorn_row(args: argparse.Namespace, tmp: Path) -> Row | None:
+def _uvicorn_server(tmp: Path) -> tuple[_Server, int, str] | None:
     if importlib.util.find_spec("uvicorn") is None:
         return None
     import uvicorn
@@ -123,11 +148,38 @@ def _uvicorn_row(args: argparse.Namespace, tmp: Path) -> Row | None:
     port = free_port()
     server = _Server([sys.executable, "-m", "uvicorn", "benchlib.zero_work_app:app",
                       "--http", "h11", "--port", str(port)], port, tmp / "uvicorn.log", timeout=30)
+    return server, port, uvicorn.__version__
+
+
+def _rows(args: argparse.Namespace, tmp: Path) -> tuple[list[Row], list[float]]:
+    """clef-serve with its defaults (`/health` and POST), clef-serve with 16 requests in flight
+    to the worker (as on a CUDA worker: frames then queue on the pipe), and uvicorn, all
+    started first and then measured in turns."""
+    servers: list[_Server] = []
     try:
-        row = _measure(port, "POST", "/v1/systemone", BODY, args)
+        clef, port = _clef_server(tmp, "clef.log")
+        servers.append(clef)
+        batch, batch_port = _clef_server(tmp, "clef-batch.log", "--max-batch", "16")
+        servers.append(batch)
+        targets = [
+            _Target("clef-serve `GET /health` (no worker hop)", port, "GET", "/health", b""),
+            _Target("clef-serve `POST /v1/systemone` (zero-work worker)", port, "POST",
+                    "/v1/systemone", BODY),
+            _Target("clef-serve `POST`, `--max-batch 16` (up to 16 in flight to the worker)",
+                    batch_port, "POST", "/v1/systemone", BODY),
+        ]
+        uvicorn = _uvicorn_server(tmp)
+        if uvicorn is not None:
+            servers.append(uvicorn[0])
+            targets.append(_Target(f"uvicorn {uvicorn[2]}, h11, zero-work ASGI app (POST)",
+                                   uvicorn[1], "POST", "/v1/systemone", BODY))
+        rows = _measure_in_turns(targets, args)
     finally:
-        server.stop()
-    return Row(f"uvicorn {uvicorn.__version__}, h11, zero-work ASGI app (POST)", row.c1, row.c32)
+        for server in servers:
+            server.stop()
+    text = clef.log_path.read_text(errors="replace")
+    worker_ms = [float(m) for m in re.findall(r"worker_ms=([\d.]+)", text)]
+    return rows, worker_ms
 
 
 def _cell_us(ms: float) -> str:
@@ -144,10 +196,15 @@ def _render(rows: list[Row], worker_ms: list[float], args: argparse.Namespace,
         f"Command (from the repository root): `{_command()}`",
         "",
         f"Run {datetime.date.today().isoformat()}: {_machine()}; load generator {tool}, "
-        f"{args.seconds:g} s per cell, closed loop, keep-alive, after a 1 s warm-up. 1-minute "
+        f"{args.seconds:g} s per cell in {_rounds(args)} turns (rows in turn; throughput over all "
+        f"turns, latencies the median of the turns'), closed loop, keep-alive, after a 1 s "
+        f"warm-up. 1-minute "
         f"load average {load[0]:.2f} at the start, {load[1]:.2f} at the end: the machine has 2 "
         "cores shared with other work, and the load generator runs on the same cores as the "
-        "server, so absolute numbers move from run to run; compare rows within one run.",
+        "server, so absolute numbers move from run to run; compare rows within one run. "
+        "clef-serve runs its defaults, answer cache on; every POST body is distinct (numbered "
+        "by the load generator), so each one is a miss that reaches the worker, and uvicorn "
+        "gets the same bodies.",
         "",
         "| path | C1 p50 | C32 throughput | C32 p99 |",
         "|---|---:|---:|---:|",
@@ -200,10 +257,7 @@ def run_zero_work(args: argparse.Namespace) -> int:
     """Measure and print the table; with `--write-docs`, put it in docs/benchmarks.md."""
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        rows, worker_ms = _clef_rows(args, Path(tmp))
-        uvicorn_row = _uvicorn_row(args, Path(tmp))
-    if uvicorn_row is not None:
-        rows.append(uvicorn_row)
+        rows, worker_ms = _rows(args, Path(tmp))
     section = _render(rows, worker_ms, args, (load_before, os.getloadavg()[0]))
     print(section)
     if args.write_docs:

@@ -6,8 +6,11 @@ The front never imports torch (nor anything that pulls it in), so it starts in a
 second and stays responsive while workers load, crash or restart.
 
 Data path, one module per step: connection (socket and timers) -> http1 (h11 events, no I/O)
--> pipeline (the request's steps: routes and the ordered checks of http-contract.md, body,
-validation) -> admission (FIFO, up to `--max-batch` requests in flight on each worker) ->
-worker_pool / supervisor / worker_channel (frames to and from each worker, replies matched by
-id) -> responses (what goes back on the wire).
+-> pipeline (the request's steps, one declared list: routes and the ordered checks of
+http-contract.md, with traffic's key name, quota, class and deadline; body; validation and the
+request's identity) -> traffic / answer_cache (a kept answer, an identical request in flight to
+join, or the first of its kind) -> dispatch.admission (interactive before bulk, first come
+first served within a class, deadlines, up to `--max-batch` requests in flight on each worker)
+-> dispatch.worker_pool / supervisor / worker_channel (frames to and from each worker, replies
+matched by id) -> responses (what goes back on the wire).
 """

@@ -1,17 +1,20 @@
 """Duplicates answered once: identical requests in flight share one forward, and a bounded LRU
 of answers answers repeats.
 
-Identical means the same key identity (its name, `-` without auth), the same canonical body
-(JSON with sorted keys and no insignificant whitespace, so `{"a":1, "b":2}` and `{"b": 2,
-"a": 1}` match; bodies too large to re-encode inline are compared byte for byte) and the same
-snapshot: the cache is flushed whenever the workers may have loaded another one (a reload, or a
-worker ready with a different snapshot). Answers are never shared across keys, because a fast
-answer would tell one tenant what another asked. An answer is a pure function of the request
-(the model is deterministic for a given snapshot), which is what makes sharing it correct.
+Identical means that the two answers must be byte for byte the same: the same key identity (its
+name, `-` without auth) and the same parsed body in its own order (`identity`). Order is part
+of a request: the questions' order is the prompt's order and the answer's order, and so are the
+criteria's and the levels'; so the body is re-encoded as parsed, keys never sorted, and only what
+parsing forgets (spacing, escapes) is ignored. The cache is flushed whenever the workers may have
+loaded another snapshot (a reload, or a worker ready with a different snapshot). Answers are
+never shared across keys, because a fast answer would tell one tenant what another asked. An
+answer is a pure function of the request (the model is deterministic for a given snapshot),
+which is what makes sharing it correct.
 
 Only 200 answers are kept; every answer of a shared forward (200, 4xx or 5xx) goes to all who
-share it. Each caller waits on its own future, so one client leaving does not cancel the others';
-the shared request leaves the queue only once every caller of it has left.
+share it. Each caller waits on its own future, so one client leaving (or one caller's deadline
+passing) does not cancel the others'; the shared request leaves the queue only once every caller
+of it has left.
 """
 
 from __future__ import annotations
@@ -22,36 +25,41 @@ import json
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clef_frontend.responses import Reply
 
+if TYPE_CHECKING:
+    from clef_frontend.dispatch.admission import Ticket
+
 HIT, COALESCED, MISS = "hit", "coalesced", "miss"
 
+# Built once: `json.dumps` with any non-default option builds an encoder on every call, which
+# costs more than the encoding of a typical request.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False,
+                            check_circular=False)  # a parsed document has no cycles
 
-def request_key(key_name: str, body: bytes, request: dict[str, Any] | None = None) -> bytes:
-    """The identity of a request for sharing: key name and canonical body, hashed.
 
-    `request` is the body as validation already parsed it; given, it is re-encoded canonically
-    (keys sorted), so the same request with its keys in another order shares. Without it the
-    body's bytes are the identity (the caller leaves it out where re-encoding would stall the
-    event loop)."""
-    canonical = body
-    if request is not None:
-        canonical = json.dumps(request, sort_keys=True, separators=(",", ":"),
-                               ensure_ascii=False).encode("utf-8")
+def identity(key_name: str, request: dict[str, Any]) -> bytes:
+    """What two requests must share to share an answer: the key's name and the parsed body,
+    re-encoded compactly in its own order, hashed (SHA-256, so the table holds 32 bytes a
+    request whatever its size)."""
+    body = _ENCODER.encode(request)
     digest = hashlib.sha256(key_name.encode("utf-8"))
     digest.update(b"\0")
-    digest.update(canonical)
+    digest.update(body.encode("utf-8"))  # parse_body refuses lone surrogates
     return digest.digest()
 
 
 @dataclass(eq=False)
 class Flight:
-    """A request in flight that identical ones share: one future per caller still waiting."""
+    """A request in flight that identical ones share: one future per caller still waiting.
+
+    `ticket` is the shared request's place in admission (set once it is admitted)."""
 
     callers: list[asyncio.Future[Reply]] = field(default_factory=list)
     on_all_gone: Callable[[], None] | None = None
+    ticket: Ticket | None = None
 
     def join(self) -> asyncio.Future[Reply]:
         mine: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
@@ -59,11 +67,12 @@ class Flight:
         return mine
 
     def all_gone(self) -> bool:
-        """Every caller's client has left (admission then never sends the request)."""
+        """Every caller has its answer or has left (admission then never sends the request)."""
         return bool(self.callers) and all(caller.done() for caller in self.callers)
 
     def leave(self, mine: asyncio.Future[Reply]) -> None:
-        """A caller's client has gone: cancel its wait; the last one out gives up the request."""
+        """A caller is done waiting (its client left, its deadline passed): its wait ends; the
+        last one out gives up the request."""
         if not mine.done():
             mine.cancel()
         if self.all_gone() and self.on_all_gone is not None:
@@ -71,7 +80,7 @@ class Flight:
 
 
 class AnswerCache:
-    """The LRU of answers and the table of requests in flight, both by `request_key`."""
+    """The LRU of answers and the table of requests in flight, both by `identity`."""
 
     def __init__(self, entries: int) -> None:
         self.entries = entries
@@ -95,7 +104,8 @@ class AnswerCache:
         return self._flights.get(key)
 
     def start(self, key: bytes, flight: Flight, outcome: asyncio.Future[Reply]) -> Flight:
-        """The first of its kind was admitted: others join its flight until `outcome` is set."""
+        """The first of its kind was admitted: others join its flight until `outcome` is set
+        (a later first of its kind, admitted on its own, takes the table's place)."""
         self._flights[key] = flight
         generation = self._generation
         outcome.add_done_callback(lambda done: self._landed(key, flight, done, generation))

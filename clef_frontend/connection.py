@@ -16,7 +16,8 @@ steps; this module owns the only things that touch the socket or the clock:
 The loop is the shortest correct one, after h11's example server: read until a request head,
 answer it completely, then start the next cycle or close. Because the next head is not parsed
 before the current answer is written, pipelined requests are answered in order, and HTTP/1.0
-and `Connection: close` end the connection as h11 decides.
+and `Connection: close` end the connection as h11 decides. The pipeline decides the answer,
+gives it its route's form and counts it; this module only sends it and has it logged.
 """
 
 from __future__ import annotations
@@ -106,19 +107,15 @@ class HttpConnection:
             return False
         if isinstance(head, RefusedHead):  # a malformed head: its 4xx, then close
             self._ctx = ctx = RequestContext(None, self)
-            reply = self._pipeline.api.finish(head.target, head.reply)
-            self._pipeline.count(ctx, reply.status)
-            await self._send(reply, method=b"", trace=ctx.trace_headers())
-            self._pipeline.log(ctx, reply.status, len(reply.body), self._client)
+            refusal = self._pipeline.refused_head(ctx, head)
+            await self._send(refusal, method=b"", trace=ctx.trace_headers())
+            self._pipeline.log(ctx, refusal.status, len(refusal.body), self._client)
             return False
         self._ctx = ctx = RequestContext.of(head, self)
-        answer = await self._pipeline.answer(ctx)
-        if answer is None:  # the client left while its request was queued or in flight
-            self._pipeline.count(ctx, 499)
+        reply = await self._pipeline.answer(ctx)  # in its route's form, counted
+        if reply is None:  # the client left while its request was queued or in flight
             self._pipeline.log(ctx, 499, 0, self._client)
             return False
-        reply = self._pipeline.finish(ctx, answer)
-        self._pipeline.count(ctx, reply.status)
         # A head whose framing h11 refused has a body of unknown length: never read past it.
         await self._send(reply, method=ctx.method, close=not head.body_readable,
                          trace=ctx.trace_headers())

@@ -2,9 +2,11 @@
 
 A request that is still waiting for a worker when its deadline passes is answered 504 and never
 reaches a worker (admission.py keeps the timer): a client that gives up after N ms gains nothing
-from an answer computed after that, and the worker's time goes to someone still waiting. The
-deadline runs from the end of the request head, the moment the front knows it, so a slow body
-upload counts against it too.
+from an answer computed after that, and the worker's time goes to someone still waiting. A
+request sharing an identical one's forward (answer_cache.py) is answered 504 at its own deadline
+even while that forward runs, since its client gives up then; the forward goes on for the
+others (pipeline.py keeps that timer). The deadline runs from the end of the request head, the
+moment the front knows it, so a slow body upload counts against it too.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ HEADER = b"x-clef-deadline-ms"
 # The longest deadline a header may ask for (one day): beyond it the number is a mistake.
 MAX_DEADLINE_MS = 86_400_000
 EXPIRED_DETAIL = "deadline passed before a worker was free"
+SHARED_EXPIRED_DETAIL = "deadline passed before the shared answer came"
 
 
 def from_header(value: bytes | None, head_end: float) -> float | Reply | None:
@@ -43,3 +46,8 @@ def earliest(deadline: float | None, enqueued_at: float, queue_timeout: float | 
 def expired() -> Reply:
     """The 504 a request gets when its deadline passes while it waits."""
     return responses.error(504, EXPIRED_DETAIL)
+
+
+def shared_expired() -> Reply:
+    """The 504 a request sharing another's forward gets when its own deadline passes first."""
+    return responses.error(504, SHARED_EXPIRED_DETAIL)

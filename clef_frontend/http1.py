@@ -50,10 +50,17 @@ class RequestHead:
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of a header (`name` lower-case, as h11 keeps names)."""
+        value = self._first_values.get(name)
+        return bytes(value) if value is not None else None
+
+    @functools.cached_property
+    def _first_values(self) -> dict[bytes, bytes]:
+        """Each header's first value, from one pass: a request's steps ask for several headers,
+        and each walk of h11's header sequence costs a few calls per header."""
+        found: dict[bytes, bytes] = {}
         for key, value in self.request.headers:
-            if key == name:
-                return bytes(value)
-        return None
+            found.setdefault(key, value)
+        return found
 
 
 @dataclass(frozen=True)

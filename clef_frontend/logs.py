@@ -6,7 +6,9 @@ own lines interleave with these, each line whole.
 
 The access log is written once per request, so its cost is part of every request's: lines are
 formatted with a timestamp text made once per second, and the lines of one event-loop turn are
-written together, with one write, when that turn ends (`BatchingHandler`).
+written together, with one write, when that turn ends (`BatchingHandler`). In text format the
+access line skips the logging machinery (a record, filters, a %-format) that cost more than the
+rest of a `/health` answer: it is formatted once, in the same layout, and queued on the handler.
 
 With `--log-format json` every line is one JSON object instead (`clef_protocol.logfmt`, the
 shape the worker writes too): the access line's fields become keys, and any line written while
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import os
 import sys
 import time
 from typing import TextIO
@@ -33,6 +36,8 @@ access = logging.getLogger("clef_frontend.access")
 _request: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
     "clef_request", default=None)
 _structured = False  # --log-format json: the access line's fields go to the formatter as keys
+# Text format: where the access line goes without a LogRecord, and its fixed prefix parts.
+_text_sink: tuple[BatchingHandler, _Formatter, str] | None = None
 
 
 class _Formatter(logging.Formatter):
@@ -44,11 +49,15 @@ class _Formatter(logging.Formatter):
         self._stamp = ""
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
-        second = int(record.created)
+        return self.stamp(record.created)
+
+    def stamp(self, created: float) -> str:
+        """`created` (time.time()) as logging writes `asctime`: 2026-01-31 12:00:00,042."""
+        second = int(created)
         if second != self._second:
             self._second = second
             self._stamp = time.strftime(self.default_time_format, self.converter(second))
-        return f"{self._stamp},{int(record.msecs):03d}"  # as logging: 2026-01-31 12:00:00,042
+        return f"{self._stamp},{int((created - second) * 1000):03d}"
 
 
 class BatchingHandler(logging.StreamHandler[TextIO]):
@@ -64,11 +73,15 @@ class BatchingHandler(logging.StreamHandler[TextIO]):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            line = self.format(record) + self.terminator
+            line = self.format(record)
         except Exception:
             self.handleError(record)
             return
-        self._pending.append(line)
+        self.write_line(line)
+
+    def write_line(self, line: str) -> None:
+        """Queue one formatted line (without its terminator) for the end of this turn."""
+        self._pending.append(line + self.terminator)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -111,15 +124,18 @@ def unbind_request() -> None:
 def configure(level: str = "INFO", log_format: str = "text") -> None:
     """Route every `clef_frontend.*` logger to stderr with one format; other libraries'
     warnings (asyncio, the OpenTelemetry SDK) go the same way."""
-    global _structured
+    global _structured, _text_sink
     _structured = log_format == "json"
+    _text_sink = None
     if _structured:
         handler = BatchingHandler(capture_stray_output())
         handler.setFormatter(JsonFormatter())
         handler.addFilter(RequestFilter())
     else:
         handler = BatchingHandler(sys.stderr)
-        handler.setFormatter(_Formatter(FORMAT))
+        formatter = _Formatter(FORMAT)
+        handler.setFormatter(formatter)
+        _text_sink = (handler, formatter, f" clef-serve[{os.getpid()}] INFO request ")
     root = logging.getLogger("clef_frontend")
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -159,25 +175,35 @@ def request_line(
     batch: int | None = None,
     trace_id: str = "-",
     key: str = "-",
+    cache: str | None = None,
 ) -> None:
     """`request method=POST path=/v1/systemone status=200 queue_ms=0.3 worker_ms=41.2 batch=4
-    ... key=rag-ingest trace_id=4bf9... request_id=...` (`batch`: requests in the worker forward
-    that answered it; its `worker_ms` is that forward's; `key`: the API key's name, `-` without
-    one; `trace_id`: the W3C trace, `-` when none is known).
+    ... key=rag-ingest cache=miss trace_id=4bf9... request_id=...` (`batch`: requests in the
+    worker forward that answered it; its `worker_ms` is that forward's; `key`: the API key's
+    name, `-` without one; `cache`: the answer cache's `hit`, `coalesced` (shared an identical
+    request's forward: no queue or worker time of its own) or `miss`, `-` when not looked up;
+    `trace_id`: the W3C trace, `-` when none is known).
 
     In JSON the same fields are keys of the line (numbers as numbers, unknown ones null)."""
     if _structured:
         access.info("request", extra={"request_id": request_id, "trace_id": trace_id, FIELDS: {
             "method": printable(method), "path": printable(target), "status": status,
             "queue_ms": _round(queue_ms), "worker_ms": _round(worker_ms), "batch": batch,
-            "bytes_in": bytes_in, "bytes_out": bytes_out, "client": client, "key": key}})
+            "bytes_in": bytes_in, "bytes_out": bytes_out, "client": client, "key": key,
+            "cache": cache}})
         return
-    access.info(
-        "request method=%s path=%s status=%d queue_ms=%s worker_ms=%s batch=%s bytes_in=%d "
-        "bytes_out=%d client=%s key=%s trace_id=%s request_id=%s",
-        printable(method), printable(target), status, _ms(queue_ms), _ms(worker_ms),
-        "-" if batch is None else batch, bytes_in, bytes_out, client, key, trace_id, request_id,
-    )
+    fields = (
+        f"method={printable(method)} path={printable(target)} status={status} "
+        f"queue_ms={_ms(queue_ms)} worker_ms={_ms(worker_ms)} "
+        f"batch={'-' if batch is None else batch} bytes_in={bytes_in} bytes_out={bytes_out} "
+        f"client={client} key={key} cache={cache or '-'} trace_id={trace_id} "
+        f"request_id={request_id}")
+    sink = _text_sink
+    if sink is not None and access.isEnabledFor(logging.INFO):
+        handler, formatter, prefix = sink
+        handler.write_line(formatter.stamp(time.time()) + prefix + fields)
+        return
+    access.info("request %s", fields)
 
 
 def _round(value: float | None) -> float | None:

@@ -113,12 +113,13 @@ class Metrics:
             registry=r)
         depth = Gauge("clef_queue_depth", "Requests waiting for the worker, by priority class.",
                       ["class"], registry=r)
+        self._queue_by_class = {name: self.queue_seconds.labels(name) for name in CLASSES}
         for name in CLASSES:
-            self.queue_seconds.labels(name)
             depth.labels(name).set_function(functools.partial(_as_float, live.queue_depth, name))
         Gauge("clef_queue_capacity", "Requests that may wait (--queue-size).",
               registry=r).set(live.queue_capacity)
-        Gauge("clef_requests_in_flight", "Requests the worker is answering now.",
+        Gauge("clef_requests_in_flight", "Requests the workers are answering now, all workers "
+              "together.",
               registry=r).set_function(lambda: float(live.in_flight()))
         Gauge("clef_worker_ready", "1 while a warm worker accepts requests, else 0.",
               registry=r).set_function(lambda: 1.0 if live.worker_ready() else 0.0)
@@ -137,11 +138,13 @@ class Metrics:
             "clef_answer_cache", "Answer cache lookups of scoring requests: `hit` (answered from "
             "the cache), `coalesced` (shared an identical request's forward), `miss`.",
             ["result"], registry=r)
-        for result in ("hit", "coalesced", "miss"):
-            self.answer_cache.labels(result=result)
+        # Bound once: `labels()` costs a lock and a dict build, and this runs per request.
+        self._cache_results = {result: self.answer_cache.labels(result=result)
+                               for result in ("hit", "coalesced", "miss")}
         self.deadline_expired = Counter(
             "clef_deadline_expired", "Requests answered 504 because their deadline passed while "
-            "they waited, by priority class.", ["class"], registry=r)
+            "they waited (for a worker, or for a shared forward), by priority class.", ["class"],
+            registry=r)
         self.resent = Counter(
             "clef_requests_resent", "Requests sent again because their worker was lost with "
             "them in flight, by why it was lost.", ["reason"], registry=r)
@@ -154,7 +157,7 @@ class Metrics:
         self.quota_refusals.labels(key=key).inc()
 
     def answer_cache_lookup(self, result: str) -> None:
-        self.answer_cache.labels(result=result).inc()
+        self._cache_results[result].inc()
 
     def expired(self, priority: str) -> None:
         self.deadline_expired.labels(priority).inc()
@@ -191,7 +194,7 @@ class Metrics:
             return
         self.duration_seconds.observe(duration_s)
         if queue_ms is not None:
-            self.queue_seconds.labels(priority).observe(queue_ms / 1000.0)
+            self._queue_by_class[priority].observe(queue_ms / 1000.0)
         if worker_ms is not None:
             self.worker_seconds.observe(worker_ms / 1000.0)
         if worker_reply is None or worker_reply.body is None:

@@ -18,7 +18,11 @@ ticket's queue times, the reply's arrival and the worker's own durations), so tr
 clock reads or awaits to the request path. The worker's part: with the reply's `stages`
 (`encode_ms`, `forward_ms`, `head_ms`) one span each, laid end to end so the last ends when
 the reply arrived; without them one `worker` span of `worker_ms`. A batched forward's times are
-the whole batch's, shared by every request in it (attribute `clef.batch_size`).
+the whole batch's, shared by every request in it (attribute `clef.batch_size`). An answer shared
+through the answer cache has a `cache` span where a worker's answer has those: from the lookup
+to the answer (at once for a kept answer, `hit`; the shared forward's remaining time for one
+that joined it, `coalesced`); the server span's `clef.cache` says which (`miss` for a request
+that went to a worker itself).
 
 Spans go through a `BatchSpanProcessor` (export never runs on the event loop); `shutdown`
 flushes what is pending when the server exits.
@@ -97,6 +101,8 @@ class Finished:
     worker_ms: float | None = None
     stages: Mapping[str, float] | None = None
     batch_size: int | None = None
+    cache: str | None = None  # the answer cache's hit, coalesced or miss (None: not looked up)
+    shared_at: float | None = None  # when the cache was consulted
 
 
 class RequestSpan:
@@ -129,8 +135,14 @@ class RequestSpan:
         span.set_attribute("http.response.status_code", done.status)
         if done.status >= 500:  # a server span's error is the server's fault only
             span.set_status(Status(StatusCode.ERROR))
+        if done.cache is not None:
+            span.set_attribute("clef.cache", done.cache)
         tracer = self._tracing.tracer
         inside = set_span_in_context(span)
+        if done.cache is not None and done.enqueued_at is None and done.shared_at is not None:
+            cache_end = self._ns(done.answered_at) if done.answered_at is not None else end_ns
+            tracer.start_span("cache", context=inside, start_time=self._ns(done.shared_at),
+                              attributes={"clef.cache": done.cache}).end(cache_end)
         if done.enqueued_at is not None:
             queue_end = done.sent_at if done.sent_at is not None else done.answered_at
             queue_end_ns = self._ns(queue_end) if queue_end is not None else end_ns
@@ -288,7 +300,8 @@ def begin(context: TraceContext, method: bytes, target: bytes, request_id: str,
 
 
 def end(span: RequestSpan | None, *, status: int, route: str, ticket: Ticket | None,
-        answered_at: float | None) -> None:
+        answered_at: float | None, cache: str | None = None,
+        shared_at: float | None = None) -> None:
     """Finish a request's spans from what the front measured (nothing when not tracing)."""
     if span is None:
         return
@@ -297,7 +310,8 @@ def end(span: RequestSpan | None, *, status: int, route: str, ticket: Ticket | N
         status=status, route=route,
         enqueued_at=ticket.enqueued_at if ticket is not None else None,
         sent_at=ticket.started_at if ticket is not None else None,
-        answered_at=answered_at if reply is not None else None,
+        answered_at=answered_at if reply is not None or ticket is None else None,
+        cache=cache, shared_at=shared_at,
         worker_ms=ticket.worker_ms if ticket is not None else None,
         stages=getattr(reply, "stages", None),
         batch_size=reply.batch_size if reply is not None else None,

@@ -1,40 +1,52 @@
 """The request pipeline: what happens to one request, as plain async steps over a context.
 
 The connection (connection.py) turns bytes into a `RequestContext` and a `Reply` back into
-bytes; everything in between is here, one step per stage of http-contract.md, in contract order:
+bytes; everything in between is here, one step per stage of http-contract.md, declared once in
+`Pipeline.steps`, in contract order:
 
-    head size -> route -> head decisions (key, model name, /v1/models) -> POST head checks
-    -> body read -> body validation -> admission -> the worker's answer
+    head size -> route -> head decisions (key, model name, /v1/models) -> key name -> quota
+    -> class -> deadline -> POST head checks -> body read -> body validation (and the
+    request's identity) -> sharing (answer cache) -> admission -> the answer
 
 Each step takes the context and returns a `Reply` that ends the request, or None to go on; a
 step may fill in the context for the steps after it (the route, the body length, the body, the
-ticket). The steps are a list (`Pipeline.steps`), so a stage is added by inserting an async
-function at its place, and each can be driven by a test without a socket: the only I/O a step
-may need, reading the body and waiting for the worker while watching the client, goes through
-the `RequestIO` the connection provides (a test passes its own).
+identity, the ticket). The shared-traffic steps are traffic.py's; the pipeline builds them, so
+the server and a test rig run the same list. Every scoring request, whether its answer comes
+from a worker, from the answer cache or from an identical request in flight, goes through the
+same `admit` and `await_answer` steps, and leaves the same traces (`Server-Timing`, metrics, the
+access line, spans). The only I/O a step may need, reading the body and waiting for the answer
+while watching the client, goes through the `RequestIO` the connection provides (a test passes
+its own).
 
-After the answer, `finish` gives it its route's form (the Workers-AI envelope), `count` records
-its metrics before it is written and `log` writes its access-log line after.
+`answer` runs the steps, gives the reply its route's form (the Workers-AI envelope) and counts
+its metrics before it is written; the connection sends it, then `log` writes its access line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from clef_frontend import logs, otel, responses, tracing, workers_ai
+from clef_frontend import deadlines, logs, otel, responses, tracing, workers_ai
+from clef_frontend.answer_cache import COALESCED, AnswerCache, Flight, identity
 from clef_frontend.api import ApiSurface
-from clef_frontend.auth import NO_KEY
+from clef_frontend.auth import NO_KEY, NamedKey
 from clef_frontend.config import ServerConfig
 from clef_frontend.dispatch.admission import Admission, Refused, Ticket
-from clef_frontend.http1 import RequestHead
+from clef_frontend.http1 import RefusedHead, RequestHead
 from clef_frontend.metrics import Metrics, route_label
 from clef_frontend.priority import INTERACTIVE
 from clef_frontend.responses import Reply
 from clef_frontend.routes import Route, check_body, check_post_head, route
+from clef_frontend.traffic import TrafficSteps
+from clef_protocol.options import RequestLimits
+
+log = logging.getLogger("clef_frontend.pipeline")
 
 # Bodies above this are parsed and validated in a thread, so a large JSON document does not
 # stall the event loop (and every other client) for the length of its parse.
@@ -88,15 +100,25 @@ class RequestContext:
     route: Route | None = None
     route_label: str = "-"
     key: str | None = None
+    api_key: NamedKey | None = None  # the key itself, for its quota (None: keys are off)
     priority: str = INTERACTIVE  # X-Clef-Priority, else the key's class (traffic.py)
     deadline: float | None = None  # X-Clef-Deadline-Ms as time.monotonic() (traffic.py)
     body_length: int | None = None
     body: bytes | None = None
     request: dict[str, Any] | None = None  # the body as validation parsed it
-    ticket: Ticket | None = None
+    # Sharing (traffic.share): the request's identity for the answer cache, how its answer
+    # comes (`hit`, `coalesced`, `miss`; None with the cache off), the flight it shares and
+    # when that was decided; `answer` is the future this request awaits, whichever way.
+    identity: bytes | None = None
+    cache: str | None = None
+    flight: Flight | None = None
+    shared_at: float | None = None
+    answer: asyncio.Future[Reply] | None = None
+    ticket: Ticket | None = None  # this request's own place in admission (a miss)
     started: float = field(default_factory=time.monotonic)
     # Traces (otel.py): the W3C trace id for the access line ("-": none known), the server
-    # span when tracing is on, and when the worker's reply arrived (its spans end there).
+    # span when tracing is on, and when the awaited answer arrived, a worker's, a kept or a
+    # shared one (its spans end there; None: the request ended before it awaited one).
     trace_id: str = tracing.NO_TRACE
     span: otel.RequestSpan | None = None
     answered_at: float | None = None
@@ -127,12 +149,17 @@ class RequestContext:
         return self.route is not None and self.route.is_scoring
 
     def trace_headers(self) -> list[tuple[str, str]]:
-        """`X-Request-Id`, and `Server-Timing` once the request went through the queue."""
+        """`X-Request-Id`, and `Server-Timing` on every answer that went through admission:
+        the queue and the worker for this request's own forward, `cache;desc=hit` or
+        `cache;desc=coalesced` for an answer it shared; `total` on both."""
+        if self.answered_at is None:  # refused before its answer was awaited
+            return tracing.response_headers(self.request_id, None)
+        total_ms = (time.monotonic() - self.started) * 1000.0
         ticket = self.ticket
-        timing = None
         if ticket is not None:
-            total_ms = (time.monotonic() - self.started) * 1000.0
             timing = tracing.server_timing(ticket.queue_ms, ticket.worker_ms, total_ms)
+        else:
+            timing = tracing.server_timing(None, None, total_ms, cache=self.cache)
         return tracing.response_headers(self.request_id, timing)
 
 
@@ -153,15 +180,21 @@ class Pipeline:
         health: HealthReply,
         metrics: Metrics,
         api: ApiSurface | None = None,
+        cache: AnswerCache | None = None,
     ) -> None:
         self.config = config
         self.admission = admission
         self.health = health
         self.metrics = metrics
         self.api = api or ApiSurface()
+        self.cache = cache if cache is not None else AnswerCache(config.answer_cache)
+        self.traffic = TrafficSteps(self.api.keys, metrics, self.cache, config.queue_timeout)
+        traffic = self.traffic
         self.steps: list[Step] = [
-            self.check_head_size, self.route, self.decide_from_head, self.check_post_head,
-            self.read_body, self.validate, self.admit, self.await_worker,
+            self.check_head_size, self.route, self.decide_from_head,
+            traffic.identify, traffic.check_quota, traffic.classify, traffic.set_deadline,
+            self.check_post_head, self.read_body, self.validate,
+            traffic.share, self.admit, self.await_answer,
         ]
 
     @property
@@ -170,14 +203,28 @@ class Pipeline:
         return self.admission.draining
 
     async def answer(self, ctx: RequestContext) -> Reply | None:
-        """Run the steps until one answers; None if the client left first."""
+        """Run the steps until one answers; the reply in its route's form, counted. None if
+        the client left first (counted as 499)."""
         try:
-            for step in self.steps:
-                reply = await step(ctx)
-                if reply is not None:
-                    return reply
+            reply = await self._run(ctx)
         except ClientGone:
+            self.count(ctx, 499)
             return None
+        reply = self.finish(ctx, reply)
+        self.count(ctx, reply.status)
+        return reply
+
+    def refused_head(self, ctx: RequestContext, head: RefusedHead) -> Reply:
+        """A head h11 refused (400, 431...): its reply in the target's form, counted."""
+        reply = self.api.finish(head.target, head.reply)
+        self.count(ctx, reply.status)
+        return reply
+
+    async def _run(self, ctx: RequestContext) -> Reply:
+        for step in self.steps:
+            reply = await step(ctx)
+            if reply is not None:
+                return reply
         raise RuntimeError("no step answered the request")
 
     # -- the steps, in contract order -----------------------------------------------------------
@@ -233,38 +280,88 @@ class Pipeline:
         return None
 
     async def validate(self, ctx: RequestContext) -> Reply | None:
-        """Rows 8-12: parse and validate before admission, so a bad request never waits."""
+        """Rows 8-12: parse and validate before admission, so a bad request never waits; the
+        request's identity for the answer cache is taken from the parsed body here, once."""
         assert ctx.body is not None
+        key_name = (ctx.key or NO_KEY) if self.cache.enabled else None
         if len(ctx.body) > INLINE_CHECK_BYTES:
-            checked = await asyncio.to_thread(check_body, ctx.body, self.config.limits)
+            checked = await asyncio.to_thread(_check, ctx.body, self.config.limits, key_name)
         else:
-            checked = check_body(ctx.body, self.config.limits)
+            checked = _check(ctx.body, self.config.limits, key_name)
         if isinstance(checked, Reply):
             return checked
-        ctx.request = checked
+        ctx.request, ctx.identity = checked
         return None
 
-    async def admit(self, ctx: RequestContext,
-                    gone: Callable[[], bool] | None = None) -> Reply | None:
+    async def admit(self, ctx: RequestContext) -> Reply | None:
         """Row 14: the queue takes the request, or refuses it (503); a request whose deadline
-        passes while it waits gets 504 instead of a worker."""
+        passes while it waits gets 504 instead of a worker. A request answered from the cache or
+        sharing one in flight has its answer coming already and is not admitted again; while
+        the server drains it is refused all the same, as every new request is."""
         assert ctx.body is not None
+        if ctx.answer is not None:
+            if self.admission.draining:
+                if ctx.flight is not None:
+                    ctx.flight.leave(ctx.answer)  # a joiner no longer waits
+                return responses.unavailable("server is draining", self.config.retry_after)
+            return None
+        flight = ctx.flight
         try:
-            ctx.ticket = self.admission.submit(ctx.body, ctx.request_id, trace_id=ctx.trace_id,
-                                               priority=ctx.priority,
-                                               deadline=ctx.deadline,
-                                               gone=gone or ctx.io.client_gone)
+            # A shared request is wanted while any caller of it is, not only while this client is.
+            ticket = self.admission.submit(
+                ctx.body, ctx.request_id, trace_id=ctx.trace_id, priority=ctx.priority,
+                deadline=ctx.deadline,
+                gone=flight.all_gone if flight is not None else ctx.io.client_gone)
         except Refused as refused:
             return refused.reply
+        ctx.ticket = ticket
+        if flight is None:
+            ctx.answer = ticket.outcome
+            return None
+        assert ctx.identity is not None
+        flight.ticket = ticket
+        flight.on_all_gone = functools.partial(self.admission.abandon, ticket)
+        self.cache.start(ctx.identity, flight, ticket.outcome)
+        ctx.answer = flight.join()
         return None
 
-    async def await_worker(self, ctx: RequestContext) -> Reply | None:
-        """The worker's answer (200, 422, row 13's 500), while the client is watched."""
-        ticket = ctx.ticket
-        assert ticket is not None
-        reply = await ctx.io.wait_answer(ticket.outcome, lambda: self.admission.abandon(ticket))
+    async def await_answer(self, ctx: RequestContext) -> Reply | None:
+        """The answer (200, 422, row 13's 500), while the client is watched: a worker's, a kept
+        one, or a shared forward's. A request sharing another's forward still has its own
+        deadline (504 when it passes; the forward goes on for the others) and its own client
+        (dropped when it leaves)."""
+        answer = ctx.answer
+        assert answer is not None
+        flight, ticket = ctx.flight, ctx.ticket
+        on_gone: Callable[[], None] = _nothing  # a kept answer (hit): nothing to give up
+        if flight is not None:
+            on_gone = functools.partial(flight.leave, answer)
+        elif ticket is not None:
+            on_gone = functools.partial(self.admission.abandon, ticket)
+        timer = None
+        if ctx.cache == COALESCED and ctx.deadline is not None and not answer.done():
+            loop = asyncio.get_running_loop()
+            timer = loop.call_at(loop.time() + ctx.deadline - time.monotonic(),
+                                 self._joiner_expired, ctx)
+        try:
+            reply = await ctx.io.wait_answer(answer, on_gone)
+        finally:
+            if timer is not None:
+                timer.cancel()
         ctx.answered_at = time.monotonic()
         return reply
+
+    def _joiner_expired(self, ctx: RequestContext) -> None:
+        """A request sharing another's forward reached its own deadline: 504 for it alone."""
+        answer, flight = ctx.answer, ctx.flight
+        assert answer is not None and flight is not None
+        if answer.done():
+            return
+        log.info("request_id=%s class=%s: deadline passed while sharing an identical request's "
+                 "forward", ctx.request_id, ctx.priority)
+        self.metrics.expired(ctx.priority)
+        answer.set_result(deadlines.shared_expired())
+        flight.leave(answer)
 
     # -- after the answer ---------------------------------------------------------------------
 
@@ -294,11 +391,25 @@ class Pipeline:
             worker_ms=ticket.worker_ms if ticket else None,
             bytes_in=ctx.bytes_in, bytes_out=bytes_out, client=client,
             request_id=ctx.request_id, batch=_batch_of(ticket), trace_id=ctx.trace_id,
-            key=ctx.key or NO_KEY,
+            key=ctx.key or NO_KEY, cache=ctx.cache,
         )
         otel.end(ctx.span, status=status, route=ctx.route_label, ticket=ticket,
-                 answered_at=ctx.answered_at)
+                 answered_at=ctx.answered_at, cache=ctx.cache, shared_at=ctx.shared_at)
         logs.unbind_request()
+
+
+def _check(body: bytes, limits: RequestLimits,
+           key_name: str | None) -> Reply | tuple[dict[str, Any], bytes | None]:
+    """The parsed and validated body and its identity (None: no cache), or the refusal; run
+    in a thread for large bodies, so neither the parse nor the hash stalls the event loop."""
+    checked = check_body(body, limits)
+    if isinstance(checked, Reply):
+        return checked
+    return checked, identity(key_name, checked) if key_name is not None else None
+
+
+def _nothing() -> None:
+    """What a request answered from the cache gives up when its client leaves."""
 
 
 def _batch_of(ticket: Ticket | None) -> int | None:

@@ -35,7 +35,6 @@ from clef_frontend.health import Health
 from clef_frontend.metrics import LiveState, Metrics
 from clef_frontend.pipeline import Pipeline
 from clef_frontend.sd_notify import Notifier, ServiceNotifier, making_progress, watchdog_interval
-from clef_frontend.traffic import TrafficSteps
 from clef_frontend.version import version
 
 log = logging.getLogger("clef_frontend.server")
@@ -66,10 +65,9 @@ class FrontServer:
             worker_ready=lambda: self._pool.unavailable_reason() is None,
             worker_info=self._pool.ready_info,
         ), version=version(), separate_port=config.metrics_port is not None)
-        self._pipeline = Pipeline(config=config, admission=self._admission, health=self._health,
-                                  metrics=self._metrics, api=self._api)
         self._cache = AnswerCache(config.answer_cache)
-        TrafficSteps(self._pipeline, self._api.keys, self._metrics, self._cache).install()
+        self._pipeline = Pipeline(config=config, admission=self._admission, health=self._health,
+                                  metrics=self._metrics, api=self._api, cache=self._cache)
         self._snapshots: tuple[str, ...] | None = None  # the workers' snapshots, last seen
         self._address = ""
         self._systemd = ServiceNotifier(

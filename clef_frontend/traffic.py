@@ -1,96 +1,120 @@
 """The request pipeline's shared-traffic steps: who is asking, may they, how urgently, and
 has this exact request already been answered or is it being answered now.
 
-Inserted into `pipeline.Pipeline.steps` by `install`, each at its place in contract order:
+Plain steps of `pipeline.Pipeline.steps`, which declares them in contract order with the rest:
 
-    ... decide_from_head -> identify (key name, quota 429, X-Clef-Priority, X-Clef-Deadline-Ms)
-    ... validate -> share (answer cache hit, or join an identical request in flight) -> admit
+    ... decide_from_head -> identify (key name) -> check_quota (429) -> classify
+        (X-Clef-Priority) -> set_deadline (X-Clef-Deadline-Ms) -> ... validate -> share -> admit
+        -> await_answer
 
-`identify` runs before any body byte is read, so a refused request costs no upload. `share`
-admits a first-of-its-kind request itself and waits on it as the pipeline's `await_worker`
-would; with `--answer-cache 0` it steps aside and the pipeline admits as before.
+`identify`, `check_quota`, `classify` and `set_deadline` run before any body byte is read, so a
+refused request costs no upload. `share` only decides how the request will get its answer: from
+the cache (hit), by joining an identical request in flight (coalesced), or by being admitted as
+the first of its kind (miss); the pipeline's own `admit` and `await_answer` then run for all
+three, so every scoring request leaves the same traces. A request joins a flight only where the
+shared request cannot be cut short before its own deadline or wait behind a lower class than its
+own (a queued one with an earlier deadline, or bulk for an interactive joiner, is not joined:
+this request is admitted on its own). With `--answer-cache 0` nothing is shared: every request
+is admitted on its own and `cache` stays unset.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
 from clef_frontend import deadlines, priority
-from clef_frontend.answer_cache import COALESCED, HIT, MISS, AnswerCache, Flight, request_key
+from clef_frontend.answer_cache import COALESCED, HIT, MISS, AnswerCache, Flight
 from clef_frontend.auth import NO_KEY, ApiKeys
 from clef_frontend.metrics import Metrics
-from clef_frontend.pipeline import INLINE_CHECK_BYTES, Pipeline, RequestContext
 from clef_frontend.quotas import Quotas
 from clef_frontend.responses import Reply
+
+if TYPE_CHECKING:
+    from clef_frontend.pipeline import RequestContext
 
 
 class TrafficSteps:
     """The steps, and what they consult: the keys, the quotas and the answer cache."""
 
-    def __init__(self, pipeline: Pipeline, keys: ApiKeys, metrics: Metrics,
-                 cache: AnswerCache, quotas: Quotas | None = None) -> None:
-        self._pipeline = pipeline
+    def __init__(self, keys: ApiKeys, metrics: Metrics, cache: AnswerCache,
+                 queue_timeout: float | None = None, quotas: Quotas | None = None) -> None:
         self._keys = keys
         self._metrics = metrics
+        self._queue_timeout = queue_timeout
         self.cache = cache
         self.quotas = quotas or Quotas()
 
-    def install(self) -> None:
-        """Put the steps into the pipeline, each right after the step it follows."""
-        steps = self._pipeline.steps
-        steps.insert(steps.index(self._pipeline.decide_from_head) + 1, self.identify)
-        steps.insert(steps.index(self._pipeline.validate) + 1, self.share)
-
     async def identify(self, ctx: RequestContext) -> Reply | None:
-        """The key's name and quota (429), then the request's class and deadline (400 if
-        their headers are malformed); refusals come before the body is read."""
+        """The key's name (`-` without keys), and its class as the request's default."""
         key = self._keys.identify(ctx.header(b"authorization")) if self._keys.enabled else None
+        ctx.api_key = key
         ctx.key = key.name if key is not None else NO_KEY
-        refusal: Reply | None = None
         if key is not None:
-            refusal = self.quotas.check(key)
-            if refusal is not None:
-                self._metrics.quota_refused(key.name)
-        if refusal is None:
-            chosen = priority.from_header(ctx.header(priority.HEADER),
-                                          key.priority if key is not None else priority.INTERACTIVE)
-            deadline = deadlines.from_header(ctx.header(deadlines.HEADER), ctx.started)
-            if isinstance(chosen, Reply):
-                refusal = chosen
-            elif isinstance(deadline, Reply):
-                refusal = deadline
-            else:
-                ctx.priority, ctx.deadline = chosen, deadline
+            ctx.priority = key.priority  # unless X-Clef-Priority says otherwise
+        return None
+
+    async def check_quota(self, ctx: RequestContext) -> Reply | None:
+        """The key's quota: 429 with Retry-After over its rate, before the body is read."""
+        key = ctx.api_key
+        if key is None:
+            return None
+        refusal = self.quotas.check(key)
         if refusal is not None:
+            self._metrics.quota_refused(key.name)
             ctx.io.skip_body()
         return refusal
 
+    async def classify(self, ctx: RequestContext) -> Reply | None:
+        """The request's class: `X-Clef-Priority`, else its key's (400 if malformed)."""
+        chosen = priority.from_header(ctx.header(priority.HEADER), ctx.priority)
+        if isinstance(chosen, Reply):
+            ctx.io.skip_body()
+            return chosen
+        ctx.priority = chosen
+        return None
+
+    async def set_deadline(self, ctx: RequestContext) -> Reply | None:
+        """`X-Clef-Deadline-Ms` from the end of the head (400 if malformed)."""
+        deadline = deadlines.from_header(ctx.header(deadlines.HEADER), ctx.started)
+        if isinstance(deadline, Reply):
+            ctx.io.skip_body()
+            return deadline
+        ctx.deadline = deadline
+        return None
+
     async def share(self, ctx: RequestContext) -> Reply | None:
-        """Answer from the cache (hit), wait on an identical request in flight (coalesced), or
-        admit this one as the first of its kind (miss) and wait on it."""
+        """Decide how the answer comes: a kept answer (hit), an identical request in flight
+        (coalesced), or this request admitted as the first of its kind (miss)."""
         if not self.cache.enabled:
             return None
-        assert ctx.body is not None
-        # Re-encoding waits on the event loop, so only bodies validated inline are canonical.
-        inline = len(ctx.body) <= INLINE_CHECK_BYTES
-        key = request_key(ctx.key or NO_KEY, ctx.body, ctx.request if inline else None)
-        found = self.cache.lookup(key)
+        assert ctx.identity is not None  # resolved once, by validation
+        found = self.cache.lookup(ctx.identity)
         if isinstance(found, Reply):
-            self._metrics.answer_cache_lookup(HIT)
-            return found
-        if isinstance(found, Flight):
-            self._metrics.answer_cache_lookup(COALESCED)
-            return await self._wait(ctx, found)
-        self._metrics.answer_cache_lookup(MISS)
-        flight = Flight()
-        # The request is wanted while any caller of it is: not only while this client is.
-        refused = await self._pipeline.admit(ctx, gone=flight.all_gone)
-        if refused is not None:
-            return refused
-        ticket = ctx.ticket
-        assert ticket is not None
-        admission = self._pipeline.admission
-        flight.on_all_gone = lambda: admission.abandon(ticket)
-        return await self._wait(ctx, self.cache.start(key, flight, ticket.outcome))
+            ctx.cache = HIT
+            ctx.answer = asyncio.get_running_loop().create_future()
+            ctx.answer.set_result(found)
+        elif isinstance(found, Flight) and self._may_join(ctx, found):
+            ctx.cache = COALESCED
+            ctx.flight = found
+            ctx.answer = found.join()
+        else:
+            ctx.cache = MISS
+            ctx.flight = Flight()
+        ctx.shared_at = time.monotonic()
+        self._metrics.answer_cache_lookup(ctx.cache)
+        return None
 
-    async def _wait(self, ctx: RequestContext, flight: Flight) -> Reply:
-        mine = flight.join()
-        return await ctx.io.wait_answer(mine, lambda: flight.leave(mine))
+    def _may_join(self, ctx: RequestContext, flight: Flight) -> bool:
+        """Whether the flight's request will be answered no later, and no lower, than this
+        one would be on its own (see the module docstring)."""
+        ticket = flight.ticket
+        if ticket is None or ticket.started_at is not None or ticket.outcome.done():
+            return True  # at a worker (or answered): its answer comes whatever happens
+        if ticket.priority != ctx.priority and ctx.priority == priority.INTERACTIVE:
+            return False
+        if ticket.deadline is None:
+            return True
+        mine = deadlines.earliest(ctx.deadline, time.monotonic(), self._queue_timeout)
+        return mine is not None and mine <= ticket.deadline

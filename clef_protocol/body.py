@@ -83,6 +83,14 @@ def _too_deep_or_surrogate(root: Any) -> bool:
     return False
 
 
+def _may_be_deep_or_surrogate(body: bytes) -> bool:
+    """Whether the document needs the walk at all, judged from its bytes in C: valid UTF-8
+    holds no surrogate, so a lone one can only come from a `\\u` escape; and a document with
+    at most MAX_DEPTH brackets cannot nest deeper (brackets inside strings only make the
+    answer more cautious). Most requests have neither, and skip the walk."""
+    return b"\\u" in body or body.count(b"{") + body.count(b"[") > MAX_DEPTH
+
+
 def parse_body(body: bytes) -> dict[str, Any]:
     """Decode a request body, or raise BadRequestBody with the contract's detail."""
     notes = _ParseNotes()
@@ -97,7 +105,7 @@ def parse_body(body: bytes) -> dict[str, Any]:
     except (UnicodeDecodeError, ValueError, RecursionError, _Overflow):
         # ValueError covers JSONDecodeError and integers past Python's digit limit.
         raise BadRequestBody(INVALID_JSON) from None
-    if _too_deep_or_surrogate(document):
+    if _may_be_deep_or_surrogate(body) and _too_deep_or_surrogate(document):
         raise BadRequestBody(INVALID_JSON)
     if not isinstance(document, dict):
         raise BadRequestBody(NOT_AN_OBJECT)

@@ -1,6 +1,10 @@
 """Duplicates under load: C8 clients send, over and over, one of five distinct requests (an
 eval re-run, retries). With the answer cache on, each distinct request is computed once: the
-fake worker's request log holds five lines, and every answer is 200 and that request's."""
+fake worker's request log holds five lines, and every answer is 200 and that request's.
+
+Then joiners keep their own deadline: a request whose forward takes a second is joined by
+identical ones with `X-Clef-Deadline-Ms: 200`; each gets 504 within half a second, and the
+forward goes on to answer the first."""
 
 from __future__ import annotations
 
@@ -12,9 +16,12 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from stress.common import Connection, Report, clef_body, main_for
+from stress.common import Connection, Report, clef_body, latency_rows, main_for
 
 DISTINCT = 5
+JOINERS = 4
+FORWARD_S = 1.0
+JOINER_DEADLINE_MS = 200
 
 
 def scenario(report: Report) -> None:
@@ -22,7 +29,7 @@ def scenario(report: Report) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         log = Path(scratch) / "requests.log"
         with report.serve("--delay", "0.01", "--log-file", str(log),
-                          front_args=("--answer-cache", "64", "--max-batch", "4")) as serve:
+                          front_args=("--max-batch", "4")) as serve:
             statuses, mismatched, lookups = asyncio.run(run(serve.port, rounds))
         computed = Counter(log.read_text().split())
     report.add("requests", sum(statuses.values()))
@@ -35,6 +42,19 @@ def scenario(report: Report) -> None:
                  "each distinct request was computed exactly once")
     report.check(lookups.get("miss") == DISTINCT and sum(lookups.values()) == 8 * rounds,
                  "the cache counted one miss per distinct request and a lookup per request")
+    with tempfile.TemporaryDirectory() as scratch:
+        log = Path(scratch) / "requests.log"
+        with report.serve("--log-file", str(log)) as serve:
+            first, joiners = asyncio.run(join_with_deadlines(serve.port))
+        forwards = log.read_text().split()
+    report.add("shared forward: status, seconds", f"{first[0]}, {first[1]:.2f}")
+    report.add("joiners' statuses", dict(Counter(status for status, _ in joiners)))
+    latency_rows(report, "joiner 504", [seconds for _, seconds in joiners])
+    report.check(all(status == 504 for status, _ in joiners)
+                 and max(seconds for _, seconds in joiners) < 0.5,
+                 f"every joiner with a {JOINER_DEADLINE_MS} ms deadline got 504 within 0.5 s")
+    report.check(first[0] == 200 and first[1] >= FORWARD_S and forwards == ["slow"],
+                 "the shared forward went on and answered the first request, computed once")
 
 
 async def cache_lookups(port: int) -> dict[str, int]:
@@ -52,6 +72,8 @@ async def cache_lookups(port: int) -> dict[str, int]:
 async def run(port: int, rounds: int) -> tuple[Counter[int], int, dict[str, int]]:
     statuses: Counter[int] = Counter()
     mismatched = 0
+    # One body per distinct request, sent again and again (clef_body numbers each body it makes).
+    bodies = {f"q{i}": clef_body(tag=f"q{i}") for i in range(DISTINCT)}
 
     async def client(n: int) -> None:
         nonlocal mismatched
@@ -59,7 +81,7 @@ async def run(port: int, rounds: int) -> tuple[Counter[int], int, dict[str, int]
         try:
             for i in range(rounds):
                 tag = f"q{(n + i) % DISTINCT}"
-                answer = await connection.post(clef_body(tag=tag))
+                answer = await connection.post(bodies[tag])
                 statuses[answer.status] += 1
                 if answer.status == 200 and json.loads(answer.body)["tag"] != tag:
                     mismatched += 1
@@ -68,6 +90,29 @@ async def run(port: int, rounds: int) -> tuple[Counter[int], int, dict[str, int]
 
     await asyncio.gather(*(client(n) for n in range(8)))
     return statuses, mismatched, await cache_lookups(port)
+
+
+async def join_with_deadlines(port: int) -> tuple[tuple[int, float], list[tuple[int, float]]]:
+    """The first request's (status, seconds) and each joiner's."""
+    body = clef_body(tag="slow", sleep=FORWARD_S)
+    timed = Connection(port)
+
+    async def send(headers: list[tuple[str, str]], connection: Connection) -> tuple[int, float]:
+        began = asyncio.get_running_loop().time()
+        answer = await connection.request("POST", "/v1/systemone", body, headers=tuple(headers))
+        return answer.status, asyncio.get_running_loop().time() - began
+
+    connections = [Connection(port) for _ in range(JOINERS)]
+    try:
+        first = asyncio.ensure_future(send([], timed))
+        while (await cache_lookups(port)).get("miss", 0) < 1:  # the first is in flight
+            await asyncio.sleep(0.01)
+        deadline = [("X-Clef-Deadline-Ms", str(JOINER_DEADLINE_MS))]
+        joiners = await asyncio.gather(*(send(deadline, c) for c in connections))
+        return await first, joiners
+    finally:
+        for connection in (timed, *connections):
+            await connection.close()
 
 
 main = main_for("answer_cache", scenario)

@@ -15,8 +15,9 @@ from stress.common import Connection, Report, Serve, clef_body, health, main_for
 
 def scenario(report: Report) -> None:
     queue_size = 64  # the default --queue-size, full, in both modes (it takes under a second)
+    # One request in flight (held at the worker) so the rest visibly fill the queue.
     with tempfile.TemporaryDirectory() as scratch, report.serve(
-        front_args=("--queue-size", str(queue_size), "--drain-timeout", "30")
+        front_args=("--queue-size", str(queue_size), "--drain-timeout", "30", "--max-batch", "1")
     ) as serve:
         gate = Path(scratch) / "gate"
         statuses, refused, drain_s = asyncio.run(run(serve, queue_size, gate))

@@ -36,8 +36,11 @@ def scenario(report: Report) -> None:
                  "each 500 came soon after two request timeouts")
     report.check(all(to_ready < 10 for _, _, to_ready in rows),
                  "a replacement was ready within 10 s each time")
-    report.check(set(good) <= {200, 503} and good[200] > 0,
-                 "the good client got only 200 and 503, and was served")
+    # With several requests in flight per worker (the default), a good request in flight
+    # beside the hung one is lost with it and sent again; the hung one, resent first and alone,
+    # can hold the replacement past the good one's resend bound (--request-timeout): 504.
+    report.check(set(good) <= {200, 503, 504} and good[200] > 0,
+                 "the good client got only 200, 503 and 504, and was served")
 
 
 async def run(port: int, hangs: int, never: Path

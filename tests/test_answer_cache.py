@@ -1,5 +1,6 @@
 """Duplicates answered once: identical concurrent requests share one forward, a repeat costs
-none, another key never shares, and a reload flushes (fake worker's request log)."""
+none, a request in another order or for another key never shares, a reload flushes (fake
+worker's request log). Servers run the default configuration: the cache is on."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import signal
 from pathlib import Path
 
-from clef_frontend.answer_cache import AnswerCache, Flight, request_key
+from clef_frontend.answer_cache import AnswerCache, Flight, identity
 from clef_frontend.responses import Reply
 from tests.frontend_helpers import Serve, background, clef_body, clef_request
 from tests.traffic_helpers import metric, wait_until
@@ -25,7 +26,7 @@ def test_eight_identical_concurrent_requests_cost_one_forward_and_a_repeat_none(
         tmp_path: Path) -> None:
     gate, log = tmp_path / "gate", tmp_path / "requests.log"
     body = clef_body(tag="same", hold_until=str(gate))
-    with Serve("--log-file", str(log), answer_cache=None) as serve:
+    with Serve("--log-file", str(log)) as serve:
         calls = [background(lambda: serve.post(body)) for _ in range(8)]
         wait_until(lambda: metric(serve, "clef_answer_cache_total", result="coalesced") == 7,
                    "seven requests to join the first")
@@ -34,24 +35,27 @@ def test_eight_identical_concurrent_requests_cost_one_forward_and_a_repeat_none(
         assert [a.status for a in answers] == [200] * 8
         assert len({a.body for a in answers}) == 1  # one answer, handed to all eight
         assert log.read_text().split() == ["same"]  # one forward
-        # A repeat, even with its keys in another order and other spacing, costs none.
-        reordered = json.dumps(dict(reversed(list(json.loads(body).items()))), indent=2)
-        again = serve.post(reordered.encode())
+        # A repeat with other spacing and escapes costs none.
+        respaced = json.dumps(json.loads(body), indent=2, ensure_ascii=True)
+        again = serve.post(respaced.encode())
         assert again.status == 200 and again.body == answers[0].body
         assert log.read_text().split() == ["same"]
         assert metric(serve, "clef_answer_cache_total", result="hit") == 1
         assert metric(serve, "clef_answer_cache_total", result="miss") == 1
+        # The same fields in another order are another request: order is part of the prompt.
+        reordered = json.dumps(dict(reversed(list(json.loads(body).items()))))
+        assert serve.post(reordered.encode()).status == 200
+        assert log.read_text().split() == ["same", "same"]
         # A different request is computed.
         assert serve.post(clef_body(tag="other")).status == 200
-        assert log.read_text().split() == ["same", "other"]
+        assert log.read_text().split() == ["same", "same", "other"]
 
 
 def test_another_key_never_shares_an_answer(tmp_path: Path) -> None:
     keys, log = tmp_path / "keys.toml", tmp_path / "requests.log"
     keys.write_text(f'[keys.a]\nkey = "{KEY_A}"\n[keys.b]\nkey = "{KEY_B}"\n')
     body = clef_body(tag="asked")
-    with Serve("--log-file", str(log), answer_cache=None,
-               front_args=("--api-key-file", str(keys))) as serve:
+    with Serve("--log-file", str(log), front_args=("--api-key-file", str(keys))) as serve:
         assert serve.post(body, headers=bearer(KEY_A)).status == 200
         assert serve.post(body, headers=bearer(KEY_A)).status == 200  # a's repeat: a hit
         assert serve.post(body, headers=bearer(KEY_B)).status == 200  # b: computed anew
@@ -61,20 +65,47 @@ def test_another_key_never_shares_an_answer(tmp_path: Path) -> None:
 
 def test_a_reload_flushes_the_cache_and_zero_turns_it_off(tmp_path: Path) -> None:
     log = tmp_path / "requests.log"
-    with Serve("--log-file", str(log), answer_cache=None) as serve:
-        assert serve.post(clef_body(tag="x")).status == 200
-        assert serve.post(clef_body(tag="x")).status == 200
+    body = clef_body(tag="x")
+    with Serve("--log-file", str(log)) as serve:
+        assert serve.post(body).status == 200
+        assert serve.post(body).status == 200
         assert log.read_text().split() == ["x"]
         serve.process.send_signal(signal.SIGHUP)
         serve.wait_for(r"reload finished: 1 of 1 worker\(s\) replaced")
-        fresh = serve.post(clef_body(tag="x"))
+        fresh = serve.post(body)
         assert fresh.status == 200 and fresh.json()["pid"] == serve.health().json()["worker"]["pid"]
         assert log.read_text().split() == ["x", "x"]
     log.unlink()
+    body = clef_body(tag="y")
+    # The one server here run without the cache: this test is about turning it off.
     with Serve("--log-file", str(log), answer_cache=0) as serve:
-        assert [serve.post(clef_body(tag="y")).status for _ in range(3)] == [200] * 3
+        assert [serve.post(body).status for _ in range(3)] == [200] * 3
         assert log.read_text().split() == ["y", "y", "y"]
         assert metric(serve, "clef_answer_cache_total", result="miss") == 0
+
+
+def test_a_joiner_keeps_its_own_deadline_and_its_own_client(tmp_path: Path) -> None:
+    """While the shared forward is held at the worker, a joiner with a 200 ms deadline gets
+    504 and one whose client leaves is dropped; the forward goes on and answers the first."""
+    gate, log = tmp_path / "gate", tmp_path / "requests.log"
+    body = clef_body(tag="shared", hold_until=str(gate))
+    with Serve("--log-file", str(log)) as serve:
+        first = serve.hold_in_flight(gate, body=body)
+        hurried = serve.post(body, headers=[("X-Clef-Deadline-Ms", "200")])
+        assert hurried.status == 504 and not gate.exists()  # the forward is still held
+        assert hurried.detail == "deadline passed before the shared answer came"
+        with serve.connect() as leaving:  # joins, then its client goes
+            leaving.send("POST", "/v1/systemone", body)
+            wait_until(lambda: metric(serve, "clef_answer_cache_total", result="coalesced") == 2,
+                       "the second joiner")
+        serve.wait_for(r"status=499 .*cache=coalesced")
+        gate.touch()
+        answer = first.result()
+        assert answer.status == 200 and answer.json()["tag"] == "shared"
+        assert log.read_text().split() == ["shared"]  # one forward, not cut short
+        assert metric(serve, "clef_deadline_expired_total", **{"class": "interactive"}) == 1
+        assert serve.post(body).status == 200  # and kept: a repeat is a hit
+        assert metric(serve, "clef_answer_cache_total", result="hit") == 1
 
 
 def test_one_caller_leaving_does_not_cancel_the_others() -> None:
@@ -82,7 +113,7 @@ def test_one_caller_leaving_does_not_cancel_the_others() -> None:
         cache = AnswerCache(4)
         outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         abandoned: list[bool] = []
-        key = request_key("-", json.dumps(clef_request()).encode(), clef_request())
+        key = identity("-", clef_request())
         flight = cache.start(key, Flight(on_all_gone=lambda: abandoned.append(True)), outcome)
         first = flight.join()
         found = cache.lookup(key)
@@ -93,7 +124,7 @@ def test_one_caller_leaving_does_not_cancel_the_others() -> None:
         outcome.set_result(Reply(200, b'{"ok": 1}'))
         assert (await second).body == b'{"ok": 1}'
         assert isinstance(cache.lookup(key), Reply)  # kept for repeats
-        other = cache.start(request_key("-", b"{}"),
+        other = cache.start(identity("-", {}),
                             Flight(on_all_gone=lambda: abandoned.append(True)),
                             asyncio.get_running_loop().create_future())
         mine = other.join()

@@ -175,7 +175,8 @@ def test_every_error_is_the_plain_error_in_the_envelope(serve: Serve, case: str)
 
 def test_503_keeps_retry_after_in_the_envelope(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
-    with Serve(front_args=("--queue-size", "1", "--retry-after", "3")) as server:
+    # One in flight, so the second request waits and the third finds the queue full.
+    with Serve(front_args=("--queue-size", "1", "--retry-after", "3"), max_batch=1) as server:
         running = server.hold_in_flight(gate)
         queued = server.queue(["waiting"])
         plain = server.post(clef_body())

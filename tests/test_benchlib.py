@@ -94,3 +94,39 @@ def test_a_bench_script_imports_benchlib_as_run_from_the_repository_root() -> No
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert "bench_gpu_http.py" in done.stdout
+
+
+def test_numbered_bodies_are_distinct_json_with_the_same_members() -> None:
+    import json
+
+    from benchlib.http_load import numbered
+
+    body = b'{"model": "m", "state": "s"}'
+    first, second = numbered(body, "1-1"), numbered(body, "1-2")
+    assert first != second
+    assert json.loads(first) == {"seq": "1-1", "model": "m", "state": "s"}
+    with pytest.raises(ValueError, match="non-empty JSON object"):
+        numbered(b"{ }", "1")
+
+
+@pytest.mark.parametrize("use_wrk", [False, True])
+def test_distinct_load_reaches_the_worker_through_the_default_cache(use_wrk: bool) -> None:
+    """The zero-work benchmark's POSTs are misses of the answer cache (on by default), so the
+    benchmark measures the path through admission and the worker, not the cache."""
+    import shutil
+
+    from benchlib.http_load import run_load
+    from benchlib.serve import Serve
+    from benchlib.zero_work import BODY
+    from tests.traffic_helpers import metric
+
+    if use_wrk and shutil.which("wrk") is None:
+        pytest.skip("wrk is not installed")
+    with Serve(max_batch=None) as serve:
+        result = run_load("127.0.0.1", serve.port, "POST", "/v1/systemone", BODY,
+                          connections=4, seconds=1.0, use_wrk=use_wrk, distinct=True)
+        assert result.requests > 0 and result.bad_status == 0
+        misses = metric(serve, "clef_answer_cache_total", result="miss")
+        assert metric(serve, "clef_answer_cache_total", result="hit") == 0
+        assert metric(serve, "clef_answer_cache_total", result="coalesced") == 0
+        assert misses >= result.requests  # wrk does not count requests cut off at its end

@@ -160,7 +160,7 @@ def _cache_results(port: int) -> dict[str, float]:
 def test_every_request_is_a_forward_even_with_the_answer_cache_on(tmp_path: Path) -> None:
     """clef-bench numbers each body, so a server's answer cache (on by default) answers none of
     them from memory; `--same-body` sends the body as it is, and the cache answers repeats."""
-    with Serve(answer_cache=None) as server:
+    with Serve() as server:
         varied = bench(server.port, tmp_path / "varied", "--requests", "6", "--concurrency", "1",
                        "--warmup", "2")
         assert varied.returncode == 0, varied.stderr

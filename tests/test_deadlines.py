@@ -22,7 +22,8 @@ from tests.traffic_helpers import metric
 def test_a_deadline_that_passes_in_the_queue_never_reaches_the_worker(
         tmp_path: Path, front_args: tuple[str, ...], headers: list[tuple[str, str]]) -> None:
     gate, log = tmp_path / "gate", tmp_path / "requests.log"
-    with Serve("--log-file", str(log), front_args=front_args) as serve:
+    # One in flight, so "late" waits in the queue behind the held request until its deadline.
+    with Serve("--log-file", str(log), front_args=front_args, max_batch=1) as serve:
         running = serve.hold_in_flight(gate)
         late = background(lambda: serve.post(clef_body(tag="late"), headers=headers))
         expired = late.result()  # answered while the worker is still busy

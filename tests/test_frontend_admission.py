@@ -7,10 +7,14 @@ from pathlib import Path
 
 from tests.frontend_helpers import Serve, build_request, clef_body
 
+# The queue tests hold one request at the worker and need the next ones to wait in the queue:
+# one request in flight per worker instead of the CPU default.
+ONE = 1
+
 
 def test_full_queue_is_503_with_retry_after(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
-    with Serve(front_args=("--queue-size", "1", "--retry-after", "3")) as serve:
+    with Serve(front_args=("--queue-size", "1", "--retry-after", "3"), max_batch=ONE) as serve:
         running = serve.hold_in_flight(gate)
         [waiting] = serve.queue(["waiting"])
         refused = serve.post(clef_body(tag="refused"))
@@ -26,7 +30,7 @@ def test_full_queue_is_503_with_retry_after(tmp_path: Path) -> None:
 
 def test_client_that_leaves_while_queued_never_reaches_the_worker(tmp_path: Path) -> None:
     seen, gate = tmp_path / "seen.txt", tmp_path / "gate"
-    with Serve("--log-file", str(seen)) as serve:
+    with Serve("--log-file", str(seen), max_batch=ONE) as serve:
         running = serve.hold_in_flight(gate)
         leaver = serve.connect()
         leaver.send("POST", "/v1/systemone", clef_body(tag="gone"))
@@ -76,7 +80,7 @@ def test_stalled_body_does_not_delay_other_clients() -> None:
 
 def test_sigterm_finishes_in_flight_and_queued_requests_then_exits_0(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
-    with Serve() as serve:
+    with Serve(max_batch=ONE) as serve:
         probe, idle = serve.connect(), serve.connect()
         for client in (probe, idle):  # accepted, answered, now idle keep-alive connections
             client.send("GET", "/health")
@@ -104,7 +108,7 @@ def test_sigterm_finishes_in_flight_and_queued_requests_then_exits_0(tmp_path: P
 
 def test_drain_timeout_answers_the_rest_503(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
-    with Serve(front_args=("--drain-timeout", "0.2")) as serve:
+    with Serve(front_args=("--drain-timeout", "0.2"), max_batch=ONE) as serve:
         calls = [serve.hold_in_flight(gate, "d0"), *serve.queue(["d1", "d2"])]
         serve.terminate()
         refused = [call.result() for call in calls[1:]]

@@ -14,7 +14,8 @@ from tests.frontend_helpers import Serve, build_request, clef_body
 
 def test_a_half_closed_client_is_taken_as_gone_and_its_request_dropped(tmp_path: Path) -> None:
     gate, log = tmp_path / "gate", tmp_path / "worker.log"
-    with Serve("--log-file", str(log)) as serve:
+    # One in flight, so the half-closed client's request waits in the queue behind the held one.
+    with Serve("--log-file", str(log), max_batch=1) as serve:
         running = serve.hold_in_flight(gate)
         client = serve.connect()
         client.send_raw(build_request("POST", "/v1/systemone", clef_body(tag="half-closed")))

@@ -1,4 +1,4 @@
-"""Issue 7 through real sockets: slow bodies and slow readers, back-off after useful work,
+"""Hardening through real sockets: slow bodies and slow readers, back-off after useful work,
 malformed framing never 501, the listen backlog."""
 
 from __future__ import annotations

@@ -110,12 +110,8 @@ class Rig:
         return RequestContext.of(head, io or FakeIO(body))
 
     async def serve(self, ctx: RequestContext) -> Reply | None:
-        """The whole request as the connection runs it: answer, finish, count."""
-        reply = await self.pipeline.answer(ctx)
-        if reply is not None:
-            reply = self.pipeline.finish(ctx, reply)
-        self.pipeline.count(ctx, reply.status if reply is not None else 499)
-        return reply
+        """The whole request as the connection runs it: answered, in its form, counted."""
+        return await self.pipeline.answer(ctx)
 
     def sample(self, name: str, **labels: str) -> float:
         value = self.metrics.registry.get_sample_value(name, labels)
@@ -239,22 +235,46 @@ def test_a_client_that_leaves_takes_its_ticket_out_of_the_queue() -> None:
     asyncio.run(scenario())
 
 
-def test_a_step_inserted_before_admission_runs_in_its_place() -> None:
-    """The plug-in point for further stages: a plain async function over the context."""
+def test_the_steps_are_one_list_in_contract_order() -> None:
+    """The rig runs the list the server runs: the pipeline declares it, traffic steps and
+    sharing included, and nothing splices steps in afterwards."""
+    rig = Rig()
+    assert [step.__name__ for step in rig.pipeline.steps] == [
+        "check_head_size", "route", "decide_from_head", "identify", "check_quota", "classify",
+        "set_deadline",
+        "check_post_head", "read_body", "validate", "share", "admit", "await_answer"]
+    assert rig.pipeline.cache.enabled  # the server's default: the answer cache is on
 
-    async def quota(ctx: RequestContext) -> Reply | None:
-        if ctx.header(b"x-tenant") == b"greedy":
-            return responses.error(429, "over quota", retry_after=1)
-        return None
 
+def test_a_hit_and_a_joiner_take_the_same_steps_and_leave_the_same_traces() -> None:
     async def scenario() -> None:
-        rig = Rig()
-        steps = rig.pipeline.steps
-        steps.insert(steps.index(rig.pipeline.admit), quota)
-        refused = await rig.serve(rig.context("POST", "/v1/systemone", BODY, "X-Tenant: greedy"))
-        assert refused is not None and refused.status == 429 and rig.lane.sent == []
-        served = await answered_by_lane(rig, rig.context("POST", "/v1/systemone", BODY))
-        assert served is not None and served.status == 200
+        rig = Rig(room=2)
+        first = rig.context("POST", "/v1/systemone", BODY)
+        joiner = rig.context("POST", "/v1/systemone", BODY)
+        owner = asyncio.ensure_future(rig.serve(first))
+        await rig.lane.reached.wait()
+        joined = asyncio.ensure_future(rig.serve(joiner))
+        while joiner.answer is None:  # the joiner reaches its wait without a second frame
+            await asyncio.sleep(0)
+        _, deliver = rig.lane.held.pop(0)
+        deliver(WorkerReply(200, b'{"answers": 1}', None, 12.0, input_tokens=40,
+                            truncated_tokens=0, batch_size=1))
+        replies = [await owner, await joined]
+        hit = rig.context("POST", "/v1/systemone", BODY)
+        replies.append(await rig.serve(hit))
+        assert [r.body for r in replies if r is not None] == [b'{"answers": 1}'] * 3
+        assert rig.lane.sent == [BODY]  # one forward for three requests
+        assert (first.cache, joiner.cache, hit.cache) == ("miss", "coalesced", "hit")
+        timing = [dict(ctx.trace_headers())["Server-Timing"] for ctx in (first, joiner, hit)]
+        assert timing[0].startswith("queue;dur=") and "worker;dur=12.0" in timing[0]
+        assert timing[1].startswith("cache;desc=coalesced, total;dur=")
+        assert timing[2].startswith("cache;desc=hit, total;dur=")
+        assert rig.sample("clef_http_requests_total", route="/v1/systemone", status="200",
+                          key="-") == 3
+        assert rig.sample("clef_request_duration_seconds_count") == 3
+        assert rig.sample("clef_request_worker_seconds_count") == 1  # one forward measured
+        for result in ("miss", "coalesced", "hit"):
+            assert rig.sample("clef_answer_cache_total", result=result) == 1
 
     asyncio.run(scenario())
 
@@ -286,5 +306,53 @@ def test_routes_that_are_not_scored_stay_out_of_the_latency_histograms() -> None
         await rig.serve(rig.context("GET", "/v1/models"))
         assert rig.sample("clef_request_duration_seconds_count") == 0
         assert [r for r in Route if r.is_scoring] == [Route.SYSTEMONE, Route.WORKERS_AI]
+
+    asyncio.run(scenario())
+
+
+def test_a_repeat_is_refused_like_any_new_request_while_draining() -> None:
+    async def scenario() -> None:
+        rig = Rig()
+        first = await answered_by_lane(rig, rig.context("POST", "/v1/systemone", BODY))
+        assert first is not None and first.status == 200
+        rig.admission.start_draining()
+        repeat = rig.context("POST", "/v1/systemone", BODY)
+        refused = await rig.serve(repeat)
+        assert refused is not None and refused.status == 503
+        assert json.loads(refused.body) == {"detail": "server is draining"}
+        assert repeat.cache == "hit" and rig.lane.sent == [BODY]
+        assert "Server-Timing" not in dict(repeat.trace_headers())  # refused, not answered
+
+    asyncio.run(scenario())
+
+
+def test_a_queued_request_is_joined_only_by_requests_it_cannot_make_wait_longer() -> None:
+    """Joining a request still in the queue means waiting in its class and to its deadline:
+    a request without a deadline does not join one with a deadline, nor an interactive
+    request a bulk one; each is admitted on its own. Joining the other way round is fine."""
+    other = json.dumps({"model": "m", "state": "other", "questions": {"q": {"type": "noul"}}})
+
+    async def scenario() -> None:
+        rig = Rig(room=0)  # the worker has no room: every admitted request waits in the queue
+        contexts = [
+            rig.context("POST", "/v1/systemone", BODY, "X-Clef-Deadline-Ms: 60000"),
+            rig.context("POST", "/v1/systemone", BODY),  # no deadline: not behind one
+            rig.context("POST", "/v1/systemone", BODY, "X-Clef-Deadline-Ms: 30000"),
+            rig.context("POST", "/v1/systemone", BODY, "X-Clef-Priority: bulk"),
+            rig.context("POST", "/v1/systemone", other.encode(), "X-Clef-Priority: bulk"),
+            rig.context("POST", "/v1/systemone", other.encode()),  # interactive: not behind bulk
+        ]
+        tasks = []
+        for ctx in contexts:
+            tasks.append(asyncio.ensure_future(rig.serve(ctx)))
+            while ctx.answer is None:  # each reaches its wait before the next one arrives
+                await asyncio.sleep(0)
+        assert [ctx.cache for ctx in contexts] == [
+            "miss", "miss", "coalesced", "coalesced", "miss", "miss"]
+        assert contexts[2].flight is contexts[3].flight is contexts[1].flight
+        assert rig.admission.depth == 4
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(scenario())

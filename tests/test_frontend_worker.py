@@ -29,7 +29,8 @@ def test_concurrent_posts_are_answered_by_one_pid_on_its_main_thread() -> None:
 
 def test_worker_intervals_never_overlap_and_follow_admission_order(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
-    with Serve("--delay", "0.1", front_args=("--queue-size", "8")) as serve:
+    # One in flight, so t1..t4 wait in the queue in admission order behind the held t0.
+    with Serve("--delay", "0.1", front_args=("--queue-size", "8"), max_batch=1) as serve:
         # Admit one request at a time, each only once the previous one is visibly admitted, so
         # the admission order is known: t0 held in flight, then t1..t4 queued in that order.
         pending = [serve.hold_in_flight(gate, "t0"), *serve.queue([f"t{i}" for i in range(1, 5)])]
@@ -70,8 +71,9 @@ def test_worker_crash_mid_request_resends_it_to_the_replacement(tmp_path) -> Non
     ready."""
     marker = tmp_path / "crashed"
     ready_gate = tmp_path / "replacement may start"
-    with Serve("--crash-once-file", str(marker), "--replacement-ready-gate", str(ready_gate)) \
-            as serve:
+    # One in flight: the second request waits in the queue while the first crashes the worker.
+    with Serve("--crash-once-file", str(marker), "--replacement-ready-gate", str(ready_gate),
+               max_batch=1) as serve:
         old_pid = serve.health().json()["worker"]["pid"]
         gate = tmp_path / "gate"
         doomed_call = background(lambda: serve.post(clef_body(tag="doomed", crash=True,

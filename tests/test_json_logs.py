@@ -101,8 +101,9 @@ def _access(documents: list[dict[str, Any]], request_id: str) -> dict[str, Any]:
 
 
 def test_front_and_fake_worker_lines_are_all_json(tmp_path: Path) -> None:
+    ok_body = clef_body()
     with Serve(front_args=("--log-format", "json")) as serve:
-        ok = serve.post(clef_body(), headers=[("X-Request-Id", "json-ok"),
+        ok = serve.post(ok_body, headers=[("X-Request-Id", "json-ok"),
                                               ("traceparent", TRACEPARENT)])
         failed = serve.post(clef_body(error="device fault", error_status=500),
                             headers=[("X-Request-Id", "json-500")])
@@ -121,8 +122,8 @@ def test_front_and_fake_worker_lines_are_all_json(tmp_path: Path) -> None:
         "time": None, "level": "INFO", "logger": "clef_frontend.access", "message": "request",
         "request_id": "json-ok", "trace_id": TRACE, "method": "POST",
         "path": "/v1/systemone", "status": 200, "queue_ms": None, "worker_ms": None,
-        "batch": 1, "bytes_in": len(clef_body()), "bytes_out": len(ok.body), "client": None,
-        "key": "-"}
+        "batch": 1, "bytes_in": len(ok_body), "bytes_out": len(ok.body), "client": None,
+        "key": "-", "cache": "miss"}
     assert isinstance(line["queue_ms"], float) and isinstance(line["worker_ms"], float)
     assert _access(documents, "json-500")["trace_id"] == "-"
     # The worker's own lines about the failed requests carry their request ids, and the traced

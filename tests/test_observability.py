@@ -120,7 +120,8 @@ def test_workers_ai_requests_are_measured_like_systemone(serve: Serve) -> None:
 
 def test_queue_full_refusals_are_counted_as_503(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
-    with Serve(front_args=("--queue-size", "1")) as serve:
+    # One in flight, so the second request waits and the third finds the queue full.
+    with Serve(front_args=("--queue-size", "1"), max_batch=1) as serve:
         running = serve.hold_in_flight(gate)
         queued = serve.queue(["waiting"])
         assert serve.post(clef_body()).status == 503

@@ -13,6 +13,9 @@ from tests.frontend_helpers import Serve, background, clef_body
 from tests.traffic_helpers import metric
 
 BULK_KEY = "sk-ingest-4c4c4c"
+# The ordering tests hold one request at the worker so the others wait in the queue, where the
+# classes are ordered: one request in flight per worker instead of the CPU default.
+ONE = 1
 ROUTER_KEY = "sk-router-7a7a7a"
 
 
@@ -27,7 +30,7 @@ def _queue(serve: Serve, tag: str, headers: list[tuple[str, str]]) -> background
 def test_interactive_requests_overtake_a_bulk_flood(tmp_path: Path) -> None:
     gate, log = tmp_path / "gate", tmp_path / "requests.log"
     bulk = [("X-Clef-Priority", "bulk")]
-    with Serve("--log-file", str(log)) as serve:
+    with Serve("--log-file", str(log), max_batch=ONE) as serve:
         running = serve.hold_in_flight(gate)
         waiting = [_queue(serve, f"b{i}", bulk) for i in range(3)]
         waiting += [_queue(serve, "i0", []), _queue(serve, "i1",
@@ -46,7 +49,8 @@ def test_a_keys_class_is_its_default_and_the_header_overrides_it(tmp_path: Path)
                     f'[keys.router]\nkey = "{ROUTER_KEY}"\n')
     ingest = [("Authorization", f"Bearer {BULK_KEY}")]
     router = [("Authorization", f"Bearer {ROUTER_KEY}")]
-    with Serve("--log-file", str(log), front_args=("--api-key-file", str(keys))) as serve:
+    with Serve("--log-file", str(log), front_args=("--api-key-file", str(keys)),
+               max_batch=ONE) as serve:
         running = background(lambda: serve.post(clef_body(tag="running", hold_until=str(gate)),
                                                 headers=router))
         serve.wait_health(lambda h: h["in_flight"] == 1)

@@ -196,6 +196,31 @@ def test_a_request_with_traceparent_is_traced_under_its_trace(
     assert children["worker"].attributes["clef.batch_size"] == 1
 
 
+def test_a_repeat_answered_from_the_cache_has_a_cache_span(
+        collector: tuple[Collector, str]) -> None:
+    """The default configuration (answer cache on): a miss has its queue and worker spans, its
+    repeat a `cache` span in their place, both with `clef.cache`, and Server-Timing says so."""
+    sink, endpoint = collector
+    body = clef_body()
+    with Serve(env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, **FAST_EXPORT}) as serve:
+        first = serve.post(body, headers=[("X-Request-Id", "computed")])
+        again = serve.post(body, headers=[("X-Request-Id", "repeated")])
+        assert first.status == again.status == 200 and first.body == again.body
+        timing = again.header("Server-Timing")
+        assert timing is not None and timing.startswith("cache;desc=hit, total;dur=")
+        spans = sink.wait_spans(lambda s: _has_request("computed", 3)(s)
+                                and _has_request("repeated", 2)(s))
+        serve.wait_for(r"status=200 .* cache=hit .* request_id=repeated$")
+    computed, repeated = _server_span(spans, "computed"), _server_span(spans, "repeated")
+    assert set(_children(spans, computed)) == {"queue", "worker"}
+    assert computed.attributes["clef.cache"] == "miss"
+    children = _children(spans, repeated)
+    assert set(children) == {"cache"}
+    assert children["cache"].attributes["clef.cache"] == "hit"
+    assert repeated.start_ns <= children["cache"].start_ns <= children["cache"].end_ns \
+        <= repeated.end_ns
+
+
 def test_a_request_without_traceparent_starts_a_fresh_trace(
         collector: tuple[Collector, str]) -> None:
     sink, endpoint = collector
