@@ -19,7 +19,6 @@ from clef_frontend import auth, logs, otel
 from clef_frontend.catalogue import served_name
 from clef_frontend.config import ServerConfig
 from clef_frontend.server import serve
-from clef_frontend.supervisor import DEFAULT_MAX_BATCH_CPU, DEFAULT_MAX_BATCH_CUDA
 from clef_frontend.version import version
 from clef_protocol.options import (
     add_model_arguments,
@@ -143,10 +142,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests that may wait for the worker (503 when full)")
     queue.add_argument("--retry-after", type=int, default=d.retry_after,
                        help="Retry-After seconds on 503 answers")
-    queue.add_argument("--max-batch", type=positive_int, default=None,
-                       help="requests in flight to one worker, which batches them into one "
-                            f"forward (default: {DEFAULT_MAX_BATCH_CUDA} on a CUDA worker, "
-                            f"{DEFAULT_MAX_BATCH_CPU} on CPU)")
     queue.add_argument("--queue-timeout", type=_seconds, default=None,
                        help="seconds a request may wait for a worker before 504 (default: no "
                             "limit; X-Clef-Deadline-Ms sets one per request)")
@@ -239,7 +234,7 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         api_key=os.environ.get(auth.ENV_VAR) or None,
         devices=devices,
         workers_per_device=per_device,
-        max_batch=args.max_batch,
+        max_batch=args.max_batch or None,  # --max-batch is a model flag: the worker gets it
         stall_timeout=args.stall_timeout,
         queue_timeout=args.queue_timeout or None,
         answer_cache=args.answer_cache,

@@ -68,9 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(parser)
     d = DEFAULTS
     run = parser.add_argument_group("worker")
-    run.add_argument("--max-batch", type=positive_int, default=None,
-                     help="requests in flight to the worker (default: as clef-serve, by the "
-                          "worker's device)")
     run.add_argument("--worker-command", default=None,
                      help="command replacing 'python -m clef_worker' (shell-split); the model "
                           "flags are appended")
@@ -169,7 +166,7 @@ def _main(argv: list[str] | None) -> int:
     # token count (the front has no tokenizer).
     forward.sort(key=lambda job: len(job.body))
     output = OutputFile(args.output)
-    settings = WorkerSettings(command, args.max_batch, args.startup_timeout,
+    settings = WorkerSettings(command, args.max_batch or None, args.startup_timeout,
                               args.request_timeout, args.shutdown_grace, args.max_restarts)
     runner = BatchRunner(forward, settings, output.write, progress.update, progress.write)
     try:

@@ -27,7 +27,6 @@ from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import validate_request
 from clef_worker import warmup
-from clef_worker.batching import default_max_batch_tokens
 from clef_worker.errors import (
     StartupError,
     broken_device_is_fatal,
@@ -35,6 +34,7 @@ from clef_worker.errors import (
 from clef_worker.executor import Answer
 from clef_worker.gpu.buckets import BucketTable
 from clef_worker.gpu.graphs import (
+    Capturer,
     CudaGraphCapturer,
     EagerCapturer,
     GraphRunner,
@@ -45,6 +45,7 @@ from clef_worker.gpu.graphs import (
     plan_shapes,
     prepare_capture_environment,
 )
+from clef_worker.gpu.packed_graphs import PackedGraphRunner, packed_buckets
 from clef_worker.gpu.kernel_cache import prepare_kernel_cache
 from clef_worker.media.vision import PreparedMedia, VisionTower, has_vision, load_vision
 from clef_worker.model.answers import build_response, serialize
@@ -62,7 +63,8 @@ from clef_worker.model.encoding import Encoder, Encoding
 from clef_worker.model.head import JointSchemaHead
 from clef_worker.model.short_conv import TORCH_PATH, bind_short_conv
 from clef_worker.model.snapshot import Snapshot, open_snapshot
-from clef_worker.runner import ModelRunner, warm_row_counts
+from clef_worker.policy import PADDED, BatchPolicy
+from clef_worker.runner import ModelRunner, Staged, warm_row_counts
 from clef_worker.versions import package_version, package_versions
 
 log = logging.getLogger(__name__)
@@ -107,14 +109,15 @@ class NativeExecutor:
         runner: ModelRunner,
         limits: RequestLimits,
         short_conv: str = TORCH_PATH,
-        row_counts: Sequence[int] = (1,),
+        policy: BatchPolicy | None = None,
     ):
         self.snapshot = snapshot
         self.encoder = encoder
         self.runner = runner
         self.limits = limits
         self.short_conv = short_conv
-        self.row_counts = tuple(row_counts)  # batch sizes the fla kernels are warmed for
+        # The batch policy the runner's layout and graph shapes were built for.
+        self.policy = policy or BatchPolicy.resolve(str(runner.device), layout=runner.layout)
         self.graph_failure = ""  # why capture failed at warm-up (the worker then runs eagerly)
         self.kernel_cache = ""  # warm / cold: the on-disk kernel cache at load (CUDA only)
         self._planned_shapes: list[list[int]] = []
@@ -150,8 +153,7 @@ class NativeExecutor:
         pad_id = graphs.pad_id if graphs is not None else pad_token_id(
             encoder.tokenizer.token_to_id("<|endoftext|>"), snapshot.text_config)
         return cls(snapshot=snapshot, encoder=encoder, limits=limits, short_conv=short_conv,
-                   runner=ModelRunner(backbone, head, pad_id, vision, graphs),
-                   row_counts=graph_row_counts())
+                   runner=ModelRunner(backbone, head, pad_id, vision, graphs))
 
     @classmethod
     def load(
@@ -169,12 +171,17 @@ class NativeExecutor:
         cuda_graphs: str = "auto",
         graph_max_length: int = 0,
         max_batch_tokens: int = 0,
+        batch_layout: str = "auto",
+        max_batch: int = 0,
+        batch_window_ms: float = 0.0,
     ) -> NativeExecutor:
         """Check and load a snapshot; StartupError says what is wrong (file, tensor, flag).
 
         Must run before anything imports transformers' Qwen3.5 modelling module in this process
         (that import binds the Gated DeltaNet kernel; see clef_worker.model.backbone).
-        `max_batch_tokens` (0: by device) bounds the batched shapes built at warm-up.
+        The batch policy (`batch_layout`, `max_batch_tokens`, `max_batch`, `batch_window_ms`;
+        auto / 0: by device) is resolved here once for the loaded device (clef_worker.policy):
+        the runner's layout and the graph shapes warm-up builds follow it.
         """
         started = time.perf_counter()
         limits = limits or RequestLimits()
@@ -202,16 +209,20 @@ class NativeExecutor:
         vision = _load_media(snapshot, encoder, backbone, media)
         pad_id = pad_token_id(encoder.tokenizer.token_to_id("<|endoftext|>"),
                               snapshot.text_config)
-        budget = max_batch_tokens or default_max_batch_tokens(str(target))
-        graphs = None
+        try:
+            policy = BatchPolicy.resolve(str(target), layout=batch_layout,
+                                         max_batch_tokens=max_batch_tokens,
+                                         max_sequences=max_batch, window_ms=batch_window_ms)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        graphs: GraphRunner | PackedGraphRunner | None = None
         if buckets_enabled(cuda_graphs, target):
-            table = BucketTable.for_budget(limits.max_length, graph_max_length or None)
-            capturer = CudaGraphCapturer(target) if capture else EagerCapturer()
-            graphs = GraphRunner(backbone, table, pad_id, capturer,
-                                 plan_shapes(table, budget))
-        runner = ModelRunner(backbone, head, pad_id, vision, graphs)
+            capturer: Capturer = CudaGraphCapturer(target) if capture else EagerCapturer()
+            graphs = build_graph_runner(backbone, pad_id, capturer, policy, limits.max_length,
+                                        graph_max_length)
+        runner = ModelRunner(backbone, head, pad_id, vision, graphs, policy.layout)
         executor = cls(snapshot=snapshot, encoder=encoder, runner=runner, limits=limits,
-                       short_conv=conv_path, row_counts=graph_row_counts())
+                       short_conv=conv_path, policy=policy)
         executor.kernel_cache = kernels.state if kernels is not None else ""
         log.info(
             "loaded %s from %s on %s (%s backbone, %s head, gdn %s) in %.1f s",
@@ -223,8 +234,7 @@ class NativeExecutor:
     def with_limits(self, limits: RequestLimits) -> NativeExecutor:
         """The same loaded model under other request limits (tests, benchmarks)."""
         limited = type(self)(snapshot=self.snapshot, encoder=self.encoder, runner=self.runner,
-                             limits=limits, short_conv=self.short_conv,
-                             row_counts=self.row_counts)
+                             limits=limits, short_conv=self.short_conv, policy=self.policy)
         limited.kernel_cache = self.kernel_cache
         return limited
 
@@ -256,42 +266,11 @@ class NativeExecutor:
         )
 
     def warm_up(self) -> None:
-        """Build every graph shape (the only time shapes are captured), then a forward of the
-        richest warm-up request the limits admit (clef_worker.warmup); on the fla path, also one
-        Gated DeltaNet layer per autotune length bucket up to --max-length (see
-        clef_worker.model.backbone) and per batch size the batcher forms; then replay every
-        graph once (first hits are clean, and the replay times become the costs the batched-vs-
-        sequential choice compares); with a vision tower, the same request with an image."""
-        started = time.perf_counter()
-        if self.runner.graphs is not None:
-            self._build_graphs(self.runner.graphs)
-        request = warmup.choose(self.limits, self.encode)
-        encoding = self._warmup_encoding(request)
-        if encoding is None:
-            log.warning("--max-length %d is too short to warm anything up",
-                        self.limits.max_length)
-            return
-        self.forward(encoding)
-        lengths = describe_kernel_lengths(self.backbone, self.limits.max_length)
-        if lengths:
-            log.info("warming fla kernels for %d length buckets: %s, and batch sizes %s",
-                     len(lengths), lengths, list(self.row_counts))
-            with torch.inference_mode():
-                self.backbone.warm_gdn(lengths)
-            warm_row_counts(self.backbone, self.row_counts, lengths[0])
-            self.forward(encoding)
-        if self.runner.graphs is not None:
-            costs = self.runner.graphs.replay_all()
-            log.info("replayed %d shapes once; replay ms by [rows, tokens]: %s", len(costs),
-                     {f"{r}x{t}": round(ms, 2) for (r, t), ms in sorted(costs.items())})
-        if self.vision is not None and request is not None:
-            self._warm_media(request)
-        log.info("warm-up done in %.0f ms (%d tokens)", (time.perf_counter() - started) * 1000,
-                 encoding.length)
+        """The whole warm-up sequence (clef_worker.warmup.warm_native)."""
+        warmup.warm_native(self)
 
-    def _build_graphs(self, graphs: GraphRunner,
-                      device_usable: Callable[[torch.device], bool] | None = None) -> None:
-        """Build (capture) every shape.
+    def build_graphs(self, device_usable: Callable[[torch.device], bool] | None = None) -> None:
+        """Build (capture) every shape of the runner's graph runner (warm-up only).
 
         When recording CUDA graphs fails, torch raises `torch.AcceleratorError` for a CUDA
         error (a kernel that launches something capture forbids, or syncs with the host, fails
@@ -304,6 +283,9 @@ class NativeExecutor:
         If the device does not work, or the shapes ran eagerly (nothing to fall back from),
         the error stands and the worker does not start.
         """
+        graphs = self.runner.graphs
+        if graphs is None:
+            return
         try:
             built = graphs.build_all()
         except Exception as exc:
@@ -314,30 +296,12 @@ class NativeExecutor:
                       "without graphs: %s: %s", len(graphs.stats.built), len(graphs.planned),
                       type(exc).__name__, exc)
             self.graph_failure = f"{type(exc).__name__}: {exc}"
-            self._planned_shapes = [list(shape) for shape in sorted(graphs.planned)]
+            self._planned_shapes = graphs.planned_shapes()
             self.runner.graphs = None
             return
-        log.info("built %d shapes [rows, tokens] (%s) in %.0f ms, graph memory %d bytes",
-                 len(built), "cuda graphs" if graphs.graphs else "eager",
+        log.info("built %d %s shapes (%s) in %.0f ms, graph memory %d bytes", len(built),
+                 self.runner.layout, "cuda graphs" if graphs.graphs else "eager",
                  graphs.stats.capture_ms, graphs.capturer.memory_bytes())
-
-    def _warmup_encoding(self, request: dict[str, Any] | None) -> Encoding | None:
-        if request is not None:
-            return self.encode(request)
-        length = self.limits.max_length
-        log.warning(
-            "no request fits --max-length %d (every request will be refused with 422); "
-            "warming up on a %d-token sequence without a request", length, length,
-        )
-        return warmup.synthetic_encoding(self.encoder.prefix_ids, length)
-
-    def _warm_media(self, request: dict[str, Any]) -> None:
-        """The warm-up request with an image, so the vision tower's first request is not a
-        cold one (skipped when the image's tokens do not fit the limits)."""
-        try:
-            self.score(warmup.with_image(request))
-        except RequestInvalid as exc:
-            log.warning("image warm-up skipped: %s", exc)
 
     def answer(self, body: bytes) -> Answer:
         """Raw body -> final response bytes, with the sequence length and state tokens cut.
@@ -362,6 +326,12 @@ class NativeExecutor:
         if not has_media(request):
             return None
         validate_request(request, self.limits)
+        return self._decode_media(request)
+
+    def _decode_media(self, request: dict[str, Any]) -> PreparedMedia | None:
+        """Decode and patchify an already validated request's media (None: text only)."""
+        if not has_media(request):
+            return None
         if self.vision is None:
             raise RequestInvalid(NO_VISION)
         return self.vision.prepare(decode_media(request, self.limits))
@@ -405,33 +375,48 @@ class NativeExecutor:
                   for item, row in zip(batch, output.rows, strict=True)]
         return scored, [row.batch_size for row in output.rows], output.stages
 
-    def padded_length(self, length: int) -> int:
-        """Row length of a forward whose longest request has `length` tokens."""
-        return self.runner.padded_length(length)
-
     # -- Batching (clef_worker.batching) -------------------------------------------------
 
     def prepare(self, body: bytes) -> Prepared:
-        """Parse, validate and encode one body (400 / 422 exceptions as `answer`)."""
+        """Parse, validate (once) and encode one body (400 / 422 exceptions as `answer`)."""
         request = parse_body(body)
-        media = self.prepare_media(request)
-        return Prepared(request, self.encode(request, media), media)
+        validate_request(request, self.limits)
+        media = self._decode_media(request)
+        media_ids = media.token_ids if media is not None else ()
+        return Prepared(request, self.encoder.encode(request, self.limits.max_length, media_ids),
+                        media)
 
     def prepared_length(self, prepared: Prepared) -> int:
         return len(prepared.encoding.input_ids)
+
+    def batch_tokens(self, lengths: Sequence[int]) -> int:
+        """A forward's cost against the token budget, in the runner's layout."""
+        return self.runner.batch_tokens(lengths)
 
     def runs_alone(self, prepared: Prepared) -> bool:
         """Media requests run alone: the vision tower runs eagerly and unpadded."""
         return prepared.media is not None
 
-    def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
-        """The batch's forwards; the answers in order."""
+    def stage(self, batch: Sequence[Prepared]) -> tuple[Sequence[Prepared], Staged]:
+        """The group's host tensors (helper thread; no CUDA call but pinning)."""
+        return batch, self.runner.stage([item.encoding for item in batch],
+                                        [item.media for item in batch])
+
+    def answer_staged(self, staged: tuple[Sequence[Prepared], Staged]) -> list[Answer]:
+        """The group's forwards on the main thread; the answers in order."""
+        batch, host = staged
         with broken_device_is_fatal(self.device):
-            scored, sizes, stages = self.score_batch(batch)
-            return [Answer(serialize(item.response()), input_tokens=item.encoding.length,
-                           truncated_tokens=item.encoding.truncated_tokens, batch_size=size,
-                           stages=stages)
-                    for item, size in zip(scored, sizes, strict=True)]
+            output = self.runner.run_staged(host)
+            return [Answer(serialize(build_response(item.request, item.encoding,
+                                                    row.probabilities)),
+                           input_tokens=item.encoding.length,
+                           truncated_tokens=item.encoding.truncated_tokens,
+                           batch_size=row.batch_size, stages=output.stages)
+                    for item, row in zip(batch, output.rows, strict=True)]
+
+    def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
+        """Stage and answer one group on the calling thread."""
+        return self.answer_staged(self.stage(batch))
 
 
 NO_VISION = ("this server's model snapshot has no vision tower or processor: images and videos "
@@ -451,6 +436,21 @@ def _load_media(snapshot: Snapshot, encoder: Encoder, backbone: Backbone,
         log.info("media off: %s", missing)
         return None
     return load_vision(snapshot, encoder, backbone.device, backbone.dtype)
+
+
+def build_graph_runner(backbone: Backbone, pad_id: int, capturer: Capturer, policy: BatchPolicy,
+                       max_length: int, graph_max_length: int = 0
+                       ) -> GraphRunner | PackedGraphRunner:
+    """The graph runner for the policy's layout, its shapes planned from the policy: packed,
+    one per total-token bucket up to the largest forward; padded, `[rows, bucket]` for the
+    row counts up to the policy's requests per forward within its token budget."""
+    if policy.layout == PADDED:
+        table = BucketTable.for_budget(max_length, graph_max_length or None)
+        return GraphRunner(backbone, table, pad_id, capturer,
+                           plan_shapes(table, policy.max_batch_tokens,
+                                       graph_row_counts(policy.max_sequences)))
+    buckets = packed_buckets(policy.max_batch_tokens, max_length, graph_max_length)
+    return PackedGraphRunner(backbone, buckets, policy.max_sequences, pad_id, capturer)
 
 
 def _device_usable(device: torch.device) -> bool:
