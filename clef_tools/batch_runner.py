@@ -167,7 +167,8 @@ class BatchRunner:
                     self._say("clef-batch: DEMO SNAPSHOT: a tiny random model; its answers are "
                               "meaningless")
             self.state.ready = info
-            self._max_batch = settings.max_batch or default_max_batch(info.device, info.max_sequences)
+            self._max_batch = settings.max_batch or default_max_batch(info.device,
+                                                                        info.max_sequences)
             return channel
 
     async def _replace(self, channel: WorkerChannel) -> None:

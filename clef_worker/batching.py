@@ -27,14 +27,16 @@ bad request cannot fail its neighbours. Replies go out in admission order, group
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import queue
 import select
+import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
@@ -150,16 +152,18 @@ def frame_waiting(stream: BinaryIO, timeout_s: float) -> bool:
 
 class GroupCutter:
     """Cuts requests, fed one at a time in admission order, into consecutive groups: a group
-    ends before the request that would take its cost (`executor.batch_tokens` of its lengths)
-    past `max_tokens` or its size past `max_sequences`; a request over the budget alone forms a
-    group, and so does a request that must run alone. A request that failed before the forward
-    (`length` None) joins the current group free (its reply goes out with the group's).
+    ends before the request that would take its `cost` (`BatchingExecutor.batch_tokens` of its
+    lengths) past `max_tokens` or its size past `max_sequences`; a request over the budget
+    alone forms a group, and so does a request that must run alone. A request that failed
+    before the forward (`length` None) joins the current group free (its reply goes out with
+    the group's).
 
     Incremental, so the helper thread can hand a group to the main thread as soon as the
     request after it is encoded, without encoding the whole read first."""
 
-    def __init__(self, executor: BatchingExecutor, max_tokens: int, max_sequences: int):
-        self.executor = executor
+    def __init__(self, cost: Callable[[Sequence[int]], int], max_tokens: int,
+                 max_sequences: int):
+        self.cost = cost
         self.max_tokens = max_tokens
         self.max_sequences = max_sequences
         self.current: list[int] = []
@@ -173,7 +177,7 @@ class GroupCutter:
             return None
         closed = None
         if self.lengths and (self.solo or alone or len(self.lengths) >= self.max_sequences
-                             or self.executor.batch_tokens([*self.lengths, length])
+                             or self.cost([*self.lengths, length])
                              > self.max_tokens):
             closed = self.finish()
         self.current.append(position)
@@ -188,11 +192,12 @@ class GroupCutter:
         return group or None
 
 
-def plan_groups(executor: BatchingExecutor, lengths: Sequence[int | None],
-                policy: BatchPolicy, alone: Sequence[bool] = ()) -> list[list[int]]:
+def plan_groups(lengths: Sequence[int | None], cost: Callable[[Sequence[int]], int],
+                max_tokens: int, alone: Sequence[bool] = (),
+                max_sequences: int = sys.maxsize) -> list[list[int]]:
     """All the groups `GroupCutter` makes of these lengths (in order); `None` marks a request
     that failed before the forward."""
-    cutter = GroupCutter(executor, policy.max_batch_tokens, policy.max_sequences)
+    cutter = GroupCutter(cost, max_tokens, max_sequences)
     groups = []
     for position, length in enumerate(lengths):
         closed = cutter.add(position, length, position < len(alone) and alone[position])
@@ -247,7 +252,7 @@ def _prepare_groups(executor: BatchingExecutor, bodies: Sequence[object], policy
                     stop: threading.Event | None = None) -> Iterator[Group]:
     """Prepare every body in order and yield each group, staged, as soon as it is cut: all host
     work, none of it touching the device."""
-    cutter = GroupCutter(executor, policy.max_batch_tokens, policy.max_sequences)
+    cutter = GroupCutter(executor.batch_tokens, policy.max_batch_tokens, policy.max_sequences)
     prepared: dict[int, Any] = {}
     failed: dict[int, Outcome] = {}
     encode_ms: dict[int, float] = {}
@@ -327,10 +332,8 @@ class HostHelper:
         finally:
             stop.set()
             while not future.done():  # drain, so a blocked put can see `stop`
-                try:
+                with contextlib.suppress(queue.Empty):
                     handoff.get(timeout=0.1)
-                except queue.Empty:
-                    pass
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -344,7 +347,8 @@ def answer_batch(executor: BatchingExecutor, bodies: Sequence[object],
 
 
 def answer_groups(executor: BatchingExecutor, bodies: Sequence[object], policy: BatchPolicy,
-                  helper: HostHelper | None = None) -> Iterator[list[tuple[int, Outcome]]]:
+                  helper: HostHelper | None = None
+                  ) -> Generator[list[tuple[int, Outcome]], None, None]:
     """Yield the (position, outcome) pairs of each forward's group as soon as it is done, in
     order: the serve loop writes a group's replies together. With a `helper`, the host work
     of later groups runs on its thread while this one's forward runs here.

@@ -44,5 +44,6 @@ def load_executor(args: argparse.Namespace) -> Executor:
         gdn_prefill=args.gdn_prefill, short_conv=args.short_conv, limits=limits, demo=demo,
         media=args.media,
         cuda_graphs=args.cuda_graphs, graph_max_length=args.graph_max_length,
-        max_batch_tokens=args.max_batch_tokens,
+        max_batch_tokens=args.max_batch_tokens, batch_layout=args.batch_layout,
+        max_batch=args.max_batch, batch_window_ms=args.batch_window_ms,
     )

@@ -31,17 +31,17 @@ from clef_protocol.options import add_model_arguments
 from clef_worker.allocator import keep_freed_memory
 from clef_worker.batching import (
     BatchingExecutor,
-    BatchPolicy,
+    HostHelper,
     Outcome,
     answer_groups,
     as_batching,
-    default_max_batch_tokens,
     frame_waiting,
 )
 from clef_worker.errors import ExecutorBroken, StartupError
 from clef_worker.executor import Executor
 from clef_worker.logs import configure as configure_logs
 from clef_worker.logs import request_context
+from clef_worker.policy import BatchPolicy
 
 log = logging.getLogger("clef_worker")
 
@@ -162,26 +162,31 @@ def serve(executor: Executor | BatchingExecutor, channel_in: BinaryIO, channel_o
     prepared together and answered by as few forwards as the token budget allows; pings are
     answered while gathering and between forwards.
     """
-    policy = policy or BatchPolicy()
+    policy = policy or executor_policy(executor)
     batcher = as_batching(executor)
     reader = FrameReader(channel_in, channel_out)
-    while True:
-        requests = reader.next_requests(policy.window_ms)
-        if requests and _answer_all(batcher, requests, reader, policy):
-            log.error("the executor cannot go on; exiting so the front starts a fresh worker")
-            return messages.EXIT_EXECUTOR_BROKEN
-        if reader.stop is not None and not reader.pending:
-            return reader.stop
+    helper = HostHelper()
+    try:
+        while True:
+            requests = reader.next_requests(policy.window_ms)
+            if requests and _answer_all(batcher, requests, reader, policy, helper):
+                log.error("the executor cannot go on; exiting so the front starts a fresh "
+                          "worker")
+                return messages.EXIT_EXECUTOR_BROKEN
+            if reader.stop is not None and not reader.pending:
+                return reader.stop
+    finally:
+        helper.close()
 
 
 def _answer_all(batcher: BatchingExecutor, requests: list[Received], reader: FrameReader,
-                policy: BatchPolicy) -> bool:
+                policy: BatchPolicy, helper: HostHelper | None = None) -> bool:
     """Write one reply per request, in order; True when the executor broke (the requests
     not yet run then fail with 500 without touching the device)."""
     ids = [int(request.frame["id"]) for request in requests]
     bodies = [request.frame.get("body") for request in requests]
     channel_out = reader.channel_out
-    for group in answer_groups(batcher, bodies, policy):
+    for group in answer_groups(batcher, bodies, policy, helper):
         frames = []
         for position, outcome in group:
             with request_context(requests[position].frame.get("trace_id")):
@@ -204,10 +209,19 @@ def _fail_rest(ids: list[int], channel_out: BinaryIO) -> None:
         write_frame_blocking(channel_out, messages.error(request_id, 500, INFERENCE_FAILED, 0.0))
 
 
-def batch_policy(args: argparse.Namespace, device: str) -> BatchPolicy:
-    """The batching flags for a worker on `device`; `--max-batch-tokens 0` is its default."""
-    return BatchPolicy(max_batch_tokens=args.max_batch_tokens or default_max_batch_tokens(device),
-                       window_ms=args.batch_window_ms)
+def executor_policy(executor: object, args: argparse.Namespace | None = None) -> BatchPolicy:
+    """The batch policy the executor resolved at load (the native executor builds its graph
+    shapes from it); for one that has none (it does not batch), the flags' for its device."""
+    policy = getattr(executor, "policy", None)
+    if isinstance(policy, BatchPolicy):
+        return policy
+    describe = getattr(executor, "describe", None)
+    device = describe().device if callable(describe) else "cpu"
+    if args is None:
+        return BatchPolicy.resolve(device)
+    return BatchPolicy.resolve(device, layout=args.batch_layout,
+                               max_batch_tokens=args.max_batch_tokens,
+                               max_sequences=args.max_batch, window_ms=args.batch_window_ms)
 
 
 def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:
@@ -229,6 +243,7 @@ def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:
             **dataclasses.asdict(executor.describe()),
             pid=os.getpid(), thread=threading.current_thread().name, warmup_ms=warmup_ms,
             pings=True,  # `serve` answers every ping between forwards
+            **executor_policy(executor, args).ready_fields(),  # type: ignore[arg-type]
         )
         log.info("ready in %.0f ms%s", warmup_ms, f" (kernel cache {ready.kernel_cache} at start)"
                  if ready.kernel_cache else "")
@@ -256,4 +271,4 @@ def main(argv: list[str] | None = None) -> int:
     executor = start(args, channel_out)
     if executor is None:
         return 1
-    return serve(executor, channel_in, channel_out, batch_policy(args, executor.describe().device))
+    return serve(executor, channel_in, channel_out, executor_policy(executor, args))

@@ -45,15 +45,14 @@ from clef_worker.gpu.graphs import (
     plan_shapes,
     prepare_capture_environment,
 )
-from clef_worker.gpu.packed_graphs import PackedGraphRunner, packed_buckets
 from clef_worker.gpu.kernel_cache import prepare_kernel_cache
+from clef_worker.gpu.packed_graphs import PackedGraphRunner, packed_buckets
 from clef_worker.media.vision import PreparedMedia, VisionTower, has_vision, load_vision
 from clef_worker.model.answers import build_response, serialize
 from clef_worker.model.backbone import (
     DTYPE_NAMES,
     Backbone,
     bind_gdn_path,
-    describe_kernel_lengths,
     load_backbone,
     read_tensors,
     resolve_device,
@@ -64,7 +63,7 @@ from clef_worker.model.head import JointSchemaHead
 from clef_worker.model.short_conv import TORCH_PATH, bind_short_conv
 from clef_worker.model.snapshot import Snapshot, open_snapshot
 from clef_worker.policy import PADDED, BatchPolicy
-from clef_worker.runner import ModelRunner, Staged, warm_row_counts
+from clef_worker.runner import ModelRunner, Staged
 from clef_worker.versions import package_version, package_versions
 
 log = logging.getLogger(__name__)

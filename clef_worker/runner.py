@@ -130,7 +130,7 @@ class ModelRunner:
         self.vision = vision
         self.graphs = graphs
         self.layout = layout
-        if isinstance(graphs, PackedGraphRunner) != (layout == PACKED):
+        if graphs is not None and isinstance(graphs, PackedGraphRunner) != (layout == PACKED):
             raise ValueError(f"a {layout} runner cannot use {type(graphs).__name__}")
 
     @property
@@ -270,8 +270,9 @@ class ModelRunner:
             for row, member in enumerate(step.members):
                 part = hidden[row, :lengths[member]]
                 rows[member] = part.clone() if len(steps) > 1 else part
-        assert all(row is not None for row in rows)
-        return (rows[0] if len(rows) == 1 else torch.cat(rows)), real_ids  # type: ignore[arg-type]
+        done = [row for row in rows if row is not None]
+        assert len(done) == len(rows)
+        return (done[0] if len(done) == 1 else torch.cat(done)), real_ids
 
 
 def warm_row_counts(backbone: Backbone, row_counts: Sequence[int], length: int) -> None:

@@ -61,7 +61,7 @@ def assert_batch_answers_as_alone(plain: NativeExecutor, runner: ModelRunner,
                                   requests_: list[dict[str, Any]], max_lengths: list[int]) -> None:
     encodings = [_encode(plain, request, limit)
                  for request, limit in zip(requests_, max_lengths, strict=True)]
-    assert runner.graphs is not None
+    assert isinstance(runner.graphs, GraphRunner)
     replays = dict(runner.graphs.stats.replays)
     output = runner.run(encodings)
     padded = runner.graphs.shape_for(len(encodings), max(len(e.input_ids) for e in encodings))
