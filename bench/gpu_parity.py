@@ -48,6 +48,7 @@ from benchlib.provenance import command_line
 def run_cases(executor: Any, cases: tuple[dict[str, Any], ...]) -> dict[str, Any]:
     """Every golden case through `executor`: drift from the golden values, mismatched token
     ids and refusals, and each answered case's probabilities per question."""
+    from benchlib.executors import with_limits
     from clef_protocol.errors import RequestInvalid
 
     drift = Drift()
@@ -55,7 +56,7 @@ def run_cases(executor: Any, cases: tuple[dict[str, Any], ...]) -> dict[str, Any
     error_mismatch: list[str] = []
     per_question: dict[str, list[list[float]]] = {}
     for case in cases:
-        limited = executor.with_limits(dataclasses.replace(executor.limits,
+        limited = with_limits(executor, dataclasses.replace(executor.limits,
                                                            max_length=case["max_length"]))
         if "error" in case:
             try:
@@ -87,13 +88,14 @@ def grouped_vs_alone(executor: Any, cases: tuple[dict[str, Any], ...],
                      size: int = 8) -> dict[str, Any]:
     """Every answered case in mixed groups of up to `size` (in file order, so long and short
     cases share groups) through the executor's runner, against the same case alone."""
+    from benchlib.executors import with_limits
     from clef_protocol.errors import RequestInvalid
 
     encodings = []
     for case in cases:
         if "error" in case:
             continue
-        limited = executor.with_limits(dataclasses.replace(executor.limits,
+        limited = with_limits(executor, dataclasses.replace(executor.limits,
                                                            max_length=case["max_length"]))
         try:
             encodings.append(limited.encode(case["request"]))

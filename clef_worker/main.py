@@ -59,15 +59,6 @@ def _elapsed_ms(start: float) -> float:
     return round((time.perf_counter() - start) * 1000.0, 3)
 
 
-def handle_request(executor: Executor | BatchingExecutor, request_id: int,
-                   body: object) -> tuple[dict, bool]:
-    """Answer one request on the serve loop's path: (reply frame, whether the executor is
-    broken and the worker must exit). Every outcome is a reply frame, never an exception."""
-    start = time.perf_counter()
-    [[(_, outcome)]] = list(answer_groups(as_batching(executor), [body], BatchPolicy()))
-    return reply_for(request_id, outcome, _elapsed_ms(start))
-
-
 def reply_for(request_id: int, outcome: Outcome, worker_ms: float) -> tuple[dict, bool]:
     """The reply frame for one answered or failed request, and whether the executor broke."""
     exc = outcome.error

@@ -152,7 +152,7 @@ def warm_native(executor: NativeExecutor) -> None:
     log = logging.getLogger("clef_worker.warmup")
     started = time.perf_counter()
     limits, runner, policy = executor.limits, executor.runner, executor.policy
-    executor.build_graphs()
+    build_graphs(executor)
     request = choose(limits, executor.encode)
     if request is not None:
         encoding: Encoding | None = executor.encode(request)
@@ -164,7 +164,7 @@ def warm_native(executor: NativeExecutor) -> None:
     if encoding is None:
         log.warning("--max-length %d is too short to warm anything up", limits.max_length)
         return
-    executor.forward(encoding)
+    runner.run([encoding])
     graphs = runner.graphs
     covered = graphs is not None and graphs.graphs and graphs.covers(limits.max_length)
     lengths = [] if covered else describe_kernel_lengths(executor.backbone, limits.max_length)
@@ -178,7 +178,7 @@ def warm_native(executor: NativeExecutor) -> None:
             length = min(lengths[0], policy.max_batch_tokens // rows)
             if length >= 1:
                 warm_row_counts(executor.backbone, [rows], length)
-        executor.forward(encoding)
+        runner.run([encoding])
     elif covered:
         log.info("graphs hold every length up to --max-length %d: no eager kernel warm-up",
                  limits.max_length)
@@ -193,3 +193,56 @@ def warm_native(executor: NativeExecutor) -> None:
             log.warning("image warm-up skipped: %s", exc)
     log.info("warm-up done in %.0f ms (%d tokens)", (time.perf_counter() - started) * 1000,
              encoding.length)
+
+
+def build_graphs(executor: NativeExecutor,
+                 device_usable: Callable[[Any], bool] | None = None) -> None:
+    """Build (capture) every shape of the executor's graph runner: the only time shapes are.
+
+    When recording CUDA graphs fails, torch raises `torch.AcceleratorError` for a CUDA
+    error (a kernel that launches something capture forbids, or syncs with the host, fails
+    with `cudaErrorStreamCaptureUnsupported` / `...Invalidated`) and ordinary exceptions
+    (RuntimeError, ...) for checks of its own. Either way, if the device still works
+    (`device_usable`: a synchronisation succeeds) the executor serves eagerly and unpadded,
+    logs the failure at ERROR and says so in `ready` / `/health` (`cuda_graphs` false,
+    `captured_shapes` empty while `graph_shapes` lists the planned shapes), so a bench
+    asserting every shape was captured fails instead of timing eager forwards as graphs.
+    If the device does not work, or the shapes ran eagerly (nothing to fall back from),
+    the error stands and the worker does not start.
+    """
+    import logging
+
+    log = logging.getLogger("clef_worker.warmup")
+    runner = executor.runner
+    graphs = runner.graphs
+    if graphs is None:
+        return
+    try:
+        built = graphs.build_all()
+    except Exception as exc:
+        usable = device_usable or _device_usable
+        if not graphs.graphs or not usable(executor.device):
+            raise
+        log.error("CUDA graph capture failed after %d of %d shapes, serving eagerly and "
+                  "without graphs: %s: %s", len(graphs.stats.built), len(graphs.planned),
+                  type(exc).__name__, exc)
+        executor.graph_failure = f"{type(exc).__name__}: {exc}"
+        executor.planned_shapes = graphs.planned_shapes()
+        runner.graphs = None
+        return
+    log.info("built %d %s shapes (%s) in %.0f ms, graph memory %d bytes", len(built),
+             runner.layout, "cuda graphs" if graphs.graphs else "eager",
+             graphs.stats.capture_ms, graphs.capturer.memory_bytes())
+
+
+def _device_usable(device: Any) -> bool:
+    """Whether the device still runs work after an error (a sticky CUDA error fails this)."""
+    import torch
+
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:
+        return False
+    return True

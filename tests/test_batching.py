@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchlib.executors import with_limits
 from clef_protocol import messages
 from clef_protocol.errors import BadRequestBody, RequestInvalid
 from clef_protocol.frames import encode_frame, read_frame_blocking
@@ -96,7 +97,7 @@ class PerCaseLimits:
         self.executor = executor
         self.forwards: list[int] = []
         self.limited = {
-            case["name"]: executor.with_limits(dataclasses.replace(
+            case["name"]: with_limits(executor, dataclasses.replace(
                 executor.limits, max_length=case["max_length"])) for case in CASES}
 
     def prepare(self, body: bytes) -> Prepared:
@@ -125,7 +126,7 @@ class PerCaseLimits:
 
 
 def _solo(executor: NativeExecutor, case: dict[str, Any]) -> Outcome:
-    limited = executor.with_limits(dataclasses.replace(executor.limits,
+    limited = with_limits(executor, dataclasses.replace(executor.limits,
                                                        max_length=case["max_length"]))
     try:
         return Outcome(value=limited.answer(_body(case)))
@@ -372,7 +373,7 @@ def test_a_media_request_runs_alone_and_says_so(executor: NativeExecutor) -> Non
     image = {**image, "name": "media:" + image["name"]}
     text = [c for c in CASES if "error" not in c][:2]
     batcher = PerCaseLimits(executor)
-    batcher.limited[image["name"]] = executor.with_limits(dataclasses.replace(
+    batcher.limited[image["name"]] = with_limits(executor, dataclasses.replace(
         executor.limits, max_length=image["max_length"]))
     picked = [text[0], text[1], image]
     results = list(answer_batch(batcher, [_body(c) for c in picked], BIG))

@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchlib.executors import with_limits
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
 from clef_worker.gpu.buckets import BucketTable, bucket_lengths
@@ -139,7 +140,7 @@ def bucketed(tiny_snapshot: Path) -> NativeExecutor:
 
 
 def _limited(executor: NativeExecutor, max_length: int) -> NativeExecutor:
-    return executor.with_limits(dataclasses.replace(executor.limits, max_length=max_length))
+    return with_limits(executor, dataclasses.replace(executor.limits, max_length=max_length))
 
 
 def assert_same_answers(plain: NativeExecutor, bucketed: NativeExecutor,

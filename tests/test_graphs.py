@@ -29,6 +29,7 @@ from clef_worker.gpu.graphs import (
 from clef_worker.gpu.transfer import pack, to_device_packed, unpack
 from clef_worker.model.backbone import Backbone
 from clef_worker.native import NativeExecutor
+from clef_worker.warmup import build_graphs
 
 PAD = 7
 
@@ -395,7 +396,7 @@ def test_a_failed_capture_on_a_broken_device_stops_the_start(tiny_snapshot: Path
     executor = _failing(tiny_snapshot, graphs=True)
     assert executor.runner.graphs is not None
     with pytest.raises(torch.AcceleratorError, match="stream is capturing"):
-        executor.build_graphs(device_usable=lambda device: False)
+        build_graphs(executor, device_usable=lambda device: False)
 
 
 def test_a_failed_eager_shape_is_not_hidden(tiny_snapshot: Path) -> None:

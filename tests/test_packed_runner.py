@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from benchlib.executors import with_limits
 from benchlib.golden import PROBABILITY_TOLERANCE
 from clef_protocol import messages
 from clef_protocol.options import RequestLimits
@@ -47,7 +48,7 @@ def executor(tiny_snapshot: Path) -> NativeExecutor:
 
 @pytest.fixture(scope="module")
 def encodings(executor: NativeExecutor) -> list[Encoding]:
-    return [executor.with_limits(dataclasses.replace(executor.limits,
+    return [with_limits(executor, dataclasses.replace(executor.limits,
                                                      max_length=case["max_length"]))
             .encode(case["request"]) for case in OK]
 

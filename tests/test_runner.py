@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchlib.executors import with_limits
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
 from clef_worker.gpu.buckets import BucketTable
@@ -53,7 +54,7 @@ def batched(plain: NativeExecutor) -> ModelRunner:
 
 
 def _encode(executor: NativeExecutor, request: dict[str, Any], max_length: int) -> Encoding:
-    return executor.with_limits(dataclasses.replace(executor.limits, max_length=max_length)
+    return with_limits(executor, dataclasses.replace(executor.limits, max_length=max_length)
                                 ).encode(request)
 
 
