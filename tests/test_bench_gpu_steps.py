@@ -173,6 +173,8 @@ def test_the_plan_fits_one_ten_minute_command_and_names_existing_scripts(
     # packed (the default) and padded measured side by side
     padded = next(step for step in planned if step.name == "http_padded")
     assert padded.argv[padded.argv.index("--batch-layout") + 1] == "padded"
+    # `--out FILE` is appended to a step's argv: nothing may turn it into a positional
+    assert all("--" not in step.argv for step in planned)
 
 
 def test_the_h200_defaults_plan_at_most_32_graph_shapes() -> None:

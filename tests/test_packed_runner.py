@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from benchlib.executors import with_limits
 from benchlib.golden import PROBABILITY_TOLERANCE
@@ -171,3 +172,35 @@ def test_ready_reports_the_resolved_policy(executor: NativeExecutor) -> None:
     parsed = messages.ReadyInfo.from_message(frame)
     assert (parsed.batch_layout, parsed.max_batch_tokens, parsed.max_sequences) == \
         (PACKED, 4096, 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+def test_cuda_packed_graphs_answer_as_eager_packed_and_alone(tiny_snapshot: Path) -> None:
+    """On a GPU: the packed graphs (fla varlen kernels, varlen attention, static offsets) are
+    captured for every bucket, and mixed groups replayed from them answer as eager packed rows
+    and as each case alone (float32, the golden bound)."""
+    def load(cuda_graphs: str) -> NativeExecutor:
+        executor = NativeExecutor.load(tiny_snapshot, device="cuda", dtype="float32",
+                                       gdn_prefill="fla", limits=RequestLimits(max_length=2048),
+                                       cuda_graphs=cuda_graphs, max_batch_tokens=4096,
+                                       batch_layout=PACKED, media="off")
+        executor.warm_up()
+        return executor
+
+    graphs, eager = load("on"), load("off")
+    info = graphs.describe()
+    assert info.cuda_graphs and info.captured_shapes == info.graph_shapes and info.shapes > 0
+    encodings = [with_limits(graphs, dataclasses.replace(graphs.limits,
+                                                         max_length=case["max_length"]))
+                 .encode(case["request"]) for case in OK]
+    for group in _mixed_groups(0, size=6, limit=4096):
+        batch = [encodings[i] for i in group]
+        replayed, reference = graphs.runner.run(batch), eager.runner.run(batch)
+        for index, got, want in zip(group, replayed.rows, reference.rows, strict=True):
+            alone = eager.runner.run([encodings[index]]).rows[0]
+            _assert_as_alone(encodings[index], (got.logits, got.probabilities),
+                             (want.logits, want.probabilities))
+            _assert_as_alone(encodings[index], (got.logits, got.probabilities),
+                             (alone.logits, alone.probabilities))
+    runner = graphs.runner.graphs
+    assert isinstance(runner, PackedGraphRunner) and runner.stats.replays
