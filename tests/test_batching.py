@@ -418,7 +418,7 @@ def test_the_token_budget_defaults_by_device() -> None:
 
 def test_packed_groups_count_real_tokens_and_requests() -> None:
     """The packed cost is the sum of the lengths; a group also ends at `max_sequences`."""
-    assert plan_groups([1000, 3000, 96, 2000], sum, 4096) == [[0, 1], [2, 3]]
+    assert plan_groups([1000, 3000, 96, 2000], sum, 4096) == [[0, 1, 2], [3]]
     assert plan_groups([10] * 5, sum, 4096, max_sequences=2) == [[0, 1], [2, 3], [4]]
     # the padded cost of the first pair would be 2 x 3000 > 4096: it cuts one more group
     assert plan_groups([1000, 3000, 96, 2000], SAME, 4096) == [[0], [1], [2, 3]]
