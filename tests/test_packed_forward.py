@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 from benchlib.golden import LOGIT_TOLERANCE, answered
 from clef_protocol.options import RequestLimits
-from clef_worker.model import packed_layers
+from clef_worker.model import packed_layers, short_conv, swap
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.gated_delta import chunked_gated_delta_rule
 from clef_worker.model.packed import (
@@ -401,18 +401,28 @@ def test_an_fla_without_chunk_indices_gets_host_offsets_and_is_not_graph_safe(
 
 
 def test_the_fla_path_picks_flas_varlen_kernels_and_varlen_attn(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        backbone: Backbone, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA with fla: fla's delta rule, fla's convolution when `--short-conv` bound it (the
+    adapter is installed), varlen_attn in half precision."""
     delta, conv, _ = fake_fla(Calls())
-    for name, attribute, value in (("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", delta),
-                                   ("fla.modules.convolution", "causal_conv1d", conv)):
-        module = types.ModuleType(name)
-        setattr(module, attribute, value)
-        monkeypatch.setitem(sys.modules, name, module)
+    module = types.ModuleType("fla.ops.gated_delta_rule")
+    module.chunk_gated_delta_rule = delta  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", module)
+    modeling = packed_layers.modeling_module()
     cuda = torch.device("cuda")
-    kernels = kernels_for(cuda, torch.bfloat16, "fla")
+    assert kernels_for(cuda, torch.bfloat16, "fla").names == (
+        "fla-varlen", "masked-torch", "varlen_attn")  # --short-conv torch: no adapter bound
+    swap.replace(modeling, short_conv.FUNCTION_NAME,
+                 lambda original: short_conv.FlaShortConv(conv, original))
+    try:
+        kernels = kernels_for(cuda, torch.bfloat16, "fla")
+        # float32 has no FlashAttention kernel: per-sequence attention, and no graphs
+        in_float32 = kernels_for(cuda, torch.float32, "fla")
+    finally:
+        short_conv.uninstall(modeling)
     assert kernels.names == ("fla-varlen", "fla-varlen", "varlen_attn") and kernels.graph_safe
-    # float32 has no FlashAttention kernel: per-sequence attention, and no graphs of packed rows
-    assert kernels_for(cuda, torch.float32, "fla").names[2] == "per-sequence"
+    assert in_float32.names == ("fla-varlen", "fla-varlen", "per-sequence")
+    assert not in_float32.graph_safe
     assert kernels_for(cuda, torch.bfloat16, "torch") is LOOPED
     assert kernels_for(CPU, torch.float32, "torch") is LOOPED
     assert packed_layers.load_varlen_attention(CPU, torch.bfloat16) is None

@@ -49,14 +49,12 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from clef_worker.model import gated_delta, short_conv
+from clef_worker.model.backbone import FLA_KERNEL_MODULE, MODELING_MODULE
 from clef_worker.model.packed import PackedLayout
 
 log = logging.getLogger(__name__)
 
-MODELING_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
-FLA_DELTA_MODULE = "fla.ops.gated_delta_rule"
-FLA_CONV_MODULE = "fla.modules.convolution"
-DELTA_KERNEL_GLOBAL = "torch_chunk_gated_delta_rule"  # what transformers' GDN layer calls
 # FlashAttention's causal mask as varlen_attn spells it: no limit left, none right of the diagonal.
 CAUSAL_WINDOW = (-1, 0)
 VARLEN_DTYPES = (torch.bfloat16, torch.float16)
@@ -101,7 +99,7 @@ def looped_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta
                       layout: PackedLayout) -> Tensor:
     """One call per sequence of the kernel transformers' module has bound now (clef's
     small-chunk kernel on CPU), each from a zero state: the separate forward's arithmetic."""
-    kernel = getattr(modeling_module(), DELTA_KERNEL_GLOBAL)
+    kernel = getattr(modeling_module(), gated_delta.KERNEL_NAME)
     outputs = []
     for start, end in layout.spans():
         if end == start:
@@ -266,16 +264,14 @@ def load_varlen_attention(device: torch.device, dtype: torch.dtype) -> Callable[
 
 def kernels_for(device: torch.device, dtype: torch.dtype, gdn_path: str) -> PackedKernels:
     """The packed kernels for a loaded backbone: fla's varlen kernels on the fla path, the
-    per-sequence PyTorch paths otherwise (CPU, float32 on CUDA, --gdn-prefill torch)."""
+    per-sequence PyTorch paths otherwise (CPU, float32 on CUDA, --gdn-prefill torch). The short
+    convolution follows what `--short-conv` bound at start-up (clef_worker.model.short_conv):
+    fla's kernel when its adapter is installed, the masked torch convolution otherwise."""
     if gdn_path != "fla":
         return LOOPED
-    delta = importlib.import_module(FLA_DELTA_MODULE).chunk_gated_delta_rule
-    try:
-        conv = getattr(importlib.import_module(FLA_CONV_MODULE), "causal_conv1d", None)
-    except Exception as exc:  # an install can fail with ImportError, Triton errors, ...
-        log.warning("fla's causal_conv1d is not usable (%s): packed rows use the masked torch "
-                    "convolution", exc)
-        conv = None
+    delta = importlib.import_module(FLA_KERNEL_MODULE).chunk_gated_delta_rule
+    adapter = short_conv.installed(modeling_module())
+    conv = adapter.kernel if adapter is not None else None
     kernels = fla_kernels(delta, conv, load_varlen_attention(device, dtype))
     if not kernels.graph_safe:
         log.warning("packed kernels %s read offsets on the host: packed rows cannot be captured",
