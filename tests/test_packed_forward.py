@@ -315,18 +315,26 @@ def fake_fla(calls: Calls) -> tuple[Any, Any, Any]:
                                 "gqa": enable_gqa, "shape": tuple(query.shape)})
         assert query.dim() == 3 and cu_seq_k is cu_seq_q and window_size == (-1, 0)
         assert all(x.is_contiguous() for x in (query, key, value))
-        spans = device_spans(cu_seq_q)
-        assert max(end - start for start, end in spans) <= max_q == max_k
-        outputs = []
-        for start, end in spans:
-            if end > start:
-                q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                     enable_gqa=enable_gqa)
-                outputs.append(out[0].transpose(0, 1))
-        return torch.cat(outputs, 0)
+        return causal_per_sequence(query, key, value, cu_seq_q, max_q, max_k, scale,
+                                   enable_gqa)
 
     return chunk_gated_delta_rule, causal_conv1d, varlen_attn
+
+
+def causal_per_sequence(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor,
+                        max_q: int, max_k: int, scale: float | None, gqa: bool) -> Tensor:
+    """What FlashAttention's varlen causal forward computes, from the device offsets."""
+    spans = device_spans(cu_seqlens)
+    assert max(end - start for start, end in spans) <= max_q == max_k
+    assert gqa or query.shape[1] == key.shape[1]
+    outputs = []
+    for start, end in spans:
+        if end > start:
+            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                 enable_gqa=gqa)
+            outputs.append(out[0].transpose(0, 1))
+    return torch.cat(outputs, 0)
 
 
 def poisoned(layout: PackedLayout) -> PackedLayout:
@@ -379,6 +387,27 @@ def test_one_static_row_replays_any_mix_on_the_fla_branch(backbone: Backbone) ->
     assert {c["max"] for c in calls.attention} == {(640, 640)}
 
 
+def test_torch_2_10s_varlen_attn_gets_is_causal_and_repeated_key_heads(
+        backbone: Backbone) -> None:
+    """torch 2.10's varlen_attn had `is_causal` and neither `scale` nor `enable_gqa`."""
+    seen: list[tuple[int, int]] = []
+
+    def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor,
+                    cu_seq_k: Tensor, max_q: int, max_k: int, *, is_causal: bool = False,
+                    return_aux: Any = None) -> Tensor:
+        assert is_causal
+        seen.append((query.shape[1], key.shape[1]))
+        return causal_per_sequence(query, key, value, cu_seq_q, max_q, max_k, None, False)
+
+    delta, conv, _ = fake_fla(Calls())
+    sequences = random_ids([33, 90], seed=6)
+    hidden, layout = packed(backbone, sequences, fla_kernels(delta, conv, varlen_attn))
+    assert_rows_match(hidden, layout, separate(backbone, sequences))
+    config: Any = backbone.model.config
+    assert config.num_attention_heads > config.num_key_value_heads  # the repeat was exercised
+    assert set(seen) == {(config.num_attention_heads, config.num_attention_heads)}
+
+
 def test_an_fla_without_chunk_indices_gets_host_offsets_and_is_not_graph_safe(
         backbone: Backbone) -> None:
     seen: list[Any] = []
@@ -426,3 +455,24 @@ def test_the_fla_path_picks_flas_varlen_kernels_and_varlen_attn(
     assert kernels_for(cuda, torch.bfloat16, "torch") is LOOPED
     assert kernels_for(CPU, torch.float32, "torch") is LOOPED
     assert packed_layers.load_varlen_attention(CPU, torch.bfloat16) is None
+
+
+# -- the wider demo snapshot (GQA 4:1, key heads serving two value heads, 128-wide heads) ------
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Backbone:
+    from clef_worker.demo import DemoSpec, ensure_demo_snapshot
+
+    snapshot = ensure_demo_snapshot(tmp_path_factory.mktemp("wide"), DemoSpec.wide())
+    return NativeExecutor.load(snapshot, device="cpu", dtype="float32",
+                               limits=RequestLimits(max_length=1024)).backbone
+
+
+def test_wide_snapshot_packed_and_fla_branch_equal_separate_forwards(wide: Backbone) -> None:
+    sequences = random_ids([40, 200, 7, 130], seed=7, vocab=1000)
+    expected = separate(wide, sequences)
+    hidden, layout = packed(wide, sequences)
+    assert_rows_match(hidden, layout, expected)
+    hidden, layout = packed(wide, sequences, fla_kernels(*fake_fla(Calls())))
+    assert_rows_match(hidden, layout, expected)

@@ -212,14 +212,34 @@ def looped_attention(module: Any, query: Tensor, key: Tensor, value: Tensor,
 
 
 def varlen_attention(kernel: Callable[..., Any]) -> Attention:
-    """`torch.nn.attention.varlen.varlen_attn`: packed `[T, heads, d]`, causal per sequence."""
+    """`torch.nn.attention.varlen.varlen_attn`: packed `[T, heads, d]`, causal per sequence.
+
+    Its keywords changed across torch releases (2.10: `is_causal`, no `scale` nor `enable_gqa`;
+    later: `window_size`, `scale`, `enable_gqa`); what this torch's signature has is read once
+    here. Without `enable_gqa` the key/value heads are repeated to the query heads (each serves
+    consecutive query heads, as transformers' `repeat_kv`); without `scale` the kernel's default
+    1/sqrt(d) is Qwen3.5's scaling.
+    """
+    causal = ({"window_size": CAUSAL_WINDOW} if accepts(kernel, "window_size")
+              else {"is_causal": True})
+    has_gqa = accepts(kernel, "enable_gqa")
+    has_scale = accepts(kernel, "scale")
 
     def attention(module: Any, query: Tensor, key: Tensor, value: Tensor,
                   layout: PackedLayout) -> Tensor:
         q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
+        groups = q.shape[1] // k.shape[1]
+        extra: dict[str, Any] = dict(causal)
+        if groups > 1 and has_gqa:
+            extra["enable_gqa"] = True
+        elif groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if has_scale:
+            extra["scale"] = module.scaling
+        elif module.scaling != q.shape[-1] ** -0.5:
+            q = q * (module.scaling * q.shape[-1] ** 0.5)
         output = kernel(q, k, v, layout.cu_seqlens, layout.cu_seqlens, layout.max_seqlen,
-                        layout.max_seqlen, scale=module.scaling, window_size=CAUSAL_WINDOW,
-                        enable_gqa=q.shape[1] != k.shape[1])
+                        layout.max_seqlen, **extra)
         return output.unsqueeze(0)
 
     return attention
