@@ -437,6 +437,9 @@ def test_the_fla_path_picks_flas_varlen_kernels_and_varlen_attn(
     module = types.ModuleType("fla.ops.gated_delta_rule")
     module.chunk_gated_delta_rule = delta  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", module)
+    utils = types.ModuleType("fla.utils")
+    utils.FLA_DISABLE_TENSOR_CACHE = False  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fla.utils", utils)
     modeling = packed_layers.modeling_module()
     cuda = torch.device("cuda")
     assert kernels_for(cuda, torch.bfloat16, "fla").names == (
@@ -452,6 +455,7 @@ def test_the_fla_path_picks_flas_varlen_kernels_and_varlen_attn(
     assert kernels.names == ("fla-varlen", "fla-varlen", "varlen_attn") and kernels.graph_safe
     assert in_float32.names == ("fla-varlen", "fla-varlen", "per-sequence")
     assert not in_float32.graph_safe
+    assert utils.FLA_DISABLE_TENSOR_CACHE is True
     assert kernels_for(cuda, torch.bfloat16, "torch") is LOOPED
     assert kernels_for(CPU, torch.float32, "torch") is LOOPED
     assert packed_layers.load_varlen_attention(CPU, torch.bfloat16) is None

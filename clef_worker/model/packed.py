@@ -41,9 +41,11 @@ so it cannot reach them either (`tests/test_packed_forward.py`).
 One trap, found reading fla's source: fla memoises its index helpers (`prepare_chunk_offsets`,
 ...) by the *identity* of the `cu_seqlens` tensor it is given (`fla.utils.tensor_cache`). A
 buffer refilled in place and passed as the same Python object would get the offsets of an
-earlier fill, eagerly and inside a capture. `StaticPackedLayout.layout()` therefore hands out
-fresh views of its buffers for every forward: same memory (what a graph reads on replay), a new
-object (what the memo compares).
+earlier fill, eagerly; and a forward captured after a warm run with the same object would
+record no computation of them at all, so every replay would keep the warm run's offsets. Two
+defences: the fla path turns the memo off (`packed_layers.disable_fla_memo`), and
+`StaticPackedLayout.fill()`/`layout()` hand out fresh views of the buffers (same memory, what a
+graph reads on replay; a new object, what the memo compares).
 """
 
 from __future__ import annotations

@@ -282,6 +282,24 @@ def load_varlen_attention(device: torch.device, dtype: torch.dtype) -> Callable[
         return None
 
 
+FLA_UTILS = "fla.utils"
+FLA_MEMO_SWITCH = "FLA_DISABLE_TENSOR_CACHE"
+
+
+def disable_fla_memo() -> None:
+    """Turn off fla's memo of index helpers (`tensor_cache`, keyed by the identity of the
+    `cu_seqlens` tensor). With it, a static layout's buffer refilled in place and passed as the
+    same object would get the offsets of an earlier fill, eagerly, and inside a capture the memo
+    would hand back a tensor computed before recording, so replays would keep stale offsets
+    whatever the buffers hold. Without it fla recomputes them (a few small device ops per layer,
+    recorded in the graph). fla 0.5.0 to 0.6 read this module attribute on every call; the
+    padded path passes no `cu_seqlens` and never used the memo."""
+    utils = importlib.import_module(FLA_UTILS)
+    if not getattr(utils, FLA_MEMO_SWITCH, False):
+        setattr(utils, FLA_MEMO_SWITCH, True)
+        log.info("fla's index memo is off (packed rows refill their offsets in place)")
+
+
 def kernels_for(device: torch.device, dtype: torch.dtype, gdn_path: str) -> PackedKernels:
     """The packed kernels for a loaded backbone: fla's varlen kernels on the fla path, the
     per-sequence PyTorch paths otherwise (CPU, float32 on CUDA, --gdn-prefill torch). The short
@@ -290,6 +308,7 @@ def kernels_for(device: torch.device, dtype: torch.dtype, gdn_path: str) -> Pack
     if gdn_path != "fla":
         return LOOPED
     delta = importlib.import_module(FLA_KERNEL_MODULE).chunk_gated_delta_rule
+    disable_fla_memo()
     adapter = short_conv.installed(modeling_module())
     conv = adapter.kernel if adapter is not None else None
     kernels = fla_kernels(delta, conv, load_varlen_attention(device, dtype))
