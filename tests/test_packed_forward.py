@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import sys
 import types
 from collections.abc import Sequence
@@ -455,6 +456,8 @@ def test_the_fla_path_picks_flas_varlen_kernels_and_varlen_attn(
     assert in_float32.names == ("fla-varlen", "fla-varlen", "per-sequence")
     assert not in_float32.graph_safe
     assert utils.FLA_DISABLE_TENSOR_CACHE is True
+    # varlen_attn's per-call INFO line stays out of the worker's log
+    assert logging.getLogger(packed_layers.VARLEN_MODULE).level == logging.WARNING
     assert kernels_for(cuda, torch.bfloat16, "torch") is LOOPED
     assert kernels_for(CPU, torch.float32, "torch") is LOOPED
     assert packed_layers.load_varlen_attention(CPU, torch.bfloat16) is None

@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 # FlashAttention's causal mask as varlen_attn spells it: no limit left, none right of the diagonal.
 CAUSAL_WINDOW = (-1, 0)
 VARLEN_DTYPES = (torch.bfloat16, torch.float16)
+VARLEN_MODULE = "torch.nn.attention.varlen"
 
 
 class DeltaRule(Protocol):
@@ -275,11 +276,14 @@ def load_varlen_attention(device: torch.device, dtype: torch.dtype) -> Callable[
     if device.type != "cuda" or dtype not in VARLEN_DTYPES:
         return None
     try:
-        return importlib.import_module("torch.nn.attention.varlen").varlen_attn
+        kernel = importlib.import_module(VARLEN_MODULE).varlen_attn
     except (ImportError, AttributeError) as exc:
         log.warning("torch.nn.attention.varlen is not usable (%s): packed attention runs one "
                     "sequence at a time", exc)
         return None
+    # It logs "Using Flash Attention backend" at INFO on every call: 8 lines per forward.
+    logging.getLogger(VARLEN_MODULE).setLevel(logging.WARNING)
+    return kernel
 
 
 FLA_UTILS = "fla.utils"
