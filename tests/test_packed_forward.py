@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import sys
 import types
 from collections.abc import Sequence
@@ -27,14 +28,13 @@ from torch.nn import functional as F
 
 from benchlib.golden import LOGIT_TOLERANCE, answered
 from clef_protocol.options import RequestLimits
-from clef_worker.model import packed_layers
+from clef_worker.model import packed_layers, short_conv, swap
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.gated_delta import chunked_gated_delta_rule
 from clef_worker.model.packed import (
     FLA_CHUNK,
     PackedLayout,
     StaticPackedLayout,
-    chunk_index_pairs,
 )
 from clef_worker.model.packed_layers import (
     LOOPED,
@@ -131,7 +131,7 @@ def test_static_shapes_never_change_with_the_mix(lengths: list[int]) -> None:
     assert all(offset % 64 == 0 for offset in offsets)
     assert all(end - start >= n for (start, end), n in zip(layout.spans(), lengths, strict=False))
     assert layout.chunk_indices.tolist() == fla_chunk_indices(offsets)
-    assert len(chunk_index_pairs(offsets)) == static.total_tokens // FLA_CHUNK
+    assert len(layout.chunk_indices) == static.total_tokens // FLA_CHUNK
     assert layout.max_seqlen == static.total_tokens
 
 
@@ -315,18 +315,26 @@ def fake_fla(calls: Calls) -> tuple[Any, Any, Any]:
                                 "gqa": enable_gqa, "shape": tuple(query.shape)})
         assert query.dim() == 3 and cu_seq_k is cu_seq_q and window_size == (-1, 0)
         assert all(x.is_contiguous() for x in (query, key, value))
-        spans = device_spans(cu_seq_q)
-        assert max(end - start for start, end in spans) <= max_q == max_k
-        outputs = []
-        for start, end in spans:
-            if end > start:
-                q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                     enable_gqa=enable_gqa)
-                outputs.append(out[0].transpose(0, 1))
-        return torch.cat(outputs, 0)
+        return causal_per_sequence(query, key, value, cu_seq_q, max_q, max_k, scale,
+                                   enable_gqa)
 
     return chunk_gated_delta_rule, causal_conv1d, varlen_attn
+
+
+def causal_per_sequence(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor,
+                        max_q: int, max_k: int, scale: float | None, gqa: bool) -> Tensor:
+    """What FlashAttention's varlen causal forward computes, from the device offsets."""
+    spans = device_spans(cu_seqlens)
+    assert max(end - start for start, end in spans) <= max_q == max_k
+    assert gqa or query.shape[1] == key.shape[1]
+    outputs = []
+    for start, end in spans:
+        if end > start:
+            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                 enable_gqa=gqa)
+            outputs.append(out[0].transpose(0, 1))
+    return torch.cat(outputs, 0)
 
 
 def poisoned(layout: PackedLayout) -> PackedLayout:
@@ -379,6 +387,27 @@ def test_one_static_row_replays_any_mix_on_the_fla_branch(backbone: Backbone) ->
     assert {c["max"] for c in calls.attention} == {(640, 640)}
 
 
+def test_torch_2_10s_varlen_attn_gets_is_causal_and_repeated_key_heads(
+        backbone: Backbone) -> None:
+    """torch 2.10's varlen_attn had `is_causal` and neither `scale` nor `enable_gqa`."""
+    seen: list[tuple[int, int]] = []
+
+    def varlen_attn(query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor,
+                    cu_seq_k: Tensor, max_q: int, max_k: int, *, is_causal: bool = False,
+                    return_aux: Any = None) -> Tensor:
+        assert is_causal
+        seen.append((query.shape[1], key.shape[1]))
+        return causal_per_sequence(query, key, value, cu_seq_q, max_q, max_k, None, False)
+
+    delta, conv, _ = fake_fla(Calls())
+    sequences = random_ids([33, 90], seed=6)
+    hidden, layout = packed(backbone, sequences, fla_kernels(delta, conv, varlen_attn))
+    assert_rows_match(hidden, layout, separate(backbone, sequences))
+    config: Any = backbone.model.config
+    assert config.num_attention_heads > config.num_key_value_heads  # the repeat was exercised
+    assert set(seen) == {(config.num_attention_heads, config.num_attention_heads)}
+
+
 def test_an_fla_without_chunk_indices_gets_host_offsets_and_is_not_graph_safe(
         backbone: Backbone) -> None:
     seen: list[Any] = []
@@ -401,18 +430,55 @@ def test_an_fla_without_chunk_indices_gets_host_offsets_and_is_not_graph_safe(
 
 
 def test_the_fla_path_picks_flas_varlen_kernels_and_varlen_attn(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        backbone: Backbone, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA with fla: fla's delta rule, fla's convolution when `--short-conv` bound it (the
+    adapter is installed), varlen_attn in half precision."""
     delta, conv, _ = fake_fla(Calls())
-    for name, attribute, value in (("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", delta),
-                                   ("fla.modules.convolution", "causal_conv1d", conv)):
-        module = types.ModuleType(name)
-        setattr(module, attribute, value)
-        monkeypatch.setitem(sys.modules, name, module)
+    module = types.ModuleType("fla.ops.gated_delta_rule")
+    module.chunk_gated_delta_rule = delta  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", module)
+    utils = types.ModuleType("fla.utils")
+    utils.FLA_DISABLE_TENSOR_CACHE = False  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fla.utils", utils)
+    modeling = packed_layers.modeling_module()
     cuda = torch.device("cuda")
-    kernels = kernels_for(cuda, torch.bfloat16, "fla")
+    assert kernels_for(cuda, torch.bfloat16, "fla").names == (
+        "fla-varlen", "masked-torch", "varlen_attn")  # --short-conv torch: no adapter bound
+    swap.replace(modeling, short_conv.FUNCTION_NAME,
+                 lambda original: short_conv.FlaShortConv(conv, original))
+    try:
+        kernels = kernels_for(cuda, torch.bfloat16, "fla")
+        # float32 has no FlashAttention kernel: per-sequence attention, and no graphs
+        in_float32 = kernels_for(cuda, torch.float32, "fla")
+    finally:
+        short_conv.uninstall(modeling)
     assert kernels.names == ("fla-varlen", "fla-varlen", "varlen_attn") and kernels.graph_safe
-    # float32 has no FlashAttention kernel: per-sequence attention, and no graphs of packed rows
-    assert kernels_for(cuda, torch.float32, "fla").names[2] == "per-sequence"
+    assert in_float32.names == ("fla-varlen", "fla-varlen", "per-sequence")
+    assert not in_float32.graph_safe
+    assert utils.FLA_DISABLE_TENSOR_CACHE is True
+    # varlen_attn's per-call INFO line stays out of the worker's log
+    assert logging.getLogger(packed_layers.VARLEN_MODULE).level == logging.WARNING
     assert kernels_for(cuda, torch.bfloat16, "torch") is LOOPED
     assert kernels_for(CPU, torch.float32, "torch") is LOOPED
     assert packed_layers.load_varlen_attention(CPU, torch.bfloat16) is None
+
+
+# -- the wider demo snapshot (GQA 4:1, key heads serving two value heads, 128-wide heads) ------
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Backbone:
+    from clef_worker.demo import DemoSpec, ensure_demo_snapshot
+
+    snapshot = ensure_demo_snapshot(tmp_path_factory.mktemp("wide"), DemoSpec.wide())
+    return NativeExecutor.load(snapshot, device="cpu", dtype="float32",
+                               limits=RequestLimits(max_length=1024)).backbone
+
+
+def test_wide_snapshot_packed_and_fla_branch_equal_separate_forwards(wide: Backbone) -> None:
+    sequences = random_ids([40, 200, 7, 130], seed=7, vocab=1000)
+    expected = separate(wide, sequences)
+    hidden, layout = packed(wide, sequences)
+    assert_rows_match(hidden, layout, expected)
+    hidden, layout = packed(wide, sequences, fla_kernels(*fake_fla(Calls())))
+    assert_rows_match(hidden, layout, expected)

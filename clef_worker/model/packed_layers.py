@@ -49,17 +49,16 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from clef_worker.model import gated_delta, short_conv
+from clef_worker.model.backbone import FLA_KERNEL_MODULE, MODELING_MODULE
 from clef_worker.model.packed import PackedLayout
 
 log = logging.getLogger(__name__)
 
-MODELING_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
-FLA_DELTA_MODULE = "fla.ops.gated_delta_rule"
-FLA_CONV_MODULE = "fla.modules.convolution"
-DELTA_KERNEL_GLOBAL = "torch_chunk_gated_delta_rule"  # what transformers' GDN layer calls
 # FlashAttention's causal mask as varlen_attn spells it: no limit left, none right of the diagonal.
 CAUSAL_WINDOW = (-1, 0)
 VARLEN_DTYPES = (torch.bfloat16, torch.float16)
+VARLEN_MODULE = "torch.nn.attention.varlen"
 
 
 class DeltaRule(Protocol):
@@ -101,7 +100,7 @@ def looped_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta
                       layout: PackedLayout) -> Tensor:
     """One call per sequence of the kernel transformers' module has bound now (clef's
     small-chunk kernel on CPU), each from a zero state: the separate forward's arithmetic."""
-    kernel = getattr(modeling_module(), DELTA_KERNEL_GLOBAL)
+    kernel = getattr(modeling_module(), gated_delta.KERNEL_NAME)
     outputs = []
     for start, end in layout.spans():
         if end == start:
@@ -214,14 +213,34 @@ def looped_attention(module: Any, query: Tensor, key: Tensor, value: Tensor,
 
 
 def varlen_attention(kernel: Callable[..., Any]) -> Attention:
-    """`torch.nn.attention.varlen.varlen_attn`: packed `[T, heads, d]`, causal per sequence."""
+    """`torch.nn.attention.varlen.varlen_attn`: packed `[T, heads, d]`, causal per sequence.
+
+    Its keywords changed across torch releases (2.10: `is_causal`, no `scale` nor `enable_gqa`;
+    later: `window_size`, `scale`, `enable_gqa`); what this torch's signature has is read once
+    here. Without `enable_gqa` the key/value heads are repeated to the query heads (each serves
+    consecutive query heads, as transformers' `repeat_kv`); without `scale` the kernel's default
+    1/sqrt(d) is Qwen3.5's scaling.
+    """
+    causal = ({"window_size": CAUSAL_WINDOW} if accepts(kernel, "window_size")
+              else {"is_causal": True})
+    has_gqa = accepts(kernel, "enable_gqa")
+    has_scale = accepts(kernel, "scale")
 
     def attention(module: Any, query: Tensor, key: Tensor, value: Tensor,
                   layout: PackedLayout) -> Tensor:
         q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
+        groups = q.shape[1] // k.shape[1]
+        extra: dict[str, Any] = dict(causal)
+        if groups > 1 and has_gqa:
+            extra["enable_gqa"] = True
+        elif groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if has_scale:
+            extra["scale"] = module.scaling
+        elif module.scaling != q.shape[-1] ** -0.5:
+            q = q * (module.scaling * q.shape[-1] ** 0.5)
         output = kernel(q, k, v, layout.cu_seqlens, layout.cu_seqlens, layout.max_seqlen,
-                        layout.max_seqlen, scale=module.scaling, window_size=CAUSAL_WINDOW,
-                        enable_gqa=q.shape[1] != k.shape[1])
+                        layout.max_seqlen, **extra)
         return output.unsqueeze(0)
 
     return attention
@@ -257,25 +276,45 @@ def load_varlen_attention(device: torch.device, dtype: torch.dtype) -> Callable[
     if device.type != "cuda" or dtype not in VARLEN_DTYPES:
         return None
     try:
-        return importlib.import_module("torch.nn.attention.varlen").varlen_attn
+        kernel = importlib.import_module(VARLEN_MODULE).varlen_attn
     except (ImportError, AttributeError) as exc:
         log.warning("torch.nn.attention.varlen is not usable (%s): packed attention runs one "
                     "sequence at a time", exc)
         return None
+    # It logs "Using Flash Attention backend" at INFO on every call: 8 lines per forward.
+    logging.getLogger(VARLEN_MODULE).setLevel(logging.WARNING)
+    return kernel
+
+
+FLA_UTILS = "fla.utils"
+FLA_MEMO_SWITCH = "FLA_DISABLE_TENSOR_CACHE"
+
+
+def disable_fla_memo() -> None:
+    """Turn off fla's memo of index helpers (`tensor_cache`, keyed by the identity of the
+    `cu_seqlens` tensor). With it, a static layout's buffer refilled in place and passed as the
+    same object would get the offsets of an earlier fill, eagerly, and inside a capture the memo
+    would hand back a tensor computed before recording, so replays would keep stale offsets
+    whatever the buffers hold. Without it fla recomputes them (a few small device ops per layer,
+    recorded in the graph). fla 0.5.0 to 0.6 read this module attribute on every call; the
+    padded path passes no `cu_seqlens` and never used the memo."""
+    utils = importlib.import_module(FLA_UTILS)
+    if not getattr(utils, FLA_MEMO_SWITCH, False):
+        setattr(utils, FLA_MEMO_SWITCH, True)
+        log.info("fla's index memo is off (packed rows refill their offsets in place)")
 
 
 def kernels_for(device: torch.device, dtype: torch.dtype, gdn_path: str) -> PackedKernels:
     """The packed kernels for a loaded backbone: fla's varlen kernels on the fla path, the
-    per-sequence PyTorch paths otherwise (CPU, float32 on CUDA, --gdn-prefill torch)."""
+    per-sequence PyTorch paths otherwise (CPU, float32 on CUDA, --gdn-prefill torch). The short
+    convolution follows what `--short-conv` bound at start-up (clef_worker.model.short_conv):
+    fla's kernel when its adapter is installed, the masked torch convolution otherwise."""
     if gdn_path != "fla":
         return LOOPED
-    delta = importlib.import_module(FLA_DELTA_MODULE).chunk_gated_delta_rule
-    try:
-        conv = getattr(importlib.import_module(FLA_CONV_MODULE), "causal_conv1d", None)
-    except Exception as exc:  # an install can fail with ImportError, Triton errors, ...
-        log.warning("fla's causal_conv1d is not usable (%s): packed rows use the masked torch "
-                    "convolution", exc)
-        conv = None
+    delta = importlib.import_module(FLA_KERNEL_MODULE).chunk_gated_delta_rule
+    disable_fla_memo()
+    adapter = short_conv.installed(modeling_module())
+    conv = adapter.kernel if adapter is not None else None
     kernels = fla_kernels(delta, conv, load_varlen_attention(device, dtype))
     if not kernels.graph_safe:
         log.warning("packed kernels %s read offsets on the host: packed rows cannot be captured",
