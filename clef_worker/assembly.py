@@ -14,6 +14,7 @@ value (`ModelSettings`) instead of a dozen keyword arguments passed along one by
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -50,10 +51,11 @@ from clef_worker.model.backbone import (
 )
 from clef_worker.model.encoding import Encoder
 from clef_worker.model.head import JointSchemaHead
+from clef_worker.model.packed_layers import kernels_for
 from clef_worker.model.short_conv import bind_short_conv
 from clef_worker.model.snapshot import Snapshot, open_snapshot
 from clef_worker.native import NativeExecutor
-from clef_worker.policy import PADDED, BatchPolicy
+from clef_worker.policy import PACKED, PADDED, BatchPolicy
 from clef_worker.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -116,8 +118,11 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
     head = load_head(snapshot, target, head_dtype)
     vision = load_media(snapshot, encoder, backbone, settings.media)
     pad_id = pad_token_id(encoder.tokenizer.token_to_id("<|endoftext|>"), snapshot.text_config)
+    if policy.packed and capture:
+        policy = packed_or_padded(backbone, policy, explicit=settings.batch_layout == PACKED)
     graphs: GraphRunner | PackedGraphRunner | None = None
-    if buckets_enabled(settings.cuda_graphs, target):
+    if buckets_enabled(settings.cuda_graphs, target) and not (
+            policy.packed and capture and not backbone_packs_in_graphs(backbone)):
         capturer: Capturer = CudaGraphCapturer(target) if capture else EagerCapturer()
         graphs = build_graph_runner(backbone, pad_id, capturer, policy, limits.max_length,
                                     settings.graph_max_length)
@@ -131,6 +136,31 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
         DTYPE_NAMES[head_dtype], gdn_path, policy.layout, time.perf_counter() - started,
     )
     return executor
+
+
+def backbone_packs_in_graphs(backbone: Backbone) -> bool:
+    """Whether the backbone's packed kernels read no offsets on the host, so one captured graph
+    per total-token bucket can replay new offsets (clef_worker.model.packed_layers: the fla path
+    with `varlen_attn`, i.e. CUDA in bfloat16; not float32 or `--gdn-prefill torch`)."""
+    if backbone.packed_kernels is None:
+        backbone.packed_kernels = kernels_for(backbone.device, backbone.dtype, backbone.gdn_path)
+    return backbone.packed_kernels.graph_safe
+
+
+def packed_or_padded(backbone: Backbone, policy: BatchPolicy, *, explicit: bool) -> BatchPolicy:
+    """With graphs to capture: the packed layout where its graphs can replay, else (for
+    `--batch-layout auto`) the padded layout, whose graphs can; an explicit `packed` keeps
+    packed rows, run eagerly (said at WARNING)."""
+    if backbone_packs_in_graphs(backbone):
+        return policy
+    kernels = backbone.packed_kernels.names if backbone.packed_kernels else ()
+    if explicit:
+        log.warning("--batch-layout packed: the packed kernels %s read offsets on the host, so "
+                    "packed forwards run eagerly, without CUDA graphs", kernels)
+        return policy
+    log.warning("the packed kernels %s read offsets on the host (packed rows cannot be "
+                "captured): batches are padded, which graphs can replay", kernels)
+    return dataclasses.replace(policy, layout=PADDED)
 
 
 def build_graph_runner(backbone: Backbone, pad_id: int, capturer: Capturer, policy: BatchPolicy,

@@ -27,7 +27,6 @@ bad request cannot fail its neighbours. Replies go out in admission order, group
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import queue
@@ -249,7 +248,7 @@ class Group:
 
 
 def _prepare_groups(executor: BatchingExecutor, bodies: Sequence[object], policy: BatchPolicy,
-                    stop: threading.Event | None = None) -> Iterator[Group]:
+                    stop: threading.Event | None = None) -> Generator[Group, None, None]:
     """Prepare every body in order and yield each group, staged, as soon as it is cut: all host
     work, none of it touching the device."""
     cutter = GroupCutter(executor.batch_tokens, policy.max_batch_tokens, policy.max_sequences)
@@ -295,30 +294,42 @@ def _prepare_groups(executor: BatchingExecutor, bodies: Sequence[object], policy
 class HostHelper:
     """The one helper thread of a worker's serve loop: it prepares and stages the next groups
     while the main thread runs the current forward. At most `ahead` staged groups wait, so host
-    memory (pinned buffers) stays bounded whatever the read held."""
+    memory (pinned buffers) stays bounded whatever the read held.
+
+    The producer never blocks for good: every hand-over gives up once the consumer has stopped
+    (`stop`), which the consumer sets when it closes its generator and `close` sets too, so a
+    serve loop that leaves a read early (a broken device) never waits on its helper. Callers
+    close the generator explicitly (`contextlib.closing`): an outcome holding an exception can
+    keep the generator's frame alive in a reference cycle, where only the garbage collector
+    would ever close it."""
 
     def __init__(self, ahead: int = 1):
         self.ahead = ahead
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-host")
+        self._stops: set[threading.Event] = set()
 
     def groups(self, executor: BatchingExecutor, bodies: Sequence[object],
-               policy: BatchPolicy) -> Iterator[Group]:
+               policy: BatchPolicy) -> Generator[Group, None, None]:
         """The groups of `_prepare_groups`, produced on the helper thread."""
         handoff: queue.Queue[Group | BaseException | None] = queue.Queue(maxsize=self.ahead)
         stop = threading.Event()
+        self._stops.add(stop)
+
+        def offer(item: Group | BaseException | None) -> None:
+            while not stop.is_set():
+                try:
+                    handoff.put(item, timeout=0.1)
+                    return
+                except queue.Full:
+                    continue
 
         def produce() -> None:
             try:
                 for group in _prepare_groups(executor, bodies, policy, stop):
-                    while not stop.is_set():
-                        try:
-                            handoff.put(group, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                handoff.put(None)
+                    offer(group)
+                offer(None)
             except BaseException as exc:  # a bug in the helper must reach the serve loop
-                handoff.put(exc)
+                offer(exc)
 
         future = self.pool.submit(produce)
         try:
@@ -331,11 +342,12 @@ class HostHelper:
                 yield got
         finally:
             stop.set()
-            while not future.done():  # drain, so a blocked put can see `stop`
-                with contextlib.suppress(queue.Empty):
-                    handoff.get(timeout=0.1)
+            self._stops.discard(stop)
+            future.result()  # the producer gives up within one hand-over timeout
 
     def close(self) -> None:
+        for stop in list(self._stops):
+            stop.set()
         self.pool.shutdown(wait=True)
 
 
@@ -357,13 +369,16 @@ def answer_groups(executor: BatchingExecutor, bodies: Sequence[object], policy: 
     """
     groups = (helper.groups(executor, bodies, policy) if helper is not None
               else _prepare_groups(executor, bodies, policy))
-    for group in groups:
-        outcomes = dict(group.failed)
-        if group.items:
-            outcomes.update(_run_group(executor, group))
-        for position in group.members:
-            outcomes[position].encode_ms = group.encode_ms[position]
-        yield [(position, outcomes.pop(position)) for position in group.positions]
+    try:
+        for group in groups:
+            outcomes = dict(group.failed)
+            if group.items:
+                outcomes.update(_run_group(executor, group))
+            for position in group.members:
+                outcomes[position].encode_ms = group.encode_ms[position]
+            yield [(position, outcomes.pop(position)) for position in group.positions]
+    finally:
+        groups.close()  # stops the helper now, whoever holds this generator's frame
 
 
 def _run_group(executor: BatchingExecutor, group: Group) -> dict[int, Outcome]:

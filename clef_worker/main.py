@@ -7,6 +7,7 @@ worker is that the per-thread CUDA first-touch cost is paid once, at start-up, n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -14,6 +15,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -176,8 +178,16 @@ def _answer_all(batcher: BatchingExecutor, requests: list[Received], reader: Fra
     not yet run then fail with 500 without touching the device)."""
     ids = [int(request.frame["id"]) for request in requests]
     bodies = [request.frame.get("body") for request in requests]
+    # Closed explicitly when a broken device ends the read early: the helper stops at once.
+    with contextlib.closing(answer_groups(batcher, bodies, policy, helper)) as groups:
+        return _write_groups(groups, requests, reader, ids)
+
+
+def _write_groups(groups: Iterator[list[tuple[int, Outcome]]], requests: list[Received],
+                  reader: FrameReader, ids: list[int]) -> bool:
+    """Write each group's replies as it is answered; True when the executor broke."""
     channel_out = reader.channel_out
-    for group in answer_groups(batcher, bodies, policy, helper):
+    for group in groups:
         frames = []
         for position, outcome in group:
             with request_context(requests[position].frame.get("trace_id")):

@@ -39,6 +39,7 @@ CASES = [json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitli
 OK = [case for case in CASES if "error" not in case]
 BOUND = PROBABILITY_TOLERANCE  # the golden bound (1e-4)
 STATIC_BUCKETS = (512, 1024, 2048, 4096)
+BF16_GATE = 1e-2  # the release's bfloat16 gate on probabilities (every argmax equal)
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +93,13 @@ def _mixed_groups(seed: int, size: int, limit: int) -> list[list[int]]:
 
 
 def _assert_as_alone(encoding: Encoding, got: tuple[list[float], list[float]],
-                     want: tuple[list[float], list[float]]) -> None:
+                     want: tuple[list[float], list[float]], bound: float = BOUND) -> None:
     for values, reference in zip(got, want, strict=True):
         assert len(values) == len(reference)
-        assert max(abs(a - b) for a, b in zip(values, reference, strict=True)) <= BOUND
+    # probabilities within the bound (logits in float32 the same; in bfloat16 only the argmax)
+    assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) <= bound
+    if bound == BOUND:
+        assert max(abs(a - b) for a, b in zip(got[0], want[0], strict=True)) <= bound
     first = 0
     for question in encoding.questions:
         count = len(question.option_spans)
@@ -176,11 +180,12 @@ def test_ready_reports_the_resolved_policy(executor: NativeExecutor) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
 def test_cuda_packed_graphs_answer_as_eager_packed_and_alone(tiny_snapshot: Path) -> None:
-    """On a GPU: the packed graphs (fla varlen kernels, varlen attention, static offsets) are
-    captured for every bucket, and mixed groups replayed from them answer as eager packed rows
-    and as each case alone (float32, the golden bound)."""
+    """On a GPU: the packed graphs (fla varlen kernels, varlen attention, static offsets; in
+    bfloat16, where those kernels run) are captured for every bucket, and mixed groups replayed
+    from them answer as eager packed rows and as each case alone (every argmax equal, within
+    the release's bfloat16 gate of 1e-2)."""
     def load(cuda_graphs: str) -> NativeExecutor:
-        executor = NativeExecutor.load(tiny_snapshot, device="cuda", dtype="float32",
+        executor = NativeExecutor.load(tiny_snapshot, device="cuda", dtype="bfloat16",
                                        gdn_prefill="fla", limits=RequestLimits(max_length=2048),
                                        cuda_graphs=cuda_graphs, max_batch_tokens=4096,
                                        batch_layout=PACKED, media="off")
@@ -199,8 +204,8 @@ def test_cuda_packed_graphs_answer_as_eager_packed_and_alone(tiny_snapshot: Path
         for index, got, want in zip(group, replayed.rows, reference.rows, strict=True):
             alone = eager.runner.run([encodings[index]]).rows[0]
             _assert_as_alone(encodings[index], (got.logits, got.probabilities),
-                             (want.logits, want.probabilities))
+                             (want.logits, want.probabilities), BF16_GATE)
             _assert_as_alone(encodings[index], (got.logits, got.probabilities),
-                             (alone.logits, alone.probabilities))
+                             (alone.logits, alone.probabilities), BF16_GATE)
     runner = graphs.runner.graphs
     assert isinstance(runner, PackedGraphRunner) and runner.stats.replays
