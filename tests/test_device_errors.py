@@ -53,6 +53,7 @@ def test_native_answer_reports_a_broken_device(
     def fail(staged: object) -> None:
         raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
+    monkeypatch.setattr(executor.runner, "stage", lambda *args: object())  # host half only
     monkeypatch.setattr(executor.runner, "run_staged", fail)
     monkeypatch.setattr(executor.backbone, "device", CUDA)  # as if it ran on a GPU
     with pytest.raises(ExecutorBroken, match="illegal memory access"):

@@ -116,7 +116,7 @@ def test_build_all_builds_every_planned_shape_once_largest_first() -> None:
     assert all(static.input_ids.shape == shape for shape, static in runner.static.items())
     info = runner.describe()
     assert info["graph_shapes"] == info["captured_shapes"] == [list(s) for s in sorted(SHAPES)]
-    assert (info["buckets"], info["buckets_captured"], info["cuda_graphs"]) == ([4, 8, 16], 6,
+    assert (info["buckets"], info["shapes"], info["cuda_graphs"]) == ([4, 8, 16], 6,
                                                                               True)
 
 
