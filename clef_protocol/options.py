@@ -142,10 +142,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="how a batched forward holds its requests: packed (tokens end to "
                             "end with offsets, no padding; one CUDA graph per total-token "
                             "bucket) or padded (rows right-padded to a length bucket; graphs "
-                            "per [rows, bucket]). auto: packed, which measured 1.3-1.6x padded's "
-                            "C8 throughput on CPU (docs/benchmarks.md); on CUDA it is packed "
-                            "until the GPU script's packed-vs-padded step (bench/gpu_session.sh) "
-                            "has measured both")
+                            "per [rows, bucket]). auto: packed on CPU, where it measured "
+                            "1.17-1.36x padded's C8 throughput on mixed lengths "
+                            "(docs/benchmarks.md); on CUDA packed where its kernels can be "
+                            "captured (bfloat16 with fla), else padded, until the GPU script's "
+                            "packed-vs-padded step (bench/gpu_session.sh) has measured both")
     group.add_argument("--max-batch-tokens", type=non_negative_int, default=0,
                        help="tokens per batched forward: real tokens when packed (each aligned "
                             "to 64 with CUDA graphs), requests x bucket length when padded "
