@@ -26,12 +26,12 @@ PACKED = "packed"
 PADDED = "padded"
 
 # `--batch-layout auto`. Packed measured 1.17-1.36x padded's C8 throughput on CPU over mixed
-# lengths (bench/bench_packed_vs_padded.py, docs/benchmarks.md). On CUDA, where the packed
+# lengths (bench/bench_packed_vs_padded.py, docs/benchmarks.md). On CUDA no GPU run has
+# compared them yet: packed is the default there too because it is the layout whose graph
+# shapes fit a first sitting (at most 32 total-token buckets against about 110 [rows, bucket]
+# shapes); the GPU script measures both side by side (bench/gpu_session.sh, step
+# `http_padded`) and that figure decides whether CUDA's default changes. Where the packed
 # kernels cannot be captured (float32, --gdn-prefill torch), assembly falls back to padded.
-# On CUDA no GPU run has compared them yet: packed is the default there too because it is the layout whose graph shapes fit a first
-# sitting (at most 32 total-token buckets against about 110 [rows, bucket] shapes); the GPU
-# script measures both side by side (bench/gpu_session.sh, step `http_padded`) and that figure
-# decides whether CUDA's default changes.
 DEFAULT_LAYOUT = {"cpu": PACKED, "cuda": PACKED}
 
 
