@@ -1,12 +1,12 @@
 """The native executor: this project's implementation of the Clef release (spec §§1-5).
 
-`NativeExecutor.load` checks the snapshot, chooses and enforces the Gated DeltaNet kernel before
-transformers binds it, loads the text stack, lexical table, tokenizer and head onto one device;
-`answer` turns a raw body into the final response bytes; `score` exposes the intermediate values
-(token ids, spans, logits, probabilities) for tests, benchmarks and comparisons. The executor is
-thin: it parses, validates and encodes requests and builds replies; the model itself runs in a
-`clef_worker.runner.ModelRunner` (host tensors, packed copy, hidden rows, head). Everything runs
-on the calling thread under `torch.inference_mode()`.
+`NativeExecutor` is thin: it prepares requests (parse, validate once, encode; host work, which
+the serve loop runs on its helper thread), stages a group's host tensors, answers the group
+through its `clef_worker.runner.ModelRunner` (one copy, the forwards, the head) and builds the
+replies; `score` is its one inspection entry (token ids, spans, logits, probabilities) for tests,
+benchmarks and comparisons. Loading lives in `clef_worker.assembly` (`NativeExecutor.load` is
+a shortcut to it), the warm-up sequence in `clef_worker.warmup`. Device work runs on the
+calling thread under `torch.inference_mode()`.
 """
 
 from __future__ import annotations
