@@ -229,6 +229,20 @@ def test_random_length_mixes_equal_separate_forwards(backbone: Backbone, lengths
     assert_rows_match(hidden, layout, separate(backbone, sequences))
 
 
+@pytest.mark.parametrize("lengths", [[1, 2, 3, 4], [70, 1, 129], [5]])
+def test_the_masked_convolution_equals_one_convolution_per_sequence(
+        backbone: Backbone, lengths: list[int]) -> None:
+    """The graph-safe torch convolution (fla path with --short-conv torch) restarts at every
+    boundary, as transformers' function run on each sequence alone does."""
+    generator = torch.Generator().manual_seed(len(lengths))
+    x = torch.randn(1, sum(lengths), 24, generator=generator)
+    weight = torch.randn(24, 4, generator=generator)
+    layout = PackedLayout.from_lengths(lengths, CPU)
+    got = packed_layers.masked_conv(x, weight, None, "silu", layout)
+    expected = packed_layers.looped_conv(x, weight, None, "silu", layout)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
 def test_the_cpu_backbone_runs_the_per_sequence_kernels(backbone: Backbone) -> None:
     packed(backbone, random_ids([5], seed=0))
     assert backbone.packed_kernels is LOOPED

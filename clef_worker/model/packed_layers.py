@@ -18,9 +18,10 @@ projections, MLP, rotary table) and replaces only what mixes tokens:
   `window_size=(-1, 0)`); elsewhere one call per sequence of the attention function transformers
   is configured with (SDPA on CPU), the same arithmetic as a separate forward.
 - **Short convolution** (restarts at every boundary): fla's Triton `causal_conv1d` with
-  `cu_seqlens` and `chunk_indices` on the fla path; elsewhere a masked depthwise convolution over
-  the whole row: the tap reaching back `j` tokens is zeroed where `position < j`, so no token sees
-  the previous sequence (no host reads: it runs under capture too).
+  `cu_seqlens` and `chunk_indices` on the fla path; on the fla path with `--short-conv torch`, a
+  masked depthwise convolution over the whole row: the tap reaching back `j` tokens is zeroed
+  where `position < j`, so no token sees the previous sequence (no host reads: it runs under
+  capture too); elsewhere (CPU) one call per sequence of transformers' bound function.
 - **Gated delta rule** (the recurrent state restarts at every boundary): fla's
   `chunk_gated_delta_rule` with `cu_seqlens` and precomputed `chunk_indices` (batch of one row,
   no initial state, so each sequence starts from zero) on the fla path; elsewhere one call per
@@ -174,6 +175,20 @@ def masked_conv(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str 
     return activate(output, activation).to(dtype)
 
 
+def looped_conv(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None,
+                layout: PackedLayout) -> Tensor:
+    """One call per sequence of the convolution transformers' module has bound now (its torch
+    function on CPU), as a separate forward runs it: the same arithmetic, and on CPU cheaper
+    than the masked form's extra passes over the row."""
+    kernel = getattr(modeling_module(), short_conv.FUNCTION_NAME)
+    outputs = []
+    for start, end in layout.spans():
+        if end > start:
+            rows = x[:, start:end].transpose(1, 2)  # transformers passes [B, D, T]
+            outputs.append(kernel(rows, weight, bias, activation=activation).transpose(1, 2))
+    return torch.cat(outputs, dim=1)
+
+
 def fla_conv(kernel: Callable[..., Any]) -> ShortConv:
     """fla's Triton `causal_conv1d` with `cu_seqlens` (state reset at every boundary)."""
 
@@ -250,8 +265,8 @@ def varlen_attention(kernel: Callable[..., Any]) -> Attention:
 # Choosing
 
 
-LOOPED = PackedKernels(delta_rule=looped_delta_rule, conv=masked_conv, attention=looped_attention,
-                       names=("per-sequence", "masked-torch", "per-sequence"), graph_safe=False)
+LOOPED = PackedKernels(delta_rule=looped_delta_rule, conv=looped_conv, attention=looped_attention,
+                       names=("per-sequence", "per-sequence", "per-sequence"), graph_safe=False)
 
 
 def fla_kernels(delta_kernel: Callable[..., Any], conv_kernel: Callable[..., Any] | None,
