@@ -61,8 +61,9 @@ def stage_table(executor: NativeExecutor,
         started = time.perf_counter()
         prepared = executor.prepare(body)
         prepare_ms = (time.perf_counter() - started) * 1000
-        timings: dict[str, float] = {}
-        _, probabilities = executor.forward(prepared.encoding, None, timings)
+        output = executor.runner.run([prepared.encoding])
+        probabilities = output.rows[0].probabilities
+        timings = {"backbone": output.stages["forward_ms"], "head": output.stages["head_ms"]}
         started = time.perf_counter()
         serialize(build_response(prepared.request, prepared.encoding, probabilities))
         serialise_ms = (time.perf_counter() - started) * 1000

@@ -10,7 +10,10 @@ Not a test. Starts `clef-serve` on loopback with the in-memory Clef-Flash-shaped
 - fresh lengths: requests at `--fresh` lengths drawn between 1,100 and 8,000 tokens that no
   earlier request had, first request against the median of three repeats (target <= 1.5x);
 - throughput: requests/s and latency at each `--concurrency`, closed loop, `--seconds` each.
-`--warmup-only` stops after the ready info (the warm-cache start-up figure).
+`--warmup-only` stops after the ready info (the warm-cache start-up figure). `--batch-layout`
+and `--max-batch-tokens` choose the worker's batch policy (packed and padded side by side in the
+GPU script). The result is written to `--out` after every phase, so a run stopped at its time
+limit keeps what it measured (`"phase"` says how far it got).
 
     python bench/bench_gpu_http.py --cuda-graphs on --out graphs.json          # on a GPU host
     python bench/bench_gpu_http.py --cuda-graphs on --workers-per-device 2 --lengths \\
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import shlex
@@ -51,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=0, help="override the layer count")
     parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="on")
     parser.add_argument("--max-length", type=int, default=16384)
+    parser.add_argument("--batch-layout", choices=("auto", "packed", "padded"), default="auto")
+    parser.add_argument("--max-batch-tokens", type=int, default=0, help="0: by device")
     parser.add_argument("--workers-per-device", type=int, default=1)
     parser.add_argument("--lengths", type=int, nargs="*", default=[370, 1000, 7000])
     parser.add_argument("--questions", type=int, default=3)
@@ -82,6 +88,7 @@ def server_flags(args: argparse.Namespace) -> tuple[str, ...]:
     return ("--worker-command", worker, "--device", args.device, "--dtype", args.dtype,
             "--gdn-prefill", args.gdn_prefill, "--cuda-graphs", args.cuda_graphs,
             "--max-length", str(args.max_length), "--media", "off",
+            "--batch-layout", args.batch_layout, "--max-batch-tokens", str(args.max_batch_tokens),
             "--workers-per-device", str(args.workers_per_device), *args.server_args)
 
 
@@ -172,7 +179,14 @@ def device_memory_used_mib() -> list[int] | None:
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     results: dict[str, Any] = {"command": command_line(__file__), "shape": args.shape,
                                "cuda_graphs": args.cuda_graphs,
-                               "workers_per_device": args.workers_per_device}
+                               "batch_layout": args.batch_layout,
+                               "workers_per_device": args.workers_per_device, "phase": "start"}
+
+    def done(phase: str) -> None:
+        """Record the phase reached and write what is measured so far."""
+        results["phase"] = phase
+        save(results, args.out)
+
     sizer = RequestSizer()
     started = time.perf_counter()
     with Serve(front_args=server_flags(args), real_worker=True, max_batch=None,
@@ -188,25 +202,37 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         problems = capture_problems(info, graphs_requested=args.cuda_graphs == "on",
                                     on_cuda=args.device.startswith("cuda"))
         results["capture_problems"] = problems
+        done("ready")
         if problems or args.warmup_only:
             return results, problems
         with server.connect(timeout=120) as client:
             results["latency"] = latency(client, sizer, args)
+            done("latency")
             results["fresh_lengths"] = fresh_lengths(client, sizer, args)
         results["fresh_max_ratio"] = max((f["ratio"] for f in results["fresh_lengths"]),
                                          default=None)
+        done("fresh_lengths")
         results["throughput"] = throughput(server.port, sizer, args)
+        done("throughput")
     return results, problems
+
+
+def save(results: dict[str, Any], path: str | None) -> None:
+    """Write the results so far (atomically: a reader never sees half a file)."""
+    if not path:
+        return
+    temporary = f"{path}.tmp"
+    with open(temporary, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(results, indent=1))
+    os.replace(temporary, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     results, problems = run(args)
-    text = json.dumps(results, indent=1)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            handle.write(text)
-    print(text)
+    results["phase"] = "done"
+    save(results, args.out)
+    print(json.dumps(results, indent=1))
     for problem in problems:
         print(f"not graphs: {problem}", file=sys.stderr)
     return 1 if problems else 0

@@ -12,6 +12,13 @@ only cost load time).
 case with each, and compares them question by question (`graphs_vs_eager`: largest probability
 difference, every argmax equal, the top-2 margins where an argmax differs). With graphs on, the
 run exits 1 unless the executor reports every length bucket captured (benchlib/gpu_checks.py).
+`packed_groups`: with the last mode's executor, every answered case again in mixed groups of up
+to eight (the batch layout's forwards: packed rows by default), compared with the same case
+alone, question by question.
+
+The executor is loaded at the longest golden case's length (rounded up to 64, `--max-length 0`)
+and a 4,096-token budget: every case fits, and only the shapes the cases can reach are
+captured (not the 16,384-token table, which cost the old first sitting its time).
 
     python bench/gpu_parity.py --device cuda --dtype float32 --gdn-prefill torch
     python bench/gpu_parity.py --device cuda --dtype bfloat16 --gdn-prefill fla --cuda-graphs both
@@ -41,6 +48,7 @@ from benchlib.provenance import command_line
 def run_cases(executor: Any, cases: tuple[dict[str, Any], ...]) -> dict[str, Any]:
     """Every golden case through `executor`: drift from the golden values, mismatched token
     ids and refusals, and each answered case's probabilities per question."""
+    from benchlib.executors import with_limits
     from clef_protocol.errors import RequestInvalid
 
     drift = Drift()
@@ -48,7 +56,7 @@ def run_cases(executor: Any, cases: tuple[dict[str, Any], ...]) -> dict[str, Any
     error_mismatch: list[str] = []
     per_question: dict[str, list[list[float]]] = {}
     for case in cases:
-        limited = executor.with_limits(dataclasses.replace(executor.limits,
+        limited = with_limits(executor, dataclasses.replace(executor.limits,
                                                            max_length=case["max_length"]))
         if "error" in case:
             try:
@@ -76,6 +84,38 @@ def run_cases(executor: Any, cases: tuple[dict[str, Any], ...]) -> dict[str, Any
     }
 
 
+def grouped_vs_alone(executor: Any, cases: tuple[dict[str, Any], ...],
+                     size: int = 8) -> dict[str, Any]:
+    """Every answered case in mixed groups of up to `size` (in file order, so long and short
+    cases share groups) through the executor's runner, against the same case alone."""
+    from benchlib.executors import with_limits
+    from clef_protocol.errors import RequestInvalid
+
+    encodings = []
+    for case in cases:
+        if "error" in case:
+            continue
+        limited = with_limits(executor, dataclasses.replace(executor.limits,
+                                                           max_length=case["max_length"]))
+        try:
+            encodings.append(limited.encode(case["request"]))
+        except RequestInvalid:
+            continue
+    alone: dict[str, list[list[float]]] = {}
+    grouped: dict[str, list[list[float]]] = {}
+    for index, encoding in enumerate(encodings):
+        counts = [len(q.option_spans) for q in encoding.questions]
+        row = executor.runner.run([encoding]).rows[0]
+        alone[str(index)] = split_by_question(row.probabilities, counts)
+    for first in range(0, len(encodings), size):
+        group = encodings[first:first + size]
+        for offset, row in enumerate(executor.runner.run(group).rows):
+            counts = [len(q.option_spans) for q in group[offset].questions]
+            grouped[str(first + offset)] = split_by_question(row.probabilities, counts)
+    return {"layout": executor.runner.layout, "cases": len(encodings), "group_size": size,
+            **compare_questions(alone, grouped)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -86,9 +126,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="on: length buckets (captured as CUDA graphs on CUDA, eager on CPU); "
                              "both: eager and on, compared")
     parser.add_argument("--out", type=Path, help="also write the result here (JSON)")
-    parser.add_argument("--max-length", type=int, default=16384,
+    parser.add_argument("--max-length", type=int, default=0,
                         help="the executor's limit at load (warm-up and buckets follow it; "
-                             "each case then runs under its own)")
+                             "each case then runs under its own; 0: the longest case's tokens, "
+                             "rounded up to 64)")
+    parser.add_argument("--max-batch-tokens", type=int, default=4096,
+                        help="the token budget at load (graph shapes follow it)")
+    parser.add_argument("--batch-layout", choices=("auto", "packed", "padded"), default="auto")
     parser.add_argument("--graph-max-length", type=int, default=0,
                         help="the longest bucket (0: --max-length's table, as the worker)")
     parser.add_argument("--quick", action="store_true",
@@ -112,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
 
         prepare_capture_environment()
     cases = load_cases(args.fixtures / GOLDEN.name)
+    if not args.max_length:
+        longest = max(len(case["input_ids"]) for case in cases if "input_ids" in case)
+        args.max_length = -(-longest // 64) * 64
     summary: dict[str, Any] = {"command": command_line(__file__), "cases": len(cases),
                                "modes": {}}
     problems: list[str] = []
@@ -120,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                                        dtype=args.dtype, gdn_prefill=args.gdn_prefill,
                                        limits=RequestLimits(max_length=args.max_length),
                                        cuda_graphs=mode, media="off",
-                                       graph_max_length=args.graph_max_length)
+                                       graph_max_length=args.graph_max_length,
+                                       max_batch_tokens=args.max_batch_tokens,
+                                       batch_layout=args.batch_layout)
         executor.warm_up()  # with graphs: every bucket captured before the cases run
         info = dataclasses.asdict(executor.describe())
         found = capture_problems(info, graphs_requested=mode == "on",
@@ -130,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["gdn_path"], summary["short_conv"] = info["gdn_path"], info["short_conv"]
         summary["modes"][mode] = {**run_cases(executor, cases), "capture": capture_report(info),
                                   "capture_problems": found}
+    summary["packed_groups"] = grouped_vs_alone(executor, cases)
     if len(modes) == 2:
         summary["graphs_vs_eager"] = compare_questions(summary["modes"]["off"]["per_question"],
                                                        summary["modes"]["on"]["per_question"])
@@ -145,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         return 1
     if args.quick and not (summary["within_test_tolerance"] and cases
-                           and summary["graphs_vs_eager"]["argmax_equal"]):
+                           and summary["graphs_vs_eager"]["argmax_equal"]
+                           and summary["packed_groups"]["argmax_equal"]):
         return 1
     return 0
 

@@ -26,3 +26,25 @@ def request_bodies(count: int, questions: int = 3) -> list[bytes]:
         }
         bodies.append(json.dumps(body).encode())
     return bodies
+
+
+def mixed_length_bodies(count: int, longest: int = 1500) -> list[bytes]:
+    """Distinct requests whose encoded lengths spread evenly from the shortest a request can be
+    on the tiny fixture (about 130 tokens: the prompt template and one bare noul question take
+    126) to about `longest` tokens, in a fixed order that puts far-apart lengths next to each
+    other, so every batch mixes short and long requests the way Clef traffic does (a few
+    questions at 260-480 tokens, many at 1.5-7k)."""
+    sentence_tokens = 27  # one "Ticket N-k: ..." sentence on the tiny fixture's tokenizer
+    fixed = 126
+    steps = max(0, longest - fixed) // sentence_tokens
+    bodies = []
+    for i in range(count):
+        rank = (i * 37) % count  # a fixed permutation of the lengths
+        sentences = rank * steps // max(1, count - 1)
+        state = "".join(f"Ticket {7000 + i}-{k}: customer paid invoice #{k} twice. "
+                        for k in range(sentences))
+        body = {"model": "clef-flash", "state": state or f"T{i}.",
+                "questions": {"refund": {"type": "noul",
+                                         "criteria": {"true": None, "false": None}}}}
+        bodies.append(json.dumps(body).encode())
+    return bodies

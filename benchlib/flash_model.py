@@ -41,8 +41,9 @@ SMALL_HEAD = {"hidden_size": 256, "width": 64, "routing_layers": 2, "layers": 2,
               "feedforward": 128}
 SHAPES = {"flash": (FLASH, FLASH_HEAD), "small": (SMALL, SMALL_HEAD)}
 BUILT = "built %s-shaped stack"  # the log line that proves the in-memory model is the one served
-# Where NativeExecutor.load looks its two tensor loaders up (replaced by `install`).
-LOADER_MODULE = "clef_worker.native"
+# Where the executor's assembly (clef_worker.assembly) looks its two tensor loaders up
+# (replaced by `install`).
+LOADER_MODULE = "clef_worker.assembly"
 LOADERS = ("load_backbone", "load_head")
 
 
@@ -83,7 +84,7 @@ class InMemoryModel:
         return self._built[key]
 
     def load_head(self, snapshot: Any, device: Any, dtype: Any) -> Any:
-        """In place of `clef_worker.native.load_head` (same signature)."""
+        """In place of `clef_worker.assembly.load_head` (same signature)."""
         import torch
 
         from clef_worker.model.head import HeadConfig, JointSchemaHead

@@ -57,8 +57,11 @@ def capture_report(info: Mapping[str, Any]) -> dict[str, Any]:
     """What a result records about the capture: known values, or None where unknown."""
     shapes = captured_shapes(info)
     memory = info.get("graph_memory_bytes")
+    captured = info.get("captured_shapes")
     return {"cuda_graphs": info.get("cuda_graphs"), "buckets": info.get("buckets"),
+            "batch_layout": info.get("batch_layout"),
             "graph_shapes": [list(s) for s in shapes] if shapes is not None else None,
+            "captured_shapes": [list(s) for s in captured] if captured is not None else None,
             "graph_memory_bytes": int(memory) if memory is not None else None}
 
 

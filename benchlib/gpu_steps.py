@@ -1,17 +1,30 @@
 """The GPU script's steps under one deadline, and the summary it leaves behind.
 
 On a GPU host the whole check is one command of at most 10 minutes (`bench/gpu_session.sh`,
-default deadline 540 s after its own setup). Steps run one at a time in priority order, each
+default deadline 540 s, its own setup included). Steps run one at a time in priority order, each
 under its own time limit; a step whose limit does not fit in the time left is not started but
 skipped, and reported as such, so the most important numbers always come first and the command
 always ends inside its deadline. The first step pays the cold kernel compilation (Triton and
 fla autotuning with an empty cache), so it has the largest limit; later steps share its cache.
 
-Every step writes its JSON result to a scratch folder; at the end one summary with the fixed
-fields of `SUMMARY_FIELDS` (null where a step did not run or failed) is written as
-`h200-YYYY-MM-DD-summary.json`, beside `steps.jsonl` (each step's status, time, exit code,
-reason and result) and `logs.txt` (their stderr). `--dry-run` runs the same plan in each
-script's `--quick` mode on CPU, which exercises the scheduler and the summary writer in CI.
+The plan fits: the required steps' limits add up to at most the deadline less the setup
+allowance and the reserve (`plan_fits`, checked by the dry run and the tests), so every required
+step runs even if each one takes its whole limit; the optional steps after them run only in
+the time left. When the first step finds that CUDA graph capture failed, the later steps that
+measure graphs are skipped (their numbers would be eager ones under the name of graphs).
+
+What a sitting leaves in `$OUT`, written as it goes, so that a step killed at its limit (or the
+whole command killed) still leaves what was measured: `steps.jsonl` (each step's status, time,
+exit code, reason and result, appended after each step), `logs.txt` (every step's stderr and,
+as it arrives, the stderr of the servers and workers the steps start: `CLEF_BENCH_SERVER_LOG`),
+the benches' partial results (they rewrite their `--out` after each phase, and a timed-out
+step's partial result counts in the summary), Triton's autotune results (`triton-autotune/`,
+every `*.autotune.json` of the kernel cache, copied after each step; a later sitting seeds its
+empty cache from `.gpu/triton-autotune/` when present), and the summary
+`h200-YYYY-MM-DD-summary.json` with the fixed fields of `SUMMARY_FIELDS` (null where a step did
+not run or failed), which also records the project's own commit and the graph shapes the H200
+defaults plan. `--dry-run` runs the same plan in each script's `--quick` mode on CPU, which
+exercises the scheduler and the summary writer in CI.
 
 The scheduling (`run_steps`) and the summary (`summarise`) take the clock and the step runner
 as arguments, so they are unit-tested without CUDA or subprocesses.
@@ -23,6 +36,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,15 +55,26 @@ DEFAULT_DEADLINE_S = 540.0
 DRY_RUN_SCALE = 2.0
 # Kept back from the deadline for writing the summary after the last step.
 RESERVE_S = 10.0
+# gpu_session.sh's setup before the steps (installing the wheels, nvidia-smi, versions): the
+# deadline counts it, so the required steps must fit in what is left after it.
+SETUP_ALLOWANCE_S = 30.0
+AUTOTUNE_DIR = "triton-autotune"  # in $OUT, and under .gpu/ to seed the next sitting
+SEED_AUTOTUNE = REPO / ".gpu" / AUTOTUNE_DIR
+SERVER_LOG_ENV = "CLEF_BENCH_SERVER_LOG"  # benchlib.serve appends the servers' stderr there
 LOG_TAIL_BYTES = 8 << 20
 STDOUT_TAIL_CHARS = 4000
 
 SUMMARY_FIELDS = (
-    "date", "commit", "p50_ms_370tok", "p99_ms_370tok", "p50_ms_1000tok", "p50_ms_7000tok",
+    "date", "commit", "batch_layout", "graph_shapes_planned", "graph_shapes_captured",
+    "p50_ms_370tok", "p99_ms_370tok", "p50_ms_1000tok", "p50_ms_7000tok",
     "fresh_len_max_ratio", "warmup_cold_s", "warmup_cached_s", "c1_rps", "c16_rps", "c32_rps",
+    "padded_p50_ms_370tok", "padded_p50_ms_1000tok", "padded_c16_rps", "padded_warmup_s",
+    "padded_graph_shapes_captured", "eager_p50_ms_370tok", "eager_c16_rps",
     "two_workers_c16_rps", "graph_memory_bytes", "bf16_graphs_vs_eager_max_prob_diff",
-    "argmax_equal",
+    "argmax_equal", "packed_groups_argmax_equal",
 )
+# Fields the script computes itself, not read from a step's result.
+OWN_FIELDS = ("date", "commit", "graph_shapes_planned")
 
 
 def _ms_to_s(value: Any) -> float:
@@ -57,7 +82,21 @@ def _ms_to_s(value: Any) -> float:
 
 
 # field: (step, path into that step's JSON result, conversion)
+def _count(value: Any) -> int | None:
+    return len(value) if isinstance(value, list) else None
+
+
 SOURCES: dict[str, tuple[str, tuple[str, ...], Callable[[Any], Any] | None]] = {
+    "batch_layout": ("http_graphs_cold", ("capture", "batch_layout"), None),
+    "graph_shapes_captured": ("http_graphs_cold", ("capture", "captured_shapes"), _count),
+    "padded_p50_ms_370tok": ("http_padded", ("latency", "370", "p50_ms"), None),
+    "padded_p50_ms_1000tok": ("http_padded", ("latency", "1000", "p50_ms"), None),
+    "padded_c16_rps": ("http_padded", ("throughput", "C16", "req_per_s"), None),
+    "padded_warmup_s": ("http_padded", ("warmup_ms",), _ms_to_s),
+    "padded_graph_shapes_captured": ("http_padded", ("capture", "captured_shapes"), _count),
+    "eager_p50_ms_370tok": ("http_eager", ("latency", "370", "p50_ms"), None),
+    "eager_c16_rps": ("http_eager", ("throughput", "C16", "req_per_s"), None),
+    "packed_groups_argmax_equal": ("parity_bf16", ("packed_groups", "argmax_equal"), None),
     "p50_ms_370tok": ("http_graphs_cold", ("latency", "370", "p50_ms"), None),
     "p99_ms_370tok": ("http_graphs_cold", ("latency", "370", "p99_ms"), None),
     "p50_ms_1000tok": ("http_graphs_cold", ("latency", "1000", "p50_ms"), None),
@@ -84,6 +123,8 @@ class Step:
     argv: tuple[str, ...]
     limit_s: float
     writes_json: bool = True  # the command takes `--out FILE` (appended) and writes its result
+    graphs: bool = False  # it measures CUDA graphs: skipped once capture is known to fail
+    optional: bool = False  # runs only in the time the required steps leave (not in the fit)
 
 
 @dataclass
@@ -109,16 +150,28 @@ class Ran:
 Runner = Callable[[Step, float], Ran]
 
 
+def capture_failed(outcome: Outcome) -> bool:
+    """Whether a graphs step's result says CUDA graph capture failed (a bench exits 1 with its
+    `capture_problems` when graphs were asked for and not all were captured)."""
+    result = outcome.result
+    return isinstance(result, Mapping) and bool(result.get("capture_problems"))
+
+
 def run_steps(steps: Sequence[Step], budget_s: float, runner: Runner,
               clock: Callable[[], float] = time.monotonic,
               report: Callable[[Outcome], None] = lambda outcome: None) -> list[Outcome]:
     """Run `steps` in order within `budget_s` seconds of `clock`; a step whose limit exceeds
-    the time left is skipped (with the reason) and the next one is considered."""
+    the time left is skipped (with the reason) and the next one is considered; once a step
+    says capture failed, the later graphs steps are skipped."""
     started = clock()
-    outcomes = []
+    outcomes: list[Outcome] = []
+    no_graphs = ""
     for step in steps:
         left = budget_s - (clock() - started)
-        if step.limit_s > left:
+        if step.graphs and no_graphs:
+            outcome = Outcome(step.name, "skipped", reason=f"CUDA graph capture failed in "
+                              f"{no_graphs}")
+        elif step.limit_s > left:
             outcome = Outcome(step.name, "skipped", reason=f"needs up to {step.limit_s:.0f} s, "
                               f"{max(0.0, left):.0f} s left before the deadline")
         else:
@@ -132,6 +185,8 @@ def run_steps(steps: Sequence[Step], budget_s: float, runner: Runner,
                 status, reason = "ok", ""
             outcome = Outcome(step.name, status, round(clock() - began, 1), ran.rc, reason,
                               ran.result, ran.stdout[-STDOUT_TAIL_CHARS:])
+            if step.graphs and capture_failed(outcome):
+                no_graphs = step.name
         outcomes.append(outcome)
         report(outcome)
     return outcomes
@@ -145,12 +200,15 @@ def _dig(document: Any, path: Sequence[str]) -> Any:
     return document
 
 
-def summarise(outcomes: Sequence[Outcome], date: str, commit: str) -> dict[str, Any]:
-    """The summary's fields, from the results of the steps that succeeded; None for the rest
-    (a failed step's numbers are not reported: it may have failed for measuring the wrong
-    thing, e.g. eager under the name of graphs)."""
-    results = {o.name: o.result for o in outcomes if o.status == "ok"}
-    summary: dict[str, Any] = {"date": date, "commit": commit}
+def summarise(outcomes: Sequence[Outcome], date: str, commit: str,
+              graph_shapes_planned: int | None = None) -> dict[str, Any]:
+    """The summary's fields, from the results of the steps that succeeded or ran out of time
+    (what a timed-out step measured before its limit stands: the benches write their results
+    after each phase); None for the rest (a failed step's numbers are not reported: it may
+    have failed for measuring the wrong thing, e.g. eager under the name of graphs)."""
+    results = {o.name: o.result for o in outcomes if o.status in ("ok", "timed_out")}
+    summary: dict[str, Any] = {"date": date, "commit": commit,
+                               "graph_shapes_planned": graph_shapes_planned}
     for name, (step, path, convert) in SOURCES.items():
         value = _dig(results.get(step), path)
         summary[name] = convert(value) if (convert and value is not None) else value
@@ -165,37 +223,113 @@ def plan(*, dry_run: bool, python: str = sys.executable,
          fixtures: Path = FIXTURES) -> list[Step]:
     """The steps of one GPU run, most important first. With `dry_run`, each script runs in its
     `--quick` mode (CPU, small shapes), the flags after it kept but overridden where quick
-    mode sets them."""
+    mode sets them.
+
+    Limits, from what each step does at the H200 defaults (the packed layout's 28 total-token
+    graphs, about 80k tokens of capture against the padded layout's 110 shapes and 509k
+    tokens that made the old first step overrun): the first step loads the 7.9 B model,
+    compiles every kernel cold and captures, then times ~30 requests at each of three lengths,
+    four fresh lengths and C1/C16/C32 for 6 s each; the padded step runs the padded layout at
+    `--max-length 1024` and a 6,144-token budget (66 shapes, ~122k tokens, enough for C16 at
+    370 tokens), so packed and padded are measured side by side in the same sitting."""
     quick = ("--quick",) if dry_run else ()
     scale = DRY_RUN_SCALE if dry_run else 1.0
     http = (python, "bench/bench_gpu_http.py", *quick, "--gdn-prefill", "fla")
     pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider")
     return [
-        # Latency by length, fresh lengths, cold warm-up, graph memory, C1/C16/C32, over HTTP.
-        Step("http_graphs_cold", (*http, "--cuda-graphs", "on"), 240 * scale),
-        # Golden parity in bf16, eager and graphs, and graphs vs eager question by question.
+        # Packed (the default): latency by length, fresh lengths, cold warm-up, graph memory,
+        # C1/C16/C32, over HTTP.
+        Step("http_graphs_cold", (*http, "--cuda-graphs", "on", "--repeat", "30", "--fresh",
+                                  "4", "--seconds", "6"), 190 * scale, graphs=True),
+        # Golden parity in bf16, eager and graphs, graphs vs eager question by question, and
+        # the cases in mixed packed groups against alone; at the longest golden length.
         Step("parity_bf16", (python, "bench/gpu_parity.py", *quick, "--fixtures", str(fixtures),
                              "--device", "cuda", "--dtype", "bfloat16", "--gdn-prefill", "fla",
-                             "--cuda-graphs", "both"), 120 * scale),
+                             "--cuda-graphs", "both"), 75 * scale, graphs=True),
+        # The padded layout beside it: p50 at 370 / 1,000 tokens, C16, its warm-up.
+        Step("http_padded", (*http, "--cuda-graphs", "on", "--batch-layout", "padded",
+                             "--max-length", "1024", "--lengths", "370", "1000", "--repeat",
+                             "30", "--fresh", "0", "--concurrency", "16", "--seconds", "6",
+                             "--max-batch-tokens", "6144"), 120 * scale, graphs=True),
         # Start-up again with the kernel cache the first step left.
-        Step("warmup_cached", (*http, "--cuda-graphs", "on", "--warmup-only"), 60 * scale),
-        # Two workers on one GPU: warm-up, memory, C16/C32.
+        Step("warmup_cached", (*http, "--cuda-graphs", "on", "--warmup-only"), 50 * scale,
+             graphs=True),
+        # Eager over HTTP by length, beside graphs (the latency-by-length comparison).
+        Step("http_eager", (*http, "--cuda-graphs", "off", "--lengths", "370", "1000", "7000",
+                            "--repeat", "20", "--fresh", "0", "--concurrency", "16",
+                            "--seconds", "6"), 60 * scale),
+        # Optional, in the time left: the CUDA-only unit tests (capture, short convolution,
+        # the packed layers' fla and varlen_attn path), two workers, the profile.
+        Step("graphs_unit", (*pytest, "tests/test_graphs.py", "-k", "cuda"), 45 * scale,
+             writes_json=False, graphs=True, optional=True),
+        Step("packed_unit", (*pytest, "tests/test_packed_cuda.py",
+                             "tests/test_packed_runner.py", "-k", "cuda"),
+             60 * scale, writes_json=False, graphs=True, optional=True),
+        Step("short_conv_unit", (*pytest, "tests/test_short_conv_cuda.py"), 40 * scale,
+             writes_json=False, optional=True),
         Step("two_workers", (*http, "--cuda-graphs", "on", "--workers-per-device", "2",
                              "--lengths", "--fresh", "0", "--concurrency", "16", "32"),
-             120 * scale),
-        # Eager over HTTP by length, beside graphs (the latency-by-length comparison).
-        Step("http_eager", (*http, "--cuda-graphs", "off", "--lengths", "150", "370", "1000",
-                            "2000", "7000", "16000", "--fresh", "0", "--concurrency", "1", "16",
-                            "32"), 120 * scale),
-        # Device idle share, launches per request and top kernels, eager vs graphs.
+             120 * scale, graphs=True, optional=True),
         Step("profile", (python, "bench/bench_gpu_profile.py", *quick, "--gdn-prefill", "fla",
-                         "--modes", "eager", "graphs"), 90 * scale),
-        # The capture unit tests and fla's short convolution (they skip without CUDA).
-        Step("graphs_unit", (*pytest, "tests/test_graphs.py", "-k", "cuda"), 60 * scale,
-             writes_json=False),
-        Step("short_conv_unit", (*pytest, "tests/test_short_conv_cuda.py"), 45 * scale,
-             writes_json=False),
+                         "--modes", "eager", "graphs"), 90 * scale, graphs=True, optional=True),
     ]
+
+
+def plan_seconds(steps: Sequence[Step]) -> float:
+    """What the required steps may take together, each to its limit."""
+    return sum(step.limit_s for step in steps if not step.optional)
+
+
+def plan_fits(steps: Sequence[Step], deadline_s: float) -> bool:
+    """Whether every required step runs even if each takes its whole limit."""
+    return plan_seconds(steps) <= deadline_s - SETUP_ALLOWANCE_S - RESERVE_S
+
+
+def graph_shapes_planned() -> int | None:
+    """The graph shapes a worker at the H200 defaults captures (the default layout, the
+    default token budget, requests per forward and `--max-length`), from the worker's own
+    planning code; None where it cannot be imported."""
+    try:
+        from clef_protocol.options import RequestLimits
+        from clef_worker.gpu.buckets import BucketTable
+        from clef_worker.gpu.graphs import graph_row_counts, plan_shapes
+        from clef_worker.gpu.packed_graphs import packed_buckets
+        from clef_worker.policy import PACKED, BatchPolicy
+    except ImportError:
+        return None
+    policy = BatchPolicy.resolve("cuda")
+    max_length = RequestLimits().max_length
+    if policy.layout == PACKED:
+        return len(packed_buckets(policy.max_batch_tokens, max_length))
+    table = BucketTable.for_budget(max_length)
+    return len(plan_shapes(table, policy.max_batch_tokens, graph_row_counts(policy.max_sequences)))
+
+
+def seed_autotune(cache: Path, seed: Path = SEED_AUTOTUNE) -> int:
+    """Copy a previous sitting's autotune results into an empty kernel cache (same relative
+    paths); returns how many files were seeded."""
+    if not seed.is_dir():
+        return 0
+    count = 0
+    for source in seed.rglob("*.autotune.json"):
+        target = cache / source.relative_to(seed)
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+            count += 1
+    return count
+
+
+def collect_autotune(cache: Path, out: Path) -> int:
+    """Copy every `*.autotune.json` of the kernel cache into `out` (same relative paths);
+    returns how many there are."""
+    count = 0
+    for source in cache.rglob("*.autotune.json"):
+        target = out / source.relative_to(cache)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, target)
+        count += 1
+    return count
 
 
 class SubprocessRunner:
@@ -233,17 +367,21 @@ class SubprocessRunner:
         return Ran(rc, stdout or "", result)
 
 
-def commit_id() -> str:
-    """The commit measured: git's HEAD where the checkout has its history, else the one
-    `bench/gpu_prepare.sh` recorded in .gpu/COMMIT, else "unknown"."""
+def commit_id(repo: Path = REPO) -> str:
+    """The commit measured: the project's own HEAD where the project is its own git checkout
+    (a worktree counts), else the one `bench/gpu_prepare.sh` recorded in .gpu/COMMIT, else
+    "unknown". Never the HEAD of a repository that merely contains the project's folder: git
+    run inside an untracked copy would report the enclosing repository's commit."""
     try:
-        done = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO,
-                              capture_output=True, text=True, check=False, timeout=10)
-        if done.returncode == 0 and done.stdout.strip():
-            return done.stdout.strip()
+        done = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short=12", "HEAD"],
+                              cwd=repo, capture_output=True, text=True, check=False, timeout=10)
+        lines = done.stdout.split()
+        if done.returncode == 0 and len(lines) == 2 and \
+                Path(lines[0]).resolve() == repo.resolve():
+            return lines[1]
     except OSError:
         pass
-    recorded = REPO / ".gpu" / "COMMIT"
+    recorded = repo / ".gpu" / "COMMIT"
     return recorded.read_text().strip() if recorded.is_file() else "unknown"
 
 
@@ -268,36 +406,50 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     args.scratch.mkdir(parents=True, exist_ok=True)
     steps = plan(dry_run=args.dry_run, fixtures=args.fixtures)
+    nominal = DEFAULT_DEADLINE_S * (DRY_RUN_SCALE if args.dry_run else 1.0)
+    planned_s, fits = plan_seconds(steps), plan_fits(steps, nominal)
+    print(f"=== plan: required steps {planned_s:.0f} s; deadline {nominal:.0f} s less setup "
+          f"{SETUP_ALLOWANCE_S:.0f} s and reserve {RESERVE_S:.0f} s: "
+          f"{'fits' if fits else 'DOES NOT FIT'}; {args.deadline:.0f} s left now", flush=True)
     if args.only:
         steps = [step for step in steps if step.name in args.only]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # One kernel cache for every step, empty at the start: the first step's warm-up is the
-    # cold figure, `warmup_cached` the warm one.
+    # One kernel cache for every step, empty at the start but for the autotune results of an
+    # earlier sitting: the first step's warm-up is the cold figure, `warmup_cached` the warm.
     cache = args.scratch / "triton-cache"
     cache.mkdir(exist_ok=True)
     env.setdefault("TRITON_CACHE_DIR", str(cache))
+    env.setdefault("FLA_CACHE_RESULTS", "1")
+    cache = Path(env["TRITON_CACHE_DIR"])
+    seeded = seed_autotune(cache)
+    print(f"=== kernel cache {cache}: {seeded} autotune results seeded from {SEED_AUTOTUNE}",
+          flush=True)
     log = args.out / "logs.txt"
+    env[SERVER_LOG_ENV] = str(log)
     steps_file = args.out / "steps.jsonl"
     steps_file.write_text("")
 
     def report(outcome: Outcome) -> None:
         with steps_file.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(asdict(outcome)) + "\n")
+        collect_autotune(cache, args.out / AUTOTUNE_DIR)
         print(f"{outcome.status:<9} {outcome.name:<18} {outcome.seconds:6.1f} s  "
               f"{outcome.reason}", flush=True)
 
     outcomes = run_steps(steps, args.deadline - RESERVE_S, SubprocessRunner(args.scratch, log, env),
                          report=report)
     date = datetime.datetime.now(datetime.UTC).date().isoformat()
-    summary = summarise(outcomes, date, commit_id())
+    summary = summarise(outcomes, date, commit_id(), graph_shapes_planned())
     (args.out / summary_name(date)).write_text(json.dumps(summary, indent=1) + "\n")
+    tuned = collect_autotune(cache, args.out / AUTOTUNE_DIR)
     _trim(log, LOG_TAIL_BYTES)
     print(json.dumps(summary, indent=1))
     failed = [o.name for o in outcomes if o.status in ("failed", "timed_out")]
     skipped = [o.name for o in outcomes if o.status == "skipped"]
     print(f"=== {len(outcomes) - len(failed) - len(skipped)} ok, {len(failed)} failed "
-          f"{failed}, {len(skipped)} skipped {skipped}")
-    return 1 if failed else 0
+          f"{failed}, {len(skipped)} skipped {skipped}; {tuned} autotune results in "
+          f"{args.out / AUTOTUNE_DIR} (copy them to .gpu/{AUTOTUNE_DIR} to seed the next sitting)")
+    return 1 if failed or not fits else 0
 
 
 if __name__ == "__main__":

@@ -26,6 +26,10 @@ from benchlib.http_client import WAIT, Client, Response, clef_body
 from benchlib.paths import FAKE_WORKER, REPO
 
 LISTENING = re.compile(r"listening on http://(?P<host>[^\s:]+):(?P<port>\d+)")
+# When set, every stderr line of the server (and so of its workers) is also appended to this
+# file as it arrives: the GPU script's logs.txt keeps the server's output even when a step is
+# killed at its time limit (benchlib.gpu_steps).
+SERVER_LOG_ENV = "CLEF_BENCH_SERVER_LOG"
 
 
 class Serve:
@@ -74,10 +78,18 @@ class Serve:
 
     def _read_stderr(self) -> None:
         assert self.process.stderr is not None
-        for line in self.process.stderr:
-            with self._changed:
-                self.lines.append(line.rstrip("\n"))
-                self._changed.notify_all()
+        path = os.environ.get(SERVER_LOG_ENV)
+        copy = open(path, "a", encoding="utf-8", buffering=1) if path else None  # noqa: SIM115
+        try:
+            for line in self.process.stderr:
+                if copy is not None:
+                    copy.write(f"[server] {line}" if line.endswith("\n") else f"[server] {line}\n")
+                with self._changed:
+                    self.lines.append(line.rstrip("\n"))
+                    self._changed.notify_all()
+        finally:
+            if copy is not None:
+                copy.close()
         with self._changed:
             self._changed.notify_all()
 

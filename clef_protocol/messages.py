@@ -84,11 +84,12 @@ class ModelInfo:
     versions: dict[str, str] = field(default_factory=dict)
     demo: bool = False
     snapshot: str = ""
-    # The GPU path (clef_worker.gpu.graphs): padded length buckets, whether they replay captured
-    # CUDA graphs, how many were built at warm-up and the device memory the graphs hold.
+    # The GPU path (clef_worker.gpu.graphs): length buckets (padded: a row's length; packed: a
+    # forward's total tokens), whether they replay captured CUDA graphs, how many shapes were
+    # built at warm-up and the device memory the graphs hold.
     cuda_graphs: bool = False
     buckets: list[int] = field(default_factory=list)
-    buckets_captured: int = 0
+    shapes: int = 0
     graph_memory_bytes: int = 0
     # The `[rows, tokens]` shapes built at warm-up (one row per request: `[1, tokens]`), and
     # those of them recorded as CUDA graphs: with graphs on, equal lists mean every shape was
@@ -115,6 +116,14 @@ class ReadyInfo(ModelInfo):
     # says so: an older worker (a --worker-command from before pings) exits on a frame it does
     # not know. Either way a worker silent with requests in flight is judged by --stall-timeout.
     pings: bool = False
+    # The batch policy the worker resolved once from its flags (clef_worker.policy) and built
+    # its graph shapes for: the layout (packed / padded), the tokens one forward may hold, the
+    # requests one forward may hold (the front's default in-flight cap for this worker), and
+    # how long it waits for company. Zero / empty from a worker that does not batch.
+    batch_layout: str = ""
+    max_batch_tokens: int = 0
+    max_sequences: int = 0
+    batch_window_ms: float = 0.0
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> ReadyInfo:
@@ -132,7 +141,7 @@ class ReadyInfo(ModelInfo):
                 snapshot=str(message.get("snapshot", "")),
                 cuda_graphs=bool(message.get("cuda_graphs", False)),
                 buckets=[int(length) for length in message.get("buckets") or ()],
-                buckets_captured=int(message.get("buckets_captured", 0)),
+                shapes=int(message.get("shapes", 0)),
                 graph_memory_bytes=int(message.get("graph_memory_bytes", 0)),
                 graph_shapes=_shapes(message.get("graph_shapes")),
                 captured_shapes=_shapes(message.get("captured_shapes")),
@@ -141,6 +150,10 @@ class ReadyInfo(ModelInfo):
                 thread=str(message["thread"]),
                 warmup_ms=float(message["warmup_ms"]),
                 pings=bool(message.get("pings", False)),
+                batch_layout=str(message.get("batch_layout", "")),
+                max_batch_tokens=int(message.get("max_batch_tokens", 0)),
+                max_sequences=int(message.get("max_sequences", 0)),
+                batch_window_ms=float(message.get("batch_window_ms", 0.0)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"malformed ready frame: {exc!r}") from None

@@ -22,13 +22,22 @@ SHORT_CONV_MODES = ("auto", "fla", "torch")
 EXECUTORS = ("native", "release")
 CUDA_GRAPH_MODES = ("auto", "on", "off")
 MEDIA_MODES = ("auto", "on", "off")
+# How a batched forward lays its requests out (clef_worker.policy): `packed` puts the requests'
+# tokens end to end in one sequence with cumulative offsets (no padding), `padded` right-pads
+# every request to the group's bucket in a [rows, tokens] batch.
+BATCH_LAYOUTS = ("auto", "packed", "padded")
 
 
-# `--max-batch-tokens 0`: padded tokens (rows x bucket length) per batched forward by device.
-# On CPU a forward of about eight ~500-token rows measured best: beyond that, throughput stays
-# flat while every request in the forward waits for all of them (docs/benchmarks.md).
+# `--max-batch-tokens 0`: tokens per batched forward by device (real tokens when packed, rows x
+# bucket length when padded). On CPU a forward of about eight ~500-token rows measured best:
+# beyond that, throughput stays flat while every request in the forward waits for all of them
+# (docs/benchmarks.md).
 DEFAULT_MAX_BATCH_TOKENS = 16384
 DEFAULT_MAX_BATCH_TOKENS_CPU = 4096
+# `--max-batch 0`: requests per forward, and the requests the front keeps in flight to one
+# worker (it reads the worker's figure from `ready`). The worker builds its graph shapes for it.
+DEFAULT_MAX_BATCH_CUDA = 16
+DEFAULT_MAX_BATCH_CPU = 8
 
 
 @dataclass(frozen=True)
@@ -129,10 +138,24 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--graph-max-length", type=non_negative_int, default=0,
                        help="largest bucket captured; longer requests run eagerly "
                             "(0: up to --max-length)")
+    group.add_argument("--batch-layout", choices=BATCH_LAYOUTS, default="auto",
+                       help="how a batched forward holds its requests: packed (tokens end to "
+                            "end with offsets, no padding; one CUDA graph per total-token "
+                            "bucket) or padded (rows right-padded to a length bucket; graphs "
+                            "per [rows, bucket]). auto: packed on CPU, where it measured "
+                            "1.17-1.36x padded's C8 throughput on mixed lengths "
+                            "(docs/benchmarks.md); on CUDA packed where its kernels can be "
+                            "captured (bfloat16 with fla), else padded, until the GPU script's "
+                            "packed-vs-padded step (bench/gpu_session.sh) has measured both")
     group.add_argument("--max-batch-tokens", type=non_negative_int, default=0,
-                       help="padded tokens (requests x bucket length) per batched forward "
+                       help="tokens per batched forward: real tokens when packed (each aligned "
+                            "to 64 with CUDA graphs), requests x bucket length when padded "
                             f"(0: by device, {DEFAULT_MAX_BATCH_TOKENS} on CUDA, "
                             f"{DEFAULT_MAX_BATCH_TOKENS_CPU} on CPU)")
+    group.add_argument("--max-batch", type=non_negative_int, default=0,
+                       help="requests per forward, and requests the front keeps in flight to one "
+                            "worker (the worker reports it in `ready`; 0: by device, "
+                            f"{DEFAULT_MAX_BATCH_CUDA} on CUDA, {DEFAULT_MAX_BATCH_CPU} on CPU)")
     group.add_argument("--batch-window-ms", type=non_negative_float, default=0.0,
                        help="how long the worker waits for more requests before a forward")
     limits = parser.add_argument_group("request limits")

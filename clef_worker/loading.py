@@ -37,12 +37,12 @@ def load_executor(args: argparse.Namespace) -> Executor:
             snapshot, variant=args.variant, device=args.device, dtype=args.dtype,
             gdn_prefill=args.gdn_prefill, limits=limits,
         )
-    from clef_worker.native import NativeExecutor
+    from clef_worker.assembly import ModelSettings, assemble
 
-    return NativeExecutor.load(
-        snapshot, variant=args.variant, device=args.device, dtype=args.dtype,
+    return assemble(ModelSettings(
+        snapshot_dir=snapshot, variant=args.variant, device=args.device, dtype=args.dtype,
         gdn_prefill=args.gdn_prefill, short_conv=args.short_conv, limits=limits, demo=demo,
-        media=args.media,
-        cuda_graphs=args.cuda_graphs, graph_max_length=args.graph_max_length,
-        max_batch_tokens=args.max_batch_tokens,
-    )
+        media=args.media, cuda_graphs=args.cuda_graphs, graph_max_length=args.graph_max_length,
+        batch_layout=args.batch_layout, max_batch_tokens=args.max_batch_tokens,
+        max_batch=args.max_batch, batch_window_ms=args.batch_window_ms,
+    ))

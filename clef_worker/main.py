@@ -7,6 +7,7 @@ worker is that the per-thread CUDA first-touch cost is paid once, at start-up, n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -14,6 +15,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -30,17 +32,17 @@ from clef_protocol.options import add_model_arguments
 from clef_worker.allocator import keep_freed_memory
 from clef_worker.batching import (
     BatchingExecutor,
-    BatchPolicy,
+    HostHelper,
     Outcome,
     answer_groups,
     as_batching,
-    default_max_batch_tokens,
     frame_waiting,
 )
 from clef_worker.errors import ExecutorBroken, StartupError
 from clef_worker.executor import Executor
 from clef_worker.logs import configure as configure_logs
 from clef_worker.logs import enable_stack_dumps, request_context
+from clef_worker.policy import BatchPolicy
 
 log = logging.getLogger("clef_worker")
 
@@ -56,15 +58,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _elapsed_ms(start: float) -> float:
     return round((time.perf_counter() - start) * 1000.0, 3)
-
-
-def handle_request(executor: Executor | BatchingExecutor, request_id: int,
-                   body: object) -> tuple[dict, bool]:
-    """Answer one request on the serve loop's path: (reply frame, whether the executor is
-    broken and the worker must exit). Every outcome is a reply frame, never an exception."""
-    start = time.perf_counter()
-    [[(_, outcome)]] = list(answer_groups(as_batching(executor), [body], BatchPolicy()))
-    return reply_for(request_id, outcome, _elapsed_ms(start))
 
 
 def reply_for(request_id: int, outcome: Outcome, worker_ms: float) -> tuple[dict, bool]:
@@ -155,26 +148,39 @@ def serve(executor: Executor | BatchingExecutor, channel_in: BinaryIO, channel_o
     prepared together and answered by as few forwards as the token budget allows; pings are
     answered while gathering and between forwards.
     """
-    policy = policy or BatchPolicy()
+    policy = policy or executor_policy(executor)
     batcher = as_batching(executor)
     reader = FrameReader(channel_in, channel_out)
-    while True:
-        requests = reader.next_requests(policy.window_ms)
-        if requests and _answer_all(batcher, requests, reader, policy):
-            log.error("the executor cannot go on; exiting so the front starts a fresh worker")
-            return messages.EXIT_EXECUTOR_BROKEN
-        if reader.stop is not None and not reader.pending:
-            return reader.stop
+    helper = HostHelper()
+    try:
+        while True:
+            requests = reader.next_requests(policy.window_ms)
+            if requests and _answer_all(batcher, requests, reader, policy, helper):
+                log.error("the executor cannot go on; exiting so the front starts a fresh "
+                          "worker")
+                return messages.EXIT_EXECUTOR_BROKEN
+            if reader.stop is not None and not reader.pending:
+                return reader.stop
+    finally:
+        helper.close()
 
 
 def _answer_all(batcher: BatchingExecutor, requests: list[Received], reader: FrameReader,
-                policy: BatchPolicy) -> bool:
+                policy: BatchPolicy, helper: HostHelper | None = None) -> bool:
     """Write one reply per request, in order; True when the executor broke (the requests
     not yet run then fail with 500 without touching the device)."""
     ids = [request.frame.id for request in requests]
     bodies: list[object] = [request.frame.body for request in requests]
+    # Closed explicitly when a broken device ends the read early: the helper stops at once.
+    with contextlib.closing(answer_groups(batcher, bodies, policy, helper)) as groups:
+        return _write_groups(groups, requests, reader, ids)
+
+
+def _write_groups(groups: Iterator[list[tuple[int, Outcome]]], requests: list[Received],
+                  reader: FrameReader, ids: list[int]) -> bool:
+    """Write each group's replies as it is answered; True when the executor broke."""
     channel_out = reader.channel_out
-    for group in answer_groups(batcher, bodies, policy):
+    for group in groups:
         frames = []
         for position, outcome in group:
             frame = requests[position].frame
@@ -198,10 +204,19 @@ def _fail_rest(ids: list[int], channel_out: BinaryIO) -> None:
         write_frame_blocking(channel_out, messages.error(request_id, 500, INFERENCE_FAILED, 0.0))
 
 
-def batch_policy(args: argparse.Namespace, device: str) -> BatchPolicy:
-    """The batching flags for a worker on `device`; `--max-batch-tokens 0` is its default."""
-    return BatchPolicy(max_batch_tokens=args.max_batch_tokens or default_max_batch_tokens(device),
-                       window_ms=args.batch_window_ms)
+def executor_policy(executor: object, args: argparse.Namespace | None = None) -> BatchPolicy:
+    """The batch policy the executor resolved at load (the native executor builds its graph
+    shapes from it); for one that has none (it does not batch), the flags' for its device."""
+    policy = getattr(executor, "policy", None)
+    if isinstance(policy, BatchPolicy):
+        return policy
+    describe = getattr(executor, "describe", None)
+    device = describe().device if callable(describe) else "cpu"
+    if args is None:
+        return BatchPolicy.resolve(device)
+    return BatchPolicy.resolve(device, layout=args.batch_layout,
+                               max_batch_tokens=args.max_batch_tokens,
+                               max_sequences=args.max_batch, window_ms=args.batch_window_ms)
 
 
 def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:
@@ -223,6 +238,7 @@ def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:
             **dataclasses.asdict(executor.describe()),
             pid=os.getpid(), thread=threading.current_thread().name, warmup_ms=warmup_ms,
             pings=True,  # `serve` answers every ping between forwards
+            **executor_policy(executor, args).ready_fields(),  # type: ignore[arg-type]
         )
         log.info("ready in %.0f ms%s", warmup_ms, f" (kernel cache {ready.kernel_cache} at start)"
                  if ready.kernel_cache else "")
@@ -251,4 +267,4 @@ def main(argv: list[str] | None = None) -> int:
     executor = start(args, channel_out)
     if executor is None:
         return 1
-    return serve(executor, channel_in, channel_out, batch_policy(args, executor.describe().device))
+    return serve(executor, channel_in, channel_out, executor_policy(executor, args))

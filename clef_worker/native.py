@@ -1,19 +1,19 @@
 """The native executor: this project's implementation of the Clef release (spec §§1-5).
 
-`NativeExecutor.load` checks the snapshot, chooses and enforces the Gated DeltaNet kernel before
-transformers binds it, loads the text stack, lexical table, tokenizer and head onto one device;
-`answer` turns a raw body into the final response bytes; `score` exposes the intermediate values
-(token ids, spans, logits, probabilities) for tests, benchmarks and comparisons. The executor is
-thin: it parses, validates and encodes requests and builds replies; the model itself runs in a
-`clef_worker.runner.ModelRunner` (host tensors, packed copy, hidden rows, head). Everything runs
-on the calling thread under `torch.inference_mode()`.
+`NativeExecutor` is thin: it prepares requests (parse, validate once, encode; host work, which
+the serve loop runs on its helper thread), stages a group's host tensors, answers the group
+through its `clef_worker.runner.ModelRunner` (one copy, the forwards, the head) and builds the
+replies; `score` is its one inspection entry (token ids, spans, logits, probabilities) for tests,
+benchmarks and comparisons. Loading lives in `clef_worker.assembly` (`NativeExecutor.load` is
+a shortcut to it), the warm-up sequence in `clef_worker.warmup`. Device work runs on the
+calling thread under `torch.inference_mode()`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,42 +27,22 @@ from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import validate_request
 from clef_worker import warmup
-from clef_worker.batching import default_max_batch_tokens
 from clef_worker.errors import (
-    StartupError,
     broken_device_is_fatal,
 )
 from clef_worker.executor import Answer
-from clef_worker.gpu.buckets import BucketTable
-from clef_worker.gpu.graphs import (
-    CudaGraphCapturer,
-    EagerCapturer,
-    GraphRunner,
-    buckets_enabled,
-    graph_row_counts,
-    graphs_enabled,
-    pad_token_id,
-    plan_shapes,
-    prepare_capture_environment,
-)
-from clef_worker.gpu.kernel_cache import prepare_kernel_cache
-from clef_worker.media.vision import PreparedMedia, VisionTower, has_vision, load_vision
+from clef_worker.media.vision import PreparedMedia, VisionTower
 from clef_worker.model.answers import build_response, serialize
 from clef_worker.model.backbone import (
     DTYPE_NAMES,
     Backbone,
-    bind_gdn_path,
-    describe_kernel_lengths,
-    load_backbone,
-    read_tensors,
-    resolve_device,
-    resolve_dtype,
 )
 from clef_worker.model.encoding import Encoder, Encoding
 from clef_worker.model.head import JointSchemaHead
-from clef_worker.model.short_conv import TORCH_PATH, bind_short_conv
-from clef_worker.model.snapshot import Snapshot, open_snapshot
-from clef_worker.runner import ModelRunner, warm_row_counts
+from clef_worker.model.short_conv import TORCH_PATH
+from clef_worker.model.snapshot import Snapshot
+from clef_worker.policy import BatchPolicy
+from clef_worker.runner import ModelRunner, Staged
 from clef_worker.versions import package_version, package_versions
 
 log = logging.getLogger(__name__)
@@ -107,17 +87,18 @@ class NativeExecutor:
         runner: ModelRunner,
         limits: RequestLimits,
         short_conv: str = TORCH_PATH,
-        row_counts: Sequence[int] = (1,),
+        policy: BatchPolicy | None = None,
     ):
         self.snapshot = snapshot
         self.encoder = encoder
         self.runner = runner
         self.limits = limits
         self.short_conv = short_conv
-        self.row_counts = tuple(row_counts)  # batch sizes the fla kernels are warmed for
+        # The batch policy the runner's layout and graph shapes were built for.
+        self.policy = policy or BatchPolicy.resolve(str(runner.device), layout=runner.layout)
         self.graph_failure = ""  # why capture failed at warm-up (the worker then runs eagerly)
         self.kernel_cache = ""  # warm / cold: the on-disk kernel cache at load (CUDA only)
-        self._planned_shapes: list[list[int]] = []
+        self.planned_shapes: list[list[int]] = []  # what capture should have built, if it failed
 
     # The loaded model's parts, for tests, benchmarks and comparisons.
     @property
@@ -141,92 +122,12 @@ class NativeExecutor:
         return self.runner.pad_id
 
     @classmethod
-    def from_parts(cls, *, snapshot: Snapshot, encoder: Encoder, backbone: Backbone,
-                   head: JointSchemaHead, limits: RequestLimits, short_conv: str = TORCH_PATH,
-                   vision: VisionTower | None = None,
-                   graphs: GraphRunner | None = None) -> NativeExecutor:
-        """An executor over parts loaded or built elsewhere (benchmarks of model shapes that
-        have no snapshot); the pad id comes from the snapshot's tokenizer, as `load` takes it."""
-        pad_id = graphs.pad_id if graphs is not None else pad_token_id(
-            encoder.tokenizer.token_to_id("<|endoftext|>"), snapshot.text_config)
-        return cls(snapshot=snapshot, encoder=encoder, limits=limits, short_conv=short_conv,
-                   runner=ModelRunner(backbone, head, pad_id, vision, graphs),
-                   row_counts=graph_row_counts())
+    def load(cls, snapshot_dir: Path | str, **settings: Any) -> NativeExecutor:
+        """Assemble an executor from a snapshot directory and `ModelSettings` fields
+        (clef_worker.assembly, which says what each one does)."""
+        from clef_worker.assembly import ModelSettings, assemble
 
-    @classmethod
-    def load(
-        cls,
-        snapshot_dir: Path | str,
-        *,
-        variant: str = "clef-flash",
-        device: str = "auto",
-        dtype: str = "auto",
-        gdn_prefill: str = "auto",
-        short_conv: str = "auto",
-        limits: RequestLimits | None = None,
-        demo: bool = False,
-        media: str = "auto",
-        cuda_graphs: str = "auto",
-        graph_max_length: int = 0,
-        max_batch_tokens: int = 0,
-    ) -> NativeExecutor:
-        """Check and load a snapshot; StartupError says what is wrong (file, tensor, flag).
-
-        Must run before anything imports transformers' Qwen3.5 modelling module in this process
-        (that import binds the Gated DeltaNet kernel; see clef_worker.model.backbone).
-        `max_batch_tokens` (0: by device) bounds the batched shapes built at warm-up.
-        """
-        started = time.perf_counter()
-        limits = limits or RequestLimits()
-        snapshot = open_snapshot(snapshot_dir, variant=variant, demo=demo)
-        target = resolve_device(device)
-        weights_dtype = resolve_dtype(dtype, target)
-        try:
-            capture = graphs_enabled(cuda_graphs, target)
-        except ValueError as exc:
-            raise StartupError(str(exc)) from None
-        if capture:
-            prepare_capture_environment()
-        kernels = prepare_kernel_cache() if target.type == "cuda" else None
-        gdn_path = bind_gdn_path(gdn_prefill, target, weights_dtype)
-        conv_path = bind_short_conv(target, gdn_path, short_conv)
-        try:
-            encoder = Encoder.from_file(snapshot.tokenizer_file)
-        except Exception as exc:
-            raise StartupError(f"{snapshot.tokenizer_file}: cannot load the tokenizer: {exc}") \
-                from exc
-        backbone = load_backbone(snapshot, target, weights_dtype, gdn_path)
-        # The release runs the head in the backbone dtype on GPU; on CPU it runs in float32.
-        head_dtype = weights_dtype if target.type == "cuda" else torch.float32
-        head = load_head(snapshot, target, head_dtype)
-        vision = _load_media(snapshot, encoder, backbone, media)
-        pad_id = pad_token_id(encoder.tokenizer.token_to_id("<|endoftext|>"),
-                              snapshot.text_config)
-        budget = max_batch_tokens or default_max_batch_tokens(str(target))
-        graphs = None
-        if buckets_enabled(cuda_graphs, target):
-            table = BucketTable.for_budget(limits.max_length, graph_max_length or None)
-            capturer = CudaGraphCapturer(target) if capture else EagerCapturer()
-            graphs = GraphRunner(backbone, table, pad_id, capturer,
-                                 plan_shapes(table, budget))
-        runner = ModelRunner(backbone, head, pad_id, vision, graphs)
-        executor = cls(snapshot=snapshot, encoder=encoder, runner=runner, limits=limits,
-                       short_conv=conv_path, row_counts=graph_row_counts())
-        executor.kernel_cache = kernels.state if kernels is not None else ""
-        log.info(
-            "loaded %s from %s on %s (%s backbone, %s head, gdn %s) in %.1f s",
-            variant, snapshot.root, target, DTYPE_NAMES[weights_dtype],
-            DTYPE_NAMES[head_dtype], gdn_path, time.perf_counter() - started,
-        )
-        return executor
-
-    def with_limits(self, limits: RequestLimits) -> NativeExecutor:
-        """The same loaded model under other request limits (tests, benchmarks)."""
-        limited = type(self)(snapshot=self.snapshot, encoder=self.encoder, runner=self.runner,
-                             limits=limits, short_conv=self.short_conv,
-                             row_counts=self.row_counts)
-        limited.kernel_cache = self.kernel_cache
-        return limited
+        return assemble(ModelSettings(snapshot_dir=Path(snapshot_dir), **settings))
 
     # -- Executor protocol -------------------------------------------------------------------
 
@@ -238,7 +139,7 @@ class NativeExecutor:
         if graphs is not None:
             shapes = graphs.describe()
         elif self.graph_failure:  # planned, none serving: benches see the shapes were lost
-            shapes = {"graph_shapes": self._planned_shapes}
+            shapes = {"graph_shapes": self.planned_shapes}
         else:
             shapes = {}
         return ModelInfo(
@@ -256,88 +157,8 @@ class NativeExecutor:
         )
 
     def warm_up(self) -> None:
-        """Build every graph shape (the only time shapes are captured), then a forward of the
-        richest warm-up request the limits admit (clef_worker.warmup); on the fla path, also one
-        Gated DeltaNet layer per autotune length bucket up to --max-length (see
-        clef_worker.model.backbone) and per batch size the batcher forms; then replay every
-        graph once (first hits are clean, and the replay times become the costs the batched-vs-
-        sequential choice compares); with a vision tower, the same request with an image."""
-        started = time.perf_counter()
-        if self.runner.graphs is not None:
-            self._build_graphs(self.runner.graphs)
-        request = warmup.choose(self.limits, self.encode)
-        encoding = self._warmup_encoding(request)
-        if encoding is None:
-            log.warning("--max-length %d is too short to warm anything up",
-                        self.limits.max_length)
-            return
-        self.forward(encoding)
-        lengths = describe_kernel_lengths(self.backbone, self.limits.max_length)
-        if lengths:
-            log.info("warming fla kernels for %d length buckets: %s, and batch sizes %s",
-                     len(lengths), lengths, list(self.row_counts))
-            with torch.inference_mode():
-                self.backbone.warm_gdn(lengths)
-            warm_row_counts(self.backbone, self.row_counts, lengths[0])
-            self.forward(encoding)
-        if self.runner.graphs is not None:
-            costs = self.runner.graphs.replay_all()
-            log.info("replayed %d shapes once; replay ms by [rows, tokens]: %s", len(costs),
-                     {f"{r}x{t}": round(ms, 2) for (r, t), ms in sorted(costs.items())})
-        if self.vision is not None and request is not None:
-            self._warm_media(request)
-        log.info("warm-up done in %.0f ms (%d tokens)", (time.perf_counter() - started) * 1000,
-                 encoding.length)
-
-    def _build_graphs(self, graphs: GraphRunner,
-                      device_usable: Callable[[torch.device], bool] | None = None) -> None:
-        """Build (capture) every shape.
-
-        When recording CUDA graphs fails, torch raises `torch.AcceleratorError` for a CUDA
-        error (a kernel that launches something capture forbids, or syncs with the host, fails
-        with `cudaErrorStreamCaptureUnsupported` / `...Invalidated`) and ordinary exceptions
-        (RuntimeError, ...) for checks of its own. Either way, if the device still works
-        (`device_usable`: a synchronisation succeeds) the executor serves eagerly and unpadded,
-        logs the failure at ERROR and says so in `ready` / `/health` (`cuda_graphs` false,
-        `captured_shapes` empty while `graph_shapes` lists the planned shapes), so a bench
-        asserting every shape was captured fails instead of timing eager forwards as graphs.
-        If the device does not work, or the shapes ran eagerly (nothing to fall back from),
-        the error stands and the worker does not start.
-        """
-        try:
-            built = graphs.build_all()
-        except Exception as exc:
-            usable = device_usable or _device_usable
-            if not graphs.graphs or not usable(self.device):
-                raise
-            log.error("CUDA graph capture failed after %d of %d shapes, serving eagerly and "
-                      "without graphs: %s: %s", len(graphs.stats.built), len(graphs.planned),
-                      type(exc).__name__, exc)
-            self.graph_failure = f"{type(exc).__name__}: {exc}"
-            self._planned_shapes = [list(shape) for shape in sorted(graphs.planned)]
-            self.runner.graphs = None
-            return
-        log.info("built %d shapes [rows, tokens] (%s) in %.0f ms, graph memory %d bytes",
-                 len(built), "cuda graphs" if graphs.graphs else "eager",
-                 graphs.stats.capture_ms, graphs.capturer.memory_bytes())
-
-    def _warmup_encoding(self, request: dict[str, Any] | None) -> Encoding | None:
-        if request is not None:
-            return self.encode(request)
-        length = self.limits.max_length
-        log.warning(
-            "no request fits --max-length %d (every request will be refused with 422); "
-            "warming up on a %d-token sequence without a request", length, length,
-        )
-        return warmup.synthetic_encoding(self.encoder.prefix_ids, length)
-
-    def _warm_media(self, request: dict[str, Any]) -> None:
-        """The warm-up request with an image, so the vision tower's first request is not a
-        cold one (skipped when the image's tokens do not fit the limits)."""
-        try:
-            self.score(warmup.with_image(request))
-        except RequestInvalid as exc:
-            log.warning("image warm-up skipped: %s", exc)
+        """The whole warm-up sequence (clef_worker.warmup.warm_native)."""
+        warmup.warm_native(self)
 
     def answer(self, body: bytes) -> Answer:
         """Raw body -> final response bytes, with the sequence length and state tokens cut.
@@ -362,6 +183,12 @@ class NativeExecutor:
         if not has_media(request):
             return None
         validate_request(request, self.limits)
+        return self._decode_media(request)
+
+    def _decode_media(self, request: dict[str, Any]) -> PreparedMedia | None:
+        """Decode and patchify an already validated request's media (None: text only)."""
+        if not has_media(request):
+            return None
         if self.vision is None:
             raise RequestInvalid(NO_VISION)
         return self.vision.prepare(decode_media(request, self.limits))
@@ -375,105 +202,57 @@ class NativeExecutor:
         prepared = time.perf_counter()
         encoding = self.encode(request, media)
         encoded = time.perf_counter()
-        stages: dict[str, float] = {}
-        logits, probabilities = self.forward(encoding, media, stages)
+        output = self.runner.run([encoding], [media])
         if profile:
             timings = {"media": (prepared - started) * 1000, "encode": (encoded - prepared) * 1000,
-                       **stages}
-        return Scored(request=request, encoding=encoding, logits=logits,
-                      probabilities=probabilities, timings_ms=timings, media=media)
-
-    def forward(self, encoding: Encoding, media: PreparedMedia | None = None,
-                timings: dict[str, float] | None = None) -> tuple[list[float], list[float]]:
-        """Backbone (with the vision tower for media) and head on one encoding: per-option
-        logits and probabilities; with `timings`, the backbone's and head's times go there."""
-        output = self.runner.run([encoding], [media])
-        if timings is not None:
-            timings.update(backbone=output.stages["forward_ms"], head=output.stages["head_ms"])
+                       "backbone": output.stages["forward_ms"], "head": output.stages["head_ms"]}
         row = output.rows[0]
-        return row.logits, row.probabilities
-
-    def score_batch(self, batch: Sequence[Prepared]) -> tuple[list[Scored], list[int],
-                                                              dict[str, float]]:
-        """The model runner over several encoded requests (as few forwards as its plan says),
-        then the head over all of them in one pass: each request's values, the size of the
-        forward that answered it, and the group's stage times."""
-        output = self.runner.run([item.encoding for item in batch],
-                                 [item.media for item in batch])
-        scored = [Scored(request=item.request, encoding=item.encoding, logits=row.logits,
-                         probabilities=row.probabilities, media=item.media)
-                  for item, row in zip(batch, output.rows, strict=True)]
-        return scored, [row.batch_size for row in output.rows], output.stages
-
-    def padded_length(self, length: int) -> int:
-        """Row length of a forward whose longest request has `length` tokens."""
-        return self.runner.padded_length(length)
+        return Scored(request=request, encoding=encoding, logits=row.logits,
+                      probabilities=row.probabilities, timings_ms=timings, media=media)
 
     # -- Batching (clef_worker.batching) -------------------------------------------------
 
     def prepare(self, body: bytes) -> Prepared:
-        """Parse, validate and encode one body (400 / 422 exceptions as `answer`)."""
+        """Parse, validate (once) and encode one body (400 / 422 exceptions as `answer`)."""
         request = parse_body(body)
-        media = self.prepare_media(request)
-        return Prepared(request, self.encode(request, media), media)
+        validate_request(request, self.limits)
+        media = self._decode_media(request)
+        media_ids = media.token_ids if media is not None else ()
+        return Prepared(request, self.encoder.encode(request, self.limits.max_length, media_ids),
+                        media)
 
     def prepared_length(self, prepared: Prepared) -> int:
         return len(prepared.encoding.input_ids)
+
+    def batch_tokens(self, lengths: Sequence[int]) -> int:
+        """A forward's cost against the token budget, in the runner's layout."""
+        return self.runner.batch_tokens(lengths)
 
     def runs_alone(self, prepared: Prepared) -> bool:
         """Media requests run alone: the vision tower runs eagerly and unpadded."""
         return prepared.media is not None
 
-    def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
-        """The batch's forwards; the answers in order."""
+    def stage(self, batch: Sequence[Prepared]) -> tuple[Sequence[Prepared], Staged]:
+        """The group's host tensors (helper thread; no CUDA call but pinning)."""
+        return batch, self.runner.stage([item.encoding for item in batch],
+                                        [item.media for item in batch])
+
+    def answer_staged(self, staged: tuple[Sequence[Prepared], Staged]) -> list[Answer]:
+        """The group's forwards on the main thread; the answers in order."""
+        batch, host = staged
         with broken_device_is_fatal(self.device):
-            scored, sizes, stages = self.score_batch(batch)
-            return [Answer(serialize(item.response()), input_tokens=item.encoding.length,
-                           truncated_tokens=item.encoding.truncated_tokens, batch_size=size,
-                           stages=stages)
-                    for item, size in zip(scored, sizes, strict=True)]
+            output = self.runner.run_staged(host)
+            return [Answer(serialize(build_response(item.request, item.encoding,
+                                                    row.probabilities)),
+                           input_tokens=item.encoding.length,
+                           truncated_tokens=item.encoding.truncated_tokens,
+                           batch_size=row.batch_size, stages=output.stages)
+                    for item, row in zip(batch, output.rows, strict=True)]
+
+    def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
+        """Stage and answer one group on the calling thread."""
+        return self.answer_staged(self.stage(batch))
 
 
 NO_VISION = ("this server's model snapshot has no vision tower or processor: images and videos "
              "cannot be scored")
-
-
-def _load_media(snapshot: Snapshot, encoder: Encoder, backbone: Backbone,
-                mode: str) -> VisionTower | None:
-    """The vision tower for `--media auto|on|off` (on: the snapshot must have one)."""
-    if mode == "off":
-        return None
-    missing = has_vision(snapshot)
-    if missing is not None:
-        if mode == "on":
-            raise StartupError(f"--media on: snapshot {snapshot.root} cannot score media "
-                               f"({missing})")
-        log.info("media off: %s", missing)
-        return None
-    return load_vision(snapshot, encoder, backbone.device, backbone.dtype)
-
-
-def _device_usable(device: torch.device) -> bool:
-    """Whether the device still runs work after an error (a sticky CUDA error fails this)."""
-    if device.type != "cuda":
-        return True
-    try:
-        torch.cuda.synchronize(device)
-    except Exception:
-        return False
-    return True
-
-
-def load_head(snapshot: Snapshot, device: torch.device, dtype: torch.dtype) -> JointSchemaHead:
-    """Build the head on meta and assign the release tensors (strict: every name; the snapshot
-    check has already refused a head file with missing or extra tensors)."""
-    with torch.device("meta"):
-        head = JointSchemaHead(snapshot.head_config)
-    state = read_tensors(dict.fromkeys(head.state_dict(), snapshot.head_file), device, dtype)
-    try:
-        head.load_state_dict(state, strict=True, assign=True)
-    except Exception as exc:
-        raise StartupError(f"{snapshot.head_file}: cannot load the head: {exc}") from exc
-    head.eval()
-    head.requires_grad_(False)
-    return head

@@ -1,11 +1,25 @@
 """The model runner: encoded requests in, per-option logits and probabilities out.
 
-One job: run the loaded model over a group of encodings, as few forwards as the plan says. It
-builds the host tensors (right-padded ids per forward, the real ids end to end, the head's index
-tensors), moves them in one packed copy (clef_worker.gpu.transfer), takes the last hidden state
-of every request's real rows (a graph replay, an eager forward, or the vision tower for media),
-and runs the joint head once over all of them. It knows nothing about request bodies, limits or
-replies: that is the executor's job (clef_worker.native).
+One job: run the loaded model over a group of encodings, as few forwards as the layout says. Two
+halves, so the host half can run on the serve loop's helper thread (clef_worker.batching) while
+the device runs the previous group:
+
+- `stage` (host only, no CUDA call but pinning): the forward's ids in the group's layout, the
+  head's index tensors, all int64 in one flat host buffer, pinned on CUDA
+  (clef_worker.gpu.transfer).
+- `run_staged` (main thread): one copy to the device, the backbone's last hidden state, and the
+  joint head once over every request of the group.
+
+Layouts (the batch policy's, clef_worker.policy):
+
+- **packed**: the requests' tokens end to end in one row with cumulative offsets
+  (clef_worker.model.packed); no padding. A graph bucket (clef_worker.gpu.packed_graphs) holds
+  the requests at 64-aligned offsets; the head then reads each request's rows from its offset
+  (one gather), and eagerly the row is already the requests' real tokens end to end.
+- **padded**: right-padded `[rows, bucket]` forwards as `GraphRunner.plan` chooses them.
+
+Media requests run alone, eagerly, through the vision tower. It knows nothing about request
+bodies, limits or replies: that is the executor's job (clef_worker.native).
 
 Stage times: the forward and the head are timed for every group (`RunOutput.stages`, which
 travels in response frames for tracing). On CUDA they are CUDA events, read after the head's
@@ -24,11 +38,14 @@ import torch
 from torch import Tensor
 
 from clef_worker.gpu.graphs import GraphRunner, Step
-from clef_worker.gpu.transfer import to_device_packed
+from clef_worker.gpu.packed_graphs import PackedGraphRunner, aligned_total
+from clef_worker.gpu.transfer import move_staged, stage_host
 from clef_worker.media.vision import PreparedMedia, VisionTower
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.encoding import Encoding
 from clef_worker.model.head import HeadBatch, JointSchemaHead, RecordSpans
+from clef_worker.model.packed import PackedLayout
+from clef_worker.policy import PACKED, PADDED
 
 log = logging.getLogger(__name__)
 
@@ -81,29 +98,62 @@ class StageClock:
         return [round(span, 3) for span in spans]
 
 
+@dataclass
+class Staged:
+    """A group's host half: what `run_staged` needs, every int64 tensor in one flat buffer."""
+
+    lengths: list[int]
+    steps: list[Step]  # padded layout (and media): the forwards; empty when packed
+    bucket: int | None  # packed layout: the graph bucket (None: an eager packed row)
+    flat: Tensor  # every host tensor below, flattened into one (pinned on CUDA)
+    shapes: list[torch.Size]
+    batch: HeadBatch  # index tensors still on the host (replaced by the moved ones)
+    media: PreparedMedia | None = None
+
+    @property
+    def packed(self) -> bool:
+        return not self.steps
+
+
 class ModelRunner:
     """The loaded model on one device: backbone, head, vision tower, and the graph runner
-    that replays fixed shapes (None: every forward eager and unpadded)."""
+    that replays fixed shapes (padded: `GraphRunner`; packed: `PackedGraphRunner`; None: every
+    forward eager and unpadded)."""
 
     def __init__(self, backbone: Backbone, head: JointSchemaHead, pad_id: int,
-                 vision: VisionTower | None = None, graphs: GraphRunner | None = None):
+                 vision: VisionTower | None = None,
+                 graphs: GraphRunner | PackedGraphRunner | None = None,
+                 layout: str = PADDED):
         self.backbone = backbone
         self.head = head
         self.pad_id = pad_id
         self.vision = vision
         self.graphs = graphs
+        self.layout = layout
+        if graphs is not None and isinstance(graphs, PackedGraphRunner) != (layout == PACKED):
+            raise ValueError(f"a {layout} runner cannot use {type(graphs).__name__}")
 
     @property
     def device(self) -> torch.device:
         return self.backbone.device
 
-    def padded_length(self, length: int) -> int:
-        """Row length of a forward whose longest request has `length` tokens."""
-        return self.graphs.padded_length(length) if self.graphs is not None else length
+    @property
+    def packed(self) -> bool:
+        return self.layout == PACKED
+
+    def batch_tokens(self, lengths: Sequence[int]) -> int:
+        """A forward's cost against `--max-batch-tokens`: packed, its real tokens (each aligned
+        to 64 when graphs replay it); padded, rows x the longest's bucket."""
+        if self.packed:
+            return aligned_total(lengths) if self.graphs is not None else sum(lengths)
+        longest = max(lengths)
+        padded = (self.graphs.padded_length(longest) if isinstance(self.graphs, GraphRunner)
+                  else longest)
+        return len(lengths) * padded
 
     def plan(self, lengths: Sequence[int]) -> list[Step]:
-        """The forwards that answer requests of these lengths (clef_worker.gpu.graphs)."""
-        if self.graphs is None:
+        """The padded forwards that answer requests of these lengths (clef_worker.gpu.graphs)."""
+        if not isinstance(self.graphs, GraphRunner):
             return [Step(tuple(range(len(lengths))), None)]
         return self.graphs.plan(lengths)
 
@@ -111,39 +161,81 @@ class ModelRunner:
             medias: Sequence[PreparedMedia | None] = ()) -> RunOutput:
         """Backbone and head over the group: per request, per-option logits and probabilities
         (question order, then encode order). A media request must be alone in its group."""
+        return self.run_staged(self.stage(encodings, medias))
+
+    # -- host half ---------------------------------------------------------------------------
+
+    def stage(self, encodings: Sequence[Encoding],
+              medias: Sequence[PreparedMedia | None] = ()) -> Staged:
+        """The group's host tensors in one flat buffer (pinned on CUDA); no device work."""
         media = next((m for m in medias if m is not None), None)
         if media is not None and len(encodings) > 1:
             raise ValueError("a media request runs alone, not in a group of "
                              f"{len(encodings)}")
         lengths = [len(encoding.input_ids) for encoding in encodings]
-        steps = [Step((0,), None)] if media is not None else self.plan(lengths)
+        ids = [encoding.input_ids for encoding in encodings]
+        batch = HeadBatch.build([RecordSpans(
+            tokens=length, question_spans=[q.question_span for q in encoding.questions],
+            option_spans=[q.option_spans for q in encoding.questions],
+            question_types=[q.type_id for q in encoding.questions])
+            for encoding, length in zip(encodings, lengths, strict=True)])
+        real_ids = torch.cat([torch.tensor(tokens, dtype=torch.long) for tokens in ids])
+        steps: list[Step] = []
+        bucket = None
+        # A lone request without packed graphs is a batch of one row: the plain forward is the
+        # same answer without the packed kernels' per-sequence bookkeeping (on CPU it measured
+        # about 15 % faster alone).
+        lone = len(lengths) == 1 and not isinstance(self.graphs, PackedGraphRunner)
+        if self.packed and media is None and not lone:
+            graphs = self.graphs if isinstance(self.graphs, PackedGraphRunner) else None
+            bucket = graphs.bucket_for(lengths) if graphs is not None else None
+            if graphs is not None and bucket is not None:
+                row, real_rows = graphs.host_ids(ids, bucket)
+                tensors = [row, real_rows]
+            else:
+                tensors = [real_ids]
+        else:
+            steps = [Step((0,), None)] if media is not None or self.packed else \
+                self.plan(lengths)
+            tensors = [*(self._padded_ids(ids, lengths, step) for step in steps), real_ids]
+        tensors += batch.tensors()
+        return Staged(lengths, steps, bucket, stage_host(tensors, self.device),
+                      [t.shape for t in tensors], batch, media)
+
+    def _padded_ids(self, ids: Sequence[Sequence[int]], lengths: list[int],
+                    step: Step) -> Tensor:
+        """The host ids of one padded forward: its requests right-padded to the step's shape
+        (pad rows up to its rows), or to the longest of them for an eager forward."""
+        rows, width = step.shape or (len(step.members),
+                                     max(lengths[member] for member in step.members))
+        out = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        for row, member in enumerate(step.members):
+            out[row, :lengths[member]] = torch.tensor(ids[member], dtype=torch.long)
+        return out
+
+    # -- device half -------------------------------------------------------------------------
+
+    def run_staged(self, staged: Staged) -> RunOutput:
+        """One copy to the device, the forwards, the head; on the main thread."""
         clock = StageClock(self.device)
         clock.mark()
         with torch.inference_mode():
-            step_ids = [self._padded_ids(encodings, lengths, step) for step in steps]
-            real_ids = torch.cat([torch.tensor(encoding.input_ids, dtype=torch.long)
-                                  for encoding in encodings])
-            batch = HeadBatch.build([RecordSpans(
-                tokens=length, question_spans=[q.question_span for q in encoding.questions],
-                option_spans=[q.option_spans for q in encoding.questions],
-                question_types=[q.type_id for q in encoding.questions])
-                for encoding, length in zip(encodings, lengths, strict=True)])
-            moved = to_device_packed([*step_ids, real_ids, *batch.tensors()], self.device)
-            device_ids, real_ids = moved[:len(steps)], moved[len(steps)]
-            batch = batch.with_tensors(moved[len(steps) + 1:])
-            if media is not None and self.vision is not None:
-                rows = [self.vision.hidden_states(self.backbone, device_ids[0][0, :lengths[0]],
-                                                  media)]
+            moved = move_staged(staged.flat, staged.shapes, self.device)
+            extra = 2 if staged.bucket is not None else 1
+            count = extra if staged.packed else len(staged.steps) + 1
+            batch = staged.batch.with_tensors(moved[count:])
+            if staged.packed:
+                hidden, real_ids = self._packed_hidden(staged, moved[:count])
             else:
-                rows = self._hidden_rows(steps, device_ids, lengths)
+                hidden, real_ids = self._padded_hidden(staged, moved[:count])
             clock.mark()
-            outputs = self.head.forward_batch(rows[0] if len(rows) == 1 else torch.cat(rows),
-                                              real_ids, self.backbone.lexical_table, batch)
+            outputs = self.head.forward_batch(hidden, real_ids, self.backbone.lexical_table,
+                                              batch)
             values = torch.cat([torch.stack([o.logits, o.probabilities]) for o in outputs],
                                dim=1).cpu()
             clock.mark()
-        sizes = [0] * len(encodings)
-        for step in steps:
+        sizes = [len(staged.lengths)] * len(staged.lengths)
+        for step in staged.steps:
             for member in step.members:
                 sizes[member] = len(step.members)
         forward_ms, head_ms = clock.spans_ms()
@@ -152,34 +244,40 @@ class ModelRunner:
                        values.split(list(batch.option_counts), dim=1), sizes, strict=True)]
         return RunOutput(results, {"forward_ms": forward_ms, "head_ms": head_ms})
 
-    def _padded_ids(self, encodings: Sequence[Encoding], lengths: list[int],
-                    step: Step) -> Tensor:
-        """The host ids of one forward: its requests right-padded to the step's shape (pad rows
-        up to its rows), or to the longest of them for an eager forward."""
-        rows, width = step.shape or (len(step.members),
-                                     max(lengths[member] for member in step.members))
-        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        for row, member in enumerate(step.members):
-            ids[row, :lengths[member]] = torch.tensor(encodings[member].input_ids,
-                                                      dtype=torch.long)
-        return ids
+    def _packed_hidden(self, staged: Staged, moved: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """The real tokens' hidden states [sum T, H] end to end, and their ids."""
+        if staged.bucket is not None:
+            assert isinstance(self.graphs, PackedGraphRunner)
+            row, real_rows = moved
+            hidden = self.graphs.run(row, staged.lengths, staged.bucket)
+            # Each request's rows from its aligned offset: one gather, also a copy out of the
+            # static buffer the next replay overwrites.
+            return hidden.index_select(0, real_rows), row.index_select(0, real_rows)
+        [ids] = moved
+        layout = PackedLayout.from_lengths(staged.lengths, self.device)
+        return self.backbone.packed_hidden_state(ids, layout), ids
 
-    def _hidden_rows(self, steps: list[Step], device_ids: list[Tensor],
-                     lengths: list[int]) -> list[Tensor]:
-        """Every request's real rows of the last hidden state ([T_b, H] each), in request
-        order. A replay's output is a static buffer the next replay overwrites, so with more
-        than one step each step's rows are copied out before the next runs."""
+    def _padded_hidden(self, staged: Staged, moved: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """Every request's real rows of the last hidden state, end to end, and their ids. A
+        replay's output is a static buffer the next replay overwrites, so with more than one
+        step each step's rows are copied out before the next runs."""
+        *device_ids, real_ids = moved
+        lengths, steps = staged.lengths, staged.steps
+        if staged.media is not None and self.vision is not None:
+            return self.vision.hidden_states(self.backbone, device_ids[0][0, :lengths[0]],
+                                             staged.media), real_ids
         rows: list[Tensor | None] = [None] * len(lengths)
         for step, ids in zip(steps, device_ids, strict=True):
-            if self.graphs is not None:
+            if isinstance(self.graphs, GraphRunner):
                 hidden = self.graphs.run(ids, step.shape)
             else:
                 hidden = self.backbone.last_hidden_state(ids)
             for row, member in enumerate(step.members):
                 part = hidden[row, :lengths[member]]
                 rows[member] = part.clone() if len(steps) > 1 else part
-        assert all(row is not None for row in rows)
-        return rows  # type: ignore[return-value]
+        done = [row for row in rows if row is not None]
+        assert len(done) == len(rows)
+        return (done[0] if len(done) == 1 else torch.cat(done)), real_ids
 
 
 def warm_row_counts(backbone: Backbone, row_counts: Sequence[int], length: int) -> None:

@@ -8,7 +8,8 @@ import dataclasses
 import io
 import json
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +17,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchlib.executors import with_limits
 from clef_protocol import messages
 from clef_protocol.errors import BadRequestBody, RequestInvalid
 from clef_protocol.frames import encode_frame, read_frame_blocking
-from clef_protocol.options import RequestLimits
+from clef_protocol.options import DEFAULT_MAX_BATCH_TOKENS, RequestLimits
 from clef_worker.batching import (
-    DEFAULT_MAX_BATCH_TOKENS,
-    BatchPolicy,
+    HostHelper,
     OneAtATime,
     Outcome,
     answer_batch,
@@ -33,14 +34,23 @@ from clef_worker.batching import (
 )
 from clef_worker.errors import ExecutorBroken
 from clef_worker.executor import Answer
-from clef_worker.main import batch_policy, parse_args, serve
+from clef_worker.main import executor_policy, parse_args, serve
 from clef_worker.native import NativeExecutor, Prepared
+from clef_worker.policy import BatchPolicy
 from tests.answer_compare import assert_same_response
 from tests.conftest import GOLDEN
 from tests.request_strategies import requests
 
 CASES = [json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitlines() if line]
-BIG = BatchPolicy(max_batch_tokens=1 << 30)
+BIG = BatchPolicy(max_batch_tokens=1 << 30, max_sequences=1 << 30)
+
+
+def rows_times(padded: Callable[[int], int]) -> Callable[[Sequence[int]], int]:
+    """The padded layout's cost: rows x the longest's padded length."""
+    return lambda lengths: len(lengths) * padded(max(lengths))
+
+
+SAME = rows_times(lambda n: n)
 
 
 # -- grouping ------------------------------------------------------------------------------------
@@ -51,7 +61,7 @@ def test_groups_keep_order_and_the_token_budget(lengths: list[int | None], budge
     def padded(n: int) -> int:
         return -(-n // 64) * 64
 
-    groups = plan_groups(lengths, padded, budget)
+    groups = plan_groups(lengths, rows_times(padded), budget)
     assert [p for group in groups for p in group] == list(range(len(lengths)))
     for group in groups:
         real = [length for p in group if (length := lengths[p]) is not None]
@@ -60,9 +70,9 @@ def test_groups_keep_order_and_the_token_budget(lengths: list[int | None], budge
 
 
 def test_groups_fill_up_to_the_budget() -> None:
-    assert plan_groups([64, 64, 64, 64], lambda n: n, 128) == [[0, 1], [2, 3]]
-    assert plan_groups([300, 10, None, 10], lambda n: n, 128) == [[0], [1, 2, 3]]
-    assert plan_groups([None, None], lambda n: n, 1) == [[0, 1]]
+    assert plan_groups([64, 64, 64, 64], SAME, 128) == [[0, 1], [2, 3]]
+    assert plan_groups([300, 10, None, 10], SAME, 128) == [[0], [1, 2, 3]]
+    assert plan_groups([None, None], SAME, 1) == [[0, 1]]
 
 
 # -- batched answers equal solo answers ----------------------------------------------------------
@@ -87,7 +97,7 @@ class PerCaseLimits:
         self.executor = executor
         self.forwards: list[int] = []
         self.limited = {
-            case["name"]: executor.with_limits(dataclasses.replace(
+            case["name"]: with_limits(executor, dataclasses.replace(
                 executor.limits, max_length=case["max_length"])) for case in CASES}
 
     def prepare(self, body: bytes) -> Prepared:
@@ -101,19 +111,22 @@ class PerCaseLimits:
     def prepared_length(self, prepared: Prepared) -> int:
         return self.executor.prepared_length(prepared)
 
-    def padded_length(self, length: int) -> int:
-        return self.executor.padded_length(length)
+    def batch_tokens(self, lengths: Sequence[int]) -> int:
+        return self.executor.batch_tokens(lengths)
+
+    def stage(self, batch: Sequence[Prepared]) -> Sequence[Prepared]:
+        return batch
 
     def runs_alone(self, prepared: Prepared) -> bool:
         return self.executor.runs_alone(prepared)
 
-    def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
+    def answer_staged(self, batch: Sequence[Prepared]) -> list[Answer]:
         self.forwards.append(len(batch))
         return self.executor.answer_prepared(batch)
 
 
 def _solo(executor: NativeExecutor, case: dict[str, Any]) -> Outcome:
-    limited = executor.with_limits(dataclasses.replace(executor.limits,
+    limited = with_limits(executor, dataclasses.replace(executor.limits,
                                                        max_length=case["max_length"]))
     try:
         return Outcome(value=limited.answer(_body(case)))
@@ -168,7 +181,7 @@ def test_a_full_batch_of_golden_cases_is_one_forward(executor: NativeExecutor) -
 class Poisoned(PerCaseLimits):
     """A forward that contains the request whose model is `poison` raises."""
 
-    def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
+    def answer_staged(self, batch: Sequence[Prepared]) -> list[Answer]:
         self.forwards.append(len(batch))
         if any(item.request["model"] == "poison" for item in batch):
             raise RuntimeError("kernel blew up")
@@ -206,7 +219,7 @@ def test_invalid_requests_answer_alone_and_stay_out_of_the_forward(
 
 def test_a_broken_device_fails_the_whole_group_without_reruns(executor: NativeExecutor) -> None:
     class Broken(PerCaseLimits):
-        def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
+        def answer_staged(self, batch: Sequence[Prepared]) -> list[Answer]:
             self.forwards.append(len(batch))
             raise ExecutorBroken("CUDA error: an illegal memory access was encountered")
 
@@ -294,7 +307,7 @@ def test_serve_cuts_forwards_at_the_token_budget(executor: NativeExecutor) -> No
 def test_a_broken_device_mid_batch_fails_that_batch_and_the_worker_exits(
         executor: NativeExecutor) -> None:
     class Broken(PerCaseLimits):
-        def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
+        def answer_staged(self, batch: Sequence[Prepared]) -> list[Answer]:
             self.forwards.append(len(batch))
             if len(self.forwards) == 2:
                 raise ExecutorBroken("CUDA error: an illegal memory access was encountered")
@@ -324,9 +337,9 @@ def test_frame_waiting_sees_the_pipe_and_in_memory_streams() -> None:
 
 def test_a_request_that_must_run_alone_gets_a_group_of_its_own() -> None:
     alone = [False, True, False, False, True, True]
-    groups = plan_groups([10, 10, 10, 10, 10, 10], lambda n: n, 1000, alone)
+    groups = plan_groups([10, 10, 10, 10, 10, 10], SAME, 1000, alone)
     assert groups == [[0], [1], [2, 3], [4], [5]]
-    assert plan_groups([10, None, 10], lambda n: n, 1000, [True, False, False]) == [[0, 1], [2]]
+    assert plan_groups([10, None, 10], SAME, 1000, [True, False, False]) == [[0, 1], [2]]
 
 
 class OneBody:
@@ -360,7 +373,7 @@ def test_a_media_request_runs_alone_and_says_so(executor: NativeExecutor) -> Non
     image = {**image, "name": "media:" + image["name"]}
     text = [c for c in CASES if "error" not in c][:2]
     batcher = PerCaseLimits(executor)
-    batcher.limited[image["name"]] = executor.with_limits(dataclasses.replace(
+    batcher.limited[image["name"]] = with_limits(executor, dataclasses.replace(
         executor.limits, max_length=image["max_length"]))
     picked = [text[0], text[1], image]
     results = list(answer_batch(batcher, [_body(c) for c in picked], BIG))
@@ -394,10 +407,87 @@ def test_random_requests_in_one_batch_answer_as_alone(executor: NativeExecutor,
 def test_the_token_budget_defaults_by_device() -> None:
     """On CPU eight ~500-token requests share a forward and a ninth waits for the next one (the
     measured optimum, docs/benchmarks.md); CUDA keeps the large budget; a given flag wins."""
-    cpu = batch_policy(parse_args(["--model", "m"]), "cpu")
-    assert plan_groups([500] * 9, lambda n: n, cpu.max_batch_tokens) == [list(range(8)), [8]]
-    cuda = batch_policy(parse_args(["--model", "m"]), "cuda:1")
+    cpu = executor_policy(object(), parse_args(["--model", "m", "--device", "cpu"]))
+    assert plan_groups([500] * 9, SAME, cpu.max_batch_tokens) == [list(range(8)), [8]]
+    cuda = BatchPolicy.resolve("cuda:1")
     assert cuda.max_batch_tokens == DEFAULT_MAX_BATCH_TOKENS
-    assert plan_groups([480, 500, 470], lambda n: n, cuda.max_batch_tokens) == [[0, 1, 2]]
-    given = batch_policy(parse_args(["--model", "m", "--max-batch-tokens", "7"]), "cpu")
+    assert plan_groups([480, 500, 470], SAME, cuda.max_batch_tokens) == [[0, 1, 2]]
+    given = executor_policy(object(), parse_args(["--model", "m", "--max-batch-tokens", "7"]))
     assert given.max_batch_tokens == 7
+
+
+def test_packed_groups_count_real_tokens_and_requests() -> None:
+    """The packed cost is the sum of the lengths; a group also ends at `max_sequences`."""
+    assert plan_groups([1000, 3000, 96, 2000], sum, 4096) == [[0, 1, 2], [3]]
+    assert plan_groups([10] * 5, sum, 4096, max_sequences=2) == [[0, 1], [2, 3], [4]]
+    # the padded cost of the first pair would be 2 x 3000 > 4096: it cuts one more group
+    assert plan_groups([1000, 3000, 96, 2000], SAME, 4096) == [[0], [1], [2, 3]]
+
+
+class ThreadRecorder(PerCaseLimits):
+    """Records the thread each half of a group ran on."""
+
+    def __init__(self, executor: NativeExecutor):
+        super().__init__(executor)
+        self.threads: dict[str, set[str]] = {"prepare": set(), "stage": set(), "answer": set()}
+
+    def prepare(self, body: bytes) -> Prepared:
+        self.threads["prepare"].add(threading.current_thread().name)
+        return super().prepare(body)
+
+    def stage(self, batch: Sequence[Prepared]) -> Any:
+        self.threads["stage"].add(threading.current_thread().name)
+        return self.executor.stage(batch)
+
+    def answer_staged(self, staged: Any) -> list[Answer]:
+        self.threads["answer"].add(threading.current_thread().name)
+        self.forwards.append(len(staged[0]))
+        return self.executor.answer_staged(staged)
+
+
+def test_the_helper_thread_prepares_while_the_main_thread_runs_the_forwards(
+        executor: NativeExecutor) -> None:
+    """With a HostHelper, parsing, encoding and staging run on its thread, every forward on
+    the calling (main) thread, and the outcomes are those of the plain path, group by group."""
+    ok = [c for c in CASES if "error" not in c][:6]
+    bodies: list[object] = [*(_body(c) for c in ok[:3]), b"not json",
+                            *(_body(c) for c in ok[3:])]
+    policy = BatchPolicy(max_batch_tokens=1 << 30, max_sequences=2)
+    plain = PerCaseLimits(executor)
+    expected = list(answer_groups(plain, bodies, policy))
+    recorder = ThreadRecorder(executor)
+    helper = HostHelper()
+    try:
+        got = list(answer_groups(recorder, bodies, policy, helper))
+    finally:
+        helper.close()
+    main = threading.current_thread().name
+    assert recorder.threads["answer"] == {main}
+    assert len(recorder.threads["prepare"]) == 1 and main not in recorder.threads["prepare"]
+    assert recorder.threads["stage"] == recorder.threads["prepare"]
+    assert recorder.forwards == plain.forwards == [2, 2, 2]
+    assert [[p for p, _ in g] for g in got] == [[p for p, _ in g] for g in expected]
+    for group, reference in zip(got, expected, strict=True):
+        for (_, outcome), (_, solo) in zip(group, reference, strict=True):
+            if solo.error is not None:
+                assert type(outcome.error) is type(solo.error)
+            else:
+                assert_same_response(outcome.value.body, solo.value.body)
+
+
+def test_a_generator_left_early_stops_the_helper(executor: NativeExecutor) -> None:
+    """The serve loop may stop reading groups (a broken device): the helper thread must not
+    stay blocked handing over the next one."""
+    ok = [c for c in CASES if "error" not in c][:5]
+    helper = HostHelper()
+    try:
+        groups = answer_groups(PerCaseLimits(executor), [_body(c) for c in ok],
+                               BatchPolicy(max_batch_tokens=1 << 30, max_sequences=1), helper)
+        first = next(groups)
+        groups.close()
+        assert [p for p, _ in first] == [0]
+        # the helper is free again: another read is served
+        again = list(answer_groups(PerCaseLimits(executor), [_body(ok[0])], BIG, helper))
+        assert [[p for p, _ in g] for g in again] == [[0]]
+    finally:
+        helper.close()

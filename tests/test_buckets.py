@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchlib.executors import with_limits
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
 from clef_worker.gpu.buckets import BucketTable, bucket_lengths
@@ -105,14 +106,15 @@ def _load(snapshot: Path, mode: str, max_length: int = 4096,
     budget of 1 plans no batched shapes, which these tests do not use)."""
     executor = NativeExecutor.load(snapshot, device="cpu", dtype="float32",
                                    limits=RequestLimits(max_length=max_length), cuda_graphs=mode,
-                                   graph_max_length=graph_max_length, max_batch_tokens=1)
+                                   graph_max_length=graph_max_length, max_batch_tokens=1,
+                                   batch_layout="padded")
     if executor.runner.graphs is not None:
         executor.runner.graphs.build_all()
     return executor
 
 
 def _graphs(executor: NativeExecutor) -> GraphRunner:
-    assert executor.runner.graphs is not None
+    assert isinstance(executor.runner.graphs, GraphRunner)
     return executor.runner.graphs
 
 
@@ -138,7 +140,7 @@ def bucketed(tiny_snapshot: Path) -> NativeExecutor:
 
 
 def _limited(executor: NativeExecutor, max_length: int) -> NativeExecutor:
-    return executor.with_limits(dataclasses.replace(executor.limits, max_length=max_length))
+    return with_limits(executor, dataclasses.replace(executor.limits, max_length=max_length))
 
 
 def assert_same_answers(plain: NativeExecutor, bucketed: NativeExecutor,
@@ -161,7 +163,7 @@ def assert_same_answers(plain: NativeExecutor, bucketed: NativeExecutor,
 
     ids = torch.tensor(want.encoding.input_ids)
     length = len(ids)
-    padded = torch.full((bucketed.runner.padded_length(length),), bucketed.pad_id)
+    padded = torch.full((_graphs(bucketed).padded_length(length),), bucketed.pad_id)
     padded[:length] = ids
     with torch.inference_mode():
         reference = plain.backbone.hidden_states(ids)
@@ -191,7 +193,7 @@ def test_the_pad_token_is_the_tokenizers_pad_and_any_pad_gives_the_same_rows(
     assert bucketed.pad_id == bucketed.encoder.tokenizer.token_to_id("<|endoftext|>")
     ids = torch.tensor(bucketed.encode(CASES[0]["request"]).input_ids)
     length = len(ids)
-    width = bucketed.runner.padded_length(length)
+    width = _graphs(bucketed).padded_length(length)
     assert width > length
     rows = []
     for pad in (bucketed.pad_id, 0, int(ids[0])):

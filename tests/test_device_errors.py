@@ -50,10 +50,11 @@ def test_native_answer_reports_a_broken_device(
     body = b'{"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}'
     assert executor.answer(body).body.startswith(b'{"model":"m"')
 
-    def fail(request: object, **kwargs: object) -> None:
+    def fail(staged: object) -> None:
         raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(executor, "score_batch", fail)
+    monkeypatch.setattr(executor.runner, "stage", lambda *args: object())  # host half only
+    monkeypatch.setattr(executor.runner, "run_staged", fail)
     monkeypatch.setattr(executor.backbone, "device", CUDA)  # as if it ran on a GPU
     with pytest.raises(ExecutorBroken, match="illegal memory access"):
         executor.answer(body)

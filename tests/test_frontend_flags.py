@@ -23,8 +23,8 @@ from clef_protocol.options import (
     parse_device,
     worker_argv,
 )
-from clef_worker.batching import default_max_batch_tokens
 from clef_worker.main import parse_args as worker_parse_args
+from clef_worker.policy import default_max_batch_tokens
 
 
 def model_actions() -> list[argparse.Action]:

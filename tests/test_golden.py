@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from benchlib.executors import with_limits
 from benchlib.golden import GOLDEN, Drift, answered, assert_response_matches, load_cases, refused
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
@@ -27,7 +28,7 @@ def executor(tiny_snapshot: Path) -> NativeExecutor:
 
 
 def _for_case(executor: NativeExecutor, case: dict[str, Any]) -> NativeExecutor:
-    return executor.with_limits(dataclasses.replace(executor.limits,
+    return with_limits(executor, dataclasses.replace(executor.limits,
                                                     max_length=case["max_length"]))
 
 

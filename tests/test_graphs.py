@@ -29,6 +29,7 @@ from clef_worker.gpu.graphs import (
 from clef_worker.gpu.transfer import pack, to_device_packed, unpack
 from clef_worker.model.backbone import Backbone
 from clef_worker.native import NativeExecutor
+from clef_worker.warmup import build_graphs
 
 PAD = 7
 
@@ -115,12 +116,12 @@ def test_build_all_builds_every_planned_shape_once_largest_first() -> None:
     assert all(static.input_ids.shape == shape for shape, static in runner.static.items())
     info = runner.describe()
     assert info["graph_shapes"] == info["captured_shapes"] == [list(s) for s in sorted(SHAPES)]
-    assert (info["buckets"], info["buckets_captured"], info["cuda_graphs"]) == ([4, 8, 16], 6,
+    assert (info["buckets"], info["shapes"], info["cuda_graphs"]) == ([4, 8, 16], 6,
                                                                               True)
 
 
 def test_the_shapes_planned_follow_the_row_counts_and_the_token_budget() -> None:
-    assert graph_row_counts(16) == (1, 2, 4, 8, 16) and graph_row_counts(5) == (1, 2, 4)
+    assert graph_row_counts(16) == (1, 2, 4, 8, 16) and graph_row_counts(5) == (1, 2, 4, 5)
     table = BucketTable((64, 128, 256))
     assert plan_shapes(table, 256, (1, 2, 4)) == [(1, 64), (1, 128), (1, 256), (2, 64),
                                                   (2, 128), (4, 64)]
@@ -314,12 +315,12 @@ def test_packed_copy_round_trips_shapes_and_values() -> None:
 def test_warm_up_builds_every_shape_up_to_max_length(tiny_snapshot: Path) -> None:
     executor = NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32",
                                    limits=RequestLimits(max_length=600), cuda_graphs="on",
-                                   max_batch_tokens=512)
+                                   max_batch_tokens=512, batch_layout="padded")
     graphs = executor.runner.graphs
     assert graphs is not None
     expected = bucket_lengths(600)
     assert len(expected) == 10 and expected[-1] == 600
-    planned = sorted(plan_shapes(BucketTable(expected), 512))
+    planned = sorted(plan_shapes(BucketTable(expected), 512, graph_row_counts(8)))
     # before warm-up the stand-in lists the shapes it will build
     assert executor.describe().graph_shapes == [list(shape) for shape in planned]
     executor.warm_up()
@@ -328,14 +329,14 @@ def test_warm_up_builds_every_shape_up_to_max_length(tiny_snapshot: Path) -> Non
     assert (16, 64) not in planned
     assert set(graphs.costs_ms) == set(planned)  # every shape replayed once after warm-up
     info = executor.describe()
-    assert info.buckets == list(expected) and info.buckets_captured == len(planned)
+    assert info.buckets == list(expected) and info.shapes == len(planned)
     assert info.graph_shapes == [list(shape) for shape in planned]
     assert info.captured_shapes == []  # CPU: built eagerly, nothing recorded
     assert info.cuda_graphs is False and info.graph_memory_bytes == 0
     # the ready frame carries it to the front, which parses it back
     frame = ready(ReadyInfo(**info.__dict__, pid=1, thread="MainThread", warmup_ms=1.0))
     parsed = ReadyInfo.from_message(frame)
-    assert parsed.graph_shapes == info.graph_shapes and parsed.buckets_captured == len(planned)
+    assert parsed.graph_shapes == info.graph_shapes and parsed.shapes == len(planned)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
@@ -370,7 +371,7 @@ class FailingCapturer(RecordingCapturer):
 def _failing(tiny_snapshot: Path, graphs: bool) -> NativeExecutor:
     executor = NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32",
                                    limits=RequestLimits(max_length=256), cuda_graphs="on",
-                                   max_batch_tokens=256)
+                                   max_batch_tokens=256, batch_layout="padded")
     assert executor.runner.graphs is not None
     capturer = FailingCapturer()
     capturer.graphs = graphs  # True: as CudaGraphCapturer on CUDA
@@ -395,7 +396,7 @@ def test_a_failed_capture_on_a_broken_device_stops_the_start(tiny_snapshot: Path
     executor = _failing(tiny_snapshot, graphs=True)
     assert executor.runner.graphs is not None
     with pytest.raises(torch.AcceleratorError, match="stream is capturing"):
-        executor._build_graphs(executor.runner.graphs, device_usable=lambda device: False)
+        build_graphs(executor, device_usable=lambda device: False)
 
 
 def test_a_failed_eager_shape_is_not_hidden(tiny_snapshot: Path) -> None:

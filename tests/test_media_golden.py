@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from benchlib.executors import with_limits
 from benchlib.golden import (
     MEDIA_GOLDEN,
     Drift,
@@ -42,7 +43,7 @@ _SCORED: dict[str, Scored] = {}
 
 
 def _for_case(executor: NativeExecutor, case: dict[str, Any]) -> NativeExecutor:
-    return executor.with_limits(dataclasses.replace(executor.limits,
+    return with_limits(executor, dataclasses.replace(executor.limits,
                                                     max_length=case["max_length"]))
 
 
@@ -121,12 +122,12 @@ def test_media_tokens_count_in_the_budget(executor: NativeExecutor) -> None:
     fixed = len(case["input_ids"]) - _scored(executor, case).encoding.state_tokens
     # Exactly the fixed part fits: the state is cut to nothing, the sequence still scores.
     tight = dataclasses.replace(executor.limits, max_length=fixed)
-    scored = executor.with_limits(tight).score(case["request"])
+    scored = with_limits(executor, tight).score(case["request"])
     assert scored.encoding.state_tokens == 0 and scored.encoding.length == fixed
     # One token less and the request is refused, the media counted in n.
     short = dataclasses.replace(executor.limits, max_length=fixed - 1)
     with pytest.raises(RequestInvalid) as refused:
-        executor.with_limits(short).score(case["request"])
+        with_limits(executor, short).score(case["request"])
     assert str(refused.value) == f"schema requires {fixed} tokens before state; maximum is " \
         f"{fixed - 1}"
     assert media_tokens > 0
@@ -142,13 +143,13 @@ def test_image_warm_up_runs(executor: NativeExecutor) -> None:
 def test_warm_up_includes_an_image_request(executor: NativeExecutor,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     with_media: list[bool] = []
-    real = executor.forward
+    real = executor.runner.run
 
-    def spy(encoding: Any, media: Any = None, timings: Any = None) -> Any:
-        with_media.append(media is not None)
-        return real(encoding, media, timings)
+    def spy(encodings: Any, medias: Any = ()) -> Any:
+        with_media.append(any(media is not None for media in medias))
+        return real(encodings, medias)
 
-    monkeypatch.setattr(executor, "forward", spy)
+    monkeypatch.setattr(executor.runner, "run", spy)
     executor.warm_up()
     assert True in with_media and False in with_media  # a text forward and an image forward
 

@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchlib.executors import with_limits
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
 from clef_worker.gpu.buckets import BucketTable
@@ -53,7 +54,7 @@ def batched(plain: NativeExecutor) -> ModelRunner:
 
 
 def _encode(executor: NativeExecutor, request: dict[str, Any], max_length: int) -> Encoding:
-    return executor.with_limits(dataclasses.replace(executor.limits, max_length=max_length)
+    return with_limits(executor, dataclasses.replace(executor.limits, max_length=max_length)
                                 ).encode(request)
 
 
@@ -61,7 +62,7 @@ def assert_batch_answers_as_alone(plain: NativeExecutor, runner: ModelRunner,
                                   requests_: list[dict[str, Any]], max_lengths: list[int]) -> None:
     encodings = [_encode(plain, request, limit)
                  for request, limit in zip(requests_, max_lengths, strict=True)]
-    assert runner.graphs is not None
+    assert isinstance(runner.graphs, GraphRunner)
     replays = dict(runner.graphs.stats.replays)
     output = runner.run(encodings)
     padded = runner.graphs.shape_for(len(encodings), max(len(e.input_ids) for e in encodings))

@@ -15,11 +15,21 @@ import pytest
 
 from clef_protocol import messages
 from clef_protocol.frames import encode_frame, read_frame_blocking
-from clef_worker.executor import Answer
-from clef_worker.main import handle_request, serve
+from clef_worker.batching import BatchingExecutor, answer_groups, as_batching
+from clef_worker.executor import Answer, Executor
+from clef_worker.main import reply_for, serve
+from clef_worker.policy import BatchPolicy
 from tests.doubles import ScriptedExecutor
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def handle_request(executor: Executor | BatchingExecutor, request_id: int,
+                   body: object) -> tuple[dict, bool]:
+    """One request on the serve loop's path (its grouping and error mapping): the reply frame
+    and whether the executor is broken."""
+    [[(_, outcome)]] = list(answer_groups(as_batching(executor), [body], BatchPolicy()))
+    return reply_for(request_id, outcome, 0.0)
 
 
 @pytest.mark.parametrize(

@@ -23,11 +23,6 @@ from clef_protocol.options import (
     worker_argv,
 )
 
-# Requests outstanding per worker when --max-batch is not given, by the worker's device (see
-# supervisor.default_max_batch, which applies them).
-DEFAULT_MAX_BATCH_CUDA = 16
-DEFAULT_MAX_BATCH_CPU = 8
-
 
 @dataclass(frozen=True)
 class WorkerSettings:
@@ -115,10 +110,6 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *,
                              "--device (ignored with --devices)")
     worker.add_argument("--workers-per-device", type=positive_int, default=d.workers_per_device,
                         help="workers per device (two keep serving while one restarts)")
-    worker.add_argument("--max-batch", type=positive_int, default=None,
-                        help="requests in flight to one worker, which batches them into one "
-                             f"forward (default: {DEFAULT_MAX_BATCH_CUDA} on a CUDA worker, "
-                             f"{DEFAULT_MAX_BATCH_CPU} on CPU)")
     worker.add_argument("--startup-timeout", type=_seconds, default=d.startup_timeout,
                         help="seconds a worker may take to load and warm up")
     worker.add_argument("--request-timeout", type=_seconds, default=d.request_timeout,
@@ -172,7 +163,7 @@ def worker_settings_from(args: argparse.Namespace) -> WorkerSettings:
         worker_argv=worker_command(args),
         devices=devices,
         workers_per_device=per_device,
-        max_batch=args.max_batch,
+        max_batch=args.max_batch or None,  # a model flag (0: unset): the worker gets it
         startup_timeout=args.startup_timeout,
         request_timeout=args.request_timeout,
         stall_timeout=args.stall_timeout,

@@ -30,11 +30,7 @@ from enum import StrEnum
 
 from clef_frontend.dispatch.backoff import RestartBackoff
 from clef_frontend.dispatch.liveness import ForwardRates, Judgement
-from clef_frontend.dispatch.settings import (
-    DEFAULT_MAX_BATCH_CPU,
-    DEFAULT_MAX_BATCH_CUDA,
-    WorkerSettings,
-)
+from clef_frontend.dispatch.settings import WorkerSettings
 from clef_frontend.dispatch.worker_channel import WorkerChannel, failure_reason
 from clef_frontend.dispatch.worker_errors import (
     Deliver,
@@ -43,6 +39,7 @@ from clef_frontend.dispatch.worker_errors import (
     WorkerUnavailable,
 )
 from clef_protocol.messages import ReadyInfo, Request, WorkerReply
+from clef_protocol.options import DEFAULT_MAX_BATCH_CPU, DEFAULT_MAX_BATCH_CUDA
 
 log = logging.getLogger("clef_frontend.dispatch.supervisor")
 
@@ -58,14 +55,17 @@ class StartupFailed(Exception):
     """The first worker did not become ready; str() is the reason for the operator."""
 
 
-def default_max_batch(device: str) -> int:
-    """The in-flight cap for a worker that reported `device` in its ready frame.
+# Requests outstanding per worker when --max-batch is not given: what the worker reports in
+# `ready` (`max_sequences`, the requests one of its forwards holds: the worker owns the batch
+# policy, clef_worker.policy); for a worker that reports none (the release executor, test
+# doubles), the same by-device default the worker would resolve.
 
-    A worker batches what waits on its pipe into one forward. A CPU worker's forwards hold
-    about eight ~500-token requests (clef_worker.batching), and 8 in flight measured as good as
-    16 through the whole server (docs/benchmarks.md); more only moves the queue out of the
-    front, where a request whose client left can still be dropped.
-    """
+
+def default_max_batch(device: str, reported: int = 0) -> int:
+    """The in-flight cap for a worker that reported `device` (and `reported` requests per
+    forward, 0 when it did not say) in its ready frame."""
+    if reported > 0:
+        return reported
     return DEFAULT_MAX_BATCH_CUDA if device.startswith("cuda") else DEFAULT_MAX_BATCH_CPU
 
 
@@ -304,7 +304,8 @@ class Supervisor:
 
     def _adopt(self, channel: WorkerChannel, info: ReadyInfo) -> None:
         self._channel, self.info = channel, info
-        self.max_batch = self._config.max_batch or default_max_batch(info.device)
+        self.max_batch = self._config.max_batch or default_max_batch(info.device,
+                                                                      info.max_sequences)
         self._ready_at = time.monotonic()
         self._served = 0
         self.state = WorkerState.READY
@@ -315,7 +316,7 @@ class Supervisor:
             self.slot.name, self.max_batch, info.pid, info.thread, info.model, info.variant,
             info.device, info.dtype, info.gdn_path, info.short_conv, info.warmup_ms,
             info.cuda_graphs,
-            len(info.buckets), info.buckets_captured, info.graph_memory_bytes,
+            len(info.buckets), info.shapes, info.graph_memory_bytes,
         )
         self._on_ready()
         if info.demo:

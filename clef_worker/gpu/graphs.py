@@ -7,9 +7,11 @@ forward's ids (already right-padded on the host to the shape's tokens, and with 
 its rows) are copied into it in place, the graph replays, and the head reads the real rows of
 the static output.
 
-Shapes: one row per request at every length bucket (clef_worker.gpu.buckets), and for batches
-the row counts the batcher forms (powers of two up to `MAX_GRAPH_ROWS`) at every bucket where
-rows x tokens fits `--max-batch-tokens`. A batch of n requests pads to the smallest built row
+Shapes (the padded layout, `--batch-layout padded`; the packed layout's graphs are
+clef_worker.gpu.packed_graphs): one row per request at every length bucket
+(clef_worker.gpu.buckets), and for batches the row counts the batcher forms (powers of two up to
+the batch policy's `max_sequences`, clef_worker.policy) at every bucket where rows x tokens fits
+`--max-batch-tokens`. A batch of n requests pads to the smallest built row
 count of at least n; `GraphRunner.plan` then chooses, by expected cost (each shape's replay time
 measured once after warm-up), between that one batched replay and one replay per request.
 
@@ -45,11 +47,6 @@ from clef_worker.model.backbone import Backbone
 
 log = logging.getLogger(__name__)
 
-# The most rows a captured shape has. The front keeps up to 16 requests in flight to a CUDA
-# worker by default, so batches of up to 16 rows replay; a larger batch runs as several replays
-# or eagerly (`GraphRunner.plan`).
-MAX_GRAPH_ROWS = 16
-
 Forward = Callable[[], Tensor]
 Shape = tuple[int, int]  # (rows, tokens)
 
@@ -76,17 +73,20 @@ def prepare_capture_environment() -> None:
     os.environ.setdefault("FLA_FLASH_QLA", "0")
 
 
-def graph_row_counts(max_rows: int = MAX_GRAPH_ROWS) -> tuple[int, ...]:
-    """The row counts captured: 1, then powers of two up to `max_rows` (a batch pads up to the
-    next one, wasting less than half its rows)."""
+def graph_row_counts(max_rows: int) -> tuple[int, ...]:
+    """The row counts captured for a policy of at most `max_rows` requests per forward: 1,
+    then powers of two, then `max_rows` itself (a batch pads up to the next one, wasting less
+    than half its rows)."""
     counts = [1]
     while counts[-1] * 2 <= max_rows:
         counts.append(counts[-1] * 2)
+    if counts[-1] < max_rows:
+        counts.append(max_rows)
     return tuple(counts)
 
 
 def plan_shapes(table: BucketTable, max_batch_tokens: int,
-                row_counts: Sequence[int] = graph_row_counts()) -> list[Shape]:
+                row_counts: Sequence[int]) -> list[Shape]:
     """Every shape to build at warm-up: one row at every bucket, and each larger row count at
     the buckets where rows x tokens stays within `max_batch_tokens` (the batcher never forms a
     forward beyond that budget). Sorted by rows, then tokens."""
@@ -390,13 +390,21 @@ class GraphRunner:
                 self.stats.replays.get((static.rows, static.tokens), 0) + 1
             return static.replay()
 
+    def covers(self, length: int) -> bool:
+        """Whether a lone request of `length` tokens replays a built shape."""
+        return self.shape_for(1, length) is not None
+
+    def planned_shapes(self) -> list[list[int]]:
+        """Every planned `[rows, tokens]` shape, sorted."""
+        return [list(shape) for shape in sorted(self.planned)]
+
     def describe(self) -> dict[str, Any]:
         """What `ready` and `/health` report about the shapes."""
         built = [[rows, tokens] for rows, tokens in self.stats.built]
         return {
             "cuda_graphs": self.graphs,
             "buckets": list(self.table.lengths),
-            "buckets_captured": len(self.static),
+            "shapes": len(self.static),
             "graph_shapes": sorted(built) if built else [list(s) for s in sorted(self.planned)],
             "captured_shapes": sorted(built) if self.graphs else [],
             "graph_memory_bytes": self.capturer.memory_bytes(),

@@ -23,6 +23,21 @@ def to_device_packed(tensors: Sequence[Tensor], device: torch.device) -> list[Te
     return unpack(flat.to(device, non_blocking=True), [t.shape for t in tensors])
 
 
+def stage_host(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
+    """The host half of `to_device_packed`: one flat int64 buffer, pinned when it is bound for
+    CUDA (pinning is host work: the serve loop's helper thread does it while the device runs
+    the previous group)."""
+    flat = pack(tensors)
+    return flat.pin_memory() if device.type == "cuda" else flat
+
+
+def move_staged(flat: Tensor, shapes: Sequence[torch.Size], device: torch.device) -> list[Tensor]:
+    """The device half: one copy of a staged buffer (without blocking), cut into views."""
+    if device.type != "cpu":
+        flat = flat.to(device, non_blocking=True)
+    return unpack(flat, shapes)
+
+
 def pack(tensors: Sequence[Tensor]) -> Tensor:
     """One flat int64 tensor holding every tensor's elements, in order."""
     if any(t.dtype != torch.long for t in tensors):

@@ -42,9 +42,9 @@ import inspect
 import logging
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -61,6 +61,10 @@ from clef_worker.model.snapshot import (
     first_and_count,
     tensor_shapes,
 )
+
+if TYPE_CHECKING:
+    from clef_worker.model.packed import PackedLayout
+    from clef_worker.model.packed_layers import PackedKernels
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +253,8 @@ class Backbone:
     device: torch.device
     dtype: torch.dtype
     gdn_path: str
+    # Chosen on the first packed forward (clef_worker.model.packed_layers.kernels_for).
+    packed_kernels: PackedKernels | None = field(default=None, repr=False)
 
     @property
     def hidden_size(self) -> int:
@@ -267,6 +273,19 @@ class Backbone:
         """
         output = self.model(input_ids=input_ids, attention_mask=dict(NO_MASKS), use_cache=False)
         return output.last_hidden_state
+
+    def packed_hidden_state(self, input_ids: Tensor, layout: PackedLayout) -> Tensor:
+        """Last hidden state of a packed row: [T] ids (the sequences' tokens back to back, any
+        per-sequence right padding included, as `layout` places them) -> [T, H]. Each sequence's
+        rows equal a separate `last_hidden_state` of it (clef_worker.model.packed_layers)."""
+        from clef_worker.model.packed_layers import kernels_for, packed_forward
+
+        if self.packed_kernels is None:
+            self.packed_kernels = kernels_for(self.device, self.dtype, self.gdn_path)
+            log.info("packed rows: delta rule %s, short convolution %s, attention %s%s",
+                     *self.packed_kernels.names,
+                     "" if self.packed_kernels.graph_safe else " (offsets read on the host)")
+        return packed_forward(self.model, input_ids, layout, self.packed_kernels)
 
     def gdn_layer(self) -> nn.Module | None:
         """The first Gated DeltaNet mixer, for kernel warm-up."""

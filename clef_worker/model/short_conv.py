@@ -23,9 +23,12 @@ where it lies and the caller's transpose back to `[B, T, D]` is free.
 Graph capture (clef_worker.gpu.graphs): fla-core 0.6.0's fixed-shape path (no `cu_seqlens`, which
 the adapter never passes) reads nothing from the device on the host: the grid is `cdiv(T, 64)` from
 the tensor's shape, the output is `empty_like`, the backend dispatch and `input_guard` look only at
-environment variables, strides and devices. Host syncs exist only on the packed path
-(`prepare_chunk_indices` runs `repeat_interleave` on device counts) and in Triton's autotuning on
-the first call per (D, K) key, which warm-up and the capturer's warm runs pay before recording.
+environment variables, strides and devices. Host syncs exist only on the packed path when fla
+derives the chunk indices itself (`prepare_chunk_indices` runs `repeat_interleave` on device
+counts) and in Triton's autotuning on the first call per (D, K) key, which warm-up and the
+capturer's warm runs pay before recording. Packed rows (clef_worker.model.packed_layers) call
+the same kernel (this adapter's `kernel`) with `cu_seqlens` and the precomputed `chunk_indices`
+of `clef_worker.model.packed.PackedLayout`, so fla reads nothing on the host there either.
 """
 
 from __future__ import annotations

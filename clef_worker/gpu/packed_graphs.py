@@ -1,0 +1,196 @@
+"""The backbone over packed rows, one CUDA graph per total-token bucket.
+
+Why: with the packed layout (clef_worker.model.packed) a forward is one row of the requests'
+tokens end to end, so its shape is only its total token count. One graph per total-token bucket
+(the bucket table of clef_worker.gpu.buckets, up to the largest forward the batch policy forms)
+replays any mix of lengths: at the H200 defaults (16,384 tokens, 16 requests) that is 29 shapes,
+where padded `[rows, bucket]` graphs needed about 110.
+
+A graph replays fixed kernel grids at fixed addresses, so each bucket owns a static ids buffer
+and a `StaticPackedLayout` (h26m's, clef_worker.model.packed): every request is aligned to fla's
+chunk of 64 tokens, a dummy tail sequence fills the bucket, and the offsets are rewritten in
+place before each replay. The group's token cost against `--max-batch-tokens` is therefore its
+aligned total (`aligned_total`), so every group the batcher forms fits the largest bucket. The
+runner lays the ids out at the aligned offsets on the host (`host_ids`) and reads each request's
+rows back from its offset (`real_rows`).
+
+As with the padded graphs, capture happens at warm-up only (`build_all`, largest first, in one
+memory pool through a `Capturer`); a forward no bucket holds runs eagerly and unpadded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from clef_worker.gpu.buckets import bucket_lengths
+from clef_worker.gpu.graphs import Capturer, Forward
+from clef_worker.model.backbone import Backbone
+from clef_worker.model.packed import FLA_CHUNK, StaticPackedLayout, aligned_length
+
+log = logging.getLogger(__name__)
+
+
+def aligned_total(lengths: Sequence[int], align: int = FLA_CHUNK) -> int:
+    """Tokens a static packed row needs for these requests (each aligned to `align`)."""
+    return sum(aligned_length(int(length), align) for length in lengths)
+
+
+def aligned_offsets(lengths: Sequence[int], align: int = FLA_CHUNK) -> list[int]:
+    """Where each request starts in a static packed row."""
+    starts, first = [], 0
+    for length in lengths:
+        starts.append(first)
+        first += aligned_length(int(length), align)
+    return starts
+
+
+def packed_buckets(max_batch_tokens: int, max_length: int, graph_max_length: int = 0,
+                   align: int = FLA_CHUNK) -> tuple[int, ...]:
+    """The total-token buckets to capture: the bucket table (multiples of 64 to 1,024, then
+    about 1.25x) up to the largest forward the policy forms, the budget or one request of
+    `max_length` (aligned), cut at `graph_max_length` when given."""
+    largest = max(aligned_length(max_batch_tokens, align), aligned_length(max_length, align))
+    if graph_max_length:
+        largest = min(largest, aligned_length(graph_max_length, align))
+    return bucket_lengths(largest, step=align)
+
+
+@dataclass
+class PackedStatic:
+    """One bucket's fixed-address ids, its static layout and its replayable forward."""
+
+    tokens: int
+    input_ids: Tensor  # [tokens] on the device; written in place, never replaced
+    layout: StaticPackedLayout
+    replay: Forward  # returns [tokens, H], valid until the next replay of any bucket
+
+
+@dataclass
+class PackedStats:
+    """Counters for logs, `/health` and tests."""
+
+    built: list[int] = field(default_factory=list)  # buckets in build order
+    replays: dict[int, int] = field(default_factory=dict)
+    capture_ms: float = 0.0
+
+
+class PackedGraphRunner:
+    """Runs the text stack over packed rows at built total-token buckets."""
+
+    def __init__(self, backbone: Backbone, buckets: Sequence[int], max_sequences: int,
+                 pad_id: int, capturer: Capturer):
+        self.backbone = backbone
+        self.planned = tuple(buckets)
+        self.max_sequences = max_sequences
+        self.pad_id = pad_id
+        self.capturer = capturer
+        self.static: dict[int, PackedStatic] = {}
+        self.costs_ms: dict[int, float] = {}
+        self.stats = PackedStats()
+
+    @property
+    def graphs(self) -> bool:
+        return self.capturer.graphs
+
+    def bucket_for(self, lengths: Sequence[int]) -> int | None:
+        """The smallest built bucket holding these requests aligned; None: run eagerly."""
+        if len(lengths) > self.max_sequences:
+            return None
+        need = aligned_total(lengths)
+        fitting = [tokens for tokens in self.static if tokens >= need]
+        return min(fitting) if fitting else None
+
+    def host_ids(self, ids: Sequence[Sequence[int]], bucket: int) -> tuple[Tensor, Tensor]:
+        """The bucket's ids on the host (each request at its aligned offset, pad ids between
+        and after) and the positions of the real tokens in it, request after request."""
+        row = torch.full((bucket,), self.pad_id, dtype=torch.long)
+        real: list[Tensor] = []
+        for start, tokens in zip(aligned_offsets([len(t) for t in ids]), ids, strict=True):
+            row[start:start + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            real.append(torch.arange(start, start + len(tokens)))
+        return row, torch.cat(real)
+
+    # -- warm-up -----------------------------------------------------------------------------
+
+    def build_all(self) -> list[int]:
+        """Build (capture) every planned bucket, largest first; the only place one is built."""
+        started = time.perf_counter()
+        self.capturer.begin()
+        try:
+            with torch.inference_mode():
+                for tokens in sorted(self.planned, reverse=True):
+                    self._build(tokens)
+        finally:
+            self.capturer.end()
+        self.stats.capture_ms += (time.perf_counter() - started) * 1000
+        return list(self.stats.built)
+
+    def _build(self, tokens: int) -> None:
+        device = self.backbone.device
+        input_ids = torch.full((tokens,), self.pad_id, dtype=torch.long, device=device)
+        layout = StaticPackedLayout(tokens, self.max_sequences, device)
+        backbone = self.backbone
+
+        def forward() -> Tensor:
+            return backbone.packed_hidden_state(input_ids, layout.layout())
+
+        self.static[tokens] = PackedStatic(tokens, input_ids, layout,
+                                           self.capturer.capture(forward))
+        self.stats.built.append(tokens)
+
+    def replay_all(self, clock: Callable[[], float] | None = None) -> dict[int, float]:
+        """Replay every bucket once (no first hit pays a lazy cost); keep each one's time."""
+        clock = clock or self._synchronised_clock
+        with torch.inference_mode():
+            for tokens, static in self.static.items():
+                started = clock()
+                static.replay()
+                self.costs_ms[tokens] = (clock() - started) * 1000
+        return dict(self.costs_ms)
+
+    def _synchronised_clock(self) -> float:
+        if self.backbone.device.type == "cuda":
+            torch.cuda.synchronize(self.backbone.device)
+        return time.perf_counter()
+
+    # -- running -----------------------------------------------------------------------------
+
+    def run(self, ids: Tensor, lengths: Sequence[int], bucket: int) -> Tensor:
+        """Last hidden state [bucket, H] of a packed row laid out by `host_ids` (on the
+        device): the offsets are written into the bucket's static layout, the ids into its
+        buffer, and its graph replays. A view of a static buffer: use it before the next
+        replay."""
+        static = self.static[bucket]
+        if ids.shape != (bucket,):
+            raise ValueError(f"ids of shape {tuple(ids.shape)} for the {bucket}-token bucket")
+        static.layout.fill(lengths)
+        static.input_ids.copy_(ids, non_blocking=True)
+        self.stats.replays[bucket] = self.stats.replays.get(bucket, 0) + 1
+        return static.replay()
+
+    def covers(self, length: int) -> bool:
+        """Whether a lone request of `length` tokens replays a built bucket."""
+        return self.bucket_for([length]) is not None
+
+    def planned_shapes(self) -> list[list[int]]:
+        """Every planned bucket as a `[rows, tokens]` shape (one packed row)."""
+        return [[1, tokens] for tokens in sorted(self.planned)]
+
+    def describe(self) -> dict[str, Any]:
+        """What `ready` and `/health` report: a packed shape is one row of a bucket's tokens."""
+        built = [[1, tokens] for tokens in sorted(self.stats.built)]
+        return {
+            "cuda_graphs": self.graphs,
+            "buckets": list(self.planned),
+            "shapes": len(self.static),
+            "graph_shapes": built or self.planned_shapes(),
+            "captured_shapes": built if self.graphs else [],
+            "graph_memory_bytes": self.capturer.memory_bytes(),
+        }

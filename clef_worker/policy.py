@@ -1,0 +1,95 @@
+"""The batch policy: one owner, resolved once per worker from its flags.
+
+Why one owner: the layout, the token budget, the window and the most requests a forward may
+hold decide both how the serve loop groups requests (clef_worker.batching) and which graph
+shapes warm-up captures (clef_worker.gpu). Resolved in two places they drift: a `--max-batch 32`
+the graphs never heard of silently lost batched replays for groups of 17-32. So the worker
+resolves the policy here once (`BatchPolicy.resolve`), builds its shapes from it, and reports it
+in `ready`; the front's default in-flight cap is the worker's `max_sequences`.
+
+The per-device defaults live in `clef_protocol.options` beside the flags that override them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from clef_protocol.options import (
+    BATCH_LAYOUTS,
+    DEFAULT_MAX_BATCH_CPU,
+    DEFAULT_MAX_BATCH_CUDA,
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_BATCH_TOKENS_CPU,
+)
+
+PACKED = "packed"
+PADDED = "padded"
+
+# `--batch-layout auto`. Packed measured 1.17-1.36x padded's C8 throughput on CPU over mixed
+# lengths (bench/bench_packed_vs_padded.py, docs/benchmarks.md). On CUDA no GPU run has
+# compared them yet: packed is the default there too because it is the layout whose graph
+# shapes fit a first sitting (at most 32 total-token buckets against about 110 [rows, bucket]
+# shapes); the GPU script measures both side by side (bench/gpu_session.sh, step
+# `http_padded`) and that figure decides whether CUDA's default changes. Where the packed
+# kernels cannot be captured (float32, --gdn-prefill torch), assembly falls back to padded.
+DEFAULT_LAYOUT = {"cpu": PACKED, "cuda": PACKED}
+
+
+def _on_cuda(device: str) -> bool:
+    return device.startswith("cuda")
+
+
+def default_max_batch_tokens(device: str) -> int:
+    """`--max-batch-tokens 0` for a worker on `device` (a torch device string)."""
+    return DEFAULT_MAX_BATCH_TOKENS if _on_cuda(device) else DEFAULT_MAX_BATCH_TOKENS_CPU
+
+
+def default_max_sequences(device: str) -> int:
+    """`--max-batch 0` for a worker on `device`."""
+    return DEFAULT_MAX_BATCH_CUDA if _on_cuda(device) else DEFAULT_MAX_BATCH_CPU
+
+
+def default_layout(device: str) -> str:
+    """`--batch-layout auto` for a worker on `device`."""
+    return DEFAULT_LAYOUT["cuda" if _on_cuda(device) else "cpu"]
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """How much the worker puts into one forward, how it lays it out, and how long it waits
+    for company. The defaults are CUDA's (tests build policies directly)."""
+
+    layout: str = PACKED
+    # Tokens per forward: real tokens when packed (each request aligned to 64 when graphs
+    # replay it, clef_worker.gpu.packed_graphs), rows x bucket length when padded.
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    max_sequences: int = DEFAULT_MAX_BATCH_CUDA  # requests per forward
+    window_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.layout not in (PACKED, PADDED):
+            raise ValueError(f"batch layout {self.layout!r}: expected {PACKED} or {PADDED}")
+        if self.max_batch_tokens < 1 or self.max_sequences < 1 or self.window_ms < 0:
+            raise ValueError(f"bad batch policy: {self}")
+
+    @classmethod
+    def resolve(cls, device: str, *, layout: str = "auto", max_batch_tokens: int = 0,
+                max_sequences: int = 0, window_ms: float = 0.0) -> BatchPolicy:
+        """The policy for a worker on `device` from its flags (`auto` / 0: by device)."""
+        if layout not in BATCH_LAYOUTS:
+            raise ValueError(f"--batch-layout {layout}: expected one of {', '.join(BATCH_LAYOUTS)}")
+        return cls(
+            layout=default_layout(device) if layout == "auto" else layout,
+            max_batch_tokens=max_batch_tokens or default_max_batch_tokens(device),
+            max_sequences=max_sequences or default_max_sequences(device),
+            window_ms=window_ms,
+        )
+
+    @property
+    def packed(self) -> bool:
+        return self.layout == PACKED
+
+    def ready_fields(self) -> dict[str, object]:
+        """The policy as `ready` reports it (clef_protocol.messages.ReadyInfo)."""
+        return {"batch_layout": self.layout, "max_batch_tokens": self.max_batch_tokens,
+                "max_sequences": self.max_sequences, "batch_window_ms": self.window_ms}
