@@ -46,10 +46,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from clef_frontend import deadlines, responses
+from clef_frontend.load import TokenEstimate
 from clef_frontend.priority import BULK, CLASSES, INTERACTIVE
 from clef_frontend.responses import Reply, WorkerAnswer
 from clef_frontend.worker_errors import WorkerFailure, WorkerLost, WorkerUnavailable
 from clef_protocol.messages import INFERENCE_FAILED
+from clef_protocol.options import RequestLimits
 
 log = logging.getLogger("clef_frontend.admission")
 
@@ -120,6 +122,7 @@ class Ticket:
     worker_ms: float | None = None
     worker_reply: WorkerAnswer | None = None
     resent: bool = False  # sent again after its worker was lost (it never is a second time)
+    tokens: int = 0  # its estimated token cost (load.TokenEstimate), for the utilisation gauge
 
     @property
     def queue_ms(self) -> float:
@@ -142,7 +145,8 @@ class Admission:
 
     def __init__(self, *, capacity: int, retry_after: int, workers: Workers,
                  queue_timeout: float | None = None, resend_timeout: float = 300.0,
-                 events: AdmissionEvents | None = None) -> None:
+                 events: AdmissionEvents | None = None,
+                 estimate: TokenEstimate | None = None) -> None:
         self._capacity = capacity
         self._retry_after = retry_after
         self._workers = workers
@@ -161,6 +165,21 @@ class Admission:
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
+        # Estimated tokens of the tickets waiting and in flight (load.py), kept as counters so
+        # a scrape on the metrics port's thread reads two ints, never iterates a queue.
+        self._estimate = estimate or TokenEstimate(RequestLimits().max_length)
+        self._tokens_waiting = 0
+        self._tokens_sent = 0
+
+    @property
+    def tokens_waiting(self) -> int:
+        """Estimated tokens of the tickets waiting (resent ones included)."""
+        return self._tokens_waiting
+
+    @property
+    def tokens_in_flight(self) -> int:
+        """Estimated tokens of the tickets sent to a worker and not yet answered."""
+        return self._tokens_sent
 
     @property
     def depth(self) -> int:
@@ -211,7 +230,7 @@ class Admission:
         ticket = Ticket(next(self._ids), body, asyncio.get_running_loop().create_future(),
                         trace_id, priority,
                         deadlines.earliest(deadline, now, self._queue_timeout), gone,
-                        enqueued_at=now)
+                        enqueued_at=now, tokens=self._estimate.cost(len(body)))
         if ticket.deadline is not None and ticket.deadline <= now:
             self._expire(ticket)
             return ticket
@@ -241,6 +260,7 @@ class Admission:
         for queue in queues:
             while queue:
                 ticket = queue.popleft()
+                self._tokens_waiting -= ticket.tokens
                 if not ticket.outcome.done():
                     ticket.outcome.set_result(responses.unavailable(reason, self._retry_after))
         self._update_idle()
@@ -264,6 +284,7 @@ class Admission:
             if lane is None:
                 break
             ticket = self._resend.popleft()
+            self._tokens_waiting -= ticket.tokens
             if self._still_wanted(ticket):
                 self._send(ticket, lane, alone=True)
         if not self._resend:  # a resent ticket waiting for an idle worker holds the rest back
@@ -272,6 +293,7 @@ class Admission:
                 if lane is None:
                     break
                 ticket = self._next_waiting()
+                self._tokens_waiting -= ticket.tokens
                 if self._still_wanted(ticket):
                     self._send(ticket, lane)
         self._update_idle()
@@ -281,6 +303,7 @@ class Admission:
     def _wait(self, ticket: Ticket) -> None:
         """Queue a ticket (in its class) and keep its deadline."""
         self._waiting[ticket.priority].append(ticket)
+        self._tokens_waiting += ticket.tokens
         self._keep_deadline(ticket)
 
     def _keep_deadline(self, ticket: Ticket) -> None:
@@ -322,6 +345,7 @@ class Admission:
         for queue in (self._waiting[ticket.priority], self._resend):
             if ticket in queue:
                 queue.remove(ticket)
+                self._tokens_waiting -= ticket.tokens
                 return True
         return False
 
@@ -372,6 +396,7 @@ class Admission:
     def _send(self, ticket: Ticket, lane: Lane, *, alone: bool = False) -> None:
         ticket.started_at = time.monotonic()
         self._sent[ticket] = None
+        self._tokens_sent += ticket.tokens
         if alone:
             self._alone[lane] = ticket
         try:
@@ -379,6 +404,7 @@ class Admission:
                         lambda outcome: self._done(ticket, lane, outcome), ticket.trace_id)
         except WorkerUnavailable as exc:  # has_room said yes; nothing was sent
             del self._sent[ticket]
+            self._tokens_sent -= ticket.tokens
             self._alone.pop(lane, None)
             if not ticket.outcome.done():
                 ticket.outcome.set_result(responses.unavailable(str(exc), self._retry_after))
@@ -386,7 +412,9 @@ class Admission:
     def _done(self, ticket: Ticket, lane: Lane,
               outcome: WorkerAnswer | WorkerFailure) -> None:
         """A worker answered the ticket (or failed with it in flight): reply, send the next."""
-        self._sent.pop(ticket, None)
+        if ticket in self._sent:
+            del self._sent[ticket]
+            self._tokens_sent -= ticket.tokens
         if self._alone.get(lane) is ticket:
             del self._alone[lane]
         if isinstance(outcome, WorkerLost) and not ticket.resent and not ticket.outcome.done():
@@ -399,6 +427,9 @@ class Admission:
         else:
             ticket.worker_ms = outcome.worker_ms
             ticket.worker_reply = outcome
+            if outcome.body is not None:
+                self._estimate.learn(len(ticket.body),
+                                     outcome.input_tokens + outcome.truncated_tokens)
             if not ticket.outcome.done():
                 ticket.outcome.set_result(responses.from_worker(outcome))
         self.pump()
@@ -413,6 +444,7 @@ class Admission:
         if ticket.deadline is None:  # bounded even while the last worker is replaced
             ticket.deadline = time.monotonic() + self._resend_timeout
         self._resend.append(ticket)
+        self._tokens_waiting += ticket.tokens
         self._keep_deadline(ticket)
 
     def _update_idle(self) -> None:

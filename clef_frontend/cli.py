@@ -240,6 +240,7 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         devices=devices,
         workers_per_device=per_device,
         max_batch=args.max_batch,
+        max_batch_tokens=args.max_batch_tokens,
         stall_timeout=args.stall_timeout,
         queue_timeout=args.queue_timeout or None,
         answer_cache=args.answer_cache,

@@ -52,6 +52,9 @@ class ServerConfig:
     devices: tuple[str, ...] = ()
     workers_per_device: int = 1
     max_batch: int | None = None
+    # The worker's --max-batch-tokens (0: by device), which the front reads only as the token
+    # budget behind its utilisation gauge (load.py).
+    max_batch_tokens: int = 0
     # Shared traffic: a worker silent this long (no pong, no reply) is wedged; requests wait
     # at most `queue_timeout` seconds for a worker (None: no limit); `answer_cache` answers kept
     # for repeats (0: no cache, and no sharing of identical requests in flight).

@@ -61,6 +61,10 @@ class LiveState:
     queue_capacity: int
     worker_ready: Callable[[], bool]
     worker_info: Callable[[], ReadyInfo | None]
+    # The endpoint picker's three gauges (load.py): all classes waiting, and the token budget
+    # in use (0-1). The third, requests running, is `in_flight`.
+    queued: Callable[[], int] = lambda: 0
+    token_usage: Callable[[], float] = lambda: 0.0
 
 
 class Metrics:
@@ -118,6 +122,14 @@ class Metrics:
               registry=r).set_function(lambda: float(live.in_flight()))
         Gauge("clef_worker_ready", "1 while a warm worker accepts requests, else 0.",
               registry=r).set_function(lambda: 1.0 if live.worker_ready() else 0.0)
+        # For an endpoint picker (docs/operations.md, "Behind the inference gateway"): one
+        # series each, no labels, so a picker's metric spec names exactly one.
+        Gauge("clef_requests_queued", "Requests waiting for a worker, every class together.",
+              registry=r).set_function(lambda: float(live.queued()))
+        Gauge("clef_token_budget_usage_ratio",
+              "Estimated tokens of the requests waiting and in flight over the token budget "
+              "(--max-batch-tokens) of the ready workers, capped at 1; 1 with no worker ready.",
+              registry=r).set_function(live.token_usage)
         r.register(_InfoCollector(version, live.worker_info))
         self._shared_traffic_metrics()
 

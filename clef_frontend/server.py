@@ -31,6 +31,7 @@ from clef_frontend.catalogue import Catalogue
 from clef_frontend.config import ServerConfig
 from clef_frontend.connection import READ_SIZE, HttpConnection
 from clef_frontend.health import Health
+from clef_frontend.load import TokenEstimate, utilisation_gauge
 from clef_frontend.metrics import LiveState, Metrics
 from clef_frontend.pipeline import Pipeline
 from clef_frontend.sd_notify import Notifier, ServiceNotifier, making_progress, watchdog_interval
@@ -56,6 +57,7 @@ class FrontServer:
             capacity=config.queue_size, retry_after=config.retry_after, workers=self._pool,
             queue_timeout=config.queue_timeout, resend_timeout=config.request_timeout,
             events=AdmissionEvents(resent=self._request_resent, expired=self._deadline_expired),
+            estimate=TokenEstimate(config.limits.max_length),
         )
         self._health = Health(self._pool, self._admission, config.retry_after)
         self._api = api_surface(config)
@@ -65,6 +67,10 @@ class FrontServer:
             queue_capacity=config.queue_size,
             worker_ready=lambda: self._pool.unavailable_reason() is None,
             worker_info=self._pool.ready_info,
+            queued=lambda: self._admission.depth,
+            token_usage=utilisation_gauge(
+                lambda: self._admission.tokens_waiting + self._admission.tokens_in_flight,
+                self._ready_devices, config.max_batch_tokens),
         ), version=version(), separate_port=config.metrics_port is not None)
         self._pipeline = Pipeline(config=config, admission=self._admission, health=self._health,
                                   metrics=self._metrics, api=self._api)
@@ -80,6 +86,10 @@ class FrontServer:
         self._reload_callbacks: list[Callable[[], Awaitable[None] | None]] = [
             self._roll_workers]
         self._reloads: set[asyncio.Future[None]] = set()
+
+    def _ready_devices(self) -> list[str]:
+        """The device of each ready worker, as its `ready` frame says it (the token budget)."""
+        return [lane.info.device for lane in self._pool.ready_lanes() if lane.info is not None]
 
     def on_reload(self, callback: Callable[[], Awaitable[None] | None]) -> None:
         """Run `callback` on every SIGHUP (a coroutine function is run as a task)."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
 
 from clef_protocol.errors import BadRequestBody
-from clef_protocol.options import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_BATCH_TOKENS_CPU
+from clef_protocol.options import DEFAULT_MAX_BATCH_TOKENS
 from clef_worker.errors import ExecutorBroken
 from clef_worker.executor import Answer, Executor
 
@@ -105,12 +105,6 @@ def as_batching(executor: object) -> BatchingExecutor:
     if supports_batching(executor):
         return executor  # type: ignore[return-value]
     return OneAtATime(executor)  # type: ignore[arg-type]
-
-
-def default_max_batch_tokens(device: str) -> int:
-    """`--max-batch-tokens 0`: the budget for a worker on `device` (as its `ready` frame says
-    it), chosen by measurement (docs/benchmarks.md)."""
-    return DEFAULT_MAX_BATCH_TOKENS_CPU if device.startswith("cpu") else DEFAULT_MAX_BATCH_TOKENS
 
 
 BATCHING_METHODS = ("prepare", "prepared_length", "padded_length", "runs_alone", "answer_prepared")

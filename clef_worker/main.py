@@ -27,7 +27,7 @@ from clef_protocol.frames import (
     write_frames,
 )
 from clef_protocol.messages import INFERENCE_FAILED
-from clef_protocol.options import add_model_arguments
+from clef_protocol.options import add_model_arguments, default_max_batch_tokens
 from clef_worker.allocator import keep_freed_memory
 from clef_worker.batching import (
     BatchingExecutor,
@@ -35,7 +35,6 @@ from clef_worker.batching import (
     Outcome,
     answer_groups,
     as_batching,
-    default_max_batch_tokens,
     frame_waiting,
 )
 from clef_worker.errors import ExecutorBroken, StartupError

@@ -24,10 +24,9 @@ from clef_protocol.body import parse_body
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.media import decode_media, has_media
 from clef_protocol.messages import ModelInfo
-from clef_protocol.options import RequestLimits
+from clef_protocol.options import RequestLimits, default_max_batch_tokens
 from clef_protocol.validation import validate_request
 from clef_worker import warmup
-from clef_worker.batching import default_max_batch_tokens
 from clef_worker.errors import (
     StartupError,
     broken_device_is_fatal,
