@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from clef_frontend import auth, logs, otel
+from clef_frontend import auth, logs, otel, priority
 from clef_frontend.catalogue import served_name
 from clef_frontend.config import ServerConfig
 from clef_frontend.server import serve
@@ -70,6 +70,13 @@ def _count(value: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}")
     return number
 _rate = _non_negative("bytes per second")
+
+
+def _objective_class(value: str) -> tuple[str, str]:
+    try:
+        return priority.parse_objective_class(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _devices(value: str) -> tuple[str, ...]:
@@ -154,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="ENTRIES",
                        help="answers kept for identical repeats of a key's requests, and "
                             "identical requests in flight share one forward; 0 turns both off")
+    queue.add_argument("--objective-class", type=_objective_class, action="append", default=[],
+                       metavar="NAME=CLASS",
+                       help="behind the inference gateway: requests whose "
+                            "x-llm-d-inference-objective is NAME wait as CLASS (interactive or "
+                            "bulk) unless X-Clef-Priority says otherwise; repeat per objective "
+                            "(default: objectives are ignored)")
     queue.add_argument("--drain-timeout", type=_seconds, default=d.drain_timeout,
                        help="seconds to finish queued work after SIGTERM before answering 503")
     worker = parser.add_argument_group("worker supervision")
@@ -244,6 +257,7 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         stall_timeout=args.stall_timeout,
         queue_timeout=args.queue_timeout or None,
         answer_cache=args.answer_cache,
+        objective_classes=tuple(args.objective_class),
     )
 
 

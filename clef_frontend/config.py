@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from clef_frontend.body_rate import BodyRateRule
+from clef_frontend.priority import check_objective_classes
 from clef_protocol.frames import MAX_FRAME_BYTES
 from clef_protocol.options import RequestLimits
 
@@ -63,6 +64,9 @@ class ServerConfig:
     # A modest bound (answers are a few KiB): enough for retries and score-then-compact pairs,
     # not for whole eval sweeps.
     answer_cache: int = 1024
+    # Behind the inference gateway: InferenceObjective names mapped to priority classes
+    # (--objective-class NAME=CLASS; priority.py owns the rule). Empty: objectives are ignored.
+    objective_classes: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         # A body that fits the HTTP limit must also fit one frame, or the worker channel would
@@ -92,6 +96,7 @@ class ServerConfig:
             raise ValueError("--drain-timeout, --restart-backoff and --retry-after must be >= 0")
         if self.queue_timeout is not None and self.queue_timeout <= 0:
             raise ValueError("--queue-timeout must be positive")
+        check_objective_classes(self.objective_classes)
         if self.answer_cache < 0:
             raise ValueError("--answer-cache must be >= 0")
         if not 0 <= self.port <= 65535:

@@ -159,24 +159,28 @@ def request_line(
     batch: int | None = None,
     trace_id: str = "-",
     key: str = "-",
+    tenant: str = "-",
 ) -> None:
     """`request method=POST path=/v1/systemone status=200 queue_ms=0.3 worker_ms=41.2 batch=4
     ... key=rag-ingest trace_id=4bf9... request_id=...` (`batch`: requests in the worker forward
     that answered it; its `worker_ms` is that forward's; `key`: the API key's name, `-` without
-    one; `trace_id`: the W3C trace, `-` when none is known).
+    one; `trace_id`: the W3C trace, `-` when none is known; `tenant`: the inference gateway's
+    fairness id, gateway.py, `-` without one).
 
     In JSON the same fields are keys of the line (numbers as numbers, unknown ones null)."""
     if _structured:
         access.info("request", extra={"request_id": request_id, "trace_id": trace_id, FIELDS: {
             "method": printable(method), "path": printable(target), "status": status,
             "queue_ms": _round(queue_ms), "worker_ms": _round(worker_ms), "batch": batch,
-            "bytes_in": bytes_in, "bytes_out": bytes_out, "client": client, "key": key}})
+            "bytes_in": bytes_in, "bytes_out": bytes_out, "client": client, "key": key,
+            "tenant": tenant}})
         return
     access.info(
         "request method=%s path=%s status=%d queue_ms=%s worker_ms=%s batch=%s bytes_in=%d "
-        "bytes_out=%d client=%s key=%s trace_id=%s request_id=%s",
+        "bytes_out=%d client=%s key=%s tenant=%s trace_id=%s request_id=%s",
         printable(method), printable(target), status, _ms(queue_ms), _ms(worker_ms),
-        "-" if batch is None else batch, bytes_in, bytes_out, client, key, trace_id, request_id,
+        "-" if batch is None else batch, bytes_in, bytes_out, client, key, tenant, trace_id,
+        request_id,
     )
 
 

@@ -97,6 +97,7 @@ class Finished:
     worker_ms: float | None = None
     stages: Mapping[str, float] | None = None
     batch_size: int | None = None
+    tenant: str | None = None  # the inference gateway's fairness id (gateway.py), if any
 
 
 class RequestSpan:
@@ -127,6 +128,8 @@ class RequestSpan:
             span.update_name(f"{self._method} {done.route}")
             span.set_attribute("http.route", done.route)
         span.set_attribute("http.response.status_code", done.status)
+        if done.tenant is not None:
+            span.set_attribute("clef.tenant", done.tenant)
         if done.status >= 500:  # a server span's error is the server's fault only
             span.set_status(Status(StatusCode.ERROR))
         tracer = self._tracing.tracer
@@ -288,7 +291,7 @@ def begin(context: TraceContext, method: bytes, target: bytes, request_id: str,
 
 
 def end(span: RequestSpan | None, *, status: int, route: str, ticket: Ticket | None,
-        answered_at: float | None) -> None:
+        answered_at: float | None, tenant: str = "-") -> None:
     """Finish a request's spans from what the front measured (nothing when not tracing)."""
     if span is None:
         return
@@ -301,4 +304,5 @@ def end(span: RequestSpan | None, *, status: int, route: str, ticket: Ticket | N
         worker_ms=ticket.worker_ms if ticket is not None else None,
         stages=getattr(reply, "stages", None),
         batch_size=reply.batch_size if reply is not None else None,
+        tenant=tenant if tenant != "-" else None,
     ))

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from clef_frontend import logs, otel, responses, tracing, workers_ai
+from clef_frontend import gateway, logs, otel, responses, tracing, workers_ai
 from clef_frontend.admission import Admission, Refused, Ticket
 from clef_frontend.api import ApiSurface
 from clef_frontend.auth import NO_KEY
@@ -287,16 +287,17 @@ class Pipeline:
     def log(self, ctx: RequestContext, status: int, bytes_out: int, client: str) -> None:
         """The access-log line, once the request is answered (or abandoned)."""
         ticket = ctx.ticket
+        tenant = gateway.tenant_of(ctx.header(gateway.FAIRNESS_HEADER))
         logs.request_line(
             method=ctx.method, target=ctx.target, status=status,
             queue_ms=ticket.queue_ms if ticket else None,
             worker_ms=ticket.worker_ms if ticket else None,
             bytes_in=ctx.bytes_in, bytes_out=bytes_out, client=client,
             request_id=ctx.request_id, batch=_batch_of(ticket), trace_id=ctx.trace_id,
-            key=ctx.key or NO_KEY,
+            key=ctx.key or NO_KEY, tenant=tenant,
         )
         otel.end(ctx.span, status=status, route=ctx.route_label, ticket=ticket,
-                 answered_at=ctx.answered_at)
+                 answered_at=ctx.answered_at, tenant=tenant)
         logs.unbind_request()
 
 

@@ -50,8 +50,10 @@ class TrafficSteps:
             if refusal is not None:
                 self._metrics.quota_refused(key.name)
         if refusal is None:
-            chosen = priority.from_header(ctx.header(priority.HEADER),
-                                          key.priority if key is not None else priority.INTERACTIVE)
+            default = key.priority if key is not None else priority.INTERACTIVE
+            default = priority.from_objective(ctx.header(priority.OBJECTIVE_HEADER),
+                                              self._pipeline.config.objective_classes, default)
+            chosen = priority.from_header(ctx.header(priority.HEADER), default)
             deadline = deadlines.from_header(ctx.header(deadlines.HEADER), ctx.started)
             if isinstance(chosen, Reply):
                 refusal = chosen
