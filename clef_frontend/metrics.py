@@ -7,7 +7,8 @@ ready, model info) are read from that state at scrape time, so they can never dr
 process, such as tests, apart.
 
 Exposed on `GET /metrics` of the public port, or, with `--metrics-port`, only on a separate
-port served by prometheus_client's own HTTP server (a thread), so metrics can stay off the
+port served by a small HTTP server on its own thread (exposition.py, which also writes the
+text format cheaply: an endpoint picker scrapes every 50 ms), so metrics can stay off the
 public side. Names follow the Prometheus conventions: a `clef_` prefix, base units (`_seconds`),
 `_total` for counters. The reference table is in docs/operations.md.
 """
@@ -18,7 +19,6 @@ import functools
 import logging
 import platform
 import re
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,13 +29,11 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    generate_latest,
-    start_http_server,
 )
 from prometheus_client.core import InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from clef_frontend import responses
+from clef_frontend import exposition, responses
 from clef_frontend.priority import CLASSES, INTERACTIVE
 from clef_frontend.responses import Reply, WorkerAnswer
 from clef_frontend.worker_channel import RESTART_REASONS
@@ -74,7 +72,6 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._separate_port = separate_port
         self._server: Any = None
-        self._thread: threading.Thread | None = None
         r = self.registry
         self.requests = Counter(
             "clef_http_requests", "HTTP requests answered, by route, status and key name "
@@ -217,7 +214,7 @@ class Metrics:
     # -- exposition -------------------------------------------------------------------------
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return exposition.render(self.registry)
 
     def public_reply(self) -> Reply:
         """`GET /metrics` on the public port: 404 when metrics live on their own port."""
@@ -227,7 +224,7 @@ class Metrics:
 
     def serve(self, host: str, port: int) -> int:
         """Serve the metrics on their own port (any path answers); the port actually bound."""
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = exposition.serve(self.registry, host, port)
         bound: int = self._server.server_address[1]
         return bound
 

@@ -5,11 +5,15 @@ load from one slow worker, read through a real front's /metrics."""
 from __future__ import annotations
 
 import math
+import socket
 import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
+from benchlib.http_client import Client
+from clef_frontend.exposition import render
 from clef_frontend.load import (
     MAX_TOKENS_PER_BYTE,
     PRIOR_TOKENS_PER_BYTE,
@@ -17,6 +21,7 @@ from clef_frontend.load import (
     token_budget,
     utilisation,
 )
+from clef_frontend.metrics import LiveState, Metrics
 from clef_protocol.options import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_BATCH_TOKENS_CPU
 from tests.frontend_helpers import Serve, clef_body
 from tests.test_observability import parse_metrics, scrape, value
@@ -111,3 +116,34 @@ def test_utilisation_saturates_at_one_on_the_metrics_port(tmp_path: Path) -> Non
         assert value(samples, USAGE) == 1.0
         gate.touch()
         assert running.result().status == 200 and waiting.result().status == 200
+
+
+# -- the exposition the picker scrapes -----------------------------------------------------------
+
+
+def test_the_fast_exposition_has_every_sample_of_prometheus_clients_but_created() -> None:
+    """exposition.render writes what generate_latest writes, less the `_created` series."""
+    metrics = Metrics(LiveState(queue_depth=lambda _: 3, in_flight=lambda: 2, queue_capacity=64,
+                                worker_ready=lambda: True, worker_info=lambda: None,
+                                queued=lambda: 3, token_usage=lambda: 0.5), version="t\"e\\st")
+    metrics.request_done(route="/v1/systemone", status=200, duration_s=0.01, scoring=True,
+                         queue_ms=1.0, worker_ms=2.0, key='a"b\\c\nd')
+    metrics.quota_refused("k")
+    ours = parse_metrics(render(metrics.registry).decode())
+    theirs = {key: sample for key, sample in
+              parse_metrics(generate_latest(metrics.registry).decode()).items()
+              if not key[0].endswith("_created")}
+    assert ours == theirs
+    assert value(ours, QUEUED) == 3 and value(ours, USAGE) == 0.5
+
+
+def test_the_metrics_port_keeps_a_scrapers_connection_alive() -> None:
+    """A picker's client reuses its connection: two scrapes on one socket, both answered."""
+    with Serve(front_args=("--metrics-port", "0")) as serve:
+        port = int(serve.wait_for(r"metrics on http://[^\s:]+:(\d+)/metrics")[1])
+        with Client(socket.create_connection(("127.0.0.1", port), timeout=10)) as client:
+            for _ in range(2):
+                client.send("GET", "/metrics")
+                response = client.read_response()
+                assert response.status == 200
+                assert value(parse_metrics(response.body.decode()), USAGE) == 0
