@@ -7,11 +7,13 @@ the front is what is measured), loads `POST /v1/systemone` from `--clients` keep
 connections (wrk when installed, else benchlib's asyncio client) and, meanwhile, scrapes
 `/metrics` every `--interval-ms` on one kept-alive connection, as a picker would (Go's HTTP
 client keeps connections alive), timing each scrape from the request to the last body byte.
-Two servers take turns, round by round, so both are measured under the same machine load:
+The targets take turns, round by round, so all are measured under the same machine load:
 
-- `public`: `/metrics` on the HTTP port, answered on the event loop between requests;
-- `metrics-port`: `--metrics-port`, served on its own thread (clef_frontend/exposition.py; what
-  the Kubernetes manifests use, and what the picker's configuration scrapes).
+- `public /metrics`: `/metrics` on the HTTP port, answered on the event loop between requests;
+- `metrics-port /metrics`: `--metrics-port`, served on its own thread
+  (clef_frontend/exposition.py; what the Kubernetes manifests give Prometheus);
+- `metrics-port /metrics/load`: the picker's three gauges alone on that port (what the
+  picker's configuration in the manifests scrapes).
 
 Each is also scraped idle first. Every scrape must be a 200 carrying the picker's three gauges,
 or the run fails. Prints one JSON document (the rows, the load's throughput, the body size).
@@ -33,24 +35,28 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchlib.docs_writer import add_write_docs_flag, replace_section
 from benchlib.http_client import Client, clef_body
 from benchlib.http_load import LoadResult, run_load
 from benchlib.provenance import command_line, cpu_line
 from benchlib.serve import Serve
 from benchlib.timing import elapsed_ms, latency_summary
+from clef_frontend.metrics import LOAD_PATH
 
 GAUGES = ("clef_requests_queued", "clef_requests_in_flight", "clef_token_budget_usage_ratio")
 SCORED = re.compile(r'^clef_http_requests_total\{[^}]*route="/v1/systemone"[^}]*status="200"'
                     r"[^}]*\} (\S+)$", re.MULTILINE)
 # The bound the issue sets for a scrape under full load (p99), on the 2-core machine.
 P99_BOUND_MS = 10.0
+BEGIN, END = "<!-- bench-metrics:under-load -->", "<!-- /bench-metrics:under-load -->"
 
 
 class Scraper:
     """Scrapes a /metrics URL every `interval` seconds on its own thread until stopped."""
 
-    def __init__(self, port: int, interval: float) -> None:
+    def __init__(self, port: int, path: str, interval: float) -> None:
         self._port = port
+        self._path = path
         self._client: Client | None = None
         self._interval = interval
         self._stop = threading.Event()
@@ -66,7 +72,7 @@ class Scraper:
             self._client = Client(socket.create_connection(("127.0.0.1", self._port), timeout=10))
         started = time.perf_counter()
         try:
-            self._client.send("GET", "/metrics")
+            self._client.send("GET", self._path)
             response = self._client.read_response()
         except (OSError, ConnectionError):
             self._client.close()
@@ -101,21 +107,21 @@ class Scraper:
             self._stop.wait(max(0.0, self._interval - (time.perf_counter() - started)))
 
 
-def answered(scraper: Scraper) -> float:
-    """Scoring requests answered 200 so far, read from a scrape."""
-    _, text = scraper.scrape()
+def answered(port: int) -> float:
+    """Scoring requests answered 200 so far, read from a full scrape."""
+    _, text = Scraper(port, "/metrics", 0).scrape()
     return sum(float(value) for value in SCORED.findall(text))
 
 
-def measure(serve: Serve, port: int, args: argparse.Namespace) -> dict[str, Any]:
+def measure(serve: Serve, port: int, path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Idle scrapes, then scrapes while the load runs; the load's own figures too."""
-    idle = Scraper(port, args.interval_ms / 1000.0)
+    idle = Scraper(port, path, args.interval_ms / 1000.0)
     for _ in range(args.idle_scrapes):
         took, _ = idle.scrape()
         idle.latencies_ms.append(took)
     idle.stop()
-    loaded = Scraper(port, args.interval_ms / 1000.0)
-    before = answered(loaded)
+    loaded = Scraper(port, path, args.interval_ms / 1000.0)
+    before = answered(port)
     result: dict[str, LoadResult] = {}
     load = threading.Thread(target=lambda: result.setdefault("load", run_load(
         "127.0.0.1", serve.port, "POST", "/v1/systemone", clef_body(),
@@ -123,7 +129,7 @@ def measure(serve: Serve, port: int, args: argparse.Namespace) -> dict[str, Any]
     load.start()
     # Scrapes count once the load is visibly running (answers moving), not from a guess.
     deadline = time.monotonic() + 30
-    while answered(loaded) <= before:
+    while answered(port) <= before:
         if time.monotonic() > deadline or not load.is_alive():
             raise RuntimeError("the load never reached the server")
     loaded.start()
@@ -146,10 +152,35 @@ def server(kind: str) -> Serve:
 
 
 def metrics_port(serve: Serve, kind: str) -> int:
-    """Where `kind`'s /metrics is served."""
-    if kind == "metrics-port":
+    """Where `kind`'s metrics are served."""
+    if kind != "public":
         return int(serve.wait_for(r"metrics on http://[^\s:]+:(\d+)/metrics")[1])
     return serve.port
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The section of docs/benchmarks.md: one row per server and state."""
+    lines = [BEGIN, "## Metrics under load", "",
+             f"`{report['command']}`: {report['clients']} clients load `POST /v1/systemone` "
+             f"(zero-work worker) for {report['seconds_per_round']:g} s per round, "
+             f"{report['rounds']} rounds, the two servers taking turns; a scrape of `/metrics` "
+             f"every {report['interval_ms']:g} ms on one kept-alive connection. Host: "
+             f"{report['host']}, shared with other work while it ran (the figures are a "
+             "ceiling for this machine, not a measure of the code alone).", "",
+             "| scraped | state | scrapes | p50 ms | p99 ms | max ms | body bytes | "
+             "load req/s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for kind, row in report["rows"].items():
+        for state in ("idle", "loaded"):
+            stats = row[state]
+            rps = ", ".join(f"{r:g}" for r in row["load_rps"]) if state == "loaded" else ""
+            lines.append(f"| {kind} | {state} | {stats['n']} | {stats['p50_ms']} | "
+                         f"{stats['p99_ms']} | {stats['max_ms']} | {row['body_bytes']} | "
+                         f"{rps} |")
+    lines += ["", f"The bound asked for is p99 <= {report['p99_bound_ms']:g} ms under load. "
+              f"The endpoint picker of the Kubernetes manifests scrapes `{LOAD_PATH}` on the "
+              "metrics port (its three gauges only).",
+              END]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,18 +194,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="one short round, few scrapes, no result file (CI smoke run)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON result here")
+    add_write_docs_flag(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.seconds, args.rounds, args.idle_scrapes = 2.0, 1, 5
-    kinds = ("public", "metrics-port")
+    # What is scraped: the server, and the path on it (the picker's is LOAD_PATH).
+    targets = {"public /metrics": ("public", "/metrics"),
+               "metrics-port /metrics": ("metrics-port", "/metrics"),
+               f"metrics-port {LOAD_PATH}": ("metrics-port", LOAD_PATH)}
+    kinds = tuple(targets)
     samples: dict[str, dict[str, list[float]]] = {k: {"idle": [], "loaded": []} for k in kinds}
     extra: dict[str, dict[str, Any]] = {}
     with server("public") as public, server("metrics-port") as separate:
         servers = {"public": public, "metrics-port": separate}
-        ports = {kind: metrics_port(servers[kind], kind) for kind in kinds}
+        ports = {name: metrics_port(serve, name) for name, serve in servers.items()}
         for _ in range(args.rounds):
-            for kind in kinds:  # taking turns: the machine's other load falls on both
-                measured = measure(servers[kind], ports[kind], args)
+            for kind in kinds:  # taking turns: the machine's other load falls on each
+                name, path = targets[kind]
+                measured = measure(servers[name], ports[name], path, args)
                 samples[kind]["idle"] += measured.pop("idle")
                 samples[kind]["loaded"] += measured.pop("loaded")
                 extra.setdefault(kind, {"load_rps": []})["load_rps"].append(
@@ -190,10 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n", encoding="utf-8")
+    if args.write_docs and not args.quick:
+        replace_section(markdown(report), BEGIN, END)
     for kind in kinds:
         p99 = rows[kind]["loaded"].get("p99_ms", 0.0)
         verdict = "within" if p99 <= P99_BOUND_MS else "ABOVE"
-        print(f"{kind}: /metrics p99 under load {p99} ms ({verdict} the {P99_BOUND_MS} ms bound)",
+        print(f"{kind}: p99 under load {p99} ms ({verdict} the {P99_BOUND_MS} ms bound)",
               file=sys.stderr)
     return 0
 

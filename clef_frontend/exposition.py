@@ -61,16 +61,18 @@ def render(registry: CollectorRegistry) -> bytes:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """Every GET (any path) answers the text format; nothing else is logged."""
+    """Every GET answers the text format: of the registry its path names in `paths`, else of
+    the whole `registry`; nothing is logged."""
 
     protocol_version = "HTTP/1.1"  # keep-alive for scrapers that reuse connections
     # The head and the body leave in two writes: with Nagle's algorithm the body would wait for
     # the client's delayed ACK of the head (40 ms on Linux) on a kept-alive connection.
     disable_nagle_algorithm = True
     registry: CollectorRegistry
+    paths: dict[str, CollectorRegistry]
 
     def do_GET(self) -> None:
-        body = render(self.registry)
+        body = render(self.paths.get(self.path.split("?", 1)[0], self.registry))
         self.send_response(200)
         self.send_header("Content-Type", CONTENT_TYPE_LATEST)
         self.send_header("Content-Length", str(len(body)))
@@ -81,9 +83,11 @@ class _Handler(BaseHTTPRequestHandler):
         """Scrapes are not logged (one every 50 ms per picker)."""
 
 
-def serve(registry: CollectorRegistry, host: str, port: int) -> ThreadingHTTPServer:
-    """Serve the registry on `host:port` (0: any free port) from a daemon thread."""
-    handler = type("MetricsHandler", (_Handler,), {"registry": registry})
+def serve(registry: CollectorRegistry, host: str, port: int,
+          paths: dict[str, CollectorRegistry] | None = None) -> ThreadingHTTPServer:
+    """Serve `registry` on `host:port` (0: any free port) from a daemon thread, and the
+    registries of `paths` on those paths."""
+    handler = type("MetricsHandler", (_Handler,), {"registry": registry, "paths": paths or {}})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-port", daemon=True).start()

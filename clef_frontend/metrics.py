@@ -115,18 +115,27 @@ class Metrics:
             depth.labels(name).set_function(functools.partial(_as_float, live.queue_depth, name))
         Gauge("clef_queue_capacity", "Requests that may wait (--queue-size).",
               registry=r).set(live.queue_capacity)
-        Gauge("clef_requests_in_flight", "Requests the worker is answering now.",
-              registry=r).set_function(lambda: float(live.in_flight()))
+        # The endpoint picker's three gauges are also the whole of LOAD_PATH on the metrics
+        # port (`load_registry`): a scrape every 50 ms needs only them.
+        self.load_registry = CollectorRegistry(auto_describe=True)
+        running = Gauge("clef_requests_in_flight", "Requests the worker is answering now.",
+                        registry=None)
+        running.set_function(lambda: float(live.in_flight()))
         Gauge("clef_worker_ready", "1 while a warm worker accepts requests, else 0.",
               registry=r).set_function(lambda: 1.0 if live.worker_ready() else 0.0)
         # For an endpoint picker (docs/operations.md, "Behind the inference gateway"): one
         # series each, no labels, so a picker's metric spec names exactly one.
-        Gauge("clef_requests_queued", "Requests waiting for a worker, every class together.",
-              registry=r).set_function(lambda: float(live.queued()))
-        Gauge("clef_token_budget_usage_ratio",
-              "Estimated tokens of the requests waiting and in flight over the token budget "
-              "(--max-batch-tokens) of the ready workers, capped at 1; 1 with no worker ready.",
-              registry=r).set_function(live.token_usage)
+        queued = Gauge("clef_requests_queued",
+                       "Requests waiting for a worker, every class together.", registry=None)
+        queued.set_function(lambda: float(live.queued()))
+        usage = Gauge("clef_token_budget_usage_ratio",
+                      "Estimated tokens of the requests waiting and in flight over the token "
+                      "budget (--max-batch-tokens) of the ready workers, capped at 1; 1 with no "
+                      "worker ready.", registry=None)
+        usage.set_function(live.token_usage)
+        for gauge in (queued, running, usage):
+            r.register(gauge)
+            self.load_registry.register(gauge)
         r.register(_InfoCollector(version, live.worker_info))
         self._shared_traffic_metrics()
 
@@ -223,8 +232,10 @@ class Metrics:
         return Reply(200, self.render(), content_type=CONTENT_TYPE_LATEST)
 
     def serve(self, host: str, port: int) -> int:
-        """Serve the metrics on their own port (any path answers); the port actually bound."""
-        self._server = exposition.serve(self.registry, host, port)
+        """Serve the metrics on their own port (LOAD_PATH: the picker's three gauges; any other
+        path: everything); the port actually bound."""
+        self._server = exposition.serve(self.registry, host, port,
+                                        {LOAD_PATH: self.load_registry})
         bound: int = self._server.server_address[1]
         return bound
 
@@ -234,6 +245,10 @@ class Metrics:
             self._server.server_close()
             self._server = None
 
+
+# On the metrics port, the endpoint picker's three gauges alone (docs/operations.md, "Behind the
+# inference gateway"): a few hundred bytes instead of every metric, for a scrape every 50 ms.
+LOAD_PATH = "/metrics/load"
 
 # Why a request was sent again: `WorkerLost.reason` (worker_channel.py's failure kinds).
 RESEND_REASONS = ("crash", "hung", "protocol", "stalled")

@@ -5,12 +5,14 @@ and the objects agreeing with the clef-serve Deployment and with what a real fro
 from __future__ import annotations
 
 import copy
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from clef_frontend.metrics import LOAD_PATH
 from tests.frontend_helpers import Serve
 from tests.gateway_schema import (
     check_inference_objective,
@@ -21,7 +23,7 @@ from tests.gateway_schema import (
     plugin_names,
 )
 from tests.test_deploy_manifests import K8S, container, one, rendered, server_config
-from tests.test_observability import scrape
+from tests.test_observability import parse_metrics
 
 GATEWAY = K8S / "overlays" / "inference-gateway"
 GATEWAY_KEDA = K8S / "overlays" / "inference-gateway-keda"
@@ -189,7 +191,7 @@ def test_the_picker_forwards_any_path_and_reads_the_metrics_port() -> None:
         next(n for n, t in plugin_names(config).items() if t == "passthrough-parser")]
     source = plugin(config, "metrics-data-source")["parameters"]
     server = server_config(clef_container(documents))
-    assert source["port"] == server.metrics_port and source["path"] == "/metrics"
+    assert source["port"] == server.metrics_port and source["path"] == LOAD_PATH
     # The NetworkPolicy lets the picker's pods reach that port.
     policy = named(documents, "NetworkPolicy", "clef-serve")["spec"]
     picker_labels = picker_deployment(documents)["spec"]["template"]["metadata"]["labels"]
@@ -247,17 +249,27 @@ def test_the_picker_can_watch_what_it_needs() -> None:
 
 def test_the_three_metric_names_are_what_a_real_front_exports() -> None:
     """Each spec names a gauge a running front exports as one unlabelled series (a picker spec
-    without labels must match exactly one); the front runs with its defaults."""
-    extractor = plugin(picker_config(rendered(GATEWAY)), "core-metrics-extractor")["parameters"]
+    without labels must match exactly one), at the path the picker scrapes on the metrics port
+    (exactly those three there) and in the full /metrics. The front runs with its defaults but
+    the metrics port, which the manifests give it."""
+    config = picker_config(rendered(GATEWAY))
+    extractor = plugin(config, "core-metrics-extractor")["parameters"]
+    path = plugin(config, "metrics-data-source")["parameters"]["path"]
     (clef,) = [e for e in extractor["engineConfigs"] if e["name"] == "clef"]
     names = [metric_name(clef[field]) for field in ("queuedRequestsSpec", "runningRequestsSpec",
                                                     "kvUsageSpec")]
     assert len(set(names)) == 3
-    with Serve(max_batch=None) as serve:
-        samples = scrape(serve)
-    for name in names:
-        series = [labels for (sample, labels) in samples if sample == name]
-        assert series == [frozenset()], f"{name}: {series}"
+    with Serve(front_args=("--metrics-port", "0"), max_batch=None) as serve:
+        port = int(serve.wait_for(r"metrics on http://[^\s:]+:(\d+)/metrics")[1])
+        scraped = {}
+        for where in (path, "/metrics"):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{where}", timeout=10) as answer:
+                scraped[where] = parse_metrics(answer.read().decode())
+    assert {sample for sample, _ in scraped[path]} == set(names)
+    for samples in scraped.values():
+        for name in names:
+            series = [labels for (sample, labels) in samples if sample == name]
+            assert series == [frozenset()], f"{name}: {series}"
 
 
 # -- KEDA on the picker's pool metrics -------------------------------------------------------------
