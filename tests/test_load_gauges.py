@@ -4,8 +4,10 @@ load from one slow worker, read through a real front's /metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import socket
+import time
 import urllib.request
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from benchlib.http_client import Client
+from clef_frontend.admission import Admission
 from clef_frontend.exposition import render
 from clef_frontend.load import (
     MAX_TOKENS_PER_BYTE,
@@ -22,8 +25,10 @@ from clef_frontend.load import (
     utilisation,
 )
 from clef_frontend.metrics import LiveState, Metrics
+from clef_frontend.worker_channel import WorkerExited
 from clef_protocol.options import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_BATCH_TOKENS_CPU
 from tests.frontend_helpers import Serve, clef_body
+from tests.test_frontend_units import FakeLane, FakeWorkers
 from tests.test_observability import parse_metrics, scrape, value
 
 QUEUED, RUNNING, USAGE = ("clef_requests_queued", "clef_requests_in_flight",
@@ -65,6 +70,45 @@ def test_utilisation_is_capped_and_full_without_a_ready_worker() -> None:
     assert utilisation(1024, 4096) == 0.25
     assert utilisation(10_000, 4096) == 1.0
     assert utilisation(0, 0) == 1.0  # nothing can be served: a picker must send nothing
+
+
+def test_admissions_token_counts_follow_every_way_a_ticket_leaves() -> None:
+    """Sent, abandoned, expired, lost with its worker and resent, refused, answered: the
+    estimated tokens waiting and in flight always equal those of the tickets still there, and
+    end at zero (a count that drifted would misreport the pod to the picker forever)."""
+    async def scenario() -> None:
+        lane = FakeLane(room=1)
+        admission = Admission(capacity=8, retry_after=1, workers=FakeWorkers(lane),
+                              estimate=TokenEstimate(max_length=1000))
+        body = b"x" * 40  # 10 tokens at the prior ratio
+
+        def counts() -> tuple[int, int]:
+            return admission.tokens_waiting, admission.tokens_in_flight
+
+        sent = admission.submit(body)
+        left = admission.submit(body)
+        waits = admission.submit(body)
+        expires = admission.submit(body, deadline=time.monotonic() + 0.05)
+        assert counts() == (30, 10)
+        admission.abandon(left)
+        assert counts() == (20, 10)
+        assert (await expires.outcome).status == 504  # the deadline timer answered it
+        assert counts() == (10, 10)
+        lane.held.pop(0)[2](WorkerExited("worker closed its output"))  # resent, alone
+        assert counts() == (10, 10) and lane.in_flight == 1 and admission.depth == 1
+        lane.answer_oldest()
+        assert (await sent.outcome).status == 200
+        assert counts() == (0, 10)  # `waits` took the worker
+        refused = admission.submit(body)
+        assert counts() == (10, 10)
+        admission.refuse_waiting("worker is restarting")
+        assert (await refused.outcome).status == 503
+        assert counts() == (0, 10)
+        lane.answer_oldest()
+        assert (await waits.outcome).status == 200
+        assert counts() == (0, 0)
+
+    asyncio.run(scenario())
 
 
 # -- through a real front --------------------------------------------------------------------------
