@@ -28,6 +28,10 @@ Admission knows the workers only through the `Workers` and `Lane` protocols belo
 503 from a 500 by the exceptions of `worker_errors`; it never imports the supervisor, the pool
 or the channel, so they can change shape behind it.
 
+Load in tokens (load.py): each ticket carries its estimated token cost, and admission keeps the
+sum waiting and the sum in flight as two counters, the numerator of the utilisation gauge an
+endpoint picker reads; each answer teaches the estimate its real token count.
+
 Everything here is driven by events and runs no task of its own: a ticket is sent the moment it
 is admitted if a worker has room, and each reply (a callback from the worker channel) answers
 its ticket and sends the next waiting one. No dispatcher task, no task per request.

@@ -162,10 +162,10 @@ def request_line(
     tenant: str = "-",
 ) -> None:
     """`request method=POST path=/v1/systemone status=200 queue_ms=0.3 worker_ms=41.2 batch=4
-    ... key=rag-ingest trace_id=4bf9... request_id=...` (`batch`: requests in the worker forward
-    that answered it; its `worker_ms` is that forward's; `key`: the API key's name, `-` without
-    one; `trace_id`: the W3C trace, `-` when none is known; `tenant`: the inference gateway's
-    fairness id, gateway.py, `-` without one).
+    ... key=rag-ingest tenant=- trace_id=4bf9... request_id=...` (`batch`: requests in the
+    worker forward that answered it; its `worker_ms` is that forward's; `key`: the API key's
+    name, `-` without one; `trace_id`: the W3C trace, `-` when none is known; `tenant`: the
+    inference gateway's fairness id, gateway.py, `-` without one).
 
     In JSON the same fields are keys of the line (numbers as numbers, unknown ones null)."""
     if _structured:
