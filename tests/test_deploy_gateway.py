@@ -106,26 +106,40 @@ def test_the_checks_refuse_broken_objects() -> None:
             target[path[-1]] = value
         return copied
 
-    assert check_inference_pool(broken(pool, ["spec", "targetPorts"], None))
-    assert check_inference_pool(broken(pool, ["spec", "targetPorts"], [{"number": 70000}]))
-    assert check_inference_pool(broken(pool, ["spec", "endpointPickerRef", "failureMode"],
-                                       "Sometimes"))
-    assert check_inference_pool(broken(pool, ["spec", "endpointPickerRef", "port"], None))
-    assert check_inference_pool(broken(pool, ["spec", "targetPortNumber"], 8000))  # v1alpha2
-    assert check_inference_pool(broken(pool, ["apiVersion"], "inference.networking.x-k8s.io/"
-                                                             "v1alpha2"))
-    assert check_inference_objective(broken(objective, ["spec", "poolRef"], None))
-    assert check_inference_objective(broken(objective, ["spec", "priority"], "high"))
-    assert check_inference_objective(broken(objective, ["spec", "criticality"], "Critical"))
-    assert check_picker_config(broken(config, ["plugins"], [*config["plugins"],
-                                                           {"type": "no-such-plugin"}]))
-    assert check_picker_config(broken(config, ["requestHandler", "parsers"],
-                                      [{"pluginRef": "openai-parser"}]))
-    assert check_picker_config(broken(config, ["featureGates"], ["flowControll"]))
+    def refused(problems: list[str], naming: str) -> bool:
+        return any(naming in problem for problem in problems)
+
+    assert refused(check_inference_pool(broken(pool, ["spec", "targetPorts"], None)),
+                   "targetPorts")
+    assert refused(check_inference_pool(broken(pool, ["spec", "targetPorts"],
+                                               [{"number": 70000}])), "70000")
+    assert refused(check_inference_pool(broken(pool, ["spec", "endpointPickerRef",
+                                                      "failureMode"], "Sometimes")),
+                   "failureMode")
+    assert refused(check_inference_pool(broken(pool, ["spec", "endpointPickerRef", "port"],
+                                               None)), "port is required")
+    # v1alpha2's field, gone in v1.
+    assert refused(check_inference_pool(broken(pool, ["spec", "targetPortNumber"], 8000)),
+                   "targetPortNumber")
+    assert refused(check_inference_pool(broken(
+        pool, ["apiVersion"], "inference.networking.x-k8s.io/v1alpha2")), "expected")
+    assert refused(check_inference_objective(broken(objective, ["spec", "poolRef"], None)),
+                   "poolRef")
+    assert refused(check_inference_objective(broken(objective, ["spec", "priority"], "high")),
+                   "int32")
+    assert refused(check_inference_objective(broken(objective, ["spec", "criticality"],
+                                                    "Critical")), "criticality")
+    assert refused(check_picker_config(broken(config, ["plugins"], [
+        *config["plugins"], {"type": "no-such-plugin"}])), "not registered")
+    assert refused(check_picker_config(broken(config, ["requestHandler", "parsers"],
+                                              [{"pluginRef": "openai-parser"}])), "undefined")
+    assert refused(check_picker_config(broken(config, ["featureGates"], ["flowControll"])),
+                   "feature gate")
     detector = next(i for i, p in enumerate(config["plugins"])
                     if p["type"] == "utilization-detector")
-    assert check_picker_config(broken(config, ["plugins", detector, "parameters",
-                                               "kvCacheUtilThreshold"], 1.5))
+    assert refused(check_picker_config(broken(config, ["plugins", detector, "parameters",
+                                                      "kvCacheUtilThreshold"], 1.5)),
+                   "kvCacheUtilThreshold")
 
 
 # -- the pool and the pods ------------------------------------------------------------------------
