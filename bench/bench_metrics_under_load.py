@@ -109,7 +109,11 @@ class Scraper:
 
 def answered(port: int) -> float:
     """Scoring requests answered 200 so far, read from a full scrape."""
-    _, text = Scraper(port, "/metrics", 0).scrape()
+    scraper = Scraper(port, "/metrics", 0)
+    try:
+        _, text = scraper.scrape()
+    finally:
+        scraper.stop()
     return sum(float(value) for value in SCORED.findall(text))
 
 
@@ -132,6 +136,7 @@ def measure(serve: Serve, port: int, path: str, args: argparse.Namespace) -> dic
     while answered(port) <= before:
         if time.monotonic() > deadline or not load.is_alive():
             raise RuntimeError("the load never reached the server")
+        time.sleep(0.01)  # a polling interval: the condition itself is what is waited for
     loaded.start()
     load.join()
     loaded.stop()
