@@ -65,19 +65,19 @@ class _Handler(BaseHTTPRequestHandler):
     the whole `registry`; nothing is logged."""
 
     protocol_version = "HTTP/1.1"  # keep-alive for scrapers that reuse connections
-    # The head and the body leave in two writes: with Nagle's algorithm the body would wait for
-    # the client's delayed ACK of the head (40 ms on Linux) on a kept-alive connection.
+    # Small answers must leave at once: with Nagle's algorithm a write could wait for the
+    # client's delayed ACK of the previous one (40 ms on Linux) on a kept-alive connection.
     disable_nagle_algorithm = True
     registry: CollectorRegistry
     paths: dict[str, CollectorRegistry]
 
     def do_GET(self) -> None:
         body = render(self.paths.get(self.path.split("?", 1)[0], self.registry))
-        self.send_response(200)
-        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        # One write for head and body: each blocking call gives the GIL up, and while the event
+        # loop is busy, taking it back can cost a switch interval (5 ms).
+        head = (f"HTTP/1.1 200 OK\r\nContent-Type: {CONTENT_TYPE_LATEST}\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n")
+        self.wfile.write(head.encode("ascii") + body)
 
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes are not logged (one every 50 ms per picker)."""
