@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import socket
 import sys
@@ -168,10 +169,12 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [BEGIN, "## Metrics under load", "",
              f"`{report['command']}`: {report['clients']} clients load `POST /v1/systemone` "
              f"(zero-work worker) for {report['seconds_per_round']:g} s per round, "
-             f"{report['rounds']} rounds, the two servers taking turns; a scrape of `/metrics` "
-             f"every {report['interval_ms']:g} ms on one kept-alive connection. Host: "
-             f"{report['host']}, shared with other work while it ran (the figures are a "
-             "ceiling for this machine, not a measure of the code alone).", "",
+             f"{report['rounds']} rounds, the three targets taking turns; a scrape every "
+             f"{report['interval_ms']:g} ms on one kept-alive connection. Host: "
+             f"{report['host']}, shared with other work while it ran (load average "
+             f"{report['load_average'][0]:.1f} at the start, {report['load_average'][1]:.1f} at "
+             "the end: the figures include waiting for a core, they are a ceiling for this "
+             "machine, not a measure of the code alone).", "",
              "| scraped | state | scrapes | p50 ms | p99 ms | max ms | body bytes | "
              "load req/s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for kind, row in report["rows"].items():
@@ -208,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                "metrics-port /metrics": ("metrics-port", "/metrics"),
                f"metrics-port {LOAD_PATH}": ("metrics-port", LOAD_PATH)}
     kinds = tuple(targets)
+    load_before = os.getloadavg()[0]
     samples: dict[str, dict[str, list[float]]] = {k: {"idle": [], "loaded": []} for k in kinds}
     extra: dict[str, dict[str, Any]] = {}
     with server("public") as public, server("metrics-port") as separate:
@@ -227,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": command_line(__file__, argv), "host": cpu_line(),
               "clients": args.clients, "seconds_per_round": args.seconds,
               "rounds": args.rounds, "interval_ms": args.interval_ms,
+              "load_average": [load_before, os.getloadavg()[0]],
               "p99_bound_ms": P99_BOUND_MS, "rows": rows}
     text = json.dumps(report, indent=2)
     print(text)
