@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from clef_frontend import auth, logs, otel
+from clef_frontend import auth, logs, otel, priority
 from clef_frontend.catalogue import served_name
 from clef_frontend.config import ServerConfig
 from clef_frontend.dispatch.settings import add_worker_arguments, worker_settings_from
@@ -63,6 +63,13 @@ def _count(value: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}")
     return number
 _rate = _non_negative("bytes per second")
+
+
+def _objective_class(value: str) -> tuple[str, str]:
+    try:
+        return priority.parse_objective_class(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="ENTRIES",
                        help="answers kept for identical repeats of a key's requests, and "
                             "identical requests in flight share one forward; 0 turns both off")
+    queue.add_argument("--objective-class", type=_objective_class, action="append", default=[],
+                       metavar="NAME=CLASS",
+                       help="behind the inference gateway: requests whose "
+                            "x-llm-d-inference-objective is NAME wait as CLASS (interactive or "
+                            "bulk) unless X-Clef-Priority says otherwise; repeat per objective "
+                            "(default: objectives are ignored)")
     queue.add_argument("--drain-timeout", type=_seconds, default=d.drain_timeout,
                        help="seconds to finish queued work after SIGTERM before answering 503")
     add_worker_arguments(parser)
@@ -156,8 +169,10 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         served_model_names=tuple(args.served_model_name or (args.variant,)),
         api_key_file=args.api_key_file,
         api_key=os.environ.get(auth.ENV_VAR) or None,
+        max_batch_tokens=args.max_batch_tokens,
         queue_timeout=args.queue_timeout or None,
         answer_cache=args.answer_cache,
+        objective_classes=tuple(args.objective_class),
     )
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 
 from clef_frontend.body_rate import BodyRateRule
 from clef_frontend.dispatch.settings import WorkerSettings
+from clef_frontend.priority import check_objective_classes
 from clef_protocol.frames import MAX_FRAME_BYTES
 from clef_protocol.options import RequestLimits
 
@@ -54,6 +55,12 @@ class ServerConfig:
     devices: tuple[str, ...] = ()
     workers_per_device: int = 1
     max_batch: int | None = None
+    # The worker's --max-batch-tokens (0: by device), which the front reads only as the token
+    # budget behind its utilisation gauge (load.py).
+    max_batch_tokens: int = 0
+    # Shared traffic: a worker silent this long (no pong, no reply) is wedged; requests wait
+    # at most `queue_timeout` seconds for a worker (None: no limit); `answer_cache` answers kept
+    # for repeats (0: no cache, and no sharing of identical requests in flight).
     stall_timeout: float = 30.0
     max_restarts: int | None = None
     # Shared traffic: requests wait at most `queue_timeout` seconds for a worker (None: no
@@ -63,6 +70,9 @@ class ServerConfig:
     # A modest bound (answers are a few KiB): enough for retries and score-then-compact pairs,
     # not for whole eval sweeps.
     answer_cache: int = 1024
+    # Behind the inference gateway: InferenceObjective names mapped to priority classes
+    # (--objective-class NAME=CLASS; priority.py owns the rule). Empty: objectives are ignored.
+    objective_classes: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         # A body that fits the HTTP limit must also fit one frame, or the worker channel would
@@ -85,6 +95,7 @@ class ServerConfig:
             raise ValueError("--drain-timeout and --retry-after must be >= 0")
         if self.queue_timeout is not None and self.queue_timeout <= 0:
             raise ValueError("--queue-timeout must be positive")
+        check_objective_classes(self.objective_classes)
         if self.answer_cache < 0:
             raise ValueError("--answer-cache must be >= 0")
         if not 0 <= self.port <= 65535:

@@ -176,12 +176,14 @@ def request_line(
     trace_id: str = "-",
     key: str = "-",
     cache: str | None = None,
+    tenant: str = "-",
 ) -> None:
     """`request method=POST path=/v1/systemone status=200 queue_ms=0.3 worker_ms=41.2 batch=4
-    ... key=rag-ingest cache=miss trace_id=4bf9... request_id=...` (`batch`: requests in the
-    worker forward that answered it; its `worker_ms` is that forward's; `key`: the API key's
-    name, `-` without one; `cache`: the answer cache's `hit`, `coalesced` (shared an identical
-    request's forward: no queue or worker time of its own) or `miss`, `-` when not looked up;
+    ... key=rag-ingest cache=miss tenant=- trace_id=4bf9... request_id=...` (`batch`: requests
+    in the worker forward that answered it; its `worker_ms` is that forward's; `key`: the API
+    key's name, `-` without one; `cache`: the answer cache's `hit`, `coalesced` (shared an
+    identical request's forward: no queue or worker time of its own) or `miss`, `-` when not
+    looked up; `tenant`: the inference gateway's fairness id, gateway.py, `-` without one;
     `trace_id`: the W3C trace, `-` when none is known).
 
     In JSON the same fields are keys of the line (numbers as numbers, unknown ones null)."""
@@ -190,13 +192,13 @@ def request_line(
             "method": printable(method), "path": printable(target), "status": status,
             "queue_ms": _round(queue_ms), "worker_ms": _round(worker_ms), "batch": batch,
             "bytes_in": bytes_in, "bytes_out": bytes_out, "client": client, "key": key,
-            "cache": cache}})
+            "cache": cache, "tenant": tenant}})
         return
     fields = (
         f"method={printable(method)} path={printable(target)} status={status} "
         f"queue_ms={_ms(queue_ms)} worker_ms={_ms(worker_ms)} "
         f"batch={'-' if batch is None else batch} bytes_in={bytes_in} bytes_out={bytes_out} "
-        f"client={client} key={key} cache={cache or '-'} trace_id={trace_id} "
+        f"client={client} key={key} cache={cache or '-'} tenant={tenant} trace_id={trace_id} "
         f"request_id={request_id}")
     sink = _text_sink
     if sink is not None and access.isEnabledFor(logging.INFO):

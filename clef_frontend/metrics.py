@@ -7,7 +7,8 @@ ready, model info) are read from that state at scrape time, so they can never dr
 process, such as tests, apart.
 
 Exposed on `GET /metrics` of the public port, or, with `--metrics-port`, only on a separate
-port served by prometheus_client's own HTTP server (a thread), so metrics can stay off the
+port served by a small HTTP server on its own thread (exposition.py, which also writes the
+text format cheaply: an endpoint picker scrapes every 50 ms), so metrics can stay off the
 public side. Names follow the Prometheus conventions: a `clef_` prefix, base units (`_seconds`),
 `_total` for counters. The reference table is in docs/operations.md.
 """
@@ -18,7 +19,6 @@ import functools
 import logging
 import platform
 import re
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,13 +29,11 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    generate_latest,
-    start_http_server,
 )
 from prometheus_client.core import InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from clef_frontend import responses
+from clef_frontend import exposition, responses
 from clef_frontend.dispatch.worker_channel import RESTART_REASONS
 from clef_frontend.priority import CLASSES, INTERACTIVE
 from clef_frontend.responses import Reply
@@ -61,6 +59,10 @@ class LiveState:
     queue_capacity: int
     worker_ready: Callable[[], bool]
     worker_info: Callable[[], ReadyInfo | None]
+    # The endpoint picker's three gauges (load.py): all classes waiting, and the token budget
+    # in use (0-1). The third, requests running, is `in_flight`.
+    queued: Callable[[], int] = lambda: 0
+    token_usage: Callable[[], float] = lambda: 0.0
 
 
 class Metrics:
@@ -70,7 +72,6 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._separate_port = separate_port
         self._server: Any = None
-        self._thread: threading.Thread | None = None
         r = self.registry
         self.requests = Counter(
             "clef_http_requests", "HTTP requests answered, by route, status and key name "
@@ -118,11 +119,28 @@ class Metrics:
             depth.labels(name).set_function(functools.partial(_as_float, live.queue_depth, name))
         Gauge("clef_queue_capacity", "Requests that may wait (--queue-size).",
               registry=r).set(live.queue_capacity)
-        Gauge("clef_requests_in_flight", "Requests the workers are answering now, all workers "
-              "together.",
-              registry=r).set_function(lambda: float(live.in_flight()))
+        # The endpoint picker's three gauges are also the whole of LOAD_PATH on the metrics
+        # port (`load_registry`): a scrape every 50 ms needs only them.
+        self.load_registry = CollectorRegistry(auto_describe=True)
+        running = Gauge("clef_requests_in_flight",
+                        "Requests the workers are answering now, all workers together.",
+                        registry=None)
+        running.set_function(lambda: float(live.in_flight()))
         Gauge("clef_worker_ready", "1 while a warm worker accepts requests, else 0.",
               registry=r).set_function(lambda: 1.0 if live.worker_ready() else 0.0)
+        # For an endpoint picker (docs/operations.md, "Behind the inference gateway"): one
+        # series each, no labels, so a picker's metric spec names exactly one.
+        queued = Gauge("clef_requests_queued",
+                       "Requests waiting for a worker, every class together.", registry=None)
+        queued.set_function(lambda: float(live.queued()))
+        usage = Gauge("clef_token_budget_usage_ratio",
+                      "Estimated tokens of the requests waiting and in flight over the token "
+                      "budget (--max-batch-tokens) of the ready workers, capped at 1; 1 with no "
+                      "worker ready.", registry=None)
+        usage.set_function(live.token_usage)
+        for gauge in (queued, running, usage):
+            r.register(gauge)
+            self.load_registry.register(gauge)
         r.register(_InfoCollector(version, live.worker_info))
         self._shared_traffic_metrics()
 
@@ -216,7 +234,7 @@ class Metrics:
     # -- exposition -------------------------------------------------------------------------
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return exposition.render(self.registry)
 
     def public_reply(self) -> Reply:
         """`GET /metrics` on the public port: 404 when metrics live on their own port."""
@@ -225,8 +243,10 @@ class Metrics:
         return Reply(200, self.render(), content_type=CONTENT_TYPE_LATEST)
 
     def serve(self, host: str, port: int) -> int:
-        """Serve the metrics on their own port (any path answers); the port actually bound."""
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        """Serve the metrics on their own port (LOAD_PATH: the picker's three gauges; any other
+        path: everything); the port actually bound."""
+        self._server = exposition.serve(self.registry, host, port,
+                                        {LOAD_PATH: self.load_registry})
         bound: int = self._server.server_address[1]
         return bound
 
@@ -236,6 +256,10 @@ class Metrics:
             self._server.server_close()
             self._server = None
 
+
+# On the metrics port, the endpoint picker's three gauges alone (docs/operations.md, "Behind the
+# inference gateway"): a few hundred bytes instead of every metric, for a scrape every 50 ms.
+LOAD_PATH = "/metrics/load"
 
 # Why a request was sent again: `WorkerLost.reason` (worker_channel.py's failure kinds), or
 # `suspect` (its worker was suspect, dispatch/liveness.py; the first answer wins).

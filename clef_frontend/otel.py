@@ -103,6 +103,7 @@ class Finished:
     batch_size: int | None = None
     cache: str | None = None  # the answer cache's hit, coalesced or miss (None: not looked up)
     shared_at: float | None = None  # when the cache was consulted
+    tenant: str | None = None  # the inference gateway's fairness id (gateway.py), if any
 
 
 class RequestSpan:
@@ -133,6 +134,8 @@ class RequestSpan:
             span.update_name(f"{self._method} {done.route}")
             span.set_attribute("http.route", done.route)
         span.set_attribute("http.response.status_code", done.status)
+        if done.tenant is not None:
+            span.set_attribute("clef.tenant", done.tenant)
         if done.status >= 500:  # a server span's error is the server's fault only
             span.set_status(Status(StatusCode.ERROR))
         if done.cache is not None:
@@ -301,7 +304,7 @@ def begin(context: TraceContext, method: bytes, target: bytes, request_id: str,
 
 def end(span: RequestSpan | None, *, status: int, route: str, ticket: Ticket | None,
         answered_at: float | None, cache: str | None = None,
-        shared_at: float | None = None) -> None:
+        shared_at: float | None = None, tenant: str = "-") -> None:
     """Finish a request's spans from what the front measured (nothing when not tracing)."""
     if span is None:
         return
@@ -315,4 +318,5 @@ def end(span: RequestSpan | None, *, status: int, route: str, ticket: Ticket | N
         worker_ms=ticket.worker_ms if ticket is not None else None,
         stages=getattr(reply, "stages", None),
         batch_size=reply.batch_size if reply is not None else None,
+        tenant=tenant if tenant != "-" else None,
     ))

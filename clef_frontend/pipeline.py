@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from clef_frontend import deadlines, logs, otel, responses, tracing, workers_ai
+from clef_frontend import deadlines, gateway, logs, otel, responses, tracing, workers_ai
 from clef_frontend.answer_cache import COALESCED, AnswerCache, Flight, identity
 from clef_frontend.api import ApiSurface
 from clef_frontend.auth import NO_KEY, NamedKey
@@ -188,7 +188,8 @@ class Pipeline:
         self.metrics = metrics
         self.api = api or ApiSurface()
         self.cache = cache if cache is not None else AnswerCache(config.answer_cache)
-        self.traffic = TrafficSteps(self.api.keys, metrics, self.cache, config.queue_timeout)
+        self.traffic = TrafficSteps(self.api.keys, metrics, self.cache, config.queue_timeout,
+                                    objective_classes=config.objective_classes)
         traffic = self.traffic
         self.steps: list[Step] = [
             self.check_head_size, self.route, self.decide_from_head,
@@ -385,16 +386,18 @@ class Pipeline:
     def log(self, ctx: RequestContext, status: int, bytes_out: int, client: str) -> None:
         """The access-log line, once the request is answered (or abandoned)."""
         ticket = ctx.ticket
+        tenant = gateway.tenant_of(ctx.header(gateway.FAIRNESS_HEADER))
         logs.request_line(
             method=ctx.method, target=ctx.target, status=status,
             queue_ms=ticket.queue_ms if ticket else None,
             worker_ms=ticket.worker_ms if ticket else None,
             bytes_in=ctx.bytes_in, bytes_out=bytes_out, client=client,
             request_id=ctx.request_id, batch=_batch_of(ticket), trace_id=ctx.trace_id,
-            key=ctx.key or NO_KEY, cache=ctx.cache,
+            key=ctx.key or NO_KEY, cache=ctx.cache, tenant=tenant,
         )
         otel.end(ctx.span, status=status, route=ctx.route_label, ticket=ticket,
-                 answered_at=ctx.answered_at, cache=ctx.cache, shared_at=ctx.shared_at)
+                 answered_at=ctx.answered_at, cache=ctx.cache, shared_at=ctx.shared_at,
+                 tenant=tenant)
         logs.unbind_request()
 
 

@@ -32,6 +32,7 @@ from clef_frontend.connection import READ_SIZE, HttpConnection
 from clef_frontend.dispatch.dispatcher import Dispatcher, DispatchEvents
 from clef_frontend.dispatch.supervisor import StartupFailed
 from clef_frontend.health import Health
+from clef_frontend.load import TokenEstimate, utilisation_gauge
 from clef_frontend.metrics import LiveState, Metrics
 from clef_frontend.pipeline import Pipeline
 from clef_frontend.sd_notify import Notifier, ServiceNotifier, making_progress, watchdog_interval
@@ -53,7 +54,8 @@ class FrontServer:
             queue_timeout=config.queue_timeout,
             events=DispatchEvents(ready=self._worker_ready, worker_failed=self._worker_failed,
                                   resent=self._request_resent, expired=self._deadline_expired,
-                                  suspect=self._worker_suspect))
+                                  suspect=self._worker_suspect),
+            estimate=TokenEstimate(config.limits.max_length))
         self._pool = self._dispatch.pool
         self._admission = self._dispatch.admission
         self._health = Health(self._pool, self._admission, config.retry_after)
@@ -64,6 +66,10 @@ class FrontServer:
             queue_capacity=config.queue_size,
             worker_ready=lambda: self._pool.unavailable_reason() is None,
             worker_info=self._pool.ready_info,
+            queued=lambda: self._admission.depth,
+            token_usage=utilisation_gauge(
+                lambda: self._admission.tokens_waiting + self._admission.tokens_in_flight,
+                self._ready_devices, config.max_batch_tokens),
         ), version=version(), separate_port=config.metrics_port is not None)
         self._cache = AnswerCache(config.answer_cache)
         self._pipeline = Pipeline(config=config, admission=self._admission, health=self._health,
@@ -78,6 +84,10 @@ class FrontServer:
         self._reload_callbacks: list[Callable[[], Awaitable[None] | None]] = [
             self._roll_workers]
         self._reloads: set[asyncio.Future[None]] = set()
+
+    def _ready_devices(self) -> list[str]:
+        """The device of each ready worker, as its `ready` frame says it (the token budget)."""
+        return [lane.info.device for lane in self._pool.ready_lanes() if lane.info is not None]
 
     def on_reload(self, callback: Callable[[], Awaitable[None] | None]) -> None:
         """Run `callback` on every SIGHUP (a coroutine function is run as a task)."""

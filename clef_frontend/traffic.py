@@ -39,8 +39,10 @@ class TrafficSteps:
     """The steps, and what they consult: the keys, the quotas and the answer cache."""
 
     def __init__(self, keys: ApiKeys, metrics: Metrics, cache: AnswerCache,
-                 queue_timeout: float | None = None, quotas: Quotas | None = None) -> None:
+                 queue_timeout: float | None = None, quotas: Quotas | None = None,
+                 objective_classes: tuple[tuple[str, str], ...] = ()) -> None:
         self._keys = keys
+        self._objective_classes = objective_classes
         self._metrics = metrics
         self._queue_timeout = queue_timeout
         self.cache = cache
@@ -67,8 +69,11 @@ class TrafficSteps:
         return refusal
 
     async def classify(self, ctx: RequestContext) -> Reply | None:
-        """The request's class: `X-Clef-Priority`, else its key's (400 if malformed)."""
-        chosen = priority.from_header(ctx.header(priority.HEADER), ctx.priority)
+        """The request's class: `X-Clef-Priority`, else the class its gateway objective maps to
+        (`--objective-class`), else its key's (400 if `X-Clef-Priority` is malformed)."""
+        default = priority.from_objective(ctx.header(priority.OBJECTIVE_HEADER),
+                                          self._objective_classes, ctx.priority)
+        chosen = priority.from_header(ctx.header(priority.HEADER), default)
         if isinstance(chosen, Reply):
             ctx.io.skip_body()
             return chosen

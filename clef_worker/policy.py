@@ -19,7 +19,7 @@ from clef_protocol.options import (
     DEFAULT_MAX_BATCH_CPU,
     DEFAULT_MAX_BATCH_CUDA,
     DEFAULT_MAX_BATCH_TOKENS,
-    DEFAULT_MAX_BATCH_TOKENS_CPU,
+    default_max_batch_tokens,
 )
 
 PACKED = "packed"
@@ -37,11 +37,6 @@ DEFAULT_LAYOUT = {"cpu": PACKED, "cuda": PACKED}
 
 def _on_cuda(device: str) -> bool:
     return device.startswith("cuda")
-
-
-def default_max_batch_tokens(device: str) -> int:
-    """`--max-batch-tokens 0` for a worker on `device` (a torch device string)."""
-    return DEFAULT_MAX_BATCH_TOKENS if _on_cuda(device) else DEFAULT_MAX_BATCH_TOKENS_CPU
 
 
 def default_max_sequences(device: str) -> int:

@@ -27,13 +27,17 @@ CUSTOM_KINDS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
     ("keda.sh/v1alpha1", "ScaledObject"),
+    # The inference gateway (tests/gateway_schema.py checks them against the upstream types).
+    ("inference.networking.k8s.io/v1", "InferencePool"),
+    ("llm-d.ai/v1alpha2", "InferenceObjective"),
 }
 # Where the pod keeps what must survive it (TRITON_CACHE_DIR, XDG_CACHE_HOME).
 CACHE_VARIABLES = ("TRITON_CACHE_DIR", "XDG_CACHE_HOME")
 
 
 def test_every_overlay_is_found() -> None:
-    assert [path.name for path in OVERLAYS] == ["hpa", "keda", "monitoring"]
+    assert [path.name for path in OVERLAYS] == ["hpa", "inference-gateway",
+                                                 "inference-gateway-keda", "keda", "monitoring"]
 
 
 # -- the base's files, read directly (no kubectl needed) --------------------------------------

@@ -18,13 +18,13 @@ from clef_frontend.dispatch.worker_pool import plan_slots
 from clef_protocol.options import (
     Device,
     add_model_arguments,
+    default_max_batch_tokens,
     device_arg,
     non_negative_float,
     parse_device,
     worker_argv,
 )
 from clef_worker.main import parse_args as worker_parse_args
-from clef_worker.policy import default_max_batch_tokens
 
 
 def model_actions() -> list[argparse.Action]:

@@ -40,6 +40,10 @@ Admission knows the workers only through the `Workers` and `Lane` protocols belo
 503 from a 500 by the exceptions of `worker_errors`; it never imports the supervisor, the pool
 or the channel, so they can change shape behind it.
 
+Load in tokens (load.py): each ticket carries its estimated token cost, and admission keeps the
+sum waiting and the sum in flight (summed when read), the numerator of the utilisation gauge an
+endpoint picker reads; each answer teaches the estimate its real token count.
+
 Everything here is driven by events and runs no task of its own: a ticket is sent the moment it
 is admitted if a worker has room, and each reply (a callback from the worker channel) answers
 its ticket and sends the next waiting one. No dispatcher task, no task per request.
@@ -65,9 +69,11 @@ from clef_frontend.dispatch.worker_errors import (
     WorkerLost,
     WorkerUnavailable,
 )
+from clef_frontend.load import TokenEstimate
 from clef_frontend.priority import BULK, CLASSES, INTERACTIVE
 from clef_frontend.responses import Reply
 from clef_protocol.messages import INFERENCE_FAILED, Request, WorkerReply
+from clef_protocol.options import RequestLimits
 
 log = logging.getLogger("clef_frontend.dispatch.admission")
 
@@ -134,6 +140,7 @@ class Ticket:
     worker_ms: float | None = None
     worker_reply: WorkerReply | None = None
     resent: bool = False  # sent again after its worker was lost (it never is a second time)
+    tokens: int = 0  # its estimated token cost (load.TokenEstimate), for the utilisation gauge
 
     @property
     def queue_ms(self) -> float:
@@ -156,7 +163,8 @@ class Admission:
 
     def __init__(self, *, capacity: int, retry_after: int, workers: Workers,
                  queue_timeout: float | None = None, resend_timeout: float = 300.0,
-                 events: AdmissionEvents | None = None, wait_for_workers: bool = False) -> None:
+                 events: AdmissionEvents | None = None, wait_for_workers: bool = False,
+                 estimate: TokenEstimate | None = None) -> None:
         self._capacity = capacity
         self._wait_for_workers = wait_for_workers
         self._retry_after = retry_after
@@ -176,6 +184,24 @@ class Admission:
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
+        self._estimate = estimate or TokenEstimate(RequestLimits().max_length)
+
+    # Estimated tokens of the tickets waiting and in flight (load.py), summed at scrape time:
+    # the queues hold at most `--queue-size` tickets, and each `list(...)` copy is taken in one
+    # C call, so a scrape on the metrics port's thread never sees a queue change under it. A
+    # ticket with two copies in flight (a suspect's, dispatch/liveness.py) counts once.
+
+    @property
+    def tokens_waiting(self) -> int:
+        """Estimated tokens of the tickets waiting (resent ones included)."""
+        queues = [list(queue) for queue in list(self._waiting.values())]
+        return (sum(t.tokens for queue in queues for t in queue)
+                + sum(t.tokens for t in list(self._resend) if t not in self._sent))
+
+    @property
+    def tokens_in_flight(self) -> int:
+        """Estimated tokens of the tickets sent to a worker and not yet answered."""
+        return sum(t.tokens for t in list(self._sent))
 
     @property
     def depth(self) -> int:
@@ -228,7 +254,7 @@ class Admission:
         ticket = Ticket(next(self._ids), body, asyncio.get_running_loop().create_future(),
                         request_id, trace_id, priority,
                         deadlines.earliest(deadline, now, self._queue_timeout), gone,
-                        enqueued_at=now)
+                        enqueued_at=now, tokens=self._estimate.cost(len(body)))
         if ticket.deadline is not None and ticket.deadline <= now:
             self._expire(ticket)
             return ticket
@@ -447,6 +473,9 @@ class Admission:
         else:
             ticket.worker_ms = outcome.worker_ms
             ticket.worker_reply = outcome
+            if outcome.body is not None:
+                self._estimate.learn(len(ticket.body),
+                                     outcome.input_tokens + outcome.truncated_tokens)
             if not ticket.outcome.done():
                 ticket.outcome.set_result(responses.from_worker(outcome))
         self.pump()

@@ -31,6 +31,7 @@ from clef_frontend.dispatch.admission import Admission, AdmissionEvents, Ticket
 from clef_frontend.dispatch.settings import WorkerSettings
 from clef_frontend.dispatch.supervisor import StartupFailed, Supervisor
 from clef_frontend.dispatch.worker_pool import WorkerPool
+from clef_frontend.load import TokenEstimate
 from clef_frontend.priority import INTERACTIVE
 
 # What a driver needs besides the Dispatcher, importable from here.
@@ -69,7 +70,8 @@ class Dispatcher:
 
     def __init__(self, settings: WorkerSettings, *, queue_size: int, retry_after: int = 1,
                  queue_timeout: float | None = None, events: DispatchEvents | None = None,
-                 wait_for_workers: bool = False) -> None:
+                 wait_for_workers: bool = False,
+                 estimate: TokenEstimate | None = None) -> None:
         self.settings = settings
         self._events = events or DispatchEvents()
         self._wait_for_workers = wait_for_workers
@@ -80,7 +82,7 @@ class Dispatcher:
             capacity=queue_size, retry_after=retry_after, workers=self.pool,
             queue_timeout=queue_timeout, resend_timeout=settings.request_timeout,
             events=AdmissionEvents(resent=self._events.resent, expired=self._events.expired),
-            wait_for_workers=wait_for_workers,
+            wait_for_workers=wait_for_workers, estimate=estimate,
         )
 
     async def start(self) -> None:
