@@ -28,23 +28,30 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
-from clef_frontend import deadlines, gateway, logs, otel, responses, tracing, workers_ai
-from clef_frontend.answer_cache import COALESCED, AnswerCache, Flight, identity
+from clef_frontend import deadlines, gateway, logs, otel, responses, workers_ai
+from clef_frontend.answer_cache import COALESCED, AnswerCache, identity
 from clef_frontend.api import ApiSurface
-from clef_frontend.auth import NO_KEY, NamedKey
+from clef_frontend.auth import NO_KEY
 from clef_frontend.config import ServerConfig
 from clef_frontend.dispatch.admission import Admission, Refused, Ticket
-from clef_frontend.http1 import RefusedHead, RequestHead
+from clef_frontend.http1 import RefusedHead
 from clef_frontend.metrics import Metrics, route_label
-from clef_frontend.priority import INTERACTIVE
+from clef_frontend.request_context import (
+    ClientGone,
+    HealthReply,
+    RequestContext,
+    RequestIO,
+    Step,
+)
 from clef_frontend.responses import Reply
 from clef_frontend.routes import Route, check_body, check_post_head, route
 from clef_frontend.traffic import TrafficSteps
 from clef_protocol.options import RequestLimits
+
+__all__ = ["ClientGone", "HealthReply", "Pipeline", "RequestContext", "RequestIO", "Step"]
 
 log = logging.getLogger("clef_frontend.pipeline")
 
@@ -53,117 +60,6 @@ log = logging.getLogger("clef_frontend.pipeline")
 INLINE_CHECK_BYTES = 64 * 1024
 
 
-class ClientGone(Exception):
-    """The client left before its answer: nothing is sent, the request counts as 499."""
-
-
-class RequestIO(Protocol):
-    """The I/O a step may need, provided by the connection (or by a test)."""
-
-    async def read_body(self, length: int) -> bytes | Reply:
-        """The whole body of `length` bytes, or the reply that ends the request (408, 400)."""
-        ...
-
-    def skip_body(self) -> None:
-        """The request's body will not be read (a bodyless route)."""
-        ...
-
-    async def wait_answer(
-        self, answer: asyncio.Future[Reply], on_gone: Callable[[], None]
-    ) -> Reply:
-        """`answer`'s reply; if the client leaves first, call `on_gone` and raise ClientGone."""
-        ...
-
-    def client_gone(self) -> bool:
-        """Whether the client has already closed its side (asked right before the request's
-        frame is written, so a request whose client left is never sent to a worker)."""
-        ...
-
-
-class HealthReply(Protocol):
-    def reply(self) -> Reply: ...
-
-
-@dataclass
-class RequestContext:
-    """Everything known about one request, filled in step by step.
-
-    `key` is the identity of the API key the request presented (None while no step sets it);
-    `route` is None until routed (and stays None for unknown targets and malformed heads).
-    """
-
-    head: RequestHead | None
-    io: RequestIO
-    method: bytes = b"-"
-    target: bytes = b"-"
-    request_id: str = field(default_factory=tracing.new_request_id)
-    route: Route | None = None
-    route_label: str = "-"
-    key: str | None = None
-    api_key: NamedKey | None = None  # the key itself, for its quota (None: keys are off)
-    priority: str = INTERACTIVE  # X-Clef-Priority, else the key's class (traffic.py)
-    deadline: float | None = None  # X-Clef-Deadline-Ms as time.monotonic() (traffic.py)
-    body_length: int | None = None
-    body: bytes | None = None
-    request: dict[str, Any] | None = None  # the body as validation parsed it
-    # Sharing (traffic.share): the request's identity for the answer cache, how its answer
-    # comes (`hit`, `coalesced`, `miss`; None with the cache off), the flight it shares and
-    # when that was decided; `answer` is the future this request awaits, whichever way.
-    identity: bytes | None = None
-    cache: str | None = None
-    flight: Flight | None = None
-    shared_at: float | None = None
-    answer: asyncio.Future[Reply] | None = None
-    ticket: Ticket | None = None  # this request's own place in admission (a miss)
-    started: float = field(default_factory=time.monotonic)
-    # Traces (otel.py): the W3C trace id for the access line ("-": none known), the server
-    # span when tracing is on, and when the awaited answer arrived, a worker's, a kept or a
-    # shared one (its spans end there; None: the request ended before it awaited one).
-    trace_id: str = tracing.NO_TRACE
-    span: otel.RequestSpan | None = None
-    answered_at: float | None = None
-
-    @classmethod
-    def of(cls, head: RequestHead, io: RequestIO) -> RequestContext:
-        """The context of a parsed head, with its request id (the client's, if acceptable)
-        and its place in a trace (the caller's `traceparent`, if valid)."""
-        request = head.request
-        request_id, trace = tracing.trace_context_of(request.headers)
-        ctx = cls(head, io, method=request.method, target=request.target,
-                  request_id=request_id)
-        ctx.trace_id, ctx.span = otel.begin(trace, request.method, request.target, request_id,
-                                            ctx.started)
-        logs.bind_request(request_id, ctx.trace_id)
-        return ctx
-
-    def header(self, name: bytes) -> bytes | None:
-        """The first value of a request header (`name` lower-case)."""
-        return self.head.header(name) if self.head is not None else None
-
-    @property
-    def bytes_in(self) -> int:
-        return len(self.body) if self.body is not None else 0
-
-    @property
-    def scoring(self) -> bool:
-        return self.route is not None and self.route.is_scoring
-
-    def trace_headers(self) -> list[tuple[str, str]]:
-        """`X-Request-Id`, and `Server-Timing` on every answer that went through admission:
-        the queue and the worker for this request's own forward, `cache;desc=hit` or
-        `cache;desc=coalesced` for an answer it shared; `total` on both."""
-        if self.answered_at is None:  # refused before its answer was awaited
-            return tracing.response_headers(self.request_id, None)
-        total_ms = (time.monotonic() - self.started) * 1000.0
-        ticket = self.ticket
-        if ticket is not None:
-            timing = tracing.server_timing(ticket.queue_ms, ticket.worker_ms, total_ms)
-        else:
-            timing = tracing.server_timing(None, None, total_ms, cache=self.cache)
-        return tracing.response_headers(self.request_id, timing)
-
-
-Step = Callable[[RequestContext], Awaitable[Reply | None]]
 
 
 class Pipeline:

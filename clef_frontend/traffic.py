@@ -32,7 +32,7 @@ from clef_frontend.quotas import Quotas
 from clef_frontend.responses import Reply
 
 if TYPE_CHECKING:
-    from clef_frontend.pipeline import RequestContext
+    from clef_frontend.request_context import RequestContext
 
 
 class TrafficSteps:

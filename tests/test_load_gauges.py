@@ -12,11 +12,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from clef_frontend.admission import Admission
-from clef_frontend.worker_channel import WorkerExited
 from prometheus_client import generate_latest
 
 from benchlib.http_client import Client
+from clef_frontend.dispatch.admission import Admission
+from clef_frontend.dispatch.worker_channel import WorkerExited
 from clef_frontend.exposition import render
 from clef_frontend.load import (
     MAX_TOKENS_PER_BYTE,
@@ -123,9 +123,10 @@ def test_gauges_move_under_load_from_one_slow_worker(tmp_path: Path) -> None:
     """One worker held on a request (the fake worker waits for a file), two more waiting:
     queued 2, running 1, utilisation their estimated tokens over the CPU worker's budget.
     Synchronised on /health's counters, never on time. Production defaults otherwise, except
-    `Serve`'s one request in flight per worker, which makes the counts exact."""
+    one request in flight per worker (`max_batch=1`), so the other two wait in the front's
+    queue and the counts are exact."""
     gate = tmp_path / "gate"
-    with Serve() as serve:
+    with Serve(max_batch=1) as serve:
         idle = scrape(serve)
         assert (value(idle, QUEUED), value(idle, RUNNING), value(idle, USAGE)) == (0, 0, 0)
         running = serve.hold_in_flight(gate)
@@ -148,9 +149,11 @@ def test_gauges_move_under_load_from_one_slow_worker(tmp_path: Path) -> None:
 def test_utilisation_saturates_at_one_on_the_metrics_port(tmp_path: Path) -> None:
     """A budget smaller than what is held reads 1, not more: `--max-batch-tokens 16` (the test
     is about the cap) and `--metrics-port` (the scrape a picker makes in the manifests, served
-    by its own thread while the event loop holds the requests)."""
+    by its own thread while the event loop holds the requests); one request in flight per
+    worker (`max_batch=1`) so the second waits in the front's queue."""
     gate = tmp_path / "gate"
-    with Serve(front_args=("--metrics-port", "0", "--max-batch-tokens", "16")) as serve:
+    with Serve(max_batch=1,
+               front_args=("--metrics-port", "0", "--max-batch-tokens", "16")) as serve:
         port = int(serve.wait_for(r"metrics on http://[^\s:]+:(\d+)/metrics")[1])
         running = serve.hold_in_flight(gate)
         [waiting] = serve.queue(["waiting"])

@@ -54,6 +54,7 @@ from clef_protocol.options import GDN_PATHS
 from clef_worker.errors import StartupError
 from clef_worker.model import gated_delta
 from clef_worker.model.kernel_advice import quiet_on_cpu
+from clef_worker.model.module_names import FLA_KERNEL_MODULE, MODELING_MODULE
 from clef_worker.model.snapshot import (
     LEXICAL_TABLE,
     TEXT_PREFIX,
@@ -68,8 +69,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MODELING_MODULE = "transformers.models.qwen3_5.modeling_qwen3_5"
-FLA_KERNEL_MODULE = "fla.ops.gated_delta_rule"
 # Submodules blocked besides whatever fla.* is already imported, so that a transformers version
 # importing a submodule directly also fails fast.
 FLA_BLOCKED = ("fla", "fla.ops", "fla.ops.gated_delta_rule", "fla.modules", "fla.layers")

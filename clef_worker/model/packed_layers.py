@@ -51,7 +51,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from clef_worker.model import gated_delta, short_conv
-from clef_worker.model.backbone import FLA_KERNEL_MODULE, MODELING_MODULE
+from clef_worker.model.module_names import FLA_KERNEL_MODULE, MODELING_MODULE
 from clef_worker.model.packed import PackedLayout
 
 log = logging.getLogger(__name__)

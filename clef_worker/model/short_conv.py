@@ -45,7 +45,7 @@ from torch import Tensor
 from clef_protocol.options import SHORT_CONV_MODES
 from clef_worker.errors import StartupError
 from clef_worker.model import swap
-from clef_worker.model.backbone import MODELING_MODULE
+from clef_worker.model.module_names import MODELING_MODULE
 
 log = logging.getLogger(__name__)
 
