@@ -25,11 +25,10 @@ from tests.answer_compare import assert_same_response
 from tests.conftest import GOLDEN
 from tests.request_strategies import requests
 
-HIDDEN_TOLERANCE = 1e-5
-# Plus this much of each value: float32 rounding through a padded row's other chunk boundaries
-# grows with the value's size, and the wide snapshot's hidden states reach several units (its
-# `score_no_instructions` case measured just over 1e-5 absolute).
-HIDDEN_RELATIVE = 1e-5
+# float32 rounding through a padded row's other chunk boundaries: the wide snapshot's
+# `score_no_instructions` case measured 1.2e-5 (hidden states of several units); still well
+# inside the golden bound (1e-4), and the logits keep their own 1e-5 check below.
+HIDDEN_TOLERANCE = 3e-5
 LOGIT_TOLERANCE = 1e-5  # well inside the golden tolerance (1e-4)
 
 
@@ -173,7 +172,8 @@ def assert_same_answers(plain: NativeExecutor, bucketed: NativeExecutor,
         reference = plain.backbone.hidden_states(ids)
     hidden = _hidden(bucketed, padded, length)
     assert hidden.shape == reference.shape
-    assert torch.allclose(hidden, reference, atol=HIDDEN_TOLERANCE, rtol=HIDDEN_RELATIVE)
+    assert torch.allclose(hidden, reference, atol=HIDDEN_TOLERANCE, rtol=0), \
+        f"max |difference| {float((hidden - reference).abs().max()):.3g}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case["name"] for case in CASES])
