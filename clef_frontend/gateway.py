@@ -8,13 +8,13 @@ picker does); it writes it as `tenant=` on the request's access-log line and as 
 
 The value is client text bound for a `key=value` log line, so it is taken only when it is one
 safe token: printable ASCII without spaces, at most 128 characters (the rule `X-Request-Id`
-follows, clef_protocol.messages.is_trace_id); anything else is logged as `-` (none), never
+follows, clef_protocol.messages.is_request_id); anything else is logged as `-` (none), never
 refused: the header is the gateway's business, not a request error.
 """
 
 from __future__ import annotations
 
-from clef_protocol.messages import is_trace_id
+from clef_protocol.messages import is_request_id
 
 FAIRNESS_HEADER = b"x-llm-d-inference-fairness-id"
 NO_TENANT = "-"
@@ -25,4 +25,4 @@ def tenant_of(value: bytes | None) -> str:
     if value is None:
         return NO_TENANT
     text = value.decode("latin-1").strip()
-    return text if is_trace_id(text) else NO_TENANT
+    return text if is_request_id(text) else NO_TENANT
