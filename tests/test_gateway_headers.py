@@ -95,7 +95,9 @@ def test_mapped_objectives_wait_as_their_class(tmp_path: Path) -> None:
     gate, log = tmp_path / "gate", tmp_path / "requests.log"
     front = ("--objective-class", "clef-bulk=bulk", "--objective-class",
              "clef-interactive=interactive")
-    with Serve("--log-file", str(log), front_args=front) as serve:
+    # One request in flight per worker (`max_batch=1`): the rest wait in the front's queue,
+    # where their classes order them.
+    with Serve("--log-file", str(log), front_args=front, max_batch=1) as serve:
         running = serve.hold_in_flight(gate)
         waiting = [
             _queue(serve, "bulk", [(OBJECTIVE, "clef-bulk")]),
@@ -112,7 +114,7 @@ def test_mapped_objectives_wait_as_their_class(tmp_path: Path) -> None:
 
 def test_without_the_flag_objectives_are_ignored(tmp_path: Path) -> None:
     gate, log = tmp_path / "gate", tmp_path / "requests.log"
-    with Serve("--log-file", str(log)) as serve:
+    with Serve("--log-file", str(log), max_batch=1) as serve:  # the rest queue in the front
         running = serve.hold_in_flight(gate)
         waiting = [_queue(serve, "first", [(OBJECTIVE, "clef-bulk")]),
                    _queue(serve, "second", [])]
