@@ -72,6 +72,7 @@ class HttpConnection:
         self._idle = False
         self._linger = False
         self._watcher: asyncio.Future[None] | None = None
+        self._left = False  # the watcher saw the client leave during the current wait
         peer = writer.get_extra_info("peername")
         self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
 
@@ -207,14 +208,17 @@ class HttpConnection:
 
         The socket is watched for the client leaving (and for pipelined bytes) only once the
         answer has taken WATCH_AFTER_SECONDS: most answers come sooner, and a read task per
-        request would cost more than the rest of the front's work on it.
+        request would cost more than the rest of the front's work on it. When the client leaves,
+        `on_gone` ends the wait (by cancelling `answer`) or lets it run on (an answer others
+        share); either way the request then ends as ClientGone.
         """
         if answer.done():
             return answer.result()
+        self._left = False
         timer = asyncio.get_running_loop().call_later(
-            WATCH_AFTER_SECONDS, self._watch, answer, on_gone)
+            WATCH_AFTER_SECONDS, self._watch, on_gone)
         try:
-            return await answer
+            reply = await answer
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if answer.cancelled() and task is not None and not task.cancelling():
@@ -228,13 +232,14 @@ class HttpConnection:
                 # StreamReader allows one waiter); bytes it read are already in the session.
                 watcher.cancel()
                 await asyncio.wait({watcher})
+        if self._left:
+            raise ClientGone  # it left while an answer it shared with others was on its way
+        return reply
 
-    def _watch(self, answer: asyncio.Future[Reply], on_gone: Callable[[], None]) -> None:
-        self._watcher = asyncio.ensure_future(self._watch_socket(answer, on_gone))
+    def _watch(self, on_gone: Callable[[], None]) -> None:
+        self._watcher = asyncio.ensure_future(self._watch_socket(on_gone))
 
-    async def _watch_socket(
-        self, answer: asyncio.Future[Reply], on_gone: Callable[[], None]
-    ) -> None:
+    async def _watch_socket(self, on_gone: Callable[[], None]) -> None:
         """Read while the answer is awaited: EOF means the client left; other bytes are the
         next requests (buffered up to one more request's limits)."""
         buffered_cap = self._config.header_limit + self._config.body_limit
@@ -244,9 +249,8 @@ class HttpConnection:
             except OSError:
                 data = b""
             if not data:
+                self._left = True
                 on_gone()
-                if not answer.done():
-                    answer.cancel()
                 return
             self._http.receive(data)  # the next pipelined request(s)
 

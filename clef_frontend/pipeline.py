@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from clef_frontend import deadlines, gateway, logs, otel, responses, workers_ai
-from clef_frontend.answer_cache import COALESCED, AnswerCache, identity
+from clef_frontend.answer_cache import COALESCED, AnswerCache, Flight, identity
 from clef_frontend.api import ApiSurface
 from clef_frontend.auth import NO_KEY
 from clef_frontend.config import ServerConfig
@@ -212,15 +212,19 @@ class Pipeline:
         except Refused as refused:
             return refused.reply
         ctx.ticket = ticket
-        if flight is None:
-            ctx.answer = ticket.outcome
-            return None
-        assert ctx.identity is not None
-        flight.ticket = ticket
-        flight.on_all_gone = functools.partial(self.admission.abandon, ticket)
-        self.cache.start(ctx.identity, flight, ticket.outcome)
-        ctx.answer = flight.join()
+        ctx.answer = ticket.outcome  # the first of its kind waits on its own ticket
+        if flight is not None:
+            assert ctx.identity is not None
+            flight.ticket = ticket
+            flight.on_all_gone = functools.partial(self._give_up, ctx.identity, flight)
+            self.cache.start(ctx.identity, flight)
         return None
+
+    def _give_up(self, identity: bytes, flight: Flight) -> None:
+        """Nobody waits for a shared request any more: out of the queue, out of the table."""
+        assert flight.ticket is not None
+        self.cache.forget(identity, flight)
+        self.admission.abandon(flight.ticket)
 
     async def await_answer(self, ctx: RequestContext) -> Reply | None:
         """The answer (200, 422, row 13's 500), while the client is watched: a worker's, a kept
@@ -231,7 +235,9 @@ class Pipeline:
         assert answer is not None
         flight, ticket = ctx.flight, ctx.ticket
         on_gone: Callable[[], None] = _nothing  # a kept answer (hit): nothing to give up
-        if flight is not None:
+        if flight is not None and ticket is not None:  # the first of its kind
+            on_gone = functools.partial(self._first_left, ctx, flight)
+        elif flight is not None:
             on_gone = functools.partial(flight.leave, answer)
         elif ticket is not None:
             on_gone = functools.partial(self.admission.abandon, ticket)
@@ -245,8 +251,19 @@ class Pipeline:
         finally:
             if timer is not None:
                 timer.cancel()
+            if flight is not None and ticket is not None:
+                assert ctx.identity is not None
+                self.cache.land(ctx.identity, flight, answer)  # to its joiners, and kept
         ctx.answered_at = time.monotonic()
         return reply
+
+    @staticmethod
+    def _first_left(ctx: RequestContext, flight: Flight) -> None:
+        """The client of a request others share left: given up if nobody else waits."""
+        flight.first_leaves()
+        if not flight.all_gone():
+            log.info("request_id=%s: client gone; its forward goes on for the identical "
+                     "requests that share it", ctx.request_id)
 
     def _joiner_expired(self, ctx: RequestContext) -> None:
         """A request sharing another's forward reached its own deadline: 504 for it alone."""

@@ -42,7 +42,8 @@ class RequestIO(Protocol):
     async def wait_answer(
         self, answer: asyncio.Future[Reply], on_gone: Callable[[], None]
     ) -> Reply:
-        """`answer`'s reply; if the client leaves first, call `on_gone` and raise ClientGone."""
+        """`answer`'s reply; if the client leaves first, call `on_gone` (which ends the wait by
+        cancelling `answer`, or lets an answer others share run on) and raise ClientGone."""
         ...
 
     def client_gone(self) -> bool:

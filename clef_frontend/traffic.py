@@ -106,7 +106,7 @@ class TrafficSteps:
             ctx.answer = found.join()
         else:
             ctx.cache = MISS
-            ctx.flight = Flight()
+            ctx.flight = Flight(ctx.io.client_gone)
         ctx.shared_at = time.monotonic()
         self._metrics.answer_cache_lookup(ctx.cache)
         return None
@@ -115,7 +115,9 @@ class TrafficSteps:
         """Whether the flight's request will be answered no later, and no lower, than this
         one would be on its own (see the module docstring)."""
         ticket = flight.ticket
-        if ticket is None or ticket.started_at is not None or ticket.outcome.done():
+        if ticket is None or ticket.outcome.cancelled():
+            return False  # given up: nothing will come
+        if ticket.started_at is not None or ticket.outcome.done():
             return True  # at a worker (or answered): its answer comes whatever happens
         if ticket.priority != ctx.priority and ctx.priority == priority.INTERACTIVE:
             return False

@@ -112,25 +112,87 @@ def test_one_caller_leaving_does_not_cancel_the_others() -> None:
     async def scenario() -> None:
         cache = AnswerCache(4)
         outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        abandoned: list[bool] = []
+        abandoned: list[str] = []
         key = identity("-", clef_request())
-        flight = cache.start(key, Flight(on_all_gone=lambda: abandoned.append(True)), outcome)
-        first = flight.join()
+        flight = cache.start(key, Flight(lambda: False,
+                                         on_all_gone=lambda: abandoned.append("first")))
         found = cache.lookup(key)
         assert found is flight
-        second = flight.join()
-        flight.leave(first)  # the first client went away
-        assert first.cancelled() and not abandoned  # the request still has a caller
+        first, second = flight.join(), flight.join()
+        flight.leave(first)  # a joining client went away
+        assert first.cancelled() and not abandoned  # the request still has callers
+        flight.first_leaves()  # and so did the first request's
+        assert not abandoned and not flight.all_gone()  # the second joiner still waits
         outcome.set_result(Reply(200, b'{"ok": 1}'))
+        cache.land(key, flight, outcome)
         assert (await second).body == b'{"ok": 1}'
         assert isinstance(cache.lookup(key), Reply)  # kept for repeats
+        gone = [False]
         other = cache.start(identity("-", {}),
-                            Flight(on_all_gone=lambda: abandoned.append(True)),
-                            asyncio.get_running_loop().create_future())
+                            Flight(lambda: gone[0], on_all_gone=lambda: abandoned.append("other")))
         mine = other.join()
         other.leave(mine)
-        assert abandoned == [True]  # the last caller out gives the request up
+        assert not abandoned  # the first request's client is still there
+        gone[0] = True
+        assert other.all_gone()
+        other.leave(mine)
+        assert abandoned == ["other"]  # the last caller out gives the request up
         cache.flush()
         assert cache.lookup(key) is None
 
     asyncio.run(scenario())
+
+
+def test_an_outcome_still_due_lands_when_it_is_set() -> None:
+    """A first request whose wait ended another way (its task cancelled) leaves the landing
+    to the outcome itself: the joiners still get the answer and it is kept."""
+    async def scenario() -> None:
+        cache = AnswerCache(4)
+        outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        key = identity("-", clef_request())
+        flight = cache.start(key, Flight(lambda: True))
+        joiner = flight.join()
+        cache.land(key, flight, outcome)
+        assert cache.lookup(key) is flight  # still in flight: others may join
+        outcome.set_result(Reply(200, b'{"ok": 2}'))
+        assert (await joiner).body == b'{"ok": 2}'
+        assert cache.lookup(key) == Reply(200, b'{"ok": 2}')
+
+    asyncio.run(scenario())
+
+
+def test_identity_keeps_order_types_and_the_key() -> None:
+    """Equal documents share an identity however they were spelled; another order, another
+    number type or another key does not."""
+    request = {**clef_request(), "questions": {"a": {"type": "noul"}, "b": {"type": "noul"}}}
+    respelled = json.loads(json.dumps(request, indent=1, ensure_ascii=True))
+    assert identity("-", request) == identity("-", respelled)
+    reordered = {**request, "questions": dict(reversed(list(request["questions"].items())))}
+    assert identity("-", reordered) != identity("-", request)
+    assert identity("-", {"a": 1}) != identity("-", {"a": 1.0})
+    assert identity("-", {"a": 1}) != identity("-", {"a": True})
+    assert identity("rag", request) != identity("-", request)
+
+
+def test_the_first_client_leaving_does_not_cut_the_forward_its_joiners_share(
+        tmp_path: Path) -> None:
+    """The first request's client leaves while another request waits on its forward: the
+    first ends as 499, the forward goes on and answers the joiner, and the answer is kept; with
+    nobody left waiting, the next first request that leaves gives its forward up."""
+    gate, log = tmp_path / "gate", tmp_path / "requests.log"
+    body = clef_body(tag="shared", hold_until=str(gate))
+    with Serve("--log-file", str(log)) as serve:
+        with serve.connect() as leaving:
+            leaving.send("POST", "/v1/systemone", body)
+            serve.wait_health(lambda h: h["in_flight"] == 1)
+            joiner = background(lambda: serve.post(body))
+            wait_until(lambda: metric(serve, "clef_answer_cache_total", result="coalesced") == 1,
+                       "the joiner")
+        serve.wait_for(r"client gone; its forward goes on")
+        gate.touch()
+        answer = joiner.result()
+        assert answer.status == 200 and answer.json()["tag"] == "shared"
+        serve.wait_for(r"status=499 .*cache=miss")
+        assert log.read_text().split() == ["shared"]  # one forward
+        assert serve.post(body).status == 200  # kept: a repeat is a hit
+        assert metric(serve, "clef_answer_cache_total", result="hit") == 1
