@@ -28,6 +28,7 @@ import logging
 import socket
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from clef_frontend import responses
 from clef_frontend.body_rate import BodyClock
@@ -35,6 +36,7 @@ from clef_frontend.config import ServerConfig
 from clef_frontend.http1 import BodyEnd, Http1Session, Need, RefusedHead, RequestHead
 from clef_frontend.pipeline import ClientGone, Pipeline, RequestContext
 from clef_frontend.responses import Reply
+from clef_frontend.timeout_queue import TimeoutQueue
 
 log = logging.getLogger("clef_frontend.connection")
 
@@ -46,6 +48,20 @@ LINGER_SECONDS = 2.0
 WATCH_AFTER_SECONDS = 0.05
 # The shortest wait for body bytes, even past the body's deadline (see read_body).
 MIN_BODY_WAIT = 0.05
+
+
+@dataclass(frozen=True)
+class ConnectionTimers:
+    """The timeouts every connection of one server shares, one timer each (timeout_queue.py):
+    `idle` closes a keep-alive connection that sends no byte of a next request in time, and
+    `watch` starts watching the socket of a request whose answer is taking a while."""
+
+    idle: TimeoutQueue
+    watch: TimeoutQueue
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> ConnectionTimers:
+        return cls(TimeoutQueue(config.keepalive_timeout), TimeoutQueue(WATCH_AFTER_SECONDS))
 
 
 class HttpConnection:
@@ -62,6 +78,7 @@ class HttpConnection:
         *,
         config: ServerConfig,
         pipeline: Pipeline,
+        timers: ConnectionTimers | None = None,
     ) -> None:
         self._reader = reader
         self._writer = writer
@@ -73,6 +90,10 @@ class HttpConnection:
         self._linger = False
         self._watcher: asyncio.Future[None] | None = None
         self._left = False  # the watcher saw the client leave during the current wait
+        self._timers = timers or ConnectionTimers.of(config)
+        self._task: asyncio.Task[None] | None = None  # the task serving this connection
+        self._idle_expired = False
+        self._on_gone: Callable[[], None] = _nothing
         peer = writer.get_extra_info("peername")
         self._client = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
 
@@ -135,23 +156,50 @@ class HttpConnection:
                 return None
             if not isinstance(event, Need):
                 return event
-            # Before the first byte the connection is idle (keep-alive timeout, and a drain may
-            # close it); after it, the whole head must arrive within the header timeout.
-            self._idle = deadline is None
-            timeout = (self._config.keepalive_timeout if deadline is None
-                       else max(deadline - loop.time(), 0.0))
-            try:
-                async with asyncio.timeout(timeout):  # a timer, not a task per read
-                    data = await self._reader.read(READ_SIZE)
-            except TimeoutError:
-                return None
-            finally:
-                self._idle = False
+            # Before the first byte the connection is idle (the keep-alive timeout, and a
+            # drain may close it); after it, the whole head must arrive within the header
+            # timeout.
+            if deadline is None:
+                data = await self._read_idle()
+                if data is None:
+                    return None
+            else:
+                try:
+                    async with asyncio.timeout(max(deadline - loop.time(), 0.0)):
+                        data = await self._reader.read(READ_SIZE)
+                except TimeoutError:
+                    return None
             if not data:
                 return None
             if deadline is None:
                 deadline = loop.time() + self._config.header_timeout
             self._http.receive(data)
+
+    async def _read_idle(self) -> bytes | None:
+        """The first bytes of a next request, or None when the keep-alive timeout passes first
+        (the server's one idle queue times it: no timer of this connection's own)."""
+        task = self._task = asyncio.current_task()
+        assert task is not None
+        cancelling = task.cancelling()
+        self._idle = True
+        self._timers.idle.add(self, self._idle_timed_out)
+        try:
+            return await self._reader.read(READ_SIZE)
+        except asyncio.CancelledError:
+            if not self._idle_expired:
+                raise
+            self._idle_expired = False
+            if task.uncancel() > cancelling:  # cancelled by someone else as well
+                raise
+            return None
+        finally:
+            self._idle = False
+            self._timers.idle.discard(self)
+
+    def _idle_timed_out(self) -> None:
+        if self._idle and self._task is not None and not self._idle_expired:
+            self._idle_expired = True
+            self._task.cancel()
 
     async def read_body(self, length: int) -> bytes | Reply:
         """The whole body (h11 counts Content-Length), or 408 when it comes too slowly (silence
@@ -215,8 +263,8 @@ class HttpConnection:
         if answer.done():
             return answer.result()
         self._left = False
-        timer = asyncio.get_running_loop().call_later(
-            WATCH_AFTER_SECONDS, self._watch, on_gone)
+        self._on_gone = on_gone
+        self._timers.watch.add(self, self._watch)
         try:
             reply = await answer
         except asyncio.CancelledError:
@@ -225,7 +273,8 @@ class HttpConnection:
                 raise ClientGone from None  # abandoned by the watcher: the client has gone
             raise
         finally:
-            timer.cancel()
+            self._timers.watch.discard(self)
+            self._on_gone = _nothing
             watcher, self._watcher = self._watcher, None
             if watcher is not None:
                 # Let the cancelled read unwind before anyone reads the stream again (a
@@ -236,8 +285,8 @@ class HttpConnection:
             raise ClientGone  # it left while an answer it shared with others was on its way
         return reply
 
-    def _watch(self, on_gone: Callable[[], None]) -> None:
-        self._watcher = asyncio.ensure_future(self._watch_socket(on_gone))
+    def _watch(self) -> None:
+        self._watcher = asyncio.ensure_future(self._watch_socket(self._on_gone))
 
     async def _watch_socket(self, on_gone: Callable[[], None]) -> None:
         """Read while the answer is awaited: EOF means the client left; other bytes are the
@@ -313,3 +362,7 @@ class HttpConnection:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self._writer.transport.abort()
+
+
+def _nothing() -> None:
+    """What a connection gives up when no answer is awaited."""

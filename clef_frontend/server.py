@@ -28,7 +28,7 @@ from clef_frontend.api import ApiSurface
 from clef_frontend.auth import ApiKeys
 from clef_frontend.catalogue import Catalogue
 from clef_frontend.config import ServerConfig
-from clef_frontend.connection import READ_SIZE, HttpConnection
+from clef_frontend.connection import READ_SIZE, ConnectionTimers, HttpConnection
 from clef_frontend.dispatch.dispatcher import Dispatcher, DispatchEvents
 from clef_frontend.dispatch.supervisor import StartupFailed
 from clef_frontend.health import Health
@@ -79,6 +79,7 @@ class FrontServer:
         self._systemd = ServiceNotifier(
             Notifier.from_environment(), status=self._service_status, healthy=self._healthy)
         self._connections: dict[HttpConnection, asyncio.Task[None]] = {}
+        self._timers = ConnectionTimers.of(config)  # shared: one timer each, not one per read
         self._stop_requested = asyncio.Event()
         self._force_stop = asyncio.Event()
         self._reload_callbacks: list[Callable[[], Awaitable[None] | None]] = [
@@ -220,7 +221,7 @@ class FrontServer:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         connection = HttpConnection(reader, writer, config=self._config,
-                                    pipeline=self._pipeline)
+                                    pipeline=self._pipeline, timers=self._timers)
         task = asyncio.current_task()
         assert task is not None
         self._connections[connection] = task
