@@ -40,8 +40,32 @@ def _field_name(line: bytes) -> bytes:
     return name.lower() if colon else b""
 
 
+_NO_FRAMING = FramingHeaders((), ())
+_LENGTH_LINE = b"\n" + CONTENT_LENGTH + b":"
+
+
 def scan_framing(raw_head: bytes) -> FramingHeaders:
-    """List the framing headers of a head (request line first, blank line last)."""
+    """List the framing headers of a head (request line first, blank line last).
+
+    Most heads name neither header, or Content-Length once at the start of a line; those are
+    read with a few searches in C, and every other head line by line."""
+    lower = raw_head.lower()
+    if TRANSFER_ENCODING not in lower:
+        mentions = lower.count(CONTENT_LENGTH)
+        if mentions == 0:
+            return _NO_FRAMING
+        start = lower.find(_LENGTH_LINE)
+        if mentions == 1 and start >= 0:
+            start += len(_LENGTH_LINE)
+            end = raw_head.find(b"\n", start)
+            value = raw_head[start:end if end >= 0 else len(raw_head)]
+            if value.endswith(b"\r"):
+                value = value[:-1]
+            return FramingHeaders((), (value.strip(_OPTIONAL_WHITESPACE),))
+    return _scan_lines(raw_head)
+
+
+def _scan_lines(raw_head: bytes) -> FramingHeaders:
     encodings: list[bytes] = []
     lengths: list[bytes] = []
     for line in _lines(raw_head)[1:]:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from clef_frontend import responses
 from clef_frontend.config import ServerConfig
 from clef_frontend.dispatch.admission import Admission, Refused, Ticket
-from clef_frontend.framing import reparse_without_framing, scan_framing
+from clef_frontend.framing import _scan_lines, reparse_without_framing, scan_framing
 from clef_frontend.responses import Reply
 from clef_frontend.routes import Route, check_post_head, media_type, route
 from clef_protocol import messages
@@ -38,6 +38,21 @@ def test_scan_framing_keeps_every_line_as_sent() -> None:
 def test_scan_framing_accepts_bare_lf_like_h11() -> None:
     framing = scan_framing(b"POST / HTTP/1.1\nHost: x\nContent-Length: 7\n\n")
     assert framing.content_lengths == (b"7",)
+
+
+_HEAD_LINES = st.lists(st.sampled_from([
+    "Content-Length: 5", "content-length:7 ", "CONTENT-LENGTH:\t12\t", "Content-Length : 3",
+    " Content-Length: 9", "Transfer-Encoding: chunked", "X-Note: content-length", "Host: y",
+    "X-Content-Length: 4", "Accept: */*", "Content-Type: application/json"]), max_size=5)
+
+
+@given(_HEAD_LINES, st.sampled_from(["/v1/systemone", "/content-length"]), st.booleans())
+def test_scan_framing_fast_path_agrees_with_the_line_by_line_scan(
+        lines: list[str], target: str, bare_lf: bool) -> None:
+    raw = "\r\n".join([f"POST {target} HTTP/1.1", "Host: x", *lines]) + "\r\n\r\n"
+    if bare_lf:
+        raw = raw.replace("\r\n", "\n")
+    assert scan_framing(raw.encode()) == _scan_lines(raw.encode())
 
 
 @given(st.text(alphabet="0123456789+-abc ,.", max_size=12))

@@ -206,7 +206,8 @@ class Admission:
     @property
     def depth(self) -> int:
         """Tickets waiting (not counting those in flight)."""
-        return sum(len(q) for q in self._waiting.values()) + len(self._resend)
+        # map, not a generator: asked several times a request
+        return sum(map(len, self._waiting.values())) + len(self._resend)
 
     def depth_of(self, priority: str) -> int:
         """Tickets of one class waiting (a resent ticket counts in its class)."""
