@@ -28,13 +28,13 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
-    Histogram,
 )
 from prometheus_client.core import InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from clef_frontend import exposition, responses
 from clef_frontend.dispatch.worker_channel import RESTART_REASONS
+from clef_frontend.loop_metrics import CounterChild, LoopCounter, LoopHistogram
 from clef_frontend.priority import CLASSES, INTERACTIVE
 from clef_frontend.responses import Reply
 from clef_protocol.messages import ReadyInfo, WorkerReply
@@ -73,29 +73,33 @@ class Metrics:
         self._separate_port = separate_port
         self._server: Any = None
         r = self.registry
-        self.requests = Counter(
+        # Recorded per request: loop_metrics' cheap families (same exposition).
+        self.requests = LoopCounter(
             "clef_http_requests", "HTTP requests answered, by route, status and key name "
-            "(`-`: no key).", ["route", "status", "key"], registry=r)
-        self._request_counters: dict[tuple[str, int, str], Any] = {}
-        self.queue_seconds = Histogram(
+            "(`-`: no key).", ["route", "status", "key"])
+        self._request_counters: dict[tuple[str, int, str], CounterChild] = {}
+        self.queue_seconds = LoopHistogram(
             "clef_request_queue_seconds",
             "Time scoring requests waited for the worker, by priority class.", ["class"],
-            buckets=LATENCY_BUCKETS, registry=r)
-        self.worker_seconds = Histogram(
+            buckets=LATENCY_BUCKETS)
+        self.worker_seconds = LoopHistogram(
             "clef_request_worker_seconds",
             "The worker's own time per scoring request (worker_ms of its reply frame).",
-            buckets=LATENCY_BUCKETS, registry=r)
-        self.duration_seconds = Histogram(
+            buckets=LATENCY_BUCKETS)
+        self.duration_seconds = LoopHistogram(
             "clef_request_duration_seconds",
             "Scoring requests from the end of their head to their answer, every status.",
-            buckets=LATENCY_BUCKETS, registry=r)
-        self.input_tokens = Histogram(
+            buckets=LATENCY_BUCKETS)
+        self.input_tokens = LoopHistogram(
             "clef_request_input_tokens", "Tokens the model read per answered scoring request.",
-            buckets=TOKEN_BUCKETS, registry=r)
-        self.batch_size = Histogram(
+            buckets=TOKEN_BUCKETS)
+        self.batch_size = LoopHistogram(
             "clef_request_batch_size",
             "Requests in the worker forward that answered each answered scoring request "
-            "(1: it ran alone).", buckets=BATCH_BUCKETS, registry=r)
+            "(1: it ran alone).", buckets=BATCH_BUCKETS)
+        for family in (self.requests, self.queue_seconds, self.worker_seconds,
+                       self.duration_seconds, self.input_tokens, self.batch_size):
+            r.register(family)
         self.truncated = Counter(
             "clef_states_truncated", "Answered requests whose state was cut to fit the budget.",
             registry=r)
@@ -152,12 +156,12 @@ class Metrics:
         self.quota_refusals = Counter(
             "clef_quota_refusals", "Requests refused 429 because their key was over its rate, "
             "by key name.", ["key"], registry=r)
-        self.answer_cache = Counter(
+        self.answer_cache = LoopCounter(
             "clef_answer_cache", "Answer cache lookups of scoring requests: `hit` (answered from "
             "the cache), `coalesced` (shared an identical request's forward), `miss`.",
-            ["result"], registry=r)
-        # Bound once: `labels()` costs a lock and a dict build, and this runs per request.
-        self._cache_results = {result: self.answer_cache.labels(result=result)
+            ["result"])
+        r.register(self.answer_cache)
+        self._cache_results = {result: self.answer_cache.labels(result)
                                for result in ("hit", "coalesced", "miss")}
         self.deadline_expired = Counter(
             "clef_deadline_expired", "Requests answered 504 because their deadline passed while "
@@ -205,7 +209,7 @@ class Metrics:
         """
         counter = self._request_counters.get((route, status, key))
         if counter is None:  # labels() costs a lock and a dict build per call: look it up once
-            counter = self.requests.labels(route=route, status=str(status), key=key)
+            counter = self.requests.labels(route, str(status), key)
             self._request_counters[(route, status, key)] = counter
         counter.inc()
         if not scoring:
