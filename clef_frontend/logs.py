@@ -111,6 +111,13 @@ class RequestFilter(logging.Filter):
         return True
 
 
+def flush() -> None:
+    """Write the lines queued in this event-loop turn now: before something else writes to the
+    same stream meanwhile (a stuck worker's stack, written by the worker itself)."""
+    for handler in logging.getLogger("clef_frontend").handlers:
+        handler.flush()
+
+
 def bind_request(request_id: str, trace_id: str) -> None:
     """Tag the current task's log lines (JSON) with this request until `unbind_request`."""
     _request.set((request_id, trace_id))

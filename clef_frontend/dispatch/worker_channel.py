@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from clef_frontend import logs
 from clef_frontend.dispatch.liveness import (
     ForwardRates,
     Judgement,
@@ -326,6 +327,7 @@ class WorkerChannel:
             return
         log.warning("worker pid=%d is stuck: asking for its stack (signal %s) before the kill",
                     self.pid, messages.STACK_DUMP_SIGNAL.name)
+        logs.flush()  # this line before the stack, not in the middle of one of its lines
         try:
             process.send_signal(messages.STACK_DUMP_SIGNAL)
             process.send_signal(signal.SIGCONT)
