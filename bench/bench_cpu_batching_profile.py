@@ -38,6 +38,7 @@ from benchlib.bodies import request_bodies
 from benchlib.paths import TINY_SNAPSHOT
 from benchlib.timing import best_ms, median_ms
 from clef_worker.allocator import keep_freed_memory
+from clef_worker.assembly import assemble_snapshot
 from clef_worker.model.answers import build_response, serialize
 from clef_worker.model.gated_delta import chunk_size_for
 from clef_worker.model.head import HeadBatch, RecordSpans
@@ -181,7 +182,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     if not args.glibc_defaults:
         keep_freed_memory()  # as the worker does
-    executor = NativeExecutor.load(args.model, device="cpu")
+    executor = assemble_snapshot(args.model, device="cpu")
     executor.warm_up()
     bodies = request_bodies(args.requests)
     lengths = [executor.prepared_length(executor.prepare(body)) for body in bodies]

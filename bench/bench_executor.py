@@ -142,11 +142,11 @@ def describe_snapshot(path: Path) -> str:
 
 def run_snapshot(label: str, path: Path, args: argparse.Namespace) -> SnapshotResult:
     from clef_protocol.options import RequestLimits
-    from clef_worker.native import NativeExecutor
+    from clef_worker.assembly import assemble_snapshot
 
     log.info("%s: loading %s", label, path)
     started = time.perf_counter()
-    executor = NativeExecutor.load(path, variant=args.variant, device=args.device,
+    executor = assemble_snapshot(path, variant=args.variant, device=args.device,
                                    dtype=args.dtype, gdn_prefill=args.gdn_prefill,
                                    limits=RequestLimits(max_length=args.max_length))
     load_s = time.perf_counter() - started

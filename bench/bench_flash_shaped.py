@@ -2,7 +2,7 @@
 
 Not a test. The model is benchlib/flash_model.py's: the release's shapes (H 4096, 32 layers,
 24 Gated DeltaNet + 8 full attention, vocab 248,320) with random weights built on the device,
-loaded through the worker's own `NativeExecutor.load` (eager here). The tokenizer is the demo
+loaded through the worker's own `assemble_snapshot` (eager here). The tokenizer is the demo
 snapshot's (a small byte-level BPE), so requests are padded to the token counts that matter.
 Compute per token is the release's; only the numbers in the weights are random.
 

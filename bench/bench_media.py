@@ -64,8 +64,8 @@ def main() -> None:
 
     from clef_protocol.media import check_media, decode_media
     from clef_protocol.options import RequestLimits
+    from clef_worker.assembly import assemble_snapshot
     from clef_worker.media.pixels import PixelSettings, image_patches
-    from clef_worker.native import NativeExecutor
     from clef_worker.warmup import REPRESENTATIVE as WARMUP_REQUEST
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -90,7 +90,7 @@ def main() -> None:
         print(f"| {fmt} | {len(data):,} | {header:.2f} | {decode:.2f} | {patch:.2f} | "
               f"{pipe_encoded:.3f} | {pipe_decoded:.3f} |")
 
-    executor = NativeExecutor.load(TINY_SNAPSHOT, device="cpu", dtype="float32", limits=limits)
+    executor = assemble_snapshot(TINY_SNAPSHOT, device="cpu", dtype="float32", limits=limits)
     executor.warm_up()
     print("\n| request (clef-tiny, CPU) | tokens | media | encode | backbone | head | total |")
     print("|---|---:|---:|---:|---:|---:|---:|")

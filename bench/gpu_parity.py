@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         args.max_length, args.graph_max_length = 2048, 512
 
     from clef_protocol.options import RequestLimits
-    from clef_worker.native import NativeExecutor
+    from clef_worker.assembly import assemble_snapshot
 
     modes = ["off", "on"] if args.cuda_graphs == "both" else [args.cuda_graphs]
     if "on" in modes:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                                "modes": {}}
     problems: list[str] = []
     for mode in modes:
-        executor = NativeExecutor.load(args.fixtures / "clef-tiny", device=args.device,
+        executor = assemble_snapshot(args.fixtures / "clef-tiny", device=args.device,
                                        dtype=args.dtype, gdn_prefill=args.gdn_prefill,
                                        limits=RequestLimits(max_length=args.max_length),
                                        cuda_graphs=mode, media="off",

@@ -4,7 +4,7 @@ No real weights can be downloaded on a GPU host, and writing then reading an 18 
 snapshot would spend the device's time on disk I/O. So this builds the text stack from a Qwen3.5
 config with the release's shapes (H 4096, 32 layers, 24 Gated DeltaNet + 8 full attention, vocab
 248,320) directly on the device, a head with the release's head shapes and a random lexical
-table, and hands them to the worker's own `NativeExecutor.load` in place of the snapshot's
+table, and hands them to the worker's own `assemble_snapshot` in place of the snapshot's
 tensors (`install`). Everything else is the worker's: the demo snapshot's tokenizer and layout,
 the Gated DeltaNet binding, length buckets, CUDA graphs, warm-up, `describe()`. Compute per
 token is the release's; only the numbers in the weights are random, and the demo tokenizer is
@@ -140,9 +140,9 @@ class _default_dtype:
 
 
 def install(model: InMemoryModel) -> None:
-    """Make `NativeExecutor.load` take its backbone and head from `model`. RuntimeError when the
-    loader no longer looks them up where this expects: a benchmark must not silently serve the
-    tiny demo model under a Flash-shaped label."""
+    """Make `clef_worker.assembly.assemble_snapshot` take its backbone and head from `model`.
+    RuntimeError when the loader no longer looks them up where this expects: a benchmark must
+    not silently serve the tiny demo model under a Flash-shaped label."""
     import importlib
 
     module = importlib.import_module(LOADER_MODULE)
@@ -158,17 +158,17 @@ def load_executor(model: InMemoryModel, args: argparse.Namespace, cuda_graphs: s
     """The worker's own executor over the in-memory model (`add_shape_arguments`' flags), with
     `--cuda-graphs cuda_graphs` and media off."""
     from clef_protocol.options import RequestLimits
+    from clef_worker.assembly import assemble_snapshot
     from clef_worker.demo import ensure_demo_snapshot
-    from clef_worker.native import NativeExecutor
 
     install(model)
-    executor = NativeExecutor.load(
+    executor = assemble_snapshot(
         ensure_demo_snapshot(), variant="clef-flash", device=args.device, dtype=args.dtype,
         gdn_prefill=args.gdn_prefill, short_conv=args.short_conv,
         limits=RequestLimits(max_length=args.max_length), demo=True, media="off",
         cuda_graphs=cuda_graphs)
     if not model.parameters:
-        raise RuntimeError("NativeExecutor.load did not take its backbone from the in-memory "
+        raise RuntimeError("assemble_snapshot did not take its backbone from the in-memory "
                            "model (the loader moved?): refusing to time the demo snapshot")
     return executor
 

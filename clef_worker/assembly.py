@@ -9,7 +9,7 @@ answers requests, the sequence reads top to bottom in `assemble`, and its inputs
 value (`ModelSettings`) instead of a dozen keyword arguments passed along one by one.
 
 `clef_worker.loading` builds the settings from the worker's flags; tests and benchmarks call
-`NativeExecutor.load(snapshot_dir, **fields)`, which builds them the same way.
+`assemble_snapshot(snapshot_dir, **fields)`, which builds them the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -206,3 +207,9 @@ def load_head(snapshot: Snapshot, device: torch.device, dtype: torch.dtype) -> J
     head.eval()
     head.requires_grad_(False)
     return head
+
+
+def assemble_snapshot(snapshot_dir: Path | str, **settings: Any) -> NativeExecutor:
+    """Assemble an executor from a snapshot directory and `ModelSettings` fields (each says
+    what it does): the one entry point of tests, benchmarks and tools."""
+    return assemble(ModelSettings(snapshot_dir=Path(snapshot_dir), **settings))

@@ -4,9 +4,10 @@
 the serve loop runs on its helper thread), stages a group's host tensors, answers the group
 through its `clef_worker.runner.ModelRunner` (one copy, the forwards, the head) and builds the
 replies; `score` is its one inspection entry (token ids, spans, logits, probabilities) for tests,
-benchmarks and comparisons. Loading lives in `clef_worker.assembly` (`NativeExecutor.load` is
-a shortcut to it), the warm-up sequence in `clef_worker.warmup`. Device work runs on the
-calling thread under `torch.inference_mode()`.
+benchmarks and comparisons. Loading lives in `clef_worker.assembly` (`assemble_snapshot` for
+tests and tools), the warm-up sequence in `clef_worker.warmup` (which knows the executor only
+as its `WarmTarget` protocol). Device work runs on the calling thread under
+`torch.inference_mode()`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -120,14 +120,6 @@ class NativeExecutor:
     @property
     def pad_id(self) -> int:
         return self.runner.pad_id
-
-    @classmethod
-    def load(cls, snapshot_dir: Path | str, **settings: Any) -> NativeExecutor:
-        """Assemble an executor from a snapshot directory and `ModelSettings` fields
-        (clef_worker.assembly, which says what each one does)."""
-        from clef_worker.assembly import ModelSettings, assemble
-
-        return assemble(ModelSettings(snapshot_dir=Path(snapshot_dir), **settings))
 
     # -- Executor protocol -------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from itertools import cycle, islice
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.media import gradient_image, png_data_uri
@@ -39,7 +39,38 @@ from clef_protocol.validation import validate_request
 from clef_worker.model.encoding import TYPE_IDS, EncodedQuestion, Encoding
 
 if TYPE_CHECKING:
-    from clef_worker.native import NativeExecutor
+    import torch
+
+    from clef_worker.media.vision import VisionTower
+    from clef_worker.model.backbone import Backbone
+    from clef_worker.model.encoding import Encoder
+    from clef_worker.policy import BatchPolicy
+    from clef_worker.runner import ModelRunner
+
+
+class WarmTarget(Protocol):
+    """What the warm-up needs of an executor (clef_worker.native.NativeExecutor has it); a
+    protocol, so this module and the executor that calls it need not import each other."""
+
+    limits: RequestLimits
+    runner: ModelRunner
+    policy: BatchPolicy
+    encoder: Encoder
+    graph_failure: str
+    planned_shapes: list[list[int]]
+
+    @property
+    def backbone(self) -> Backbone: ...
+
+    @property
+    def vision(self) -> VisionTower | None: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def encode(self, request: dict[str, Any]) -> Encoding: ...
+
+    def score(self, request: dict[str, Any]) -> object: ...
 
 # The richest candidate: ~250 tokens of state and the three question types, like a typical
 # small request. The state is truncated to the budget by the encoder like any request's.
@@ -138,7 +169,7 @@ def _trimmed(questions: dict[str, Any], limits: RequestLimits) -> dict[str, Any]
     return kept
 
 
-def warm_native(executor: NativeExecutor) -> None:
+def warm_native(executor: WarmTarget) -> None:
     """The native executor's whole warm-up sequence (the module docs say why each step)."""
     import logging
     import time
@@ -195,7 +226,7 @@ def warm_native(executor: NativeExecutor) -> None:
              encoding.length)
 
 
-def build_graphs(executor: NativeExecutor,
+def build_graphs(executor: WarmTarget,
                  device_usable: Callable[[Any], bool] | None = None) -> None:
     """Build (capture) every shape of the executor's graph runner: the only time shapes are.
 

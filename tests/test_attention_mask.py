@@ -14,12 +14,13 @@ import torch
 import transformers.masking_utils as masking
 
 from clef_protocol.options import RequestLimits
+from clef_worker.assembly import assemble_snapshot
 from clef_worker.native import NativeExecutor
 
 
 @pytest.fixture(scope="module")
 def executor(tiny_snapshot: Path) -> NativeExecutor:
-    return NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32",
+    return assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
                                limits=RequestLimits(max_length=512))
 
 

@@ -22,6 +22,7 @@ from clef_protocol import messages
 from clef_protocol.errors import BadRequestBody, RequestInvalid
 from clef_protocol.frames import encode_frame, read_frame_blocking
 from clef_protocol.options import DEFAULT_MAX_BATCH_TOKENS, RequestLimits
+from clef_worker.assembly import assemble_snapshot
 from clef_worker.batching import (
     HostHelper,
     OneAtATime,
@@ -80,7 +81,7 @@ def test_groups_fill_up_to_the_budget() -> None:
 
 @pytest.fixture(scope="module")
 def executor(tiny_snapshot: Path) -> NativeExecutor:
-    return NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32",
+    return assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
                                limits=RequestLimits())
 
 

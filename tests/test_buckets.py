@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from benchlib.executors import with_limits
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
+from clef_worker.assembly import assemble_snapshot
 from clef_worker.gpu.buckets import BucketTable, bucket_lengths
 from clef_worker.gpu.graphs import GraphRunner
 from clef_worker.native import NativeExecutor
@@ -107,7 +108,7 @@ def _load(snapshot: Path, mode: str, max_length: int = 4096,
           graph_max_length: int = 0) -> NativeExecutor:
     """The executor; with buckets, its one-row shapes built as warm-up builds them (a token
     budget of 1 plans no batched shapes, which these tests do not use)."""
-    executor = NativeExecutor.load(snapshot, device="cpu", dtype="float32",
+    executor = assemble_snapshot(snapshot, device="cpu", dtype="float32",
                                    limits=RequestLimits(max_length=max_length), cuda_graphs=mode,
                                    graph_max_length=graph_max_length, max_batch_tokens=1,
                                    batch_layout="padded")

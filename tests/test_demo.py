@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from clef_worker import demo
+from clef_worker.assembly import assemble_snapshot
 from clef_worker.demo import generate, layout
 from clef_worker.errors import StartupError
 from clef_worker.model.snapshot import RANDOM_MARKER
-from clef_worker.native import NativeExecutor
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -194,7 +194,7 @@ def test_layout_read_in_a_child_process_is_the_same(demo_snapshot: Path) -> None
 def test_native_executor_serves_the_demo(demo_snapshot: Path) -> None:
     from clef_protocol.options import RequestLimits
 
-    executor = NativeExecutor.load(
+    executor = assemble_snapshot(
         demo_snapshot, variant="clef-flash", device="cpu", dtype="float32",
         gdn_prefill="torch", limits=RequestLimits(), demo=True,
     )

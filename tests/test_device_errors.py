@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from clef_protocol.options import RequestLimits
+from clef_worker.assembly import assemble_snapshot
 from clef_worker.errors import ExecutorBroken, device_is_broken
-from clef_worker.native import NativeExecutor
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
@@ -45,7 +45,7 @@ def test_nothing_breaks_a_cpu_executor() -> None:
 def test_native_answer_reports_a_broken_device(
     tiny_snapshot: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    executor = NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32",
+    executor = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
                                    limits=RequestLimits())
     body = b'{"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}'
     assert executor.answer(body).body.startswith(b'{"model":"m"')

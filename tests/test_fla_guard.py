@@ -66,9 +66,9 @@ def test_fla_refused_on_cpu_and_premise(fake_fla: Path, tiny_snapshot: Path) -> 
         assert importlib.util.find_spec("fla") is not None, "the fake fla must be importable"
         from clef_worker.model.backbone import bound_gdn_path
         from clef_worker.errors import StartupError
-        from clef_worker.native import NativeExecutor
+        from clef_worker.assembly import assemble_snapshot
         try:
-            NativeExecutor.load({str(tiny_snapshot)!r}, device="cpu", gdn_prefill="fla")
+            assemble_snapshot({str(tiny_snapshot)!r}, device="cpu", gdn_prefill="fla")
         except StartupError as exc:
             print(exc)
         else:

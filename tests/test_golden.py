@@ -14,6 +14,7 @@ from benchlib.executors import with_limits
 from benchlib.golden import GOLDEN, Drift, answered, assert_response_matches, load_cases, refused
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
+from clef_worker.assembly import assemble_snapshot
 from clef_worker.native import NativeExecutor, Scored
 
 CASES = load_cases()
@@ -23,7 +24,7 @@ ERRORS = refused()
 
 @pytest.fixture(scope="module")
 def executor(tiny_snapshot: Path) -> NativeExecutor:
-    return NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32",
+    return assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
                                gdn_prefill="auto", limits=RequestLimits())
 
 

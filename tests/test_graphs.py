@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from clef_protocol.messages import ReadyInfo, ready
 from clef_protocol.options import RequestLimits
+from clef_worker.assembly import assemble_snapshot
 from clef_worker.gpu.buckets import BucketTable, bucket_lengths
 from clef_worker.gpu.graphs import (
     Forward,
@@ -313,7 +314,7 @@ def test_packed_copy_round_trips_shapes_and_values() -> None:
 
 
 def test_warm_up_builds_every_shape_up_to_max_length(tiny_snapshot: Path) -> None:
-    executor = NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32",
+    executor = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
                                    limits=RequestLimits(max_length=600), cuda_graphs="on",
                                    max_batch_tokens=512, batch_layout="padded")
     graphs = executor.runner.graphs
@@ -341,10 +342,10 @@ def test_warm_up_builds_every_shape_up_to_max_length(tiny_snapshot: Path) -> Non
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
 def test_cuda_graph_replay_equals_eager(tiny_snapshot: Path) -> None:
-    eager = NativeExecutor.load(tiny_snapshot, device="cuda", dtype="float32",
+    eager = assemble_snapshot(tiny_snapshot, device="cuda", dtype="float32",
                                 gdn_prefill="torch", limits=RequestLimits(max_length=512),
                                 cuda_graphs="off")
-    graphs = NativeExecutor.load(tiny_snapshot, device="cuda", dtype="float32",
+    graphs = assemble_snapshot(tiny_snapshot, device="cuda", dtype="float32",
                                  gdn_prefill="torch", limits=RequestLimits(max_length=512),
                                  cuda_graphs="on")
     graphs.warm_up()
@@ -369,7 +370,7 @@ class FailingCapturer(RecordingCapturer):
 
 
 def _failing(tiny_snapshot: Path, graphs: bool) -> NativeExecutor:
-    executor = NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32",
+    executor = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
                                    limits=RequestLimits(max_length=256), cuda_graphs="on",
                                    max_batch_tokens=256, batch_layout="padded")
     assert executor.runner.graphs is not None

@@ -25,6 +25,7 @@ from benchlib.golden import (
 )
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
+from clef_worker.assembly import assemble_snapshot
 from clef_worker.media.vision import rope_positions
 from clef_worker.native import NativeExecutor, Scored
 
@@ -36,7 +37,7 @@ ERRORS = refused(MEDIA_GOLDEN)
 
 @pytest.fixture(scope="module")
 def executor(tiny_snapshot: Path) -> NativeExecutor:
-    return NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32", limits=RequestLimits())
+    return assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32", limits=RequestLimits())
 
 
 _SCORED: dict[str, Scored] = {}

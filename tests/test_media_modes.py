@@ -13,6 +13,7 @@ import pytest
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.media import MEDIA_DISABLED, gradient_image, png_data_uri
 from clef_protocol.options import RequestLimits, add_model_arguments, limits_from, worker_argv
+from clef_worker.assembly import assemble_snapshot
 from clef_worker.errors import StartupError
 from clef_worker.media.pixels import PROCESSOR_CONFIG
 from clef_worker.native import NO_VISION, NativeExecutor
@@ -32,7 +33,7 @@ def text_only_snapshot(tiny_snapshot: Path, tmp_path_factory: pytest.TempPathFac
 
 
 def _load(snapshot: Path, media: str, limits: RequestLimits | None = None) -> NativeExecutor:
-    return NativeExecutor.load(snapshot, device="cpu", dtype="float32", media=media,
+    return assemble_snapshot(snapshot, device="cpu", dtype="float32", media=media,
                                limits=limits or RequestLimits())
 
 

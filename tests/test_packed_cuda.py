@@ -25,10 +25,10 @@ import torch
 from torch import Tensor
 
 from clef_protocol.options import RequestLimits
+from clef_worker.assembly import assemble_snapshot
 from clef_worker.gpu.graphs import prepare_capture_environment
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.packed import PackedLayout, StaticPackedLayout
-from clef_worker.native import NativeExecutor
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
@@ -46,7 +46,7 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> Backbone:
 
     prepare_capture_environment()  # before fla is imported: no FlashQLA (it reads the host)
     snapshot = ensure_demo_snapshot(Path(tmp_path_factory.mktemp("wide")), DemoSpec.wide())
-    executor = NativeExecutor.load(snapshot, device="cuda", dtype="bfloat16", cuda_graphs="off",
+    executor = assemble_snapshot(snapshot, device="cuda", dtype="bfloat16", cuda_graphs="off",
                                    limits=RequestLimits(max_length=2048))
     assert executor.backbone.gdn_path == "fla"
     return executor.backbone

@@ -28,6 +28,7 @@ from torch.nn import functional as F
 
 from benchlib.golden import LOGIT_TOLERANCE, answered
 from clef_protocol.options import RequestLimits
+from clef_worker.assembly import assemble_snapshot
 from clef_worker.model import packed_layers, short_conv, swap
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.gated_delta import chunked_gated_delta_rule
@@ -43,7 +44,6 @@ from clef_worker.model.packed_layers import (
     kernels_for,
     packed_forward,
 )
-from clef_worker.native import NativeExecutor
 
 CPU = torch.device("cpu")
 GOLDEN_IDS = [case["input_ids"] for case in answered()]
@@ -51,7 +51,7 @@ GOLDEN_IDS = [case["input_ids"] for case in answered()]
 
 @pytest.fixture(scope="module")
 def backbone(tiny_snapshot: Path) -> Backbone:
-    executor = NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32",
+    executor = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
                                    limits=RequestLimits(max_length=4096))
     return executor.backbone
 
@@ -485,7 +485,7 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> Backbone:
     from clef_worker.demo import DemoSpec, ensure_demo_snapshot
 
     snapshot = ensure_demo_snapshot(tmp_path_factory.mktemp("wide"), DemoSpec.wide())
-    return NativeExecutor.load(snapshot, device="cpu", dtype="float32",
+    return assemble_snapshot(snapshot, device="cpu", dtype="float32",
                                limits=RequestLimits(max_length=1024)).backbone
 
 

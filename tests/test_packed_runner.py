@@ -20,6 +20,7 @@ from benchlib.executors import with_limits
 from benchlib.golden import PROBABILITY_TOLERANCE
 from clef_protocol import messages
 from clef_protocol.options import RequestLimits
+from clef_worker.assembly import assemble_snapshot
 from clef_worker.batching import answer_groups
 from clef_worker.gpu.graphs import EagerCapturer
 from clef_worker.gpu.packed_graphs import (
@@ -44,7 +45,7 @@ BF16_GATE = 1e-2  # the release's bfloat16 gate on probabilities (every argmax e
 
 @pytest.fixture(scope="module")
 def executor(tiny_snapshot: Path) -> NativeExecutor:
-    return NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32",
+    return assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
                                limits=RequestLimits(), batch_layout=PACKED)
 
 
@@ -185,7 +186,7 @@ def test_cuda_packed_graphs_answer_as_eager_packed_and_alone(tiny_snapshot: Path
     from them answer as eager packed rows and as each case alone (every argmax equal, within
     the release's bfloat16 gate of 1e-2)."""
     def load(cuda_graphs: str) -> NativeExecutor:
-        executor = NativeExecutor.load(tiny_snapshot, device="cuda", dtype="bfloat16",
+        executor = assemble_snapshot(tiny_snapshot, device="cuda", dtype="bfloat16",
                                        gdn_prefill="fla", limits=RequestLimits(max_length=2048),
                                        cuda_graphs=cuda_graphs, max_batch_tokens=4096,
                                        batch_layout=PACKED, media="off")

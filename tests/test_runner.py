@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from benchlib.executors import with_limits
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
+from clef_worker.assembly import assemble_snapshot
 from clef_worker.gpu.buckets import BucketTable
 from clef_worker.gpu.graphs import EagerCapturer, GraphRunner
 from clef_worker.model.backbone import Backbone
@@ -39,7 +40,7 @@ SHAPES = [(1, 256), (1, 512), (2, 512), (4, 512)]
 
 @pytest.fixture(scope="module")
 def plain(tiny_snapshot: Path) -> NativeExecutor:
-    return NativeExecutor.load(tiny_snapshot, device="cpu", dtype="float32",
+    return assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
                                limits=RequestLimits(max_length=16384))
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from clef_worker.assembly import assemble_snapshot
 from clef_worker.errors import StartupError
 from clef_worker.model.snapshot import RANDOM_MARKER, open_snapshot
-from clef_worker.native import NativeExecutor
 
 INVOICE = {
     "model": "clef-flash",
@@ -148,7 +148,7 @@ def test_wrong_backbone_tensor_shape(snapshot: Path) -> None:
     name = "model.language_model.layers.0.mlp.up_proj.weight"
     _rewrite(snapshot / "model.safetensors", {name: torch.zeros(96, 64, dtype=torch.bfloat16)})
     with pytest.raises(StartupError) as failed:
-        NativeExecutor.load(snapshot, device="cpu")
+        assemble_snapshot(snapshot, device="cpu")
     assert name in str(failed.value) and "model.safetensors" in str(failed.value)
 
 
@@ -156,7 +156,7 @@ def test_missing_backbone_tensor(snapshot: Path) -> None:
     name = "model.language_model.norm.weight"
     _rewrite(snapshot / "model.safetensors", {name: None})
     with pytest.raises(StartupError, match=name.replace(".", r"\.")):
-        NativeExecutor.load(snapshot, device="cpu")
+        assemble_snapshot(snapshot, device="cpu")
 
 
 def _shard(snapshot: Path) -> list[str]:
@@ -177,9 +177,9 @@ def _shard(snapshot: Path) -> list[str]:
 
 
 def test_sharded_snapshot_scores_like_single_file(snapshot: Path, tiny_snapshot: Path) -> None:
-    single = NativeExecutor.load(tiny_snapshot, device="cpu").score(INVOICE)
+    single = assemble_snapshot(tiny_snapshot, device="cpu").score(INVOICE)
     _shard(snapshot)
-    sharded = NativeExecutor.load(snapshot, device="cpu").score(INVOICE)
+    sharded = assemble_snapshot(snapshot, device="cpu").score(INVOICE)
     assert sharded.encoding.input_ids == single.encoding.input_ids
     assert sharded.logits == single.logits
 
