@@ -56,7 +56,7 @@ class HealthReply(Protocol):
     def reply(self) -> Reply: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestContext:
     """Everything known about one request, filled in step by step.
 

@@ -119,7 +119,7 @@ def _ignore(_: str) -> None:
     """Default for the event callbacks."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Ticket:
     """One admitted request, from the queue to its reply.
 
