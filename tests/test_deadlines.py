@@ -73,3 +73,27 @@ def test_a_request_whose_client_left_is_not_sent_even_before_the_socket_is_watch
 
     sent, cancelled = asyncio.run(scenario())
     assert sent == [b"busy", b"stays"] and cancelled
+
+
+def test_deadlines_of_tickets_that_left_the_queue_are_not_kept_for_the_queue_timeout() -> None:
+    """With `--queue-timeout`, every queued ticket's deadline goes on a heap; a ticket sent and
+    answered long before it must not stay referenced there (with its body) until then."""
+
+    async def scenario() -> tuple[int, int, int]:
+        lane = FakeLane(room=1)
+        admission = Admission(capacity=4, retry_after=1, workers=FakeWorkers(lane),
+                              queue_timeout=600)
+        admission.submit(b"busy")
+        most = 0
+        for number in range(1000):
+            waiting = admission.submit(b"body %d" % number)  # queued behind the one in flight
+            lane.answer_oldest()  # the one in flight answers; the queued one is sent
+            assert not waiting.outcome.done() and lane.held
+            most = max(most, len(admission._deadlines))  # the heap, read for this test only
+        expiring = admission.submit(b"still queued")
+        assert any(entry[2] is expiring for entry in admission._deadlines)
+        return most, admission.depth, len(lane.sent)
+
+    most, depth, sent = asyncio.run(scenario())
+    assert sent == 1001 and depth == 1
+    assert most <= 2 * 1 + 64 + 1  # twice the depth plus the slack, never a thousand

@@ -81,6 +81,9 @@ log = logging.getLogger("clef_frontend.dispatch.admission")
 # interactive request waits behind at most one bulk request per BULK_EVERY - 1 interactive ones,
 # and a bulk flood still moves at 1/BULK_EVERY of the workers under sustained interactive load.
 BULK_EVERY = 8
+# Deadline entries of tickets that left the queue, kept beyond twice the queue's depth before the
+# heap is rebuilt without them (see Admission._drop_stale_deadlines).
+STALE_DEADLINES_KEPT = 64
 
 
 class Lane(Protocol):
@@ -356,6 +359,20 @@ class Admission:
         heapq.heappush(self._deadlines, (ticket.deadline, ticket.frame_id, ticket))
         if self._deadlines[0][2] is ticket:  # the new earliest: aim the timer at it
             self._arm_deadline_timer()
+        elif len(self._deadlines) > 2 * self.depth + STALE_DEADLINES_KEPT:
+            self._drop_stale_deadlines()
+
+    def _drop_stale_deadlines(self) -> None:
+        """Forget the deadlines of tickets no longer waiting (sent, answered, given up).
+
+        Entries are not removed when their ticket leaves the queue (a heap has no cheap
+        removal); without this, `--queue-timeout` seconds of every ticket, bodies included,
+        would stay referenced here. Rebuilt once stale entries outnumber live ones, so each
+        entry is copied at most once on average."""
+        self._deadlines = [entry for entry in self._deadlines
+                           if entry[2].started_at is None and not entry[2].outcome.done()]
+        heapq.heapify(self._deadlines)
+        self._arm_deadline_timer()
 
     def _arm_deadline_timer(self) -> None:
         if self._deadline_timer is not None:
