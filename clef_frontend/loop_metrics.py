@@ -84,8 +84,9 @@ class LoopCounter(_Family):
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
         super().__init__(name, documentation, labelnames)
+        self._only: CounterChild | None = None
         if not self.labelnames:  # exported from the start, as prometheus_client's are
-            self._child(())
+            self._only = self.labels()
 
     def labels(self, *values: str) -> CounterChild:
         child = self._child(values)
@@ -94,7 +95,9 @@ class LoopCounter(_Family):
 
     def inc(self, amount: float = 1.0) -> None:
         """For a family without labels."""
-        self.labels().inc(amount)
+        if self._only is None:
+            raise ValueError(f"{self.name} has labels: inc a child (`labels(...)`)")
+        self._only.value += amount
 
     def _new_child(self) -> CounterChild:
         return CounterChild()
@@ -120,8 +123,9 @@ class LoopHistogram(_Family):
         if bounds != sorted(bounds):
             raise ValueError(f"{name}: bucket bounds must be in increasing order")
         self._bounds = bounds
+        self._only: HistogramChild | None = None
         if not self.labelnames:  # exported from the start, as prometheus_client's are
-            self._child(())
+            self._only = self.labels()
 
     def labels(self, *values: str) -> HistogramChild:
         child = self._child(values)
@@ -130,7 +134,9 @@ class LoopHistogram(_Family):
 
     def observe(self, amount: float) -> None:
         """For a family without labels."""
-        self.labels().observe(amount)
+        if self._only is None:
+            raise ValueError(f"{self.name} has labels: observe a child (`labels(...)`)")
+        self._only.observe(amount)
 
     def _new_child(self) -> HistogramChild:
         return HistogramChild(self._bounds)

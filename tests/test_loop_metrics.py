@@ -61,5 +61,7 @@ def test_wrong_label_counts_and_unsorted_buckets_are_refused() -> None:
     family = LoopCounter("c", "help", ["route"])
     with pytest.raises(ValueError, match="1 label values"):
         family.labels("a", "b")
+    with pytest.raises(ValueError, match="has labels"):
+        family.inc()
     with pytest.raises(ValueError, match="increasing"):
         LoopHistogram("h", "help", buckets=(1.0, 0.5))
