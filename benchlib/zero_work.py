@@ -4,7 +4,8 @@ Three servers, started together and measured in turns (ROUNDS turns, every row o
 one row at a time), so that on a shared machine a change of load falls on every row alike:
 - clef-serve with tests/fake_worker.py (it answers at once): `GET /health` is the front without
   the worker hop, `POST /v1/systemone` the whole front path (h11, the contract's checks, body
-  parsing and validation, admission, a frame each way over the pipe, the access log line);
+  parsing and validation, admission, a frame each way over the pipe, the access log line), and
+  the same POST with one body repeated the path of a cache hit (everything but the worker hop);
 - uvicorn with its h11 protocol serving benchlib/zero_work_app.py, when uvicorn is installed: what
   a well-kept Python HTTP server costs for a request that does nothing.
 
@@ -12,7 +13,8 @@ Each row is measured at 1 connection (latency) and 32 (throughput and tail), clo
 keep-alive. Both servers log one access line per request to a file, as they do by default.
 clef-serve runs its defaults, answer cache included, so every POST body is distinct (numbered
 by the load generator, `benchlib.http_load`): each one is a miss that goes through admission
-and the worker, the path that ships; uvicorn gets the same bodies.
+and the worker, the path that ships (but in the row that repeats one body on purpose);
+uvicorn gets the same bodies.
 """
 
 from __future__ import annotations
@@ -90,13 +92,14 @@ class _Target:
     method: str
     path: str
     body: bytes
+    distinct: bool = True  # every body numbered (a POST then always reaches the worker)
 
 
 def _load(target: _Target, connections: int, seconds: float,
           args: argparse.Namespace) -> LoadResult:
     result = run_load("127.0.0.1", target.port, target.method, target.path, target.body,
                       connections=connections, seconds=seconds, use_wrk=not args.no_wrk,
-                      distinct=bool(target.body))
+                      distinct=target.distinct and bool(target.body))
     if result.bad_status:
         raise RuntimeError(f"{target.label}: {result.bad_status} failed requests")
     return result
@@ -167,6 +170,8 @@ def _rows(args: argparse.Namespace, tmp: Path) -> tuple[list[Row], list[float]]:
                     "/v1/systemone", BODY),
             _Target("clef-serve `POST`, `--max-batch 16` (up to 16 in flight to the worker)",
                     batch_port, "POST", "/v1/systemone", BODY),
+            _Target("clef-serve `POST`, one body repeated (a cache hit: no worker hop)", port,
+                    "POST", "/v1/systemone", BODY, distinct=False),
         ]
         uvicorn = _uvicorn_server(tmp)
         if uvicorn is not None:
@@ -204,7 +209,8 @@ def _render(rows: list[Row], worker_ms: list[float], args: argparse.Namespace,
         "server, so absolute numbers move from run to run; compare rows within one run. "
         "clef-serve runs its defaults, answer cache on; every POST body is distinct (numbered "
         "by the load generator), so each one is a miss that reaches the worker, and uvicorn "
-        "gets the same bodies.",
+        "gets the same bodies; but in the row that repeats one body, whose every POST after the "
+        "first is answered from the cache.",
         "",
         "| path | C1 p50 | C32 throughput | C32 p99 |",
         "|---|---:|---:|---:|",
