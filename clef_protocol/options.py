@@ -139,9 +139,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="native (this project's code) or release (runs the snapshot's own "
                             "joint_schema_model.py: only for snapshots you trust)")
     group.add_argument("--cuda-graphs", choices=CUDA_GRAPH_MODES, default="auto",
-                       help="pad requests to length buckets and replay one captured CUDA graph "
-                            "per bucket (auto: on for CUDA; on a CPU device, on runs the buckets "
-                            "eagerly)")
+                       help="replay forwards as CUDA graphs captured at warm-up, one per "
+                            "shape (packed: total-token buckets; padded: [rows, length "
+                            "bucket]); auto: on for CUDA; on a CPU device, on runs the shapes "
+                            "eagerly")
     group.add_argument("--graph-max-length", type=non_negative_int, default=0,
                        help="largest bucket captured; longer requests run eagerly "
                             "(0: up to --max-length)")
