@@ -77,3 +77,59 @@ def test_requests_sent_while_replies_are_handed_on_leave_in_one_write() -> None:
     # let through by the three replies read together (one pipe write of under PIPE_BUF bytes
     # arrives in one read): one write. The last write is `shutdown`.
     assert frames_per_write == [1, 1, 1, 3, 0]
+
+
+# Answers pings and requests as they come, one write each.
+PONGING_WORKER = f"""
+import sys
+sys.path.insert(0, {str(REPO)!r})
+from clef_protocol import messages
+from clef_protocol.frames import read_frame_blocking, write_frame_blocking
+inp, out = sys.stdin.buffer, sys.stdout.buffer
+write_frame_blocking(out, messages.ready(messages.ReadyInfo(
+    pid=0, thread="main", model="scripted", variant="v", device="cpu", dtype="float32",
+    gdn_path="none", pings=True)))
+while (message := read_frame_blocking(inp)) is not None:
+    if message["kind"] == "ping":
+        write_frame_blocking(out, messages.pong(message["seq"]))
+    elif message["kind"] == "request":
+        write_frame_blocking(out, messages.response(message["id"], b"{{}}", 0.0))
+    else:
+        break
+"""
+
+
+def test_the_ping_ahead_of_a_request_leaves_in_the_requests_write() -> None:
+    """A request that finds no ping owed is preceded by one (liveness.py); the two leave in one
+    write, so the worker reads both in one wake-up."""
+
+    async def scenario() -> list[tuple[int, int]]:
+        channel = await WorkerChannel.spawn((sys.executable, "-c", PONGING_WORKER))
+        await channel.wait_ready(30)
+        stdin = channel.process.stdin
+        assert stdin is not None
+        writes: list[tuple[int, int]] = []  # (pings, requests) in each write
+        original = stdin.write
+
+        def counting_write(data: bytes | bytearray | memoryview) -> None:
+            raw = bytes(data)
+            writes.append((raw.count(b"\xa4ping"), raw.count(b"request")))
+            original(data)
+
+        stdin.write = counting_write  # type: ignore[method-assign]
+        channel.watch_liveness(30.0, pings=True)
+        for request_id in range(20):  # one at a time: each finds the previous ping answered
+            answered: asyncio.Future[WorkerReply | WorkerFailure] = (
+                asyncio.get_running_loop().create_future())
+            channel.submit(Request(request_id, b"{}"), 30, answered.set_result)
+            reply = await asyncio.wait_for(answered, 30)
+            assert isinstance(reply, WorkerReply) and reply.status == 200
+        await channel.stop(grace=5)
+        return writes
+
+    writes = asyncio.run(scenario())
+    with_request = [w for w in writes if w[1]]
+    assert len(with_request) == 20
+    assert sum(pings for pings, _ in with_request) >= 15  # most requests found no ping owed
+    # A ping alone is the timer's (every quarter second), never one ahead of a request.
+    assert sum(1 for pings, requests in writes if pings and not requests) <= 3
