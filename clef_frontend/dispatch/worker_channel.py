@@ -276,30 +276,21 @@ class WorkerChannel:
             return
         if request.id in self._outstanding:
             raise RuntimeError(f"frame id {request.id} is already in flight on this worker")
-        # The ping and the request leave in one write (the worker reads both in one wake-up),
-        # unless replies being handed on already collect the writes (`_on_output`).
-        own_cork = self._corked is None
-        if own_cork:
-            self._corked = []
-        try:
-            if self._liveness is not None:
-                # A fresh ping ahead of the request (unless one is owed): an idle worker owes
-                # its pong at once, so one that wedged since its last pong is suspect within the
-                # floor, whatever the request's length.
-                if self._pings and self._ping_waiting is None and not self._send_ping():
-                    deliver(self._broken.result())
-                    return
-                self._liveness.request_sent(request.id, len(request.body))
-            self._outstanding[request.id] = _Outstanding(deliver, self._loop.time() + timeout,
-                                                         timeout)
-            if self._watchdog is None:
-                self._arm_watchdog()
-            self._look_sooner()
-            if not self._write(request.message()):
-                self._fail(WorkerExited("worker closed its input"))
-        finally:
-            if own_cork:
-                self._uncork()
+        if self._liveness is not None:
+            # A fresh ping ahead of the request (unless one is owed): an idle worker owes its
+            # pong at once, so one that wedged since its last pong is suspect within the floor,
+            # whatever the request's length.
+            if self._pings and self._ping_waiting is None and not self._send_ping():
+                deliver(self._broken.result())
+                return
+            self._liveness.request_sent(request.id, len(request.body))
+        self._outstanding[request.id] = _Outstanding(deliver, self._loop.time() + timeout,
+                                                     timeout)
+        if self._watchdog is None:
+            self._arm_watchdog()
+        self._look_sooner()
+        if not self._write(request.message()):
+            self._fail(WorkerExited("worker closed its input"))
 
     async def broken(self) -> WorkerFailure:
         """Resolve when the channel breaks (the worker died or misbehaved)."""
@@ -370,7 +361,9 @@ class WorkerChannel:
         except WorkerFailure as failure:
             self._lose(failure)
         finally:
-            self._uncork()
+            corked, self._corked = self._corked, None
+            if corked and not self._send_bytes(b"".join(corked)):
+                self._fail(WorkerExited("worker closed its input"))
 
     def _on_output_end(self) -> None:
         """The worker closed its stdout (it exited, or is exiting)."""
@@ -433,12 +426,6 @@ class WorkerChannel:
             self._corked.append(frame)
             return not self._stdin_closing()
         return self._send_bytes(frame)
-
-    def _uncork(self) -> None:
-        """Send the frames collected since the cork, in one write."""
-        corked, self._corked = self._corked, None
-        if corked and not self._send_bytes(b"".join(corked)):
-            self._fail(WorkerExited("worker closed its input"))
 
     def _stdin_closing(self) -> bool:
         stdin = self.process.stdin
