@@ -5,11 +5,11 @@ than one change to the front is worth, so comparing runs made at different times
 This starts one front per version (each with its own tree's `tests/fake_worker.py`, the
 zero-work worker, and the server's defaults), loads each in turn with `--connections` clients
 sending distinct POST bodies (`benchlib.http_load`, every one a cache miss that reaches the
-worker) for `--seconds`, for `--rounds` turns, and reads the front's CPU time (user + system,
-/proc) over each turn: CPU microseconds per request is what the front's code costs, and being
-measured turn by turn, a change of load on the host falls on every version alike. A version is
-a git revision (`--rev`, checked out in a temporary worktree) or the working tree (always
-measured, last).
+worker) for `--seconds`, for `--rounds` turns (every other one in reverse order), and reads
+the front's CPU time (user + system, /proc) over each turn: CPU microseconds per request is what
+the front's code costs, and being measured turn by turn, a change of load on the host falls on
+every version alike. A version is a git revision (`--rev`, checked out in a temporary worktree)
+or the working tree (always measured, last in the first turn).
 
     python bench/bench_front_cpu.py --rev HEAD~3                # that commit against now
     python bench/bench_front_cpu.py --rev main -- --answer-cache 0
@@ -131,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                 version.front_us.clear()
                 version.worker_us.clear()
                 version.rates.clear()
-            for _ in range(args.rounds):
-                for version in versions:
+            for round_ in range(args.rounds):
+                # Every other turn in reverse: going first or last in a turn has an effect of
+                # its own (measured: several microseconds), which then falls on both alike.
+                for version in versions if round_ % 2 == 0 else versions[::-1]:
                     version.turn(args.connections, args.seconds, not args.no_wrk)
         finally:
             for version in versions:
