@@ -60,9 +60,10 @@ def test_many_entries_share_one_timer_and_a_failing_callback_strands_none() -> N
 
     timers, fired = asyncio.run(scenario())
     assert fired == list(range(1000))
-    # One timer for the first entry; the queue moves on by one more only where the next
-    # deadline has not come yet when it fires (entries added over a few microseconds).
-    assert timers < 10
+    # One timer for the first entry, then one more each time it fires before the rest are due:
+    # the entries' deadlines span only the time it took to add them, so that is a handful (how
+    # many depends on the machine's speed), never one per entry.
+    assert timers < 100
 
 
 def test_an_entry_fires_no_sooner_than_its_delay() -> None:
