@@ -1,12 +1,12 @@
 """Counters and histograms recorded once per request on the event loop, cheaply.
 
 prometheus_client's `Counter.inc` takes a lock, and `Histogram.observe` takes two and walks its
-bucket bounds in Python: at thousands of requests a second, the front's one counter and five
-histograms per scoring request cost more than its whole answer cache (an A/B of the zero-work
-front, docs/benchmarks.md). These record with a list index (`bisect` finds the bucket in C) and
-an addition, and reach the registry as ordinary metric families through a custom collector
-(prometheus_client's documented way to expose values it does not hold), so the exposition,
-names, labels and buckets are what prometheus_client's own types would give.
+bucket bounds in Python, and the front records one counter and five histograms per scoring
+request, thousands of times a second (docs/benchmarks.md, the zero-work section). These record
+with a list index (`bisect` finds the bucket in C) and an addition, and reach the registry as
+ordinary metric families through a custom collector (prometheus_client's documented way to
+expose values it does not hold), so the exposition, names, labels and buckets are what
+prometheus_client's own types would give.
 
 Only the event loop's thread records; a scrape on the metrics port's thread copies each child's
 counts in one step under the GIL, so a scrape never sees a bucket count fall. Its `_sum` may
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -52,16 +53,24 @@ class HistogramChild:
         self.sum += amount
 
 
-class _Family(Collector):
-    """Children by label values (created on first use), collected as one metric family."""
+Child = TypeVar("Child", CounterChild, HistogramChild)
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
+
+class _Family(Collector, Generic[Child]):
+    """Children by label values (created on first use), collected as one metric family; a
+    family without labels has its one child from the start (exported before any observation,
+    as prometheus_client's are) and records into it directly."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 new_child: Callable[[], Child]) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], object] = {}
+        self._new_child: Callable[[], Child] = new_child
+        self._children: dict[tuple[str, ...], Child] = {}
+        self._only: Child | None = None if self.labelnames else self.labels()
 
-    def _child(self, values: tuple[str, ...]) -> object:
+    def labels(self, *values: str) -> Child:
         child = self._children.get(values)
         if child is None:
             if len(values) != len(self.labelnames):
@@ -69,8 +78,10 @@ class _Family(Collector):
             child = self._children[values] = self._new_child()
         return child
 
-    def _new_child(self) -> object:
-        raise NotImplementedError
+    def _unlabelled(self) -> Child:
+        if self._only is None:
+            raise ValueError(f"{self.name} has labels: record into a child (`labels(...)`)")
+        return self._only
 
     def describe(self) -> Iterator[Metric]:
         yield self._family()
@@ -79,28 +90,15 @@ class _Family(Collector):
         raise NotImplementedError
 
 
-class LoopCounter(_Family):
+class LoopCounter(_Family[CounterChild]):
     """A counter family; `name` without `_total`, as prometheus_client's Counter takes it."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, documentation, labelnames)
-        self._only: CounterChild | None = None
-        if not self.labelnames:  # exported from the start, as prometheus_client's are
-            self._only = self.labels()
-
-    def labels(self, *values: str) -> CounterChild:
-        child = self._child(values)
-        assert isinstance(child, CounterChild)
-        return child
+        super().__init__(name, documentation, labelnames, CounterChild)
 
     def inc(self, amount: float = 1.0) -> None:
         """For a family without labels."""
-        if self._only is None:
-            raise ValueError(f"{self.name} has labels: inc a child (`labels(...)`)")
-        self._only.value += amount
-
-    def _new_child(self) -> CounterChild:
-        return CounterChild()
+        self._unlabelled().value += amount
 
     def _family(self) -> CounterMetricFamily:
         return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -108,38 +106,24 @@ class LoopCounter(_Family):
     def collect(self) -> Iterator[Metric]:
         family = self._family()
         for values, child in list(self._children.items()):
-            assert isinstance(child, CounterChild)
             family.add_metric(list(values), child.value)
         yield family
 
 
-class LoopHistogram(_Family):
+class LoopHistogram(_Family[HistogramChild]):
     """A histogram family with fixed bucket bounds (+Inf is added, as prometheus_client does)."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (), *,
                  buckets: Sequence[float]) -> None:
-        super().__init__(name, documentation, labelnames)
         bounds = [float(bound) for bound in buckets if not math.isinf(bound)]
         if bounds != sorted(bounds):
             raise ValueError(f"{name}: bucket bounds must be in increasing order")
         self._bounds = bounds
-        self._only: HistogramChild | None = None
-        if not self.labelnames:  # exported from the start, as prometheus_client's are
-            self._only = self.labels()
-
-    def labels(self, *values: str) -> HistogramChild:
-        child = self._child(values)
-        assert isinstance(child, HistogramChild)
-        return child
+        super().__init__(name, documentation, labelnames, lambda: HistogramChild(bounds))
 
     def observe(self, amount: float) -> None:
         """For a family without labels."""
-        if self._only is None:
-            raise ValueError(f"{self.name} has labels: observe a child (`labels(...)`)")
-        self._only.observe(amount)
-
-    def _new_child(self) -> HistogramChild:
-        return HistogramChild(self._bounds)
+        self._unlabelled().observe(amount)
 
     def _family(self) -> HistogramMetricFamily:
         return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -148,7 +132,6 @@ class LoopHistogram(_Family):
         family = self._family()
         names = [floatToGoString(bound) for bound in self._bounds] + ["+Inf"]
         for values, child in list(self._children.items()):
-            assert isinstance(child, HistogramChild)
             counts, total = list(child.counts), child.sum  # copied at once: counts never fall
             cumulative, buckets = 0, []
             for name, count in zip(names, counts, strict=True):
