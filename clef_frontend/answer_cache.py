@@ -89,16 +89,22 @@ class Flight:
         last one out gives up the request."""
         if not mine.done():
             mine.cancel()
-        if self.all_gone() and self.on_all_gone is not None:
-            self.on_all_gone()
+        self._give_up_if_all_gone()
 
-    def first_leaves(self) -> None:
+    def first_leaves(self) -> bool:
         """The first request's client left. With nobody else waiting the request is given up
         (its outcome is cancelled, which ends the first request's wait); while joiners wait it
-        goes on for them, and the first request's wait ends when the answer comes."""
+        goes on for them, and the first request's wait ends when the answer comes. True if it
+        goes on."""
         self.first_left = True
-        if self.all_gone() and self.on_all_gone is not None:
+        return not self._give_up_if_all_gone()
+
+    def _give_up_if_all_gone(self) -> bool:
+        if not self.all_gone():
+            return False
+        if self.on_all_gone is not None:
             self.on_all_gone()
+        return True
 
 
 class AnswerCache:

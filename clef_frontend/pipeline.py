@@ -260,8 +260,7 @@ class Pipeline:
     @staticmethod
     def _first_left(ctx: RequestContext, flight: Flight) -> None:
         """The client of a request others share left: given up if nobody else waits."""
-        flight.first_leaves()
-        if not flight.all_gone():
+        if flight.first_leaves():
             log.info("request_id=%s: client gone; its forward goes on for the identical "
                      "requests that share it", ctx.request_id)
 

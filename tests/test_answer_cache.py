@@ -121,7 +121,7 @@ def test_one_caller_leaving_does_not_cancel_the_others() -> None:
         first, second = flight.join(), flight.join()
         flight.leave(first)  # a joining client went away
         assert first.cancelled() and not abandoned  # the request still has callers
-        flight.first_leaves()  # and so did the first request's
+        assert flight.first_leaves()  # so did the first request's: it goes on for the joiner
         assert not abandoned and not flight.all_gone()  # the second joiner still waits
         outcome.set_result(Reply(200, b'{"ok": 1}'))
         cache.land(key, flight, outcome)
