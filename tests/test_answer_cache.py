@@ -84,6 +84,17 @@ def test_a_reload_flushes_the_cache_and_zero_turns_it_off(tmp_path: Path) -> Non
         assert metric(serve, "clef_answer_cache_total", result="miss") == 0
 
 
+def assert_one_forward_answered_and_kept(serve: Serve, log: Path, waiting: background,
+                                         body: bytes) -> None:
+    """Once the held forward is let go: `waiting` gets its answer, the worker computed it once,
+    and it is kept (a repeat is a hit)."""
+    answer = waiting.result()
+    assert answer.status == 200 and answer.json()["tag"] == "shared"
+    assert log.read_text().split() == ["shared"]  # one forward, not cut short
+    assert serve.post(body).status == 200
+    assert metric(serve, "clef_answer_cache_total", result="hit") == 1
+
+
 def test_a_joiner_keeps_its_own_deadline_and_its_own_client(tmp_path: Path) -> None:
     """While the shared forward is held at the worker, a joiner with a 200 ms deadline gets
     504 and one whose client leaves is dropped; the forward goes on and answers the first."""
@@ -100,12 +111,8 @@ def test_a_joiner_keeps_its_own_deadline_and_its_own_client(tmp_path: Path) -> N
                        "the second joiner")
         serve.wait_for(r"status=499 .*cache=coalesced")
         gate.touch()
-        answer = first.result()
-        assert answer.status == 200 and answer.json()["tag"] == "shared"
-        assert log.read_text().split() == ["shared"]  # one forward, not cut short
+        assert_one_forward_answered_and_kept(serve, log, first, body)
         assert metric(serve, "clef_deadline_expired_total", **{"class": "interactive"}) == 1
-        assert serve.post(body).status == 200  # and kept: a repeat is a hit
-        assert metric(serve, "clef_answer_cache_total", result="hit") == 1
 
 
 def test_one_caller_leaving_does_not_cancel_the_others() -> None:
@@ -177,8 +184,7 @@ def test_identity_keeps_order_types_and_the_key() -> None:
 def test_the_first_client_leaving_does_not_cut_the_forward_its_joiners_share(
         tmp_path: Path) -> None:
     """The first request's client leaves while another request waits on its forward: the
-    first ends as 499, the forward goes on and answers the joiner, and the answer is kept; with
-    nobody left waiting, the next first request that leaves gives its forward up."""
+    first ends as 499, the forward goes on and answers the joiner, and the answer is kept."""
     gate, log = tmp_path / "gate", tmp_path / "requests.log"
     body = clef_body(tag="shared", hold_until=str(gate))
     with Serve("--log-file", str(log)) as serve:
@@ -190,9 +196,5 @@ def test_the_first_client_leaving_does_not_cut_the_forward_its_joiners_share(
                        "the joiner")
         serve.wait_for(r"client gone; its forward goes on")
         gate.touch()
-        answer = joiner.result()
-        assert answer.status == 200 and answer.json()["tag"] == "shared"
+        assert_one_forward_answered_and_kept(serve, log, joiner, body)
         serve.wait_for(r"status=499 .*cache=miss")
-        assert log.read_text().split() == ["shared"]  # one forward
-        assert serve.post(body).status == 200  # kept: a repeat is a hit
-        assert metric(serve, "clef_answer_cache_total", result="hit") == 1
