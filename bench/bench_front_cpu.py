@@ -4,12 +4,13 @@ Not a test. Throughput on a shared 2-core host drifts by several per cent within
 than one change to the front is worth, so comparing runs made at different times says little.
 This starts one front per version (each with its own tree's `tests/fake_worker.py`, the
 zero-work worker, and the server's defaults), loads each in turn with `--connections` clients
-sending distinct POST bodies (`benchlib.http_load`, every one a cache miss that reaches the
-worker) for `--seconds`, for `--rounds` turns (every other one in reverse order), and reads
-the front's CPU time (user + system, /proc) over each turn: CPU microseconds per request is what
-the front's code costs, and being measured turn by turn, a change of load on the host falls on
-every version alike. A version is a git revision (`--rev`, checked out in a temporary worktree)
-or the working tree (always measured, last in the first turn).
+sending distinct POST bodies (`bench_http.py --zero-work`'s, numbered by `benchlib.http_load`:
+every one a cache miss that reaches the worker) for `--seconds`, for `--rounds` turns (every
+other one in reverse order), and reads the front's CPU time (user + system, /proc) over each
+turn: CPU microseconds per request is what the front's code costs, and being measured turn by
+turn, a change of load on the host falls on every version alike. A version is a git revision
+(`--rev`, checked out in a temporary worktree) or the working tree (always measured, last in
+the first turn).
 
     python bench/bench_front_cpu.py --rev HEAD~3                # that commit against now
     python bench/bench_front_cpu.py --rev main -- --answer-cache 0
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,13 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchlib.http_load import run_load
-from benchlib.net import HOST, free_port, wait_port
+from benchlib.net import HOST, free_port
 from benchlib.paths import REPO
 from benchlib.provenance import command_line, cpu_line
-
-BODY = (b'{"model": "clef-flash", "state": "Invoice #4411 from Acme is still unpaid.", '
-        b'"questions": {"status": {"type": "choice", "criteria": {"paid": "settled", '
-        b'"overdue": "past due"}}, "large": {"type": "noul"}}}')
+from benchlib.zero_work import BODY, ServerProcess
 
 
 def cpu_seconds(pid: int) -> float:
@@ -51,7 +48,7 @@ class Version:
 
     label: str
     tree: Path
-    process: subprocess.Popen[bytes] | None = None
+    server: ServerProcess | None = None
     port: int = 0
     front_us: list[float] = field(default_factory=list)
     worker_us: list[float] = field(default_factory=list)
@@ -60,41 +57,36 @@ class Version:
     def start(self, server_args: list[str]) -> None:
         self.port = free_port()
         worker = shlex.join([sys.executable, str(self.tree / "tests" / "fake_worker.py")])
-        env = {**os.environ, "PYTHONPATH": str(self.tree)}
-        self.process = subprocess.Popen(
+        self.server = ServerProcess(
             [sys.executable, "-m", "clef_frontend", "--host", HOST, "--port", str(self.port),
-             "--worker-command", worker, *server_args],
-            cwd=self.tree, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL)
-        wait_port(self.port, self.process, 60)
+             "--worker-command", worker, *server_args], self.port, None, 60,
+            cwd=self.tree, env={**os.environ, "PYTHONPATH": str(self.tree)})
+
+    @property
+    def pid(self) -> int:
+        assert self.server is not None
+        return self.server.process.pid
 
     def worker_pids(self) -> list[int]:
-        assert self.process is not None
-        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+        children = Path(f"/proc/{self.pid}/task/{self.pid}/children")
         return [int(pid) for pid in children.read_text().split()]
 
     def turn(self, connections: int, seconds: float, use_wrk: bool) -> None:
-        assert self.process is not None
         workers = self.worker_pids()
-        front, worker = cpu_seconds(self.process.pid), sum(map(cpu_seconds, workers))
+        front, worker = cpu_seconds(self.pid), sum(map(cpu_seconds, workers))
         load = run_load(HOST, self.port, "POST", "/v1/systemone", BODY,
                         connections=connections, seconds=seconds, use_wrk=use_wrk,
                         distinct=True)
         if load.bad_status or not load.requests:
             raise RuntimeError(f"{self.label}: {load.bad_status} failed requests")
-        self.front_us.append((cpu_seconds(self.process.pid) - front) / load.requests * 1e6)
+        self.front_us.append((cpu_seconds(self.pid) - front) / load.requests * 1e6)
         self.worker_us.append(
             (sum(map(cpu_seconds, workers)) - worker) / load.requests * 1e6)
         self.rates.append(load.requests / load.seconds)
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.server is not None:
+            self.server.stop()
 
 
 def _checkout(rev: str, into: Path) -> Path:

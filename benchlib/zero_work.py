@@ -57,14 +57,18 @@ class Row:
     c32: LoadResult
 
 
-class _Server:
-    """A server subprocess with stderr to a file; stopped with SIGTERM."""
+class ServerProcess:
+    """A server subprocess (stderr to `log_path`, or dropped), listening on `port` once made;
+    `stop` sends SIGTERM, then SIGKILL if it lingers. Also bench_front_cpu.py's, whose fronts
+    run from other checkouts (`cwd`, `env`)."""
 
-    def __init__(self, argv: list[str], port: int, log_path: Path, timeout: float) -> None:
+    def __init__(self, argv: list[str], port: int, log_path: Path | None, timeout: float, *,
+                 cwd: Path = REPO, env: dict[str, str] | None = None) -> None:
         self.log_path = log_path
-        self._log = log_path.open("wb")
-        self.process = subprocess.Popen(argv, cwd=REPO, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.DEVNULL, stderr=self._log)
+        self._log = log_path.open("wb") if log_path is not None else None
+        self.process = subprocess.Popen(
+            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=self._log if self._log is not None else subprocess.DEVNULL)
         wait_port(port, self.process, timeout)
 
     def stop(self) -> None:
@@ -75,7 +79,8 @@ class _Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self._log.close()
+        if self._log is not None:
+            self._log.close()
 
 
 # Each row is measured in this many turns, the rows one after the other within a turn, so a
@@ -136,20 +141,20 @@ def _rounds(args: argparse.Namespace) -> int:
     return max(1, min(ROUNDS, int(args.seconds)))
 
 
-def _clef_server(tmp: Path, name: str, *flags: str) -> tuple[_Server, int]:
+def _clef_server(tmp: Path, name: str, *flags: str) -> tuple[ServerProcess, int]:
     port = free_port()
     worker = shlex.join([sys.executable, str(FAKE_WORKER)])
-    return _Server([sys.executable, "-m", "clef_frontend", "--port", str(port),
+    return ServerProcess([sys.executable, "-m", "clef_frontend", "--port", str(port),
                     "--worker-command", worker, *flags], port, tmp / name, timeout=60), port
 
 
-def _uvicorn_server(tmp: Path) -> tuple[_Server, int, str] | None:
+def _uvicorn_server(tmp: Path) -> tuple[ServerProcess, int, str] | None:
     if importlib.util.find_spec("uvicorn") is None:
         return None
     import uvicorn
 
     port = free_port()
-    server = _Server([sys.executable, "-m", "uvicorn", "benchlib.zero_work_app:app",
+    server = ServerProcess([sys.executable, "-m", "uvicorn", "benchlib.zero_work_app:app",
                       "--http", "h11", "--port", str(port)], port, tmp / "uvicorn.log", timeout=30)
     return server, port, uvicorn.__version__
 
@@ -158,7 +163,7 @@ def _rows(args: argparse.Namespace, tmp: Path) -> tuple[list[Row], list[float]]:
     """clef-serve with its defaults (`/health` and POST), clef-serve with 16 requests in flight
     to the worker (as on a CUDA worker: frames then queue on the pipe), and uvicorn, all
     started first and then measured in turns."""
-    servers: list[_Server] = []
+    servers: list[ServerProcess] = []
     try:
         clef, port = _clef_server(tmp, "clef.log")
         servers.append(clef)
@@ -182,6 +187,7 @@ def _rows(args: argparse.Namespace, tmp: Path) -> tuple[list[Row], list[float]]:
     finally:
         for server in servers:
             server.stop()
+    assert clef.log_path is not None
     text = clef.log_path.read_text(errors="replace")
     worker_ms = [float(m) for m in re.findall(r"worker_ms=([\d.]+)", text)]
     return rows, worker_ms
