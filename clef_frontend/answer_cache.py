@@ -42,8 +42,8 @@ _MARSHAL_VERSION = 2
 
 def identity(key_name: str, request: dict[str, Any]) -> bytes:
     """What two requests must share to share an answer: the key's name and the parsed body in
-    its own order, serialised (marshal, a third of the cost of re-encoding the JSON) and hashed
-    (SHA-256, so the table holds 32 bytes a request whatever its size). The identity never
+    its own order, serialised (marshal: cheaper than re-encoding the JSON, and as exact) and
+    hashed (SHA-256, so the table holds 32 bytes a request whatever its size). The identity never
     leaves the process, so marshal's format only has to be stable within one."""
     digest = hashlib.sha256(key_name.encode("utf-8"))
     digest.update(b"\0")
