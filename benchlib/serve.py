@@ -49,7 +49,7 @@ class Serve:
         answer_cache: int | None = None,
     ) -> None:
         # The server's own defaults, as operators run it: requests in flight per worker by its
-        # device (clef_frontend.dispatch.supervisor) and the answer cache on. A test about
+        # device (clef_dispatch.supervisor) and the answer cache on. A test about
         # another setting passes it (`max_batch=1` where requests must visibly queue behind one
         # held at the worker; `--max-batch` in `front_args` comes later and wins) with a comment
         # why. Requests that must each reach a worker are distinct (`clef_body` numbers every

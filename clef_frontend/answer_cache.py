@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from clef_frontend.responses import Reply
 
 if TYPE_CHECKING:
-    from clef_frontend.dispatch.admission import Ticket
+    from clef_dispatch import Ticket
 
 HIT, COALESCED, MISS = "hit", "coalesced", "miss"
 

@@ -14,10 +14,10 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from clef_dispatch import add_worker_arguments, worker_settings_from
 from clef_frontend import auth, logs, otel, priority
 from clef_frontend.catalogue import served_name
 from clef_frontend.config import ServerConfig
-from clef_frontend.dispatch.settings import add_worker_arguments, worker_settings_from
 from clef_frontend.server import serve
 from clef_frontend.version import version
 from clef_protocol.options import add_model_arguments, limits_from, positive_int

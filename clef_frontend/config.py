@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from clef_dispatch import WorkerSettings
 from clef_frontend.body_rate import BodyRateRule
-from clef_frontend.dispatch.settings import WorkerSettings
 from clef_frontend.priority import check_objective_classes
 from clef_protocol.frames import MAX_FRAME_BYTES
 from clef_protocol.options import RequestLimits

@@ -6,8 +6,9 @@ flag (held by admission, which is what refuses requests while draining). With se
 the server is ready while at least one is: `workers` lists every one (name, device, status, pid,
 in_flight, max_batch, restarts, suspect), `ready_workers` names those that serve, and `worker`
 is the first ready one's ready info (the single-worker shape). A suspect worker (its pong or
-reply overdue, dispatch/liveness.py) is still ready but gets no new work: `suspect_workers` names
-them, and when every ready worker is suspect `waiting_for` says why nothing new is sent.
+reply overdue, clef_dispatch/liveness.py) is still ready but gets no new work:
+`suspect_workers` names them, and when every ready worker is suspect `waiting_for` says why
+nothing new is sent.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from clef_dispatch import Admission, WorkerPool
 from clef_frontend import responses
-from clef_frontend.dispatch.admission import Admission
-from clef_frontend.dispatch.worker_pool import WorkerPool
 from clef_frontend.responses import Reply
 
 

@@ -32,8 +32,8 @@ from prometheus_client import (
 from prometheus_client.core import InfoMetricFamily
 from prometheus_client.registry import Collector
 
+from clef_dispatch import RESTART_REASONS
 from clef_frontend import exposition, responses
-from clef_frontend.dispatch.worker_channel import RESTART_REASONS
 from clef_frontend.loop_metrics import CounterChild, LoopCounter, LoopHistogram
 from clef_frontend.priority import CLASSES, INTERACTIVE
 from clef_frontend.responses import Reply
@@ -114,7 +114,7 @@ class Metrics:
             self.restarts.labels(reason=reason)
         self.suspects = Counter(
             "clef_worker_suspects", "Times a warm worker became suspect: its pong or reply "
-            "overdue by its margin (dispatch/liveness.py); it got no new work meanwhile.",
+            "overdue by its margin (clef_dispatch/liveness.py); it got no new work meanwhile.",
             registry=r)
         depth = Gauge("clef_queue_depth", "Requests waiting for the worker, by priority class.",
                       ["class"], registry=r)
@@ -228,7 +228,7 @@ class Metrics:
             self.truncated_tokens.inc(worker_reply.truncated_tokens)
 
     def worker_suspect(self) -> None:
-        """A worker became suspect (dispatch/liveness.py)."""
+        """A worker became suspect (clef_dispatch/liveness.py)."""
         self.suspects.inc()
 
     def worker_failed(self, reason: str) -> None:
@@ -266,7 +266,7 @@ class Metrics:
 LOAD_PATH = "/metrics/load"
 
 # Why a request was sent again: `WorkerLost.reason` (worker_channel.py's failure kinds), or
-# `suspect` (its worker was suspect, dispatch/liveness.py; the first answer wins).
+# `suspect` (its worker was suspect, clef_dispatch/liveness.py; the first answer wins).
 RESEND_REASONS = ("crash", "hung", "protocol", "stalled", "suspect")
 
 

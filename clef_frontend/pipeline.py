@@ -31,12 +31,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from clef_dispatch import Admission, Refused, Ticket
 from clef_frontend import deadlines, gateway, logs, otel, responses, workers_ai
 from clef_frontend.answer_cache import COALESCED, AnswerCache, Flight, identity
 from clef_frontend.api import ApiSurface
 from clef_frontend.auth import NO_KEY
 from clef_frontend.config import ServerConfig
-from clef_frontend.dispatch.admission import Admission, Refused, Ticket
 from clef_frontend.http1 import RefusedHead
 from clef_frontend.metrics import Metrics, route_label
 from clef_frontend.request_context import (

@@ -20,8 +20,8 @@ from clef_frontend.responses import Reply
 from clef_frontend.routes import Route
 
 if TYPE_CHECKING:
+    from clef_dispatch import Ticket
     from clef_frontend.answer_cache import Flight
-    from clef_frontend.dispatch.admission import Ticket
 
 
 class ClientGone(Exception):

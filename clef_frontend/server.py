@@ -23,14 +23,13 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from clef_dispatch import Dispatcher, DispatchEvents, StartupFailed
 from clef_frontend.answer_cache import AnswerCache
 from clef_frontend.api import ApiSurface
 from clef_frontend.auth import ApiKeys
 from clef_frontend.catalogue import Catalogue
 from clef_frontend.config import ServerConfig
 from clef_frontend.connection import READ_SIZE, ConnectionTimers, HttpConnection
-from clef_frontend.dispatch.dispatcher import Dispatcher, DispatchEvents
-from clef_frontend.dispatch.supervisor import StartupFailed
 from clef_frontend.health import Health
 from clef_frontend.load import TokenEstimate, utilisation_gauge
 from clef_frontend.metrics import LiveState, Metrics

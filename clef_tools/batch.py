@@ -3,7 +3,7 @@
 Bulk work (an eval set, re-enriching a whole collection) sent through the server pays the FIFO,
 the clients' timeouts and retries, and delays the people waiting on interactive requests. This
 command runs the server's own worker on the model flags of `clef-serve` (one definition,
-`clef_protocol.options`) and drives the server's own dispatch (`clef_frontend.dispatch`: the
+`clef_protocol.options`) and drives the server's own dispatch (`clef_dispatch`: the
 same worker flags, supervision, liveness and resend policy), checks every body with the front's
 own checks, and keeps the worker fed with full batches of similar-length requests. The output
 has one line per input line, in OpenAI's batch output shape, keyed by custom_id (order differs
@@ -18,9 +18,8 @@ import logging
 import sys
 from pathlib import Path
 
+from clef_dispatch import StartupFailed, add_worker_arguments, worker_settings_from
 from clef_frontend.catalogue import Catalogue, served_name
-from clef_frontend.dispatch.dispatcher import StartupFailed
-from clef_frontend.dispatch.settings import add_worker_arguments, worker_settings_from
 from clef_frontend.responses import Reply
 from clef_protocol.options import (
     add_model_arguments,

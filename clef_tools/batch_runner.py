@@ -1,7 +1,7 @@
 """Drive the server's dispatch through a list of jobs: the workers kept fed, answers written as
 they come.
 
-The workers, their supervision and the queue are the server's own (`clef_frontend.dispatch`):
+The workers, their supervision and the queue are the server's own (`clef_dispatch`):
 the same start, liveness (`--stall-timeout`, `--request-timeout`, the stack of a stuck worker
 in the log), restart with back-off, and resend-alone policy. A request lost with a worker is not
 answered 500 at once, since one request that crashes the worker would otherwise fail every
@@ -24,13 +24,13 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from clef_frontend import responses
-from clef_frontend.dispatch.dispatcher import (
+from clef_dispatch import (
     Dispatcher,
     DispatchEvents,
     Ticket,
     WorkerSettings,
 )
+from clef_frontend import responses
 from clef_protocol.messages import ReadyInfo
 from clef_tools.batch_input import Job
 from clef_tools.batch_output import answered_line, new_request_id

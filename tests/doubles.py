@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 
-from clef_frontend.dispatch.worker_errors import Deliver, WorkerFailure
+from clef_dispatch.worker_errors import Deliver, WorkerFailure
 from clef_protocol.errors import BadRequestBody, RequestInvalid
 from clef_protocol.messages import ModelInfo, Request, WorkerReply
 from clef_worker.errors import ExecutorBroken

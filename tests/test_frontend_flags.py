@@ -12,9 +12,9 @@ import re
 
 import pytest
 
+from clef_dispatch.supervisor import default_max_batch
+from clef_dispatch.worker_pool import plan_slots
 from clef_frontend.cli import build_parser, config_from
-from clef_frontend.dispatch.supervisor import default_max_batch
-from clef_frontend.dispatch.worker_pool import plan_slots
 from clef_protocol.options import (
     Device,
     add_model_arguments,

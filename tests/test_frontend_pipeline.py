@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import pytest
 
+from clef_dispatch.admission import Admission
+from clef_dispatch.worker_errors import Deliver
 from clef_frontend import responses, workers_ai
 from clef_frontend.config import ServerConfig
-from clef_frontend.dispatch.admission import Admission
-from clef_frontend.dispatch.worker_errors import Deliver
 from clef_frontend.http1 import BODY_END, Http1Session, Need, RefusedHead, RequestHead
 from clef_frontend.metrics import LiveState, Metrics
 from clef_frontend.pipeline import ClientGone, Pipeline, RequestContext

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from clef_dispatch.admission import Admission, Refused, Ticket
 from clef_frontend import responses
 from clef_frontend.config import ServerConfig
-from clef_frontend.dispatch.admission import Admission, Refused, Ticket
 from clef_frontend.framing import _scan_lines, reparse_without_framing, scan_framing
 from clef_frontend.responses import Reply
 from clef_frontend.routes import Route, check_post_head, media_type, route

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from clef_dispatch import worker_pool
+from clef_dispatch.settings import WorkerSettings, workers_from
+from clef_dispatch.supervisor import DEFAULT_MAX_BATCH_CPU
+from clef_dispatch.worker_pool import plan_slots
 from clef_frontend.cli import build_parser
 from clef_frontend.config import ServerConfig
-from clef_frontend.dispatch import worker_pool
-from clef_frontend.dispatch.settings import WorkerSettings, workers_from
-from clef_frontend.dispatch.supervisor import DEFAULT_MAX_BATCH_CPU
-from clef_frontend.dispatch.worker_pool import plan_slots
 from tests.frontend_helpers import WAIT, Response, Serve, background, clef_body
 
 

@@ -15,8 +15,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from benchlib.http_client import Client
-from clef_frontend.dispatch.admission import Admission
-from clef_frontend.dispatch.worker_channel import WorkerExited
+from clef_dispatch.admission import Admission
+from clef_dispatch.worker_channel import WorkerExited
 from clef_frontend.exposition import render
 from clef_frontend.load import (
     MAX_TOKENS_PER_BYTE,

@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clef_frontend import tracing
-from clef_frontend.dispatch.worker_channel import (
+from clef_dispatch.worker_channel import (
     WorkerExited,
     WorkerHung,
     WorkerProtocolError,
     WorkerStalled,
     failure_reason,
 )
-from clef_frontend.dispatch.worker_errors import WorkerFailure
+from clef_dispatch.worker_errors import WorkerFailure
+from clef_frontend import tracing
 from clef_protocol import messages
 from clef_protocol.frames import encode_frame, read_frame_blocking
 from clef_worker import logs as worker_logs

@@ -1,4 +1,4 @@
-"""A silent worker is suspect after a short margin (dispatch/liveness.py): it gets no new work,
+"""A silent worker is suspect after a short margin (clef_dispatch/liveness.py): it gets no new work,
 what it holds is answered elsewhere (the first answer wins), /health and a counter show it; it is
 killed at --stall-timeout, or sooner when it owes a pong with nothing ahead of it; a slow but
 live forward is never killed. Through a real front, at the front's default --stall-timeout (30 s)

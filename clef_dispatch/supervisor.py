@@ -28,11 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from clef_frontend.dispatch.backoff import RestartBackoff
-from clef_frontend.dispatch.liveness import ForwardRates, Judgement
-from clef_frontend.dispatch.settings import WorkerSettings
-from clef_frontend.dispatch.worker_channel import WorkerChannel, failure_reason
-from clef_frontend.dispatch.worker_errors import (
+from clef_dispatch.backoff import RestartBackoff
+from clef_dispatch.liveness import ForwardRates, Judgement
+from clef_dispatch.settings import WorkerSettings
+from clef_dispatch.worker_channel import WorkerChannel, failure_reason
+from clef_dispatch.worker_errors import (
     Deliver,
     Outcome,
     WorkerFailure,
@@ -41,7 +41,7 @@ from clef_frontend.dispatch.worker_errors import (
 from clef_protocol.messages import ReadyInfo, Request, WorkerReply
 from clef_protocol.options import DEFAULT_MAX_BATCH_CPU, DEFAULT_MAX_BATCH_CUDA
 
-log = logging.getLogger("clef_frontend.dispatch.supervisor")
+log = logging.getLogger("clef_dispatch.supervisor")
 
 
 class WorkerState(StrEnum):

@@ -40,21 +40,21 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from clef_frontend import logs
-from clef_frontend.dispatch.liveness import (
+from clef_dispatch.liveness import (
     ForwardRates,
     Judgement,
     Liveness,
     Verdict,
     ping_interval,
 )
-from clef_frontend.dispatch.worker_errors import Deliver, WorkerFailure, WorkerLost
+from clef_dispatch.worker_errors import Deliver, WorkerFailure, WorkerLost
+from clef_frontend import logs
 from clef_protocol import messages
 from clef_protocol.errors import ProtocolError
 from clef_protocol.frames import MAX_FRAME_BYTES, FrameBuffer, encode_frame
 from clef_protocol.messages import ReadyInfo, Request
 
-log = logging.getLogger("clef_frontend.worker")
+log = logging.getLogger("clef_dispatch.worker_channel")
 
 
 class WorkerExited(WorkerLost):

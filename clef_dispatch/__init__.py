@@ -1,8 +1,8 @@
-"""Dispatch: the front's worker half, one unit that `clef-serve` and `clef-batch` both drive.
+"""clef_dispatch: the worker half that `clef-serve` and `clef-batch` both drive.
 
-Everything between a validated request and a worker's reply lives here; the HTTP half
-(`connection`, `http1`, `pipeline`, ...) and `clef_tools.batch_runner` reach the workers only
-through it: submit a request, get its outcome.
+Everything between a checked request and a worker's reply lives here; the HTTP front
+(`clef_frontend`) and `clef_tools.batch_runner` reach the workers only through this package's
+names below (never its modules): submit a request, get its outcome.
 
 | module | job |
 |---|---|
@@ -23,3 +23,24 @@ through it: submit a request, get its outcome.
 | `worker_errors.py` | a request's `Outcome` and the one `Deliver` shape; `WorkerUnavailable` |
 |  | (503, nothing sent), `WorkerFailure` (500), `WorkerLost` (sent again) |
 """
+
+from clef_dispatch.admission import Admission, Refused, Ticket
+from clef_dispatch.dispatcher import Dispatcher, DispatchEvents
+from clef_dispatch.settings import WorkerSettings, add_worker_arguments, worker_settings_from
+from clef_dispatch.supervisor import StartupFailed
+from clef_dispatch.worker_channel import RESTART_REASONS
+from clef_dispatch.worker_pool import WorkerPool
+
+__all__ = [
+    "RESTART_REASONS",
+    "Admission",
+    "DispatchEvents",
+    "Dispatcher",
+    "Refused",
+    "StartupFailed",
+    "Ticket",
+    "WorkerPool",
+    "WorkerSettings",
+    "add_worker_arguments",
+    "worker_settings_from",
+]

@@ -29,8 +29,8 @@ Each ticket carries three ids, one name each (`clef_protocol.messages`): `frame_
 id of its request frame; `request_id`, the client's `X-Request-Id`; `trace_id`, the W3C trace
 id ("" when untraced). The last two travel in the frame, so the worker's log lines carry them.
 
-A suspect worker (`lane_suspect`, from dispatch/liveness.py: its pong or reply is overdue) is not
-lost yet: what it holds is queued to be sent again by the same rule (once, alone, first), while
+A suspect worker (`lane_suspect`, from clef_dispatch/liveness.py: its pong or reply is overdue) is
+not lost yet: what it holds is queued to be sent again by the same rule (once, alone, first), while
 its own copy stays in flight. The first answer wins and the other is dropped, so every client
 gets exactly one answer; a copy that fails while another is in flight or queued is forgotten.
 A suspect that answers again takes back what is still queued (it was not sent elsewhere yet).
@@ -61,21 +61,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from clef_frontend import deadlines, responses
-from clef_frontend.dispatch.worker_errors import (
+from clef_dispatch.worker_errors import (
     Deliver,
     Outcome,
     WorkerFailure,
     WorkerLost,
     WorkerUnavailable,
 )
+from clef_frontend import deadlines, responses
 from clef_frontend.load import TokenEstimate
 from clef_frontend.priority import BULK, CLASSES, INTERACTIVE
 from clef_frontend.responses import Reply
 from clef_protocol.messages import INFERENCE_FAILED, Request, WorkerReply
 from clef_protocol.options import RequestLimits
 
-log = logging.getLogger("clef_frontend.dispatch.admission")
+log = logging.getLogger("clef_dispatch.admission")
 
 # While both classes wait, one admission in this many goes to the oldest bulk ticket: an
 # interactive request waits behind at most one bulk request per BULK_EVERY - 1 interactive ones,
@@ -192,7 +192,7 @@ class Admission:
     # Estimated tokens of the tickets waiting and in flight (load.py), summed at scrape time:
     # the queues hold at most `--queue-size` tickets, and each `list(...)` copy is taken in one
     # C call, so a scrape on the metrics port's thread never sees a queue change under it. A
-    # ticket with two copies in flight (a suspect's, dispatch/liveness.py) counts once.
+    # ticket with two copies in flight (a suspect's, clef_dispatch/liveness.py) counts once.
 
     @property
     def tokens_waiting(self) -> int:

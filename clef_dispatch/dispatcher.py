@@ -27,10 +27,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from clef_frontend.dispatch.admission import Admission, AdmissionEvents, Ticket
-from clef_frontend.dispatch.settings import WorkerSettings
-from clef_frontend.dispatch.supervisor import StartupFailed, Supervisor
-from clef_frontend.dispatch.worker_pool import WorkerPool
+from clef_dispatch.admission import Admission, AdmissionEvents, Ticket
+from clef_dispatch.settings import WorkerSettings
+from clef_dispatch.supervisor import StartupFailed, Supervisor
+from clef_dispatch.worker_pool import WorkerPool
 from clef_frontend.load import TokenEstimate
 from clef_frontend.priority import INTERACTIVE
 
@@ -55,7 +55,7 @@ class DispatchEvents:
     """What the driver hears: a worker became ready (first start, restart, reload), a warm
     worker was lost (its reason: crash, hung, stalled, protocol, cuda_error), a request was
     sent again (the reason), a waiting request's deadline passed (its class), a worker slot
-    gave up (why), and a worker became suspect (dispatch/liveness.py)."""
+    gave up (why), and a worker became suspect (clef_dispatch/liveness.py)."""
 
     ready: Callable[[], None] = _nothing
     worker_failed: Callable[[str], None] = _ignore
