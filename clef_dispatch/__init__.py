@@ -6,8 +6,11 @@ names below (never its modules): submit a request, get its outcome.
 
 | module | job |
 |---|---|
-| `dispatcher.py` | `Dispatcher`, the one entry: start, `submit` (a `Ticket` whose outcome is the |
-|  | reply), supervise, stop; one restart, stall, resend-alone and give-up policy |
+| `dispatcher.py` | `Dispatcher`, the one door: start, `submit` (a `Ticket` whose outcome is an |
+|  | `Answer` or a `Refusal`), `abandon`, `drain`, `snapshot`, stop |
+| `outcomes.py` | `Answer`, `Refusal` and its kinds: what a request comes to, free of HTTP |
+| `urgency.py` | the priority classes and the deadline that applies |
+| `load.py` | the token estimate of a waiting request (the utilisation gauge) |
 | `settings.py` | `WorkerSettings` and the one worker argument group both commands add (one |
 |  | help text, one validation) |
 | `admission.py` | the queue: interactive before bulk, FIFO within a class, bulk never starved; |
@@ -20,27 +23,45 @@ names below (never its modules): submit a request, get its outcome.
 | `backoff.py` | how long to wait before a restart, and why (pure) |
 | `worker_channel.py` | one worker process and its framed pipe: requests outstanding, replies |
 |  | matched by frame id, the deadline and ping timer; a stuck worker's stack before the kill |
-| `worker_errors.py` | a request's `Outcome` and the one `Deliver` shape; `WorkerUnavailable` |
-|  | (503, nothing sent), `WorkerFailure` (500), `WorkerLost` (sent again) |
+| `worker_errors.py` | a sent request's `WorkerOutcome` and the one `Deliver` shape; |
+|  | `WorkerUnavailable` (nothing sent), `WorkerFailure`, `WorkerLost` (sent again) |
 """
 
-from clef_dispatch.admission import Admission, Refused, Ticket
-from clef_dispatch.dispatcher import Dispatcher, DispatchEvents
+from clef_dispatch.admission import Ticket
+from clef_dispatch.dispatcher import Dispatcher, DispatchEvents, DispatchSnapshot
+from clef_dispatch.load import TokenEstimate, utilisation_gauge
+from clef_dispatch.outcomes import (
+    EXPIRED_DETAIL,
+    SHARED_EXPIRED_DETAIL,
+    Answer,
+    Outcome,
+    Refusal,
+    RefusalKind,
+)
 from clef_dispatch.settings import WorkerSettings, add_worker_arguments, worker_settings_from
 from clef_dispatch.supervisor import StartupFailed
+from clef_dispatch.urgency import BULK, CLASSES, INTERACTIVE
 from clef_dispatch.worker_channel import RESTART_REASONS
-from clef_dispatch.worker_pool import WorkerPool
 
 __all__ = [
+    "BULK",
+    "CLASSES",
+    "EXPIRED_DETAIL",
+    "INTERACTIVE",
     "RESTART_REASONS",
-    "Admission",
+    "SHARED_EXPIRED_DETAIL",
+    "Answer",
     "DispatchEvents",
+    "DispatchSnapshot",
     "Dispatcher",
-    "Refused",
+    "Outcome",
+    "Refusal",
+    "RefusalKind",
     "StartupFailed",
     "Ticket",
-    "WorkerPool",
+    "TokenEstimate",
     "WorkerSettings",
     "add_worker_arguments",
+    "utilisation_gauge",
     "worker_settings_from",
 ]

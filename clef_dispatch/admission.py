@@ -61,17 +61,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from clef_dispatch.load import TokenEstimate
+from clef_dispatch.outcomes import (
+    EXPIRED_DETAIL,
+    Answer,
+    Outcome,
+    Refusal,
+    RefusalKind,
+)
+from clef_dispatch.urgency import BULK, CLASSES, INTERACTIVE, earliest
 from clef_dispatch.worker_errors import (
     Deliver,
-    Outcome,
     WorkerFailure,
     WorkerLost,
+    WorkerOutcome,
     WorkerUnavailable,
 )
-from clef_frontend import deadlines, responses
-from clef_frontend.load import TokenEstimate
-from clef_frontend.priority import BULK, CLASSES, INTERACTIVE
-from clef_frontend.responses import Reply
 from clef_protocol.messages import INFERENCE_FAILED, Request, WorkerReply
 from clef_protocol.options import RequestLimits
 
@@ -106,14 +111,6 @@ class Workers(Protocol):
     def unavailable_reason(self) -> str | None: ...
 
 
-class Refused(Exception):
-    """The request cannot join the queue; `reply` is its 503."""
-
-    def __init__(self, reply: Reply) -> None:
-        super().__init__(reply.status)
-        self.reply = reply
-
-
 def _never_gone() -> bool:
     return False
 
@@ -132,7 +129,7 @@ class Ticket:
 
     frame_id: int
     body: bytes
-    outcome: asyncio.Future[Reply]
+    outcome: asyncio.Future[Outcome]
     request_id: str = ""
     trace_id: str = ""
     priority: str = INTERACTIVE
@@ -239,8 +236,9 @@ class Admission:
 
     def submit(self, body: bytes, request_id: str = "", *, trace_id: str = "",
                priority: str = INTERACTIVE, deadline: float | None = None,
-               gone: Callable[[], bool] = _never_gone) -> Ticket:
-        """Admit a checked body (sent at once if a worker has room), or raise Refused (row 14).
+               gone: Callable[[], bool] = _never_gone) -> Ticket | Refusal:
+        """Admit a checked body (sent at once if a worker has room), or refuse it
+        (UNAVAILABLE: draining, no ready worker, or the queue is full).
 
         A ticket whose deadline has already passed is answered 504 at once.
         """
@@ -253,11 +251,11 @@ class Admission:
         if reason is None and lane is None and self.depth >= self._capacity:
             reason = "queue is full"
         if reason is not None:
-            raise Refused(responses.unavailable(reason, self._retry_after))
+            return self._unavailable(reason)
         now = time.monotonic()
         ticket = Ticket(next(self._ids), body, asyncio.get_running_loop().create_future(),
                         request_id, trace_id, priority,
-                        deadlines.earliest(deadline, now, self._queue_timeout), gone,
+                        earliest(deadline, now, self._queue_timeout), gone,
                         enqueued_at=now, tokens=self._estimate.cost(len(body)))
         if ticket.deadline is not None and ticket.deadline <= now:
             self._expire(ticket)
@@ -289,7 +287,7 @@ class Admission:
             while queue:
                 ticket = queue.popleft()
                 if not ticket.outcome.done():
-                    ticket.outcome.set_result(responses.unavailable(reason, self._retry_after))
+                    ticket.outcome.set_result(self._unavailable(reason))
         self._update_idle()
 
     def start_draining(self) -> None:
@@ -399,7 +397,7 @@ class Admission:
                  ticket.queue_ms)
         self._events.expired(ticket.priority)
         if not ticket.outcome.done():
-            ticket.outcome.set_result(deadlines.expired())
+            ticket.outcome.set_result(Refusal(RefusalKind.EXPIRED, EXPIRED_DETAIL))
 
     def _unqueue(self, ticket: Ticket) -> bool:
         """Take a waiting ticket out of its queue; False if it was not waiting."""
@@ -464,9 +462,9 @@ class Admission:
         except WorkerUnavailable as exc:  # has_room said yes; nothing was sent
             self._forget_copy(ticket, lane)
             if not ticket.outcome.done() and ticket not in self._sent:
-                ticket.outcome.set_result(responses.unavailable(str(exc), self._retry_after))
+                ticket.outcome.set_result(self._unavailable(str(exc)))
 
-    def _done(self, ticket: Ticket, lane: Lane, outcome: Outcome) -> None:
+    def _done(self, ticket: Ticket, lane: Lane, outcome: WorkerOutcome) -> None:
         """A worker answered the ticket (or failed with it in flight): reply, send the next.
 
         With two copies (one on a suspect worker) the first answer wins: a later one is dropped,
@@ -487,7 +485,7 @@ class Admission:
             log.error("frame_id=%d request_id=%s failed: %s", ticket.frame_id,
                       ticket.request_id, outcome)
             if not ticket.outcome.done():
-                ticket.outcome.set_result(responses.error(500, INFERENCE_FAILED))
+                ticket.outcome.set_result(Refusal(RefusalKind.FAILED, INFERENCE_FAILED))
         else:
             ticket.worker_ms = outcome.worker_ms
             ticket.worker_reply = outcome
@@ -495,7 +493,7 @@ class Admission:
                 self._estimate.learn(len(ticket.body),
                                      outcome.input_tokens + outcome.truncated_tokens)
             if not ticket.outcome.done():
-                ticket.outcome.set_result(responses.from_worker(outcome))
+                ticket.outcome.set_result(Answer(outcome))
         self.pump()
 
     def _forget_copy(self, ticket: Ticket, lane: Lane) -> None:
@@ -523,6 +521,9 @@ class Admission:
             ticket.deadline = time.monotonic() + self._resend_timeout
         self._resend.append(ticket)
         self._keep_deadline(ticket)
+
+    def _unavailable(self, reason: str) -> Refusal:
+        return Refusal(RefusalKind.UNAVAILABLE, reason, self._retry_after)
 
     def _update_idle(self) -> None:
         if not self.depth and not self._sent:

@@ -34,8 +34,8 @@ from clef_dispatch.settings import WorkerSettings
 from clef_dispatch.worker_channel import WorkerChannel, failure_reason
 from clef_dispatch.worker_errors import (
     Deliver,
-    Outcome,
     WorkerFailure,
+    WorkerOutcome,
     WorkerUnavailable,
 )
 from clef_protocol.messages import ReadyInfo, Request, WorkerReply
@@ -172,7 +172,7 @@ class Supervisor:
         channel = self._channel
         assert channel is not None
 
-        def answered(outcome: Outcome) -> None:
+        def answered(outcome: WorkerOutcome) -> None:
             if (isinstance(outcome, WorkerReply) and outcome.status == 200
                     and channel is self._channel):
                 self._served += 1  # useful work: resets the restart backoff (backoff.py)

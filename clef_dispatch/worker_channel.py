@@ -48,7 +48,6 @@ from clef_dispatch.liveness import (
     ping_interval,
 )
 from clef_dispatch.worker_errors import Deliver, WorkerFailure, WorkerLost
-from clef_frontend import logs
 from clef_protocol import messages
 from clef_protocol.errors import ProtocolError
 from clef_protocol.frames import MAX_FRAME_BYTES, FrameBuffer, encode_frame
@@ -327,7 +326,8 @@ class WorkerChannel:
             return
         log.warning("worker pid=%d is stuck: asking for its stack (signal %s) before the kill",
                     self.pid, messages.STACK_DUMP_SIGNAL.name)
-        logs.flush()  # this line before the stack, not in the middle of one of its lines
+        for handler in log.handlers or logging.getLogger("clef_dispatch").handlers:
+            handler.flush()  # this line before the stack, not in the middle of one of its lines
         try:
             process.send_signal(messages.STACK_DUMP_SIGNAL)
             process.send_signal(signal.SIGCONT)

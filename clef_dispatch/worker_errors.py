@@ -35,7 +35,7 @@ class WorkerLost(WorkerFailure):
 
 
 # What a request sent to a worker comes to: the worker's reply, or the failure that lost it.
-Outcome = WorkerReply | WorkerFailure
+WorkerOutcome = WorkerReply | WorkerFailure
 # Called exactly once per submitted request, with its outcome (the channel, the supervisor and
 # admission all hand outcomes on through this one shape).
-Deliver = Callable[[Outcome], None]
+Deliver = Callable[[WorkerOutcome], None]

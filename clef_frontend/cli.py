@@ -14,9 +14,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from clef_api.catalogue import served_name
 from clef_dispatch import add_worker_arguments, worker_settings_from
 from clef_frontend import auth, logs, otel, priority
-from clef_frontend.catalogue import served_name
 from clef_frontend.config import ServerConfig
 from clef_frontend.server import serve
 from clef_frontend.version import version
@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="ENTRIES",
                        help="answers kept for identical repeats of a key's requests, and "
                             "identical requests in flight share one forward; 0 turns both off")
+    queue.add_argument("--answer-cache-bytes", type=positive_int, default=d.answer_cache_bytes,
+                       metavar="BYTES",
+                       help="the most the kept answers may hold together (their bodies and "
+                            "keys; default 64 MiB): the least recently used go first")
     queue.add_argument("--objective-class", type=_objective_class, action="append", default=[],
                        metavar="NAME=CLASS",
                        help="behind the inference gateway: requests whose "
@@ -172,6 +176,7 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         max_batch_tokens=args.max_batch_tokens,
         queue_timeout=args.queue_timeout or None,
         answer_cache=args.answer_cache,
+        answer_cache_bytes=args.answer_cache_bytes,
         objective_classes=tuple(args.objective_class),
     )
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from clef_api.checks import DEFAULT_BODY_LIMIT
 from clef_dispatch import WorkerSettings
 from clef_frontend.body_rate import BodyRateRule
 from clef_frontend.priority import check_objective_classes
@@ -28,7 +29,7 @@ class ServerConfig:
     port: int = 8000
     backlog: int = 2048
     metrics_port: int | None = None
-    body_limit: int = 8 * 1024 * 1024
+    body_limit: int = DEFAULT_BODY_LIMIT
     header_limit: int = 16 * 1024
     header_timeout: float = 10.0
     body_timeout: float = 30.0
@@ -70,6 +71,9 @@ class ServerConfig:
     # A modest bound (answers are a few KiB): enough for retries and score-then-compact pairs,
     # not for whole eval sweeps.
     answer_cache: int = 1024
+    # ...and the bytes they may hold together (bodies and keys): answers with many options run
+    # to tens of KB, so a count alone does not bound the memory.
+    answer_cache_bytes: int = 64 * 1024 * 1024
     # Behind the inference gateway: InferenceObjective names mapped to priority classes
     # (--objective-class NAME=CLASS; priority.py owns the rule). Empty: objectives are ignored.
     objective_classes: tuple[tuple[str, str], ...] = ()
@@ -98,6 +102,8 @@ class ServerConfig:
         check_objective_classes(self.objective_classes)
         if self.answer_cache < 0:
             raise ValueError("--answer-cache must be >= 0")
+        if self.answer_cache_bytes < 1:
+            raise ValueError("--answer-cache-bytes must be >= 1")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not a TCP port")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

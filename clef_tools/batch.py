@@ -18,9 +18,10 @@ import logging
 import sys
 from pathlib import Path
 
+from clef_api.catalogue import Catalogue, served_name
+from clef_api.checks import DEFAULT_BODY_LIMIT, RequestRules
+from clef_api.responses import Reply
 from clef_dispatch import StartupFailed, add_worker_arguments, worker_settings_from
-from clef_frontend.catalogue import Catalogue, served_name
-from clef_frontend.responses import Reply
 from clef_protocol.options import (
     add_model_arguments,
     limits_from,
@@ -40,7 +41,7 @@ from clef_tools.batch_runner import (
 )
 from clef_tools.progress import Progress
 from clef_tools.resume import Done, ResumeError, load_done
-from clef_tools.screening import DEFAULT_BODY_LIMIT, Screen
+from clef_tools.screening import Screen
 
 # Worker replacements before a run gives up (a rerun resumes); the server never gives up.
 DEFAULT_MAX_RESTARTS = 5
@@ -141,9 +142,9 @@ def _main(argv: list[str] | None) -> int:
                        f"in {args.output}")
     for item in scan.bad:
         progress.write(f"clef-batch: bad input: {item.message}")
-    screen = Screen(limits_from(args),
-                    Catalogue(tuple(args.served_model_name or (args.variant,))),
-                    args.body_limit)
+    screen = Screen(RequestRules(limits_from(args),
+                                 Catalogue(tuple(args.served_model_name or (args.variant,))),
+                                 args.body_limit))
     refused: list[tuple[Job, Reply]] = []
     forward: list[Job] = []
     for job in jobs:

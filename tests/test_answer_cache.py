@@ -7,10 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-from clef_frontend.answer_cache import AnswerCache, Flight, identity
-from clef_frontend.responses import Reply
+from clef_dispatch import INTERACTIVE, Answer, Ticket
+from clef_frontend.answer_cache import COALESCED, HIT, MISS, AnswerCache, Shared, identity
+from clef_protocol.messages import WorkerReply
 from tests.frontend_helpers import Serve, background, clef_body, clef_request
 from tests.traffic_helpers import metric, wait_until
 
@@ -115,28 +118,42 @@ def test_a_joiner_keeps_its_own_deadline_and_its_own_client(tmp_path: Path) -> N
         assert metric(serve, "clef_deadline_expired_total", **{"class": "interactive"}) == 1
 
 
+def _share(cache: AnswerCache, key: bytes, gone: Callable[[], bool] = lambda: False) -> Shared:
+    return cache.share(key, priority=INTERACTIVE, deadline=None, client_gone=gone)
+
+
+def _answer(body: bytes) -> Answer:
+    return Answer(WorkerReply(200, body, None, 1.0))
+
+
 def test_one_caller_leaving_does_not_cancel_the_others() -> None:
     async def scenario() -> None:
         cache = AnswerCache(4)
-        outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        ticket = Ticket(1, b"", loop.create_future(), started_at=time.monotonic())
         abandoned: list[str] = []
         key = identity("-", clef_request())
-        flight = cache.start(key, Flight(lambda: False,
-                                         on_all_gone=lambda: abandoned.append("first")))
-        found = cache.lookup(key)
-        assert found is flight
-        first, second = flight.join(), flight.join()
-        flight.leave(first)  # a joining client went away
-        assert first.cancelled() and not abandoned  # the request still has callers
+        miss = _share(cache, key)
+        assert miss.how == MISS and miss.flight is not None
+        flight = miss.flight
+        cache.admitted(key, flight, ticket, lambda _: abandoned.append("first"))
+        first, second = _share(cache, key), _share(cache, key)
+        assert (first.how, second.how) == (COALESCED, COALESCED) and first.flight is flight
+        assert first.answer is not None and second.answer is not None
+        flight.leave(first.answer)  # a joining client went away
+        assert first.answer.cancelled() and not abandoned  # the request still has callers
         assert flight.first_leaves()  # so did the first request's: it goes on for the joiner
         assert not abandoned and not flight.all_gone()  # the second joiner still waits
-        outcome.set_result(Reply(200, b'{"ok": 1}'))
-        cache.land(key, flight, outcome)
-        assert (await second).body == b'{"ok": 1}'
-        assert isinstance(cache.lookup(key), Reply)  # kept for repeats
+        ticket.outcome.set_result(_answer(b'{"ok": 1}'))
+        cache.land(key, flight, ticket.outcome)
+        assert await second.answer == _answer(b'{"ok": 1}')
+        assert _share(cache, key).how == HIT  # kept for repeats
         gone = [False]
-        other = cache.start(identity("-", {}),
-                            Flight(lambda: gone[0], on_all_gone=lambda: abandoned.append("other")))
+        other_key = identity("-", {})
+        other = _share(cache, other_key, lambda: gone[0]).flight
+        assert other is not None
+        cache.admitted(other_key, other, Ticket(2, b"", loop.create_future()),
+                       lambda _: abandoned.append("other"))
         mine = other.join()
         other.leave(mine)
         assert not abandoned  # the first request's client is still there
@@ -145,7 +162,7 @@ def test_one_caller_leaving_does_not_cancel_the_others() -> None:
         other.leave(mine)
         assert abandoned == ["other"]  # the last caller out gives the request up
         cache.flush()
-        assert cache.lookup(key) is None
+        assert _share(cache, key).how == MISS
 
     asyncio.run(scenario())
 
@@ -155,15 +172,18 @@ def test_an_outcome_still_due_lands_when_it_is_set() -> None:
     to the outcome itself: the joiners still get the answer and it is kept."""
     async def scenario() -> None:
         cache = AnswerCache(4)
-        outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        ticket = Ticket(1, b"", asyncio.get_running_loop().create_future(),
+                        started_at=time.monotonic())
         key = identity("-", clef_request())
-        flight = cache.start(key, Flight(lambda: True))
+        flight = _share(cache, key, lambda: True).flight
+        assert flight is not None
+        cache.admitted(key, flight, ticket, lambda _: None)
         joiner = flight.join()
-        cache.land(key, flight, outcome)
-        assert cache.lookup(key) is flight  # still in flight: others may join
-        outcome.set_result(Reply(200, b'{"ok": 2}'))
-        assert (await joiner).body == b'{"ok": 2}'
-        assert cache.lookup(key) == Reply(200, b'{"ok": 2}')
+        cache.land(key, flight, ticket.outcome)
+        assert _share(cache, key).how == COALESCED  # still in flight: others may join
+        ticket.outcome.set_result(_answer(b'{"ok": 2}'))
+        assert await joiner == _answer(b'{"ok": 2}')
+        assert _share(cache, key).how == HIT
 
     asyncio.run(scenario())
 

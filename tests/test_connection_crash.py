@@ -32,7 +32,7 @@ async def _exchange(target: bytes) -> tuple[int, dict[str, Any]]:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         config = ServerConfig(worker_argv=("unused",))
         not_draining = SimpleNamespace(draining=False)
-        pipeline = Pipeline(config=config, admission=not_draining,  # type: ignore[arg-type]
+        pipeline = Pipeline(config=config, dispatch=not_draining,
                             health=None, metrics=None)  # type: ignore[arg-type]
         pipeline.steps = [pipeline.route, _explode]  # routed (so the form is known), then a bug
         connection = HttpConnection(reader, writer, config=config, pipeline=pipeline)

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from clef_dispatch.admission import Admission
-from tests.doubles import FakeLane, FakeWorkers
+from tests.doubles import Admission, FakeLane, FakeWorkers
 from tests.frontend_helpers import Serve, background, clef_body
 from tests.traffic_helpers import metric
 

@@ -13,17 +13,17 @@ from collections.abc import Callable
 
 import pytest
 
-from clef_dispatch.admission import Admission
+from clef_api import responses, workers_ai
+from clef_api.responses import Reply
+from clef_api.routes import Route
+from clef_dispatch import Outcome
 from clef_dispatch.worker_errors import Deliver
-from clef_frontend import responses, workers_ai
 from clef_frontend.config import ServerConfig
 from clef_frontend.http1 import BODY_END, Http1Session, Need, RefusedHead, RequestHead
 from clef_frontend.metrics import LiveState, Metrics
 from clef_frontend.pipeline import ClientGone, Pipeline, RequestContext
-from clef_frontend.responses import Reply
-from clef_frontend.routes import Route
 from clef_protocol.messages import Request, WorkerReply
-from tests.doubles import FakeLane, FakeWorkers
+from tests.doubles import Admission, FakeLane, FakeWorkers
 
 BODY = json.dumps({"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}).encode()
 RUN = "/accounts/acct-1/ai/run/@cf/cloudflare/clef-flash"
@@ -66,8 +66,8 @@ class FakeIO:
         return self.gone
 
     async def wait_answer(
-        self, answer: asyncio.Future[Reply], on_gone: Callable[[], None]
-    ) -> Reply:
+        self, answer: asyncio.Future[Outcome], on_gone: Callable[[], None]
+    ) -> Outcome:
         if self.client_leaves:
             on_gone()
             raise ClientGone
@@ -102,7 +102,7 @@ class Rig:
             queue_capacity=4, worker_ready=lambda: True, worker_info=lambda: None,
         ), version="test")
         self.pipeline = Pipeline(config=ServerConfig(worker_argv=("unused",)),
-                                 admission=self.admission, health=Health(), metrics=self.metrics)
+                                 dispatch=self.admission, health=Health(), metrics=self.metrics)
 
     def context(self, method: str, target: str, body: bytes = b"", *headers: str,
                 io: FakeIO | None = None) -> RequestContext:
