@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from clef_dispatch import INTERACTIVE, Answer, Ticket
+from clef_dispatch import EXPIRED_DETAIL, INTERACTIVE, Answer, Refusal, RefusalKind, Ticket
 from clef_frontend.answer_cache import COALESCED, HIT, MISS, AnswerCache, Shared, identity
 from clef_protocol.messages import WorkerReply
 from tests.frontend_helpers import Serve, background, clef_body, clef_request
@@ -218,3 +218,46 @@ def test_the_first_client_leaving_does_not_cut_the_forward_its_joiners_share(
         gate.touch()
         assert_one_forward_answered_and_kept(serve, log, joiner, body)
         serve.wait_for(r"status=499 .*cache=miss")
+
+
+def test_kept_answers_are_bounded_in_bytes(tmp_path: Path) -> None:
+    """With `--answer-cache-bytes 131072` (this test's setting; the default is 64 MiB), sixty
+    distinct ~8 KB answers leave the kept bytes within the bound and above zero: the last
+    request again is a hit, the first again a miss (evicted to make room)."""
+    log = tmp_path / "requests.log"
+    bodies = [clef_body(tag=f"{i:02d}" + "x" * 8000) for i in range(60)]
+    with Serve("--log-file", str(log), front_args=("--answer-cache-bytes", "131072")) as serve:
+        for body in bodies:
+            response = serve.post(body)
+            assert response.status == 200 and len(response.body) > 8000
+        kept = metric(serve, "clef_answer_cache_bytes")
+        assert 0 < kept <= 131072
+        assert metric(serve, "clef_answer_cache_total", result="miss") == 60
+        assert serve.post(bodies[-1]).status == 200
+        assert metric(serve, "clef_answer_cache_total", result="hit") == 1
+        assert serve.post(bodies[0]).status == 200
+        assert metric(serve, "clef_answer_cache_total", result="miss") == 61
+        assert len(log.read_text().split()) == 61  # the first was computed again
+
+
+
+def test_a_flight_already_answered_is_joined_only_with_a_200() -> None:
+    """A flight whose outcome is set but not landed yet: a 200 is handed over at once, a refusal
+    (here a 504) is not: the newcomer is a miss, admitted on its own."""
+    async def scenario() -> None:
+        cache = AnswerCache(4)
+        loop = asyncio.get_running_loop()
+        for outcome, how in ((_answer(b'{"ok": 3}'), COALESCED),
+                             (Refusal(RefusalKind.EXPIRED, EXPIRED_DETAIL), MISS)):
+            key = identity("-", clef_request())
+            flight = _share(cache, key).flight
+            assert flight is not None
+            ticket = Ticket(1, b"", loop.create_future())
+            cache.admitted(key, flight, ticket, lambda _: None)
+            ticket.outcome.set_result(outcome)  # set; the first request has not landed it yet
+            late = _share(cache, key)
+            assert late.how == how
+            if how == COALESCED:
+                assert late.answer is not None and late.answer.result() == outcome
+
+    asyncio.run(scenario())

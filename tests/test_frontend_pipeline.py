@@ -356,3 +356,33 @@ def test_a_queued_request_is_joined_only_by_requests_it_cannot_make_wait_longer(
         await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+def test_a_joiner_is_admitted_on_its_own_when_the_shared_request_is_refused() -> None:
+    """The request a joiner shares is refused while queued (503: here the queue is refused as
+    when the last worker is lost): the first request gets its 503, the joiner, which was never
+    refused itself, is admitted on its own and answered by the worker."""
+    async def scenario() -> None:
+        rig = Rig(room=0)  # no room yet: both wait in the queue
+        first = rig.context("POST", "/v1/systemone", BODY)
+        joiner = rig.context("POST", "/v1/systemone", BODY)
+        tasks = []
+        for ctx in (first, joiner):
+            tasks.append(asyncio.ensure_future(rig.serve(ctx)))
+            while ctx.answer is None:  # each reaches its wait before the next one arrives
+                await asyncio.sleep(0)
+        assert (first.cache, joiner.cache) == ("miss", "coalesced")
+        rig.admission.refuse_waiting("worker is restarting")
+        refused = await tasks[0]
+        assert refused is not None and refused.status == 503
+        while rig.admission.depth == 0:  # the joiner queues again, on its own
+            await asyncio.sleep(0)
+        rig.lane.room = 1
+        rig.admission.pump()
+        _, deliver = rig.lane.held.pop(0)
+        deliver(WorkerReply(200, b'{"answers": 1}', None, 12.0))
+        answered = await asyncio.wait_for(tasks[1], 10)
+        assert answered is not None and answered.status == 200
+        assert answered.body == b'{"answers": 1}'
+
+    asyncio.run(scenario())
