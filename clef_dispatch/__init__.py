@@ -41,7 +41,7 @@ from clef_dispatch.outcomes import (
 from clef_dispatch.settings import WorkerSettings, add_worker_arguments, worker_settings_from
 from clef_dispatch.supervisor import StartupFailed
 from clef_dispatch.urgency import BULK, CLASSES, INTERACTIVE
-from clef_dispatch.worker_channel import RESTART_REASONS
+from clef_dispatch.worker_errors import RESTART_REASONS
 
 __all__ = [
     "BULK",

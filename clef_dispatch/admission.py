@@ -30,11 +30,13 @@ id of its request frame; `request_id`, the client's `X-Request-Id`; `trace_id`, 
 id ("" when untraced). The last two travel in the frame, so the worker's log lines carry them.
 
 A suspect worker (`lane_suspect`, from clef_dispatch/liveness.py: its pong or reply is overdue) is
-not lost yet: what it holds is queued to be sent again by the same rule (once, alone, first), while
-its own copy stays in flight. The first answer wins and the other is dropped, so every client
-gets exactly one answer; a copy that fails while another is in flight or queued is forgotten.
-A suspect that answers again takes back what is still queued (it was not sent elsewhere yet).
-With one worker the queued tickets simply wait for its answer or its replacement.
+not lost yet, and nothing stalls for it: each ticket it holds gets one copy, queued at the head of
+its class and sent by the ordinary rule to the next worker with room, beside new traffic, while
+its own copy stays in flight (counted once: in flight). The first answer wins and the other is
+dropped, so every client gets exactly one answer; a copy that fails while another is in flight
+or queued is forgotten, and a ticket lost with both workers is sent again alone, as any lost
+ticket (a poison request is still isolated). A suspect that answers again takes back the copies
+still queued. With one worker the copies simply wait for its answer or its replacement.
 
 Admission knows the workers only through the `Workers` and `Lane` protocols below and tells a
 503 from a 500 by the exceptions of `worker_errors`; it never imports the supervisor, the pool
@@ -139,14 +141,34 @@ class Ticket:
     started_at: float | None = None
     worker_ms: float | None = None
     worker_reply: WorkerReply | None = None
-    resent: bool = False  # sent again after its worker was lost (it never is a second time)
+    resent: bool = False  # sent again alone after its worker was lost (never a second time)
+    copied: bool = False  # a copy was queued while a suspect worker held it (liveness.py)
     tokens: int = 0  # its estimated token cost (load.TokenEstimate), for the utilisation gauge
+    # Queue time is counted per send: the time waiting before each, never the time spent on
+    # a worker that was then lost or suspect.
+    waiting: bool = True
+    waiting_since: float = 0.0
+    queued_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.waiting_since = self.enqueued_at
 
     @property
     def queue_ms(self) -> float:
-        """Time spent waiting for the worker (until now, if still waiting)."""
-        end = self.started_at if self.started_at is not None else time.monotonic()
-        return (end - self.enqueued_at) * 1000.0
+        """Time spent waiting for a worker, over every send (until now, if waiting)."""
+        now = time.monotonic() - self.waiting_since if self.waiting else 0.0
+        return (self.queued_s + now) * 1000.0
+
+    def wait_again(self) -> None:
+        """Queued again (lost with its worker, or copied from a suspect one)."""
+        if not self.waiting:
+            self.waiting, self.waiting_since = True, time.monotonic()
+
+    def sent(self, now: float) -> None:
+        if self.waiting:
+            self.queued_s += now - self.waiting_since
+            self.waiting = False
+        self.started_at = now
 
 
 @dataclass(frozen=True)
@@ -174,6 +196,9 @@ class Admission:
         self._events = events or AdmissionEvents()
         self._waiting: dict[str, deque[Ticket]] = {name: deque() for name in CLASSES}
         self._resend: deque[Ticket] = deque()  # lost with their worker: next, each alone
+        # Copies of a suspect worker's tickets, queued at the head of their class while the
+        # original is still in flight (counted there, not here).
+        self._copies: set[Ticket] = set()
         self._alone: dict[Lane, Ticket] = {}  # lanes running a resent ticket, and which
         self._sent: dict[Ticket, list[Lane]] = {}  # in flight, oldest first; on which lanes
         self._next_lane = 0
@@ -186,17 +211,18 @@ class Admission:
         self._draining = False
         self._estimate = estimate or TokenEstimate(RequestLimits().max_length)
 
-    # Estimated tokens of the tickets waiting and in flight (load.py), summed at scrape time:
-    # the queues hold at most `--queue-size` tickets, and each `list(...)` copy is taken in one
-    # C call, so a scrape on the metrics port's thread never sees a queue change under it. A
-    # ticket with two copies in flight (a suspect's, clef_dispatch/liveness.py) counts once.
+    # The gauges' reads may run on the metrics port's thread while the loop changes the queues:
+    # each walks a `list(...)` copy, taken in one C call (never a live deque, set or dict), so a
+    # scrape never sees a container change under it. Each ticket counts once: a suspect's
+    # ticket whose copy waits is in flight, not waiting (clef_dispatch/liveness.py).
 
     @property
     def tokens_waiting(self) -> int:
         """Estimated tokens of the tickets waiting (resent ones included)."""
         queues = [list(queue) for queue in list(self._waiting.values())]
-        return (sum(t.tokens for queue in queues for t in queue)
-                + sum(t.tokens for t in list(self._resend) if t not in self._sent))
+        copies = set(list(self._copies))
+        return (sum(t.tokens for queue in queues for t in queue if t not in copies)
+                + sum(t.tokens for t in list(self._resend)))
 
     @property
     def tokens_in_flight(self) -> int:
@@ -207,11 +233,14 @@ class Admission:
     def depth(self) -> int:
         """Tickets waiting (not counting those in flight)."""
         # map, not a generator: asked several times a request
-        return sum(map(len, self._waiting.values())) + len(self._resend)
+        return (sum(map(len, list(self._waiting.values()))) + len(self._resend)
+                - len(self._copies))
 
     def depth_of(self, priority: str) -> int:
         """Tickets of one class waiting (a resent ticket counts in its class)."""
-        return len(self._waiting[priority]) + sum(t.priority == priority for t in self._resend)
+        return (len(self._waiting[priority])
+                + sum(t.priority == priority for t in list(self._resend))
+                - sum(t.priority == priority for t in list(self._copies)))
 
     @property
     def draining(self) -> bool:
@@ -230,9 +259,8 @@ class Admission:
     @property
     def in_flight_since(self) -> float | None:
         """`time.monotonic()` at which the oldest request now in flight was sent (None: idle)."""
-        for ticket in self._sent:
-            return ticket.started_at
-        return None
+        oldest = next(iter(list(self._sent)), None)
+        return oldest.started_at if oldest is not None else None
 
     def submit(self, body: bytes, request_id: str = "", *, trace_id: str = "",
                priority: str = INTERACTIVE, deadline: float | None = None,
@@ -246,7 +274,7 @@ class Admission:
         if reason is not None and self._wait_for_workers and not self._draining:
             reason = None
         lane = None
-        if reason is None and not self.depth:
+        if reason is None and not self._queued() and not self._resend:
             lane = self._lane_with_room()
         if reason is None and lane is None and self.depth >= self._capacity:
             reason = "queue is full"
@@ -301,22 +329,27 @@ class Admission:
     def lane_suspect(self, lane: Lane, suspect: bool) -> None:
         """A worker became suspect (True) or answered again (False); see the module docstring.
 
-        Suspect: each ticket it holds that was never sent again is queued to be, alone and first.
-        Healthy again: those of its tickets still queued (not sent elsewhere) are taken back.
+        Suspect: each ticket it holds gets a copy queued at the head of its class (once), sent
+        by the ordinary rule to the next worker with room; new traffic flows on meanwhile.
+        Healthy again: copies still queued (not sent elsewhere) are taken back.
         """
         mine = [ticket for ticket, lanes in self._sent.items() if lane in lanes]
         if suspect:
-            for ticket in mine:
-                if not ticket.resent and not ticket.outcome.done():
-                    log.warning("frame_id=%d request_id=%s held by a suspect worker: sending it "
-                                "again, alone (the first answer wins)", ticket.frame_id,
-                                ticket.request_id)
-                    self._queue_again(ticket, "suspect")
+            for ticket in reversed(mine):  # each to the head of its class: oldest first
+                if not ticket.copied and not ticket.outcome.done():
+                    log.warning("frame_id=%d request_id=%s held by a suspect worker: a copy "
+                                "goes to another worker (the first answer wins)",
+                                ticket.frame_id, ticket.request_id)
+                    self._events.resent("suspect")
+                    ticket.copied = True
+                    ticket.wait_again()
+                    self._copies.add(ticket)
+                    self._waiting[ticket.priority].appendleft(ticket)
         else:
             for ticket in mine:
-                if ticket in self._resend:
-                    self._resend.remove(ticket)
-                    ticket.resent = False
+                if ticket in self._copies:
+                    self._unqueue(ticket)
+                    ticket.copied = False
         self.pump()
 
     def pump(self) -> None:
@@ -335,11 +368,12 @@ class Admission:
             if self._still_wanted(ticket):
                 self._send(ticket, lane, alone=True)
         if not self._resend:  # a resent ticket waiting for an idle worker holds the rest back
-            while self.depth:
+            while self._queued():
                 lane = self._lane_with_room()
                 if lane is None:
                     break
                 ticket = self._next_waiting()
+                self._copies.discard(ticket)
                 if self._still_wanted(ticket):
                     self._send(ticket, lane)
         self._update_idle()
@@ -400,12 +434,17 @@ class Admission:
             ticket.outcome.set_result(Refusal(RefusalKind.EXPIRED, EXPIRED_DETAIL))
 
     def _unqueue(self, ticket: Ticket) -> bool:
-        """Take a waiting ticket out of its queue; False if it was not waiting."""
+        """Take a waiting ticket (or a queued copy) out of its queue; False if none waited."""
+        self._copies.discard(ticket)
         for queue in (self._waiting[ticket.priority], self._resend):
             if ticket in queue:
                 queue.remove(ticket)
                 return True
         return False
+
+    def _queued(self) -> bool:
+        """Whether a ticket or a copy waits in a class queue."""
+        return any(self._waiting.values())
 
     def _next_waiting(self) -> Ticket:
         """The next ticket to send: interactive first, one in BULK_EVERY bulk while both wait."""
@@ -452,7 +491,7 @@ class Admission:
         return self._pick_lane(_is_idle)
 
     def _send(self, ticket: Ticket, lane: Lane, *, alone: bool = False) -> None:
-        ticket.started_at = time.monotonic()
+        ticket.sent(time.monotonic())
         self._sent.setdefault(ticket, []).append(lane)
         if alone:
             self._alone[lane] = ticket
@@ -472,11 +511,12 @@ class Admission:
         """
         self._forget_copy(ticket, lane)
         if ticket.outcome.done():
-            if not isinstance(outcome, WorkerFailure) and ticket.resent:
+            if not isinstance(outcome, WorkerFailure) and (ticket.resent or ticket.copied):
                 log.info("frame_id=%d request_id=%s answered again by a second worker: the "
                          "later answer is dropped", ticket.frame_id, ticket.request_id)
         elif isinstance(outcome, WorkerFailure) and (ticket in self._sent
-                                                     or ticket in self._resend):
+                                                     or ticket in self._resend
+                                                     or ticket in self._copies):
             log.info("frame_id=%d request_id=%s: one copy failed (%s), the other is still due",
                      ticket.frame_id, ticket.request_id, outcome)
         elif isinstance(outcome, WorkerLost) and not ticket.resent:
@@ -511,6 +551,7 @@ class Admission:
         log.warning("frame_id=%d request_id=%s lost with its worker (%s): sending it again, "
                     "alone", ticket.frame_id, ticket.request_id, failure)
         ticket.started_at = None  # waiting again
+        ticket.wait_again()
         self._queue_again(ticket, failure.reason)
 
     def _queue_again(self, ticket: Ticket, reason: str) -> None:

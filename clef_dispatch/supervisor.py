@@ -31,12 +31,13 @@ from enum import StrEnum
 from clef_dispatch.backoff import RestartBackoff
 from clef_dispatch.liveness import ForwardRates, Judgement
 from clef_dispatch.settings import WorkerSettings
-from clef_dispatch.worker_channel import WorkerChannel, failure_reason
+from clef_dispatch.worker_channel import WorkerChannel
 from clef_dispatch.worker_errors import (
     Deliver,
     WorkerFailure,
     WorkerOutcome,
     WorkerUnavailable,
+    failure_reason,
 )
 from clef_protocol.messages import ReadyInfo, Request, WorkerReply
 from clef_protocol.options import DEFAULT_MAX_BATCH_CPU, DEFAULT_MAX_BATCH_CUDA

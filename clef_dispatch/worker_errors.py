@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from clef_protocol import messages
 from clef_protocol.messages import WorkerReply
 
 
@@ -39,3 +40,46 @@ WorkerOutcome = WorkerReply | WorkerFailure
 # Called exactly once per submitted request, with its outcome (the channel, the supervisor and
 # admission all hand outcomes on through this one shape).
 Deliver = Callable[[WorkerOutcome], None]
+
+
+class WorkerExited(WorkerLost):
+    """The worker closed its output: it has exited (or is exiting) on its own."""
+
+
+class WorkerHung(WorkerLost):
+    """The worker did not answer a request within the request timeout."""
+
+    reason = "hung"
+
+
+class WorkerProtocolError(WorkerLost):
+    """The worker wrote something that is not a valid frame or reply (it broke the protocol)."""
+
+    reason = "protocol"
+
+
+class WorkerStalled(WorkerLost):
+    """The worker answered neither a ping nor a request for the stall timeout (wedged)."""
+
+    reason = "stalled"
+
+
+def failure_reason(failure: WorkerFailure, exit_code: int | None) -> str:
+    """Why a warm worker was lost, as one of a few fixed words (a metric label, a log token).
+
+    `cuda_error`: it exited with the status the worker uses after a sticky device error;
+    `hung`: it did not answer within the request timeout; `stalled`: it answered neither
+    pings nor requests for the stall timeout; `protocol`: it wrote something that is
+    not a valid frame, or exited because the front's frame was unreadable; `crash`: anything
+    else (it died, was killed, or closed its output).
+    """
+    if exit_code == messages.EXIT_EXECUTOR_BROKEN:
+        return "cuda_error"
+    if isinstance(failure, WorkerHung | WorkerStalled):
+        return failure.reason
+    if isinstance(failure, WorkerProtocolError) or exit_code == messages.EXIT_PROTOCOL_ERROR:
+        return "protocol"
+    return "crash"
+
+
+RESTART_REASONS = ("crash", "hung", "protocol", "cuda_error", "stalled")

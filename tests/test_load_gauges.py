@@ -22,7 +22,7 @@ from clef_dispatch.load import (
     token_budget,
     utilisation,
 )
-from clef_dispatch.worker_channel import WorkerExited
+from clef_dispatch.worker_errors import WorkerExited
 from clef_frontend.exposition import render
 from clef_frontend.metrics import LiveState, Metrics
 from clef_protocol.options import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_BATCH_TOKENS_CPU

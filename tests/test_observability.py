@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clef_dispatch.worker_channel import (
+from clef_dispatch.worker_errors import (
     WorkerExited,
+    WorkerFailure,
     WorkerHung,
     WorkerProtocolError,
     WorkerStalled,
     failure_reason,
 )
-from clef_dispatch.worker_errors import WorkerFailure
 from clef_frontend import tracing
 from clef_protocol import messages
 from clef_protocol.frames import encode_frame, read_frame_blocking

@@ -71,7 +71,7 @@ def test_a_worker_stopped_mid_forward_its_request_answered_elsewhere_and_its_lat
         assert serve.health().json()["workers"][0]["in_flight"] == 1
         with stopped(pid0):
             serve.wait_health(lambda h: h["suspect_workers"] == ["0"])
-            # Its copy is sent again, alone, to worker 1, which holds it too until the gate.
+            # A copy goes to worker 1 by the ordinary rule; it holds it too until the gate.
             serve.wait_health(lambda h: h["workers"][1]["in_flight"] == 1)
             gate.touch()
             answer = held.result()
