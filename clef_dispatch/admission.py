@@ -25,10 +25,6 @@ Resent tickets also wait through a restart of the last worker (bounded by their 
 `resend_timeout`), where new tickets would get 503 (unless `wait_for_workers`: clef-batch's
 lines wait for a replacement rather than be answered 503).
 
-Each ticket carries three ids, one name each (`clef_protocol.messages`): `frame_id`, the int
-id of its request frame; `request_id`, the client's `X-Request-Id`; `trace_id`, the W3C trace
-id ("" when untraced). The last two travel in the frame, so the worker's log lines carry them.
-
 A suspect worker (`lane_suspect`, from clef_dispatch/liveness.py: its pong or reply is overdue) is
 not lost yet, and nothing stalls for it: each ticket it holds gets one copy, queued at the head of
 its class and sent by the ordinary rule to the next worker with room, beside new traffic, while
@@ -54,32 +50,38 @@ its ticket and sends the next waiting one. No dispatcher task, no task per reque
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable
 
+from clef_dispatch.deadline_heap import DeadlineHeap
 from clef_dispatch.load import TokenEstimate
 from clef_dispatch.outcomes import (
     EXPIRED_DETAIL,
     Answer,
-    Outcome,
     Refusal,
     RefusalKind,
 )
+from clef_dispatch.ticket import (
+    AdmissionEvents,
+    Lane,
+    LaneRing,
+    Ticket,
+    Workers,
+    has_room,
+    is_idle,
+    never_gone,
+)
 from clef_dispatch.urgency import BULK, CLASSES, INTERACTIVE, earliest
 from clef_dispatch.worker_errors import (
-    Deliver,
     WorkerFailure,
     WorkerLost,
     WorkerOutcome,
     WorkerUnavailable,
 )
-from clef_protocol.messages import INFERENCE_FAILED, Request, WorkerReply
+from clef_protocol.messages import INFERENCE_FAILED, Request
 from clef_protocol.options import RequestLimits
 
 log = logging.getLogger("clef_dispatch.admission")
@@ -88,96 +90,6 @@ log = logging.getLogger("clef_dispatch.admission")
 # interactive request waits behind at most one bulk request per BULK_EVERY - 1 interactive ones,
 # and a bulk flood still moves at 1/BULK_EVERY of the workers under sustained interactive load.
 BULK_EVERY = 8
-# Deadline entries of tickets that left the queue, kept beyond twice the queue's depth before the
-# heap is rebuilt without them (see Admission._drop_stale_deadlines).
-STALE_DEADLINES_KEPT = 64
-
-
-class Lane(Protocol):
-    """One worker as admission sees it (a Supervisor)."""
-
-    def has_room(self) -> bool: ...
-
-    @property
-    def in_flight(self) -> int: ...
-
-    def submit(self, request: Request, deliver: Deliver) -> None: ...
-
-
-class Workers(Protocol):
-    """All workers (a WorkerPool)."""
-
-    @property
-    def lanes(self) -> Sequence[Lane]: ...
-
-    def unavailable_reason(self) -> str | None: ...
-
-
-def _never_gone() -> bool:
-    return False
-
-
-def _ignore(_: str) -> None:
-    """Default for the event callbacks."""
-
-
-@dataclass(eq=False, slots=True)
-class Ticket:
-    """One admitted request, from the queue to its reply.
-
-    `gone` says whether the client has left (checked right before the frame is written);
-    `deadline` is when a still waiting ticket is answered 504 (`time.monotonic()`; None: never).
-    """
-
-    frame_id: int
-    body: bytes
-    outcome: asyncio.Future[Outcome]
-    request_id: str = ""
-    trace_id: str = ""
-    priority: str = INTERACTIVE
-    deadline: float | None = None
-    gone: Callable[[], bool] = _never_gone
-    enqueued_at: float = field(default_factory=time.monotonic)
-    started_at: float | None = None
-    worker_ms: float | None = None
-    worker_reply: WorkerReply | None = None
-    resent: bool = False  # sent again alone after its worker was lost (never a second time)
-    copied: bool = False  # a copy was queued while a suspect worker held it (liveness.py)
-    tokens: int = 0  # its estimated token cost (load.TokenEstimate), for the utilisation gauge
-    # Queue time is counted per send: the time waiting before each, never the time spent on
-    # a worker that was then lost or suspect.
-    waiting: bool = True
-    waiting_since: float = 0.0
-    queued_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.waiting_since = self.enqueued_at
-
-    @property
-    def queue_ms(self) -> float:
-        """Time spent waiting for a worker, over every send (until now, if waiting)."""
-        now = time.monotonic() - self.waiting_since if self.waiting else 0.0
-        return (self.queued_s + now) * 1000.0
-
-    def wait_again(self) -> None:
-        """Queued again (lost with its worker, or copied from a suspect one)."""
-        if not self.waiting:
-            self.waiting, self.waiting_since = True, time.monotonic()
-
-    def sent(self, now: float) -> None:
-        if self.waiting:
-            self.queued_s += now - self.waiting_since
-            self.waiting = False
-        self.started_at = now
-
-
-@dataclass(frozen=True)
-class AdmissionEvents:
-    """What admission reports to the metrics: a resend (its reason) and a deadline that
-    passed while waiting (the ticket's class)."""
-
-    resent: Callable[[str], None] = _ignore
-    expired: Callable[[str], None] = _ignore
 
 
 class Admission:
@@ -201,11 +113,10 @@ class Admission:
         self._copies: set[Ticket] = set()
         self._alone: dict[Lane, Ticket] = {}  # lanes running a resent ticket, and which
         self._sent: dict[Ticket, list[Lane]] = {}  # in flight, oldest first; on which lanes
-        self._next_lane = 0
+        self._ring = LaneRing(workers)
         self._turn = 0  # admissions made while both classes waited (see BULK_EVERY)
         self._ids = itertools.count(1)
-        self._deadlines: list[tuple[float, int, Ticket]] = []  # a heap; stale entries skipped
-        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._deadlines = DeadlineHeap(self._deadline_passed, self._update_idle)
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
@@ -264,7 +175,7 @@ class Admission:
 
     def submit(self, body: bytes, request_id: str = "", *, trace_id: str = "",
                priority: str = INTERACTIVE, deadline: float | None = None,
-               gone: Callable[[], bool] = _never_gone) -> Ticket | Refusal:
+               gone: Callable[[], bool] = never_gone) -> Ticket | Refusal:
         """Admit a checked body (sent at once if a worker has room), or refuse it
         (UNAVAILABLE: draining, no ready worker, or the queue is full).
 
@@ -386,44 +297,12 @@ class Admission:
         self._keep_deadline(ticket)
 
     def _keep_deadline(self, ticket: Ticket) -> None:
-        if ticket.deadline is None:
-            return
-        heapq.heappush(self._deadlines, (ticket.deadline, ticket.frame_id, ticket))
-        if self._deadlines[0][2] is ticket:  # the new earliest: aim the timer at it
-            self._arm_deadline_timer()
-        elif len(self._deadlines) > 2 * self.depth + STALE_DEADLINES_KEPT:
-            self._drop_stale_deadlines()
+        self._deadlines.add(ticket, self.depth)
 
-    def _drop_stale_deadlines(self) -> None:
-        """Forget the deadlines of tickets no longer waiting (sent, answered, given up).
-
-        Entries are not removed when their ticket leaves the queue (a heap has no cheap
-        removal); without this, `--queue-timeout` seconds of every ticket, bodies included,
-        would stay referenced here. Rebuilt once stale entries outnumber live ones, so each
-        entry is copied at most once on average."""
-        self._deadlines = [entry for entry in self._deadlines
-                           if entry[2].started_at is None and not entry[2].outcome.done()]
-        heapq.heapify(self._deadlines)
-        self._arm_deadline_timer()
-
-    def _arm_deadline_timer(self) -> None:
-        if self._deadline_timer is not None:
-            self._deadline_timer.cancel()
-            self._deadline_timer = None
-        if self._deadlines:
-            self._deadline_timer = asyncio.get_running_loop().call_at(
-                _loop_time(self._deadlines[0][0]), self._expire_due)
-
-    def _expire_due(self) -> None:
-        """The deadline timer: answer 504 to every waiting ticket whose deadline has passed."""
-        self._deadline_timer = None
-        now = time.monotonic()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, ticket = heapq.heappop(self._deadlines)
-            if self._unqueue(ticket) and ticket not in self._sent:  # else its copy still runs
-                self._expire(ticket)
-        self._arm_deadline_timer()
-        self._update_idle()
+    def _deadline_passed(self, ticket: Ticket) -> None:
+        """A deadline passed: 504 for the ticket if it still waits (not if a copy runs)."""
+        if self._unqueue(ticket) and ticket not in self._sent:
+            self._expire(ticket)
 
     def _expire(self, ticket: Ticket) -> None:
         log.info("frame_id=%d request_id=%s class=%s: deadline passed after %.0f ms waiting, "
@@ -469,26 +348,13 @@ class Admission:
             return False
         return True
 
-    def _pick_lane(self, fits: Callable[[Lane], bool]) -> Lane | None:
-        """The next worker that `fits` and runs no resent ticket, round robin from the one
-        after the last used."""
-        lanes = self._workers.lanes
-        count = len(lanes)
-        for step in range(count):
-            index = (self._next_lane + step) % count
-            lane = lanes[index]
-            if lane not in self._alone and fits(lane):
-                self._next_lane = (index + 1) % count
-                return lane
-        return None
-
     def _lane_with_room(self) -> Lane | None:
         """The next worker with room."""
-        return self._pick_lane(_has_room)
+        return self._ring.pick(has_room, self._alone)
 
     def _idle_lane(self) -> Lane | None:
         """A ready worker with nothing in flight, for a resent ticket to run alone on."""
-        return self._pick_lane(_is_idle)
+        return self._ring.pick(is_idle, self._alone)
 
     def _send(self, ticket: Ticket, lane: Lane, *, alone: bool = False) -> None:
         ticket.sent(time.monotonic())
@@ -572,16 +438,3 @@ class Admission:
         else:
             self._idle.clear()
 
-
-def _has_room(lane: Lane) -> bool:
-    return lane.has_room()
-
-
-def _is_idle(lane: Lane) -> bool:
-    return lane.has_room() and lane.in_flight == 0
-
-
-def _loop_time(monotonic: float) -> float:
-    """A `time.monotonic()` instant on the event loop's clock (they may differ in origin)."""
-    loop = asyncio.get_running_loop()
-    return loop.time() + (monotonic - time.monotonic())
