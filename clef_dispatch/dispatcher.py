@@ -227,10 +227,6 @@ class Dispatcher:
         """The `ready` frame of each ready worker."""
         return [lane.info for lane in self._pool.ready_lanes() if lane.info is not None]
 
-    def ready_devices(self) -> list[str]:
-        """The device of each ready worker, as its `ready` frame says it."""
-        return [lane.info.device for lane in self._pool.ready_lanes() if lane.info is not None]
-
     @property
     def restarts(self) -> int:
         return self._pool.restarts

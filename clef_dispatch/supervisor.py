@@ -56,10 +56,10 @@ class StartupFailed(Exception):
     """The first worker did not become ready; str() is the reason for the operator."""
 
 
-# Requests outstanding per worker when --max-batch is not given: what the worker reports in
-# `ready` (`max_sequences`, the requests one of its forwards holds: the worker owns the batch
-# policy, clef_worker.policy); for a worker that reports none (the release executor, test
-# doubles), the same by-device default the worker would resolve.
+# Requests outstanding per worker: what the worker reports in `ready` (`max_sequences`, the
+# requests one of its forwards holds, `--max-batch` or its device's default: the worker owns the
+# batch policy, clef_worker.policy, and the front reads it from `ready` only); for a worker that
+# reports none (the release executor, which does not batch), the by-device default.
 
 
 def default_max_batch(device: str, reported: int = 0) -> int:
@@ -105,7 +105,7 @@ class Supervisor:
         self._on_worker_failed = on_worker_failed
         self._on_gave_up = on_gave_up
         self.slot = slot or WorkerSlot("0", "default", config.worker_argv)
-        self.max_batch = config.max_batch or 1
+        self.max_batch = 1  # until its worker's `ready` says
         self._backoff = RestartBackoff(
             config.restart_backoff, config.restart_backoff_max, config.restart_reset_after
         )
@@ -305,8 +305,7 @@ class Supervisor:
 
     def _adopt(self, channel: WorkerChannel, info: ReadyInfo) -> None:
         self._channel, self.info = channel, info
-        self.max_batch = self._config.max_batch or default_max_batch(info.device,
-                                                                      info.max_sequences)
+        self.max_batch = default_max_batch(info.device, info.max_sequences)
         self._ready_at = time.monotonic()
         self._served = 0
         self.state = WorkerState.READY

@@ -72,9 +72,8 @@ class FrontServer:
             worker_ready=lambda: dispatch.ready,
             worker_info=dispatch.ready_info,
             queued=lambda: dispatch.depth,
-            token_usage=utilisation_gauge(
-                lambda: dispatch.tokens_outstanding, dispatch.ready_devices,
-                config.max_batch_tokens),
+            token_usage=utilisation_gauge(lambda: dispatch.tokens_outstanding,
+                                          dispatch.ready_infos),
             cache_bytes=lambda: self._cache.size_bytes,
         ), version=version(), separate_port=config.metrics_port is not None)
 
@@ -163,7 +162,7 @@ class FrontServer:
 
     def _healthy(self) -> bool:
         """For the systemd watchdog: the worker is idle or within its request timeout."""
-        return making_progress(self._dispatch.in_flight_since, self._config.request_timeout,
+        return making_progress(self._dispatch.in_flight_since, self._config.workers.request_timeout,
                                time.monotonic())
 
     async def _start_worker(self) -> bool:

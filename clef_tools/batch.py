@@ -22,12 +22,8 @@ from clef_api.catalogue import Catalogue, served_name
 from clef_api.checks import DEFAULT_BODY_LIMIT, RequestRules
 from clef_api.responses import Reply
 from clef_dispatch import StartupFailed, add_worker_arguments, worker_settings_from
-from clef_protocol.options import (
-    add_model_arguments,
-    limits_from,
-    non_negative_float,
-    positive_int,
-)
+from clef_protocol.arg_types import non_negative_float, positive_int
+from clef_protocol.options import add_model_arguments, limits_from
 from clef_tools.batch_input import BadLine, InputScan, Job, read_input
 from clef_tools.batch_output import OutputFile, bad_line, new_request_id
 from clef_tools.batch_runner import (

@@ -22,7 +22,7 @@ from typing import Any
 
 from clef_api import credentials
 from clef_api.workers_ai import PATH_TEMPLATE
-from clef_protocol.options import positive_int
+from clef_protocol.arg_types import positive_int
 from clef_tools.bench_body import generated_body
 from clef_tools.bench_report import RunRow, plot_runs, summarise, write_report
 from clef_tools.http_client import Endpoint, HttpConnection

@@ -16,7 +16,7 @@ import pytest
 from clef_api import responses, workers_ai
 from clef_api.responses import Reply
 from clef_api.routes import Route
-from clef_dispatch import Outcome
+from clef_dispatch import Outcome, WorkerSettings
 from clef_dispatch.worker_errors import Deliver
 from clef_frontend.config import ServerConfig
 from clef_frontend.http1 import BODY_END, Http1Session, Need, RefusedHead, RequestHead
@@ -101,7 +101,7 @@ class Rig:
             queue_depth=self.admission.depth_of, in_flight=lambda: self.admission.in_flight,
             queue_capacity=4, worker_ready=lambda: True, worker_info=lambda: None,
         ), version="test")
-        self.pipeline = Pipeline(config=ServerConfig(worker_argv=("unused",)),
+        self.pipeline = Pipeline(config=ServerConfig(WorkerSettings(("unused",))),
                                  dispatch=self.admission, health=Health(), metrics=self.metrics)
 
     def context(self, method: str, target: str, body: bytes = b"", *headers: str,

@@ -17,7 +17,7 @@ from clef_api.checks import media_type
 from clef_api.framing import _scan_lines, reparse_without_framing, scan_framing
 from clef_api.responses import Reply
 from clef_api.routes import Route, route
-from clef_dispatch import Refusal, RefusalKind
+from clef_dispatch import Refusal, RefusalKind, WorkerSettings
 from clef_dispatch import admission as admission_
 from clef_dispatch.admission import Ticket
 from clef_frontend.config import ServerConfig
@@ -184,8 +184,8 @@ def test_every_head_rescued_from_bad_framing_is_refused_by_rows_1_to_4(
 
 def test_config_refuses_a_body_limit_beyond_one_frame() -> None:
     with pytest.raises(ValueError, match="does not fit a worker frame"):
-        ServerConfig(worker_argv=("w",), body_limit=64 * 1024 * 1024)
-    ServerConfig(worker_argv=("w",), body_limit=8 * 1024 * 1024)
+        ServerConfig(WorkerSettings(("w",)), body_limit=64 * 1024 * 1024)
+    ServerConfig(WorkerSettings(("w",)), body_limit=8 * 1024 * 1024)
 
 
 def test_admission_is_fifo_and_drops_abandoned_tickets() -> None:

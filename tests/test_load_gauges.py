@@ -25,6 +25,7 @@ from clef_dispatch.load import (
 from clef_dispatch.worker_errors import WorkerExited
 from clef_frontend.exposition import render
 from clef_frontend.metrics import LiveState, Metrics
+from clef_protocol.messages import ReadyInfo
 from clef_protocol.options import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_BATCH_TOKENS_CPU
 from tests.doubles import Admission, reply_of
 from tests.frontend_helpers import Serve, clef_body
@@ -59,10 +60,15 @@ def test_estimate_learns_the_ratio_from_answers_within_bounds() -> None:
 
 
 def test_budget_is_the_ready_workers_forward_budgets() -> None:
-    assert token_budget(["cuda", "cuda"], 0) == 2 * DEFAULT_MAX_BATCH_TOKENS
-    assert token_budget(["cpu"], 0) == DEFAULT_MAX_BATCH_TOKENS_CPU
-    assert token_budget(["cpu", "cuda"], 1000) == 2000
-    assert token_budget([], 0) == 0
+    def ready(device: str, max_batch_tokens: int = 0) -> ReadyInfo:
+        return ReadyInfo(model="m", variant="v", device=device, dtype="bfloat16",
+                         gdn_path="fla", max_batch_tokens=max_batch_tokens)
+
+    # As each worker reports it in `ready`; a worker that reports none counts its device's.
+    assert token_budget([ready("cuda", 1000), ready("cpu", 1000)]) == 2000
+    assert token_budget([ready("cuda"), ready("cuda")]) == 2 * DEFAULT_MAX_BATCH_TOKENS
+    assert token_budget([ready("cpu")]) == DEFAULT_MAX_BATCH_TOKENS_CPU
+    assert token_budget([]) == 0
 
 
 def test_utilisation_is_capped_and_full_without_a_ready_worker() -> None:
