@@ -1,5 +1,5 @@
-"""A silent worker is suspect within a second and what it holds is answered elsewhere; a slow but
-live forward is never killed (issue 27). Two real workers on the tiny snapshot (CPU), the front's
+"""Checks that a silent worker is suspect within a second and that what it holds is answered by
+the other worker, and that a slow but live forward is never killed. Two real workers on the tiny snapshot (CPU), the front's
 defaults (`--stall-timeout 30`, `--max-batch` by device, the answer cache on), one server, in
 this order (3, 2, 1):
 
