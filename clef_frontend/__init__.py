@@ -1,7 +1,7 @@
 """The clef-serve front: an asyncio + h11 HTTP/1.1 server in front of persistent model workers.
 
-The front owns sockets and HTTP; the workers and their queue are clef_dispatch's; each worker process (one
-or more per device) owns a copy of the model and batches the requests it holds into forwards.
+The front owns sockets and HTTP; the workers and their queue are clef_dispatch's; each worker
+process (one or more per device) owns a copy of the model and batches the requests it holds.
 The front never imports torch (nor anything that pulls it in), so it starts in a fraction of a
 second and stays responsive while workers load, crash or restart.
 
