@@ -9,8 +9,10 @@ reference says today (tests/test_golden_reference.py) and the file can be rebuil
     python -m tests.golden_reference > tests/fixtures/clef-tiny.golden.jsonl
 
 Only the loading goes through this project (`--executor release`, which blocks fla on CPU and
-checks the snapshot); the text-only processor stands in for the release's processor, which needs
-torchvision (tests/upstream.py says why), so media cases are out of reach here.
+checks the snapshot). By default a text-only processor stands in for the release's processor,
+which needs a torchvision built for the installed torch (tests/upstream.py says why), so media
+cases are out of reach; `--full-processor` builds the release's own processor instead, for a host
+that has that torchvision (the media golden file's cases; its `media` objects are not remade).
 """
 
 from __future__ import annotations
@@ -36,11 +38,13 @@ __all__ = ["main", "reference", "regenerate"]
 
 
 @contextmanager
-def reference(workdir: Path, snapshot: Path = TINY_SNAPSHOT) -> Iterator[ReleaseExecutor]:
+def reference(workdir: Path, snapshot: Path = TINY_SNAPSHOT, *, full_processor: bool = False
+              ) -> Iterator[ReleaseExecutor]:
     """The upstream reference loaded on `snapshot` (copied under `workdir` with the release's
-    file added), in float32 on CPU as the golden file was made."""
+    file added), in float32 on CPU as the golden files were made."""
     with pytest.MonkeyPatch.context() as patch:
-        use_text_only_processor(patch)
+        if not full_processor:
+            use_text_only_processor(patch)
         executor = ReleaseExecutor.load(
             release_snapshot(snapshot, workdir / "snapshot"), variant="clef-flash",
             device="cpu", dtype="float32", gdn_prefill="torch", limits=RequestLimits())
@@ -59,7 +63,8 @@ def regenerate(executor: ReleaseExecutor, name: str, request: dict[str, Any],
     except ValueError as refusal:
         line["error"] = {"type": type(refusal).__name__, "message": str(refusal)}
         return line
-    encoded = module.encode_record(processor.tokenizer, request, max_length=max_length)
+    encoded = module.encode_record(processor.tokenizer, request, max_length=max_length,
+                                   processor=processor)
     batch = module.collate_records([encoded], processor.tokenizer.pad_token_id, torch.device("cpu"))
     logits = model(batch)[0]
     line["input_ids"] = list(encoded.input_ids)
@@ -84,6 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--snapshot", type=Path, default=TINY_SNAPSHOT)
     parser.add_argument("--case", action="append", default=[],
                         help="only this case (repeatable); default every case")
+    parser.add_argument("--full-processor", action="store_true",
+                        help="the release's own processor (needs torchvision built for the "
+                             "installed torch), for media cases")
     args = parser.parse_args(argv)
     cases = [c for c in load_cases(args.golden) if not args.case or c["name"] in args.case]
     if not cases:
@@ -91,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import tempfile
 
     with tempfile.TemporaryDirectory() as workdir, \
-            reference(Path(workdir), args.snapshot) as executor:
+            reference(Path(workdir), args.snapshot, full_processor=args.full_processor) as executor:
         for case in cases:
             line = regenerate(executor, case["name"], case["request"], case["max_length"])
             sys.stdout.write(json.dumps(line, ensure_ascii=False) + "\n")
