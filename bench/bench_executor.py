@@ -224,7 +224,7 @@ section below is replaced when the script runs again with `--write-docs` on the 
 device, and records the
 command that produced it. The snapshots are random (the shared tiny fixture and a wider one from
 the demo generator), so these numbers measure the serving code, not a real Clef model: real
-Clef-Flash has H 4096 and 32 layers (see docs/model.md, "Numbers measured by others", for figures on real weights).
+Clef-Flash has H 4096 and 32 layers (docs/model.md has figures measured on real weights).
 Their tokenizers are also small BPEs trained on little text, so client text takes more tokens
 than with the real 248k-entry vocabulary; the `tokens` column is what each stage processed.
 
