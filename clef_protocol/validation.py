@@ -2,10 +2,9 @@
 
 The first three of the reference's checks keep its exact messages and order (docs/model.md,
 "Validation"). The fourth (the token budget) needs the tokenizer and lives in the worker's
-encoder. Everything
-the reference leaves unchecked, and crashes or misbehaves on, gets a clear message here instead,
-so no request that could crash the model is ever admitted. The front runs this before admission;
-the worker runs it again before encoding (it must never trust its input).
+encoder. Everything the reference leaves unchecked, and crashes or misbehaves on, gets a clear
+message here instead, so no request that could crash the model is ever admitted. The front runs
+this before admission; the worker runs it again before encoding (it must never trust its input).
 """
 
 from __future__ import annotations
