@@ -20,7 +20,8 @@ from clef_protocol.options import RequestLimits
 QUESTION_TYPES = ("noul", "choice", "score")
 
 # The reference's refusals (docs/model.md, "Validation", checks 1-3), word for word; `{qid}` is
-# the question id. The fourth, the token budget, is the encoder's (clef_worker.model.encoding.BUDGET).
+# the question id. The fourth, the token budget, is the encoder's
+# (clef_worker.model.encoding.BUDGET).
 MODEL_AND_STATE = "model and state are required"
 AT_LEAST_ONE_QUESTION = "at least one question is required"
 UNKNOWN_TYPE = f"{{qid}}: type must be {', '.join(QUESTION_TYPES[:-1])}, or {QUESTION_TYPES[-1]}"
