@@ -1,7 +1,7 @@
 """clef_api: the HTTP API's rules as pure functions, shared by `clef-serve` and `clef-batch`.
 
 Both drivers answer a scoring request the same way: the same route table, the same checks in
-the order of http-contract.md with the same status and `detail`, the same Workers-AI envelope.
+the order of docs/http-contract.md with the same status and `detail`, the same Workers-AI envelope.
 Those rules live here, below both (`clef_frontend` adds the sockets, `clef_tools` the JSONL
 files), so neither restates them and `clef_tools` imports nothing of the front:
 

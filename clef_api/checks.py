@@ -1,4 +1,4 @@
-"""The checks of a scoring request, in the order of http-contract.md, as pure functions.
+"""The checks of a scoring request, in the order of docs/http-contract.md, as pure functions.
 
 Both drivers run them: `clef-serve`'s pipeline one stage at a time (its own steps, the key and
 the quota, come between them, and the body is read between the head's checks and the body's),

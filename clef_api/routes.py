@@ -1,4 +1,4 @@
-"""The route table of http-contract.md: which target is which route, 404 and 405.
+"""The route table of docs/http-contract.md: which target is which route, 404 and 405.
 
 The checks a scoring request then goes through are checks.py's.
 """
