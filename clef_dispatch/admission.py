@@ -219,14 +219,17 @@ class Admission:
         """Answer every waiting ticket with 503 (no worker is left, or the drain timed out).
 
         With `resent_too=False` (the last worker was lost and is being replaced) resent tickets
-        keep waiting for the replacement: they were admitted while a worker was ready.
+        keep waiting for the replacement: they were admitted while a worker was ready. A
+        suspect's queued copy is never refused: its ticket is in flight, and is answered there.
         """
         queues = [*self._waiting.values(), *([self._resend] if resent_too else [])]
         for queue in queues:
+            copies = [ticket for ticket in queue if ticket in self._copies]
             while queue:
                 ticket = queue.popleft()
-                if not ticket.outcome.done():
+                if ticket not in self._copies and not ticket.outcome.done():
                     ticket.outcome.set_result(self._unavailable(reason))
+            queue.extend(copies)
         self._update_idle()
 
     def start_draining(self) -> None:
@@ -380,6 +383,10 @@ class Admission:
             if not isinstance(outcome, WorkerFailure) and (ticket.resent or ticket.copied):
                 log.info("frame_id=%d request_id=%s answered again by a second worker: the "
                          "later answer is dropped", ticket.frame_id, ticket.request_id)
+        elif (isinstance(outcome, WorkerLost) and not ticket.resent and ticket in self._copies
+              and ticket not in self._sent):
+            self._unqueue(ticket)  # lost with the suspect before its copy went: sent alone
+            self._resend_later(ticket, outcome)
         elif isinstance(outcome, WorkerFailure) and (ticket in self._sent
                                                      or ticket in self._resend
                                                      or ticket in self._copies):

@@ -111,3 +111,29 @@ def test_queue_time_is_counted_per_send() -> None:
         assert (await reply_of(ticket)).status == 200
 
     asyncio.run(scenario())
+
+
+def test_a_queued_copy_is_never_refused_and_becomes_the_resend_when_the_suspect_is_lost(
+) -> None:
+    """The suspect's copy waits (no room elsewhere): refusing the queue (the last worker lost,
+    a drain cut short) leaves it, since its ticket is in flight; when the suspect is then lost,
+    the copy becomes the ticket's one resend, alone, which waits through the restart."""
+    async def scenario() -> None:
+        suspect = FakeLane(room=1)
+        admission = Admission(capacity=4, retry_after=1, workers=FakeWorkers(suspect))
+        ticket = admission.submit(b"held")
+        suspect.room = 0
+        admission.lane_suspect(suspect, True)
+        admission.refuse_waiting("worker is restarting", resent_too=False)
+        assert not ticket.outcome.done()
+        suspect.ready = False
+        suspect.held.pop(0)[1](WorkerExited("worker closed its output"))
+        admission.refuse_waiting("worker is restarting", resent_too=False)
+        assert not ticket.outcome.done() and ticket.resent  # waits for the replacement
+        suspect.ready, suspect.room = True, 1
+        admission.lane_suspect(suspect, False)
+        assert suspect.sent == [b"held", b"held"]
+        suspect.answer_oldest()
+        assert (await reply_of(ticket)).status == 200
+
+    asyncio.run(scenario())
