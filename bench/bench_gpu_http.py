@@ -50,7 +50,7 @@ from typing import Any
 from benchlib.flash_model import BUILT, SHAPES, RequestSizer, make_request
 from benchlib.gpu_checks import cache_hits, capture_problems, capture_report
 from benchlib.http_client import Client
-from benchlib.http_load import run_load, run_mixed_load
+from benchlib.http_load import run_mixed_load
 from benchlib.provenance import command_line
 from benchlib.serve import Serve
 from benchlib.timing import latency_summary, timed_ms
@@ -162,21 +162,27 @@ def fresh_lengths(client: Client, sizer: RequestSizer,
     return out
 
 
-def throughput(port: int, sizer: RequestSizer, args: argparse.Namespace) -> dict[str, Any]:
-    body = json.dumps(make_request(sizer, 370 if args.max_length >= 370 else 100,
-                                   args.questions)).encode()
+def load_by_concurrency(port: int, bodies: list[bytes], concurrencies: list[int],
+                        seconds: float, label: str) -> dict[str, Any]:
+    """Closed-loop load at each concurrency, the requests taking `bodies` in turn."""
     out: dict[str, Any] = {}
-    for connections in args.concurrency:
-        result = run_load("127.0.0.1", port, "POST", "/v1/systemone", body,
-                          connections=connections, seconds=args.seconds, use_wrk=False)
+    for connections in concurrencies:
+        result = run_mixed_load("127.0.0.1", port, "POST", "/v1/systemone", bodies,
+                                connections=connections, seconds=seconds)
         out[f"C{connections}"] = {"req_per_s": round(result.throughput, 1),
                                   "p50_ms": round(result.p50_ms, 2),
                                   "p99_ms": round(result.p99_ms, 2),
                                   "requests": result.requests, "failed": result.bad_status}
-        print(f"C{connections}: {out[f'C{connections}']}", file=sys.stderr, flush=True)
+        print(f"{label}C{connections}: {out[f'C{connections}']}", file=sys.stderr, flush=True)
         if result.bad_status:
-            raise RuntimeError(f"C{connections}: {result.bad_status} requests failed")
+            raise RuntimeError(f"{label}C{connections}: {result.bad_status} requests failed")
     return out
+
+
+def throughput(port: int, sizer: RequestSizer, args: argparse.Namespace) -> dict[str, Any]:
+    body = json.dumps(make_request(sizer, 370 if args.max_length >= 370 else 100,
+                                   args.questions)).encode()
+    return load_by_concurrency(port, [body], args.concurrency, args.seconds, "")
 
 
 def mixed_throughput(port: int, sizer: RequestSizer,
@@ -184,20 +190,9 @@ def mixed_throughput(port: int, sizer: RequestSizer,
     """Closed-loop load cycling through requests of mixed lengths, at each concurrency."""
     lengths = [n for n in args.mixed_lengths if n <= args.max_length]
     bodies = [json.dumps(make_request(sizer, n, args.questions)).encode() for n in lengths]
-    out: dict[str, Any] = {"lengths": lengths}
-    for connections in args.mixed_concurrency:
-        if not bodies:
-            break
-        result = run_mixed_load("127.0.0.1", port, "POST", "/v1/systemone", bodies,
-                                connections=connections, seconds=args.seconds)
-        out[f"C{connections}"] = {"req_per_s": round(result.throughput, 1),
-                                  "p50_ms": round(result.p50_ms, 2),
-                                  "p99_ms": round(result.p99_ms, 2),
-                                  "requests": result.requests, "failed": result.bad_status}
-        print(f"mixed C{connections}: {out[f'C{connections}']}", file=sys.stderr, flush=True)
-        if result.bad_status:
-            raise RuntimeError(f"mixed C{connections}: {result.bad_status} requests failed")
-    return out
+    concurrencies = args.mixed_concurrency if bodies else []
+    return {"lengths": lengths,
+            **load_by_concurrency(port, bodies, concurrencies, args.seconds, "mixed ")}
 
 
 def answer_cache_hits(server: Serve) -> int | None:
