@@ -92,35 +92,29 @@ def run_cases(executor: Any, cases: tuple[dict[str, Any], ...]) -> dict[str, Any
 
 
 def grouped_vs_alone(executor: Any, cases: tuple[dict[str, Any], ...],
-                     size: int = 8) -> dict[str, Any]:
+                     alone: dict[str, list[list[float]]], size: int = 8) -> dict[str, Any]:
     """Every answered case in mixed groups of up to `size` (in file order, so long and short
-    cases share groups) through the executor's runner, against the same case alone."""
+    cases share groups) through the executor's runner, against the same case alone (`alone`:
+    `run_cases`' answers by case name, from the same executor, one request per forward)."""
     from benchlib.executors import with_limits
-    from clef_protocol.errors import RequestInvalid
 
-    encodings = []
+    named = []
     for case in cases:
-        if "error" in case:
+        if case["name"] not in alone:
             continue
         limited = with_limits(executor, dataclasses.replace(executor.limits,
                                                            max_length=case["max_length"]))
-        try:
-            encodings.append(limited.encode(case["request"]))
-        except RequestInvalid:
-            continue
-    alone: dict[str, list[list[float]]] = {}
+        named.append((case["name"], limited.encode(case["request"])))
     grouped: dict[str, list[list[float]]] = {}
-    for index, encoding in enumerate(encodings):
-        counts = [len(q.option_spans) for q in encoding.questions]
-        row = executor.runner.run([encoding]).rows[0]
-        alone[str(index)] = split_by_question(row.probabilities, counts)
-    for first in range(0, len(encodings), size):
-        group = encodings[first:first + size]
-        for offset, row in enumerate(executor.runner.run(group).rows):
-            counts = [len(q.option_spans) for q in group[offset].questions]
-            grouped[str(first + offset)] = split_by_question(row.probabilities, counts)
-    return {"layout": executor.runner.layout, "cases": len(encodings), "group_size": size,
-            **compare_questions(alone, grouped), "grouped": grouped}
+    for first in range(0, len(named), size):
+        group = named[first:first + size]
+        rows = executor.runner.run([encoding for _, encoding in group]).rows
+        for (name, encoding), row in zip(group, rows, strict=True):
+            counts = [len(q.option_spans) for q in encoding.questions]
+            grouped[name] = split_by_question(row.probabilities, counts)
+    return {"layout": executor.runner.layout, "cases": len(named), "group_size": size,
+            **compare_questions({name: alone[name] for name in grouped}, grouped),
+            "grouped": grouped}
 
 
 def write(summary: dict[str, Any], path: Path | None) -> None:
@@ -200,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         problems += [f"--cuda-graphs {mode}: {problem}" for problem in found]
         summary["device"], summary["dtype"] = str(executor.device), info["dtype"]
         summary["gdn_path"], summary["short_conv"] = info["gdn_path"], info["short_conv"]
-        answers[mode] = {**run_cases(executor, cases), "capture": capture_report(info),
-                         "capture_problems": found,
-                         "packed_groups": grouped_vs_alone(executor, cases)}
+        answered = run_cases(executor, cases)
+        answers[mode] = {**answered, "capture": capture_report(info), "capture_problems": found,
+                         "packed_groups": grouped_vs_alone(executor, cases,
+                                                           answered["per_question"])}
         del executor  # its weights and graphs go before the next mode loads its own
         summary["modes"][mode] = without_answers(answers[mode])
         summary["argmax_mismatches_vs_golden"] = sum(
