@@ -16,7 +16,7 @@
 # seed the next sitting). Missing wheels or a failed `import fla` run no step, but still leave
 # env.txt and a summary whose `error` says why. CLEF_COMMIT, when the launcher sets it, is the
 # commit the summary records. The steps, their limits and the summary are
-# benchlib/gpu_steps.py; DEADLINE (seconds) overrides the deadline.
+# benchlib/gpu_steps.py; DEADLINE (seconds) overrides the deadline, SCRATCH the steps' own folder.
 set -u
 export PYTHONUNBUFFERED=1
 DRY=0; [ "${1:-}" = "--dry-run" ] && DRY=1
@@ -33,7 +33,7 @@ if [ $DRY = 1 ]; then
 else
   PY=python3
   FLAGS=()
-  SCRATCH=/tmp/clef-gpu-steps
+  SCRATCH=${SCRATCH:-/tmp/clef-gpu-steps}
   if ! compgen -G ".gpu/whl/*.whl" > /dev/null; then
     ERROR="no wheels in .gpu/whl: run bench/gpu_prepare.sh before the sitting"
   elif ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -365,3 +365,34 @@ def test_the_subprocess_runner_reads_the_result_and_kills_a_step_at_its_limit(
     ran = runner(hangs, 1)
     assert ran.rc is None and ran.result is None
     assert "=== hangs" in log.read_text()
+
+
+def test_the_session_script_without_wheels_leaves_env_and_an_error_summary(
+        tmp_path: Path) -> None:
+    """bench/gpu_session.sh on a host whose .gpu/ was never prepared: no step runs, and what
+    comes back says why (env.txt with the versions, a summary with `error`), with the commit
+    the launcher gave, in at most the 8 files the device returns."""
+    import shutil
+
+    from benchlib.paths import REPO
+
+    copy = tmp_path / "project"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for folder in ("bench", "benchlib", "clef_protocol", "clef_worker", "clef_frontend",
+                   "clef_tools"):
+        shutil.copytree(REPO / folder, copy / folder, ignore=ignore)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "SCRATCH": str(tmp_path / "scratch"),
+           "CLEF_COMMIT": "c0ffee123456", "DEADLINE": "120"}
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(["bash", str(copy / "bench" / "gpu_session.sh")], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    [summary_file] = out.glob("h200-*-summary.json")
+    summary = json.loads(summary_file.read_text())
+    assert summary["error"].startswith("no wheels in .gpu/whl")
+    assert summary["commit"] == "c0ffee123456"
+    assert all(summary[name] is None for name in ("p50_ms_370tok", "answer_cache_hits"))
+    environment = (out / "env.txt").read_text()
+    assert "python " in environment and "torch " in environment
+    assert len([p for p in out.rglob("*") if p.is_file()]) <= 8
