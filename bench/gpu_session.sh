@@ -64,6 +64,7 @@ EOF
 if [ $DRY = 0 ] && [ -z "$ERROR" ] && grep -q "^fla FAILED" "$OUT/env.txt"; then
   ERROR="import fla failed: $(grep '^fla FAILED' "$OUT/env.txt" | head -1)"
 fi
+cat "$OUT/env.txt"
 [ -n "$ERROR" ] && FLAGS+=(--error "$ERROR")
 exec "$PY" -m benchlib.gpu_steps ${FLAGS[@]+"${FLAGS[@]}"} --out "$OUT" --scratch "$SCRATCH" \
   --deadline $((DEADLINE - SECONDS))
