@@ -48,3 +48,19 @@ def mixed_length_bodies(count: int, longest: int = 1500) -> list[bytes]:
                                          "criteria": {"true": None, "false": None}}}}
         bodies.append(json.dumps(body).encode())
     return bodies
+
+
+def uniform_length_bodies(count: int, tokens: int = 500) -> list[bytes]:
+    """Distinct requests of one encoded length (about `tokens` on the tiny fixture): the same
+    number of sentences, each request's own ticket number (four digits for every request, so
+    every state tokenizes to the same count). The mix where padding wastes nothing."""
+    sentences = max(0, tokens - 126) // 27  # as mixed_length_bodies: 126 fixed, 27 a sentence
+    bodies = []
+    for i in range(count):
+        state = "".join(f"Ticket {7000 + i}-{k}: customer paid invoice #{k} twice. "
+                        for k in range(sentences))
+        body = {"model": "clef-flash", "state": state or f"T{7000 + i}.",
+                "questions": {"refund": {"type": "noul",
+                                         "criteria": {"true": None, "false": None}}}}
+        bodies.append(json.dumps(body).encode())
+    return bodies
