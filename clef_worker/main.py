@@ -241,7 +241,7 @@ def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:
         started = time.perf_counter()
         executor.warm_up()
         warmup_ms = _elapsed_ms(started)
-        verdict = self_check(executor, getattr(args, "self_check", "on"))
+        verdict = self_check(executor, args.self_check)
     except StartupError as exc:
         reason = str(exc)
     except Exception as exc:

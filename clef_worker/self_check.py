@@ -150,11 +150,8 @@ def probe_groups(target: WarmTarget) -> list[list[Encoding]]:
         return _encoding(target, schema, next(counter), tokens)
 
     mixed = [make(int(room * share), prefer_rich=i % 2 == 1) for i, share in enumerate(MIXED)]
-    uniform_length = max(int(room * UNIFORM), floor[id(bare)] + 1)
-    uniform = [make(uniform_length, prefer_rich=False) for _ in range(UNIFORM_COUNT)]
-    # Uniform means equal: the encoder cuts the state at a token, so pin every one to the first.
-    uniform = [_encoding(target, bare, next(counter), min(e.length for e in uniform))
-               for _ in uniform]
+    # One schema, one length: the encoder cuts each long state to exactly the same count.
+    uniform = [make(int(room * UNIFORM), prefer_rich=False) for _ in range(UNIFORM_COUNT)]
     if target.runner.graphs is None:
         # Eagerly a request alone runs the plain forward, the reference itself: a long one
         # would only double the check's time.

@@ -29,7 +29,10 @@ from benchlib.golden import answered, assert_response_matches
 from clef_protocol import messages
 from clef_protocol.errors import ProtocolError
 from clef_protocol.frames import read_frame_blocking
+from clef_protocol.options import RequestLimits
 from clef_worker import self_check
+from clef_worker.assembly import assemble_snapshot
+from clef_worker.batching import plan_groups
 from clef_worker.gpu.packed_graphs import PackedGraphRunner
 from clef_worker.main import parse_args, start
 from clef_worker.model.backbone import Backbone
@@ -166,6 +169,26 @@ def test_off_skips_it(tiny_snapshot: Path, packed_off_by_one: None,
     assert messages.ReadyInfo.from_message(frame).self_check is None
     assert self_check_errors(caplog) == []
     assert executor.runner.layout == "per-group"
+
+
+def test_the_probe_requests(tiny_snapshot: Path) -> None:
+    """Mixed lengths in one forward, three of one length in another (each kept whole by the
+    serve loop's cutting at the CPU defaults); with graphs, one near the largest bucket."""
+    executor = assemble_snapshot(tiny_snapshot, device="cpu", media="off")
+    mixed, uniform = self_check.probe_groups(executor)
+    assert len({encoding.length for encoding in mixed}) == len(mixed) == 4
+    assert len(uniform) == 3 and len({encoding.length for encoding in uniform}) == 1
+    assert len({tuple(encoding.input_ids) for encoding in [*mixed, *uniform]}) == 7
+    for group in (mixed, uniform):
+        lengths = [encoding.length for encoding in group]
+        assert plan_groups(lengths, executor.batch_tokens, executor.policy.max_batch_tokens,
+                           max_sequences=executor.policy.max_sequences) == [[*range(len(group))]]
+    bucketed = assemble_snapshot(tiny_snapshot, device="cpu", cuda_graphs="on", media="off",
+                                 limits=RequestLimits(max_length=2048), graph_max_length=512,
+                                 max_batch_tokens=1024)
+    *_, [near] = self_check.probe_groups(bucketed)
+    largest = max(bucketed.runner.graphs.describe()["buckets"])  # type: ignore[union-attr]
+    assert largest - 64 < near.length <= largest - self_check.NEAR_LARGEST
 
 
 # -- the logic, without a model ---------------------------------------------------------------
