@@ -29,7 +29,7 @@ from benchlib.golden import answered, assert_response_matches
 from clef_protocol import messages
 from clef_protocol.errors import ProtocolError
 from clef_protocol.frames import read_frame_blocking
-from clef_protocol.options import RequestLimits
+from clef_protocol.options import RequestLimits, worker_argv
 from clef_worker import self_check
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.batching import plan_groups
@@ -189,6 +189,19 @@ def test_the_probe_requests(tiny_snapshot: Path) -> None:
     *_, [near] = self_check.probe_groups(bucketed)
     largest = max(bucketed.runner.graphs.describe()["buckets"])  # type: ignore[union-attr]
     assert largest - 64 < near.length <= largest - self_check.NEAR_LARGEST
+
+
+def test_clef_serve_and_clef_batch_pass_the_mode_to_their_workers() -> None:
+    """A worker model flag: both tools hand it to the worker command line, default `on`."""
+    from clef_frontend.cli import build_parser as serve_parser
+    from clef_tools.batch import build_parser as batch_parser
+
+    for parser, required in ((serve_parser(), []),
+                             (batch_parser(), ["--input", "i", "--output", "o"])):
+        for mode in ("on", "strict", "off"):
+            argv = worker_argv(parser.parse_args([*required, "--self-check", mode]))
+            assert parse_args(argv).self_check == mode
+        assert parse_args(worker_argv(parser.parse_args(required))).self_check == "on"
 
 
 # -- the logic, without a model ---------------------------------------------------------------
