@@ -22,8 +22,9 @@ Rows, each with its own worker, the same workers for both mixes:
   padding it would waste, clef_worker.policy.group_layout).
 
 Every C8 row keeps the default token budget for the device (4,096 on CPU: padded counts rows x
-longest, packed counts real tokens). The rows take turns for `--rounds` rounds, mix by mix
-(median reported, with its range), so other work on a shared host weighs on every row alike;
+longest, packed counts real tokens). The rows take turns for `--rounds` rounds, mix by mix,
+in an order that rotates every round (median reported, with its range), so other work on a
+shared host weighs on every row alike;
 the summary gives the default's ratio to padded from the medians and from each row's best
 round (`default_vs_padded_best`: on a loaded host, the least disturbed turns).
 Every answer is compared with the C1 answer of the same request within the golden bound
@@ -129,8 +130,12 @@ def measure(plans: list[tuple[str, int, list[str]]], workers: list[Worker], bodi
     ok = {name: True for name, _, _ in plans}
     equal = dict(ok)
     baseline: dict[int, dict] = {}
-    for _ in range(rounds):
-        for (name, in_flight, _), worker in zip(plans, workers, strict=True):
+    turns = list(zip(plans, workers, strict=True))
+    for round_ in range(rounds):
+        # C1 first in the first round (its answers are the baseline); after that the order
+        # rotates, so no row always follows the same one on a host whose load drifts.
+        shift = round_ % len(turns)
+        for (name, in_flight, _), worker in turns[shift:] + turns[:shift]:
             took, replies = worker.run(bodies, in_flight)
             seconds[name].append(took)
             sizes[name] += [int(r.get("batch_size", 1)) for r in replies.values()]
