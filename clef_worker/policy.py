@@ -35,9 +35,9 @@ LAYOUTS = (PACKED, PADDED, PER_GROUP)
 # rule, the attention and the short convolution once per sequence (clef_worker.model
 # .packed_layers), so per request it costs about a forward of its own, while a padded batch
 # runs them once over all rows: on uniform lengths padded is faster, on mixed lengths packed
-# is, because padded computes every pad token. Measured in one process, groups of 8 on the
-# tiny snapshot (docs/benchmarks.md, "Packed against padded batches"): padded ahead up to
-# about 10-15 % waste, the two level around 15-20 %, packed ahead beyond.
+# is, because padded computes every pad token. Measured for one group of 8 on the tiny
+# snapshot, in one process (bench/bench_group_layout.py; docs/benchmarks.md, "Packed against
+# padded batches"): padded ahead at low waste, packed ahead from about 15-20 %.
 MAX_PADDED_WASTE = 0.15
 
 # `--batch-layout auto`. On CPU, PER_GROUP (above). On CUDA no GPU run has
