@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from clef_frontend import workers_ai
+from clef_api import workers_ai
+from clef_api.catalogue import Catalogue
+from clef_api.checks import check_target
+from clef_api.responses import Reply
+from clef_api.routes import Route
 from clef_frontend.auth import ApiKeys
-from clef_frontend.catalogue import Catalogue
-from clef_frontend.responses import Reply
-from clef_frontend.routes import Route
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,7 @@ class ApiSurface:
         if found is Route.MODELS:
             return self.catalogue.reply()
         if found is Route.WORKERS_AI:
-            run = workers_ai.run_target(target)
-            assert run is not None  # the route matched this target
-            return workers_ai.check_model(run, self.catalogue)
+            return check_target(target, self.catalogue)
         return None
 
     def finish(self, target: bytes | None, reply: Reply) -> Reply:

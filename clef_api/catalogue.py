@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from clef_frontend import responses
-from clef_frontend.responses import Reply
+from clef_api import responses
+from clef_api.responses import Reply
 
 OWNER = "cloudflare"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")

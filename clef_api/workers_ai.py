@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 from http import HTTPStatus
 from urllib.parse import unquote
 
-from clef_frontend.catalogue import Catalogue
-from clef_frontend.responses import Reply, error, json_bytes
+from clef_api.catalogue import Catalogue
+from clef_api.responses import Reply, error, json_bytes
 
 PATH_TEMPLATE = "/accounts/{account_id}/ai/run/@cf/cloudflare/{model}"
 MODEL_PREFIX = "@cf/cloudflare/"
