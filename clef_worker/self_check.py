@@ -12,7 +12,7 @@ The probe (`probe_groups`): requests of mixed lengths cut from the warm-up's can
 three (CPU's per-group layout runs that one padded), and, where graphs replay fixed shapes,
 one request near the largest bucket (eagerly a lone request takes the plain forward, which is
 the reference itself, so a long one would only double the check's time). Each
-group goes through the serve loop's own group cutting (clef_worker.batching.plan_groups) and the
+group goes through the serve loop's own group cutting (clef_worker.batching.GroupCutter) and the
 runner, as requests do.
 
 The comparison (`compare`): every option's probability within the dtype's bound (`BOUNDS`), and
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.messages import SelfCheck
 from clef_protocol.validation import validate_request
-from clef_worker.batching import plan_groups
+from clef_worker.batching import GroupCutter
 from clef_worker.errors import StartupError
 from clef_worker.model.backbone import DTYPE_NAMES
 from clef_worker.model.encoding import Encoding
@@ -203,14 +203,23 @@ class Comparison:
 def answer_served(target: WarmTarget, groups: Sequence[Sequence[Encoding]]) -> list[RowResult]:
     """Every probe request through the serving path: each group cut as the serve loop cuts
     requests (the token budget, the requests per forward), each cut group one runner call."""
-    runner, policy = target.runner, target.policy
     rows: list[RowResult] = []
     for group in groups:
-        lengths = [encoding.length for encoding in group]
-        for members in plan_groups(lengths, runner.batch_tokens, policy.max_batch_tokens,
-                                   max_sequences=policy.max_sequences):
-            rows += runner.run([group[member] for member in members]).rows
+        for members in cut(target, [encoding.length for encoding in group]):
+            rows += target.runner.run([group[member] for member in members]).rows
     return rows
+
+
+def cut(target: WarmTarget, lengths: Sequence[int]) -> list[list[int]]:
+    """The forwards the serve loop would cut requests of these lengths into (the same
+    `GroupCutter`, the executor's cost and policy), as positions."""
+    policy = target.policy
+    cutter = GroupCutter(target.runner.batch_tokens, policy.max_batch_tokens,
+                         policy.max_sequences)
+    groups = [closed for position, length in enumerate(lengths)
+              if (closed := cutter.add(position, length))]
+    last = cutter.finish()
+    return [*groups, last] if last else groups
 
 
 def answer_reference(target: WarmTarget, encodings: Sequence[Encoding]) -> list[RowResult]:

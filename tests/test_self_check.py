@@ -32,7 +32,6 @@ from clef_protocol.frames import read_frame_blocking
 from clef_protocol.options import RequestLimits, worker_argv
 from clef_worker import self_check
 from clef_worker.assembly import assemble_snapshot
-from clef_worker.batching import plan_groups
 from clef_worker.gpu.packed_graphs import PackedGraphRunner
 from clef_worker.main import parse_args, start
 from clef_worker.model.backbone import Backbone
@@ -181,8 +180,7 @@ def test_the_probe_requests(tiny_snapshot: Path) -> None:
     assert len({tuple(encoding.input_ids) for encoding in [*mixed, *uniform]}) == 7
     for group in (mixed, uniform):
         lengths = [encoding.length for encoding in group]
-        assert plan_groups(lengths, executor.batch_tokens, executor.policy.max_batch_tokens,
-                           max_sequences=executor.policy.max_sequences) == [[*range(len(group))]]
+        assert self_check.cut(executor, lengths) == [[*range(len(group))]]
     bucketed = assemble_snapshot(tiny_snapshot, device="cpu", cuda_graphs="on", media="off",
                                  limits=RequestLimits(max_length=2048), graph_max_length=512,
                                  max_batch_tokens=1024)
