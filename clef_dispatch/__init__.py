@@ -14,8 +14,9 @@ names below (never its modules): submit a request, get its outcome.
 | `settings.py` | `WorkerSettings` and the one worker argument group both commands add (one |
 |  | help text, one validation) |
 | `admission.py` | the queue: interactive before bulk, FIFO within a class, bulk never starved; |
-|  | requests lost with a worker sent again once, alone; a suspect's copies; the hand-over |
-|  | to the next worker with room |
+|  | the hand-over to the next worker with room |
+| `resend.py` | requests lost with a worker sent again once, alone; a suspect's copies; what a |
+|  | worker's outcome means for a request (`judge`) |
 | `ticket.py` | `Ticket` (one admitted request), the workers as admission sees them, the round |
 |  | robin over them |
 | `deadline_heap.py` | the waiting tickets' deadlines, one timer for all |

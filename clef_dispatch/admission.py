@@ -16,23 +16,12 @@ while both wait, so bulk never starves. A ticket may carry a deadline (`X-Clef-D
 `--queue-timeout`): one timer, aimed at the earliest, answers a ticket still waiting at its
 deadline with 504, and it never reaches a worker.
 
-No request lost to a worker's death: an answer is a pure function of the request, so tickets in
-flight on a worker that is lost (`WorkerLost`: died, stalled, hung, broke the protocol) are sent
-again, once, before anything else, each alone on an idle worker. A poison request thus kills at
-most two workers (the one it shared, the one it ran alone on) and gets a 500; its companions are
-answered. While a resent ticket waits for an idle worker nothing new is sent, so one drains.
-Resent tickets also wait through a restart of the last worker (bounded by their deadline, or
-`resend_timeout`), where new tickets would get 503 (unless `wait_for_workers`: clef-batch's
-lines wait for a replacement rather than be answered 503).
-
-A suspect worker (`lane_suspect`, from clef_dispatch/liveness.py: its pong or reply is overdue) is
-not lost yet, and nothing stalls for it: each ticket it holds gets one copy, queued at the head of
-its class and sent by the ordinary rule to the next worker with room, beside new traffic, while
-its own copy stays in flight (counted once: in flight). The first answer wins and the other is
-dropped, so every client gets exactly one answer; a copy that fails while another is in flight
-or queued is forgotten, and a ticket lost with both workers is sent again alone, as any lost
-ticket (a poison request is still isolated). A suspect that answers again takes back the copies
-still queued. With one worker the copies simply wait for its answer or its replacement.
+Lost and suspect workers (clef_dispatch/resend.py owns those rules): a ticket in flight on a
+worker that is lost is sent again, once, before anything else, alone on an idle worker; while it
+waits for one nothing new is sent. New tickets get 503 while no worker is ready (unless
+`wait_for_workers`: clef-batch's lines wait for a replacement rather than be answered 503). A
+suspect worker's tickets each get one copy, queued at the head of their class and sent by the
+ordinary rule below beside new traffic; the first answer wins.
 
 Admission knows the workers only through the `Workers` and `Lane` protocols below and tells a
 503 from a 500 by the exceptions of `worker_errors`; it never imports the supervisor, the pool
@@ -64,6 +53,7 @@ from clef_dispatch.outcomes import (
     Refusal,
     RefusalKind,
 )
+from clef_dispatch.resend import Resends, Verdict, judge
 from clef_dispatch.ticket import (
     AdmissionEvents,
     Lane,
@@ -104,14 +94,10 @@ class Admission:
         self._retry_after = retry_after
         self._workers = workers
         self._queue_timeout = queue_timeout
-        self._resend_timeout = resend_timeout
         self._events = events or AdmissionEvents()
         self._waiting: dict[str, deque[Ticket]] = {name: deque() for name in CLASSES}
-        self._resend: deque[Ticket] = deque()  # lost with their worker: next, each alone
-        # Copies of a suspect worker's tickets, queued at the head of their class while the
-        # original is still in flight (counted there, not here).
-        self._copies: set[Ticket] = set()
-        self._alone: dict[Lane, Ticket] = {}  # lanes running a resent ticket, and which
+        self._resends = Resends(events=self._events, resend_timeout=resend_timeout,
+                                keep_deadline=self._keep_deadline)
         self._sent: dict[Ticket, list[Lane]] = {}  # in flight, oldest first; on which lanes
         self._ring = LaneRing(workers)
         self._turn = 0  # admissions made while both classes waited (see BULK_EVERY)
@@ -131,9 +117,9 @@ class Admission:
     def tokens_waiting(self) -> int:
         """Estimated tokens of the tickets waiting (resent ones included)."""
         queues = [list(queue) for queue in list(self._waiting.values())]
-        copies = set(list(self._copies))
-        return (sum(t.tokens for queue in queues for t in queue if t not in copies)
-                + sum(t.tokens for t in list(self._resend)))
+        return (sum(t.tokens for queue in queues for t in queue
+                    if not self._resends.is_copy(t))
+                + self._resends.lost_tokens())
 
     @property
     def tokens_in_flight(self) -> int:
@@ -144,14 +130,11 @@ class Admission:
     def depth(self) -> int:
         """Tickets waiting (not counting those in flight)."""
         # map, not a generator: asked several times a request
-        return (sum(map(len, list(self._waiting.values()))) + len(self._resend)
-                - len(self._copies))
+        return sum(map(len, list(self._waiting.values()))) + self._resends.depth_correction()
 
     def depth_of(self, priority: str) -> int:
         """Tickets of one class waiting (a resent ticket counts in its class)."""
-        return (len(self._waiting[priority])
-                + sum(t.priority == priority for t in list(self._resend))
-                - sum(t.priority == priority for t in list(self._copies)))
+        return len(self._waiting[priority]) + self._resends.depth_correction(priority)
 
     @property
     def draining(self) -> bool:
@@ -185,7 +168,7 @@ class Admission:
         if reason is not None and self._wait_for_workers and not self._draining:
             reason = None
         lane = None
-        if reason is None and not self._queued() and not self._resend:
+        if reason is None and not self._queued() and not self._resends.lost_waiting:
             lane = self._lane_with_room()
         if reason is None and lane is None and self.depth >= self._capacity:
             reason = "queue is full"
@@ -222,14 +205,17 @@ class Admission:
         keep waiting for the replacement: they were admitted while a worker was ready. A
         suspect's queued copy is never refused: its ticket is in flight, and is answered there.
         """
-        queues = [*self._waiting.values(), *([self._resend] if resent_too else [])]
-        for queue in queues:
-            copies = [ticket for ticket in queue if ticket in self._copies]
-            while queue:
-                ticket = queue.popleft()
-                if ticket not in self._copies and not ticket.outcome.done():
-                    ticket.outcome.set_result(self._unavailable(reason))
+        refused: list[Ticket] = []
+        for queue in self._waiting.values():
+            copies = [ticket for ticket in queue if self._resends.is_copy(ticket)]
+            refused.extend(t for t in queue if not self._resends.is_copy(t))
+            queue.clear()
             queue.extend(copies)
+        if resent_too:
+            refused.extend(self._resends.take_all_lost())
+        for ticket in refused:
+            if not ticket.outcome.done():
+                ticket.outcome.set_result(self._unavailable(reason))
         self._update_idle()
 
     def start_draining(self) -> None:
@@ -241,7 +227,7 @@ class Admission:
         await self._idle.wait()
 
     def lane_suspect(self, lane: Lane, suspect: bool) -> None:
-        """A worker became suspect (True) or answered again (False); see the module docstring.
+        """A worker became suspect (True) or answered again (False); see resend.py.
 
         Suspect: each ticket it holds gets a copy queued at the head of its class (once), sent
         by the ordinary rule to the next worker with room; new traffic flows on meanwhile.
@@ -249,21 +235,10 @@ class Admission:
         """
         mine = [ticket for ticket, lanes in self._sent.items() if lane in lanes]
         if suspect:
-            for ticket in reversed(mine):  # each to the head of its class: oldest first
-                if not ticket.copied and not ticket.outcome.done():
-                    log.warning("frame_id=%d request_id=%s held by a suspect worker: a copy "
-                                "goes to another worker (the first answer wins)",
-                                ticket.frame_id, ticket.request_id)
-                    self._events.resent("suspect")
-                    ticket.copied = True
-                    ticket.wait_again()
-                    self._copies.add(ticket)
-                    self._waiting[ticket.priority].appendleft(ticket)
+            self._resends.copy(mine, self._waiting)
         else:
-            for ticket in mine:
-                if ticket in self._copies:
-                    self._unqueue(ticket)
-                    ticket.copied = False
+            for ticket in self._resends.to_take_back(mine):
+                self._unqueue(ticket)
         self.pump()
 
     def pump(self) -> None:
@@ -272,22 +247,21 @@ class Admission:
 
         Called after every reply and whenever a worker becomes ready.
         """
-        if any(ticket.outcome.done() for ticket in self._resend):  # answered by another copy
-            self._resend = deque(t for t in self._resend if not t.outcome.done())
-        while self._resend:
+        self._resends.drop_answered()
+        while self._resends.lost_waiting:
             lane = self._idle_lane()
             if lane is None:
                 break
-            ticket = self._resend.popleft()
+            ticket = self._resends.pop_lost()
             if self._still_wanted(ticket):
                 self._send(ticket, lane, alone=True)
-        if not self._resend:  # a resent ticket waiting for an idle worker holds the rest back
-            while self._queued():
+        if not self._resends.lost_waiting:  # a lost ticket waiting for an idle worker holds
+            while self._queued():               # the rest back
                 lane = self._lane_with_room()
                 if lane is None:
                     break
                 ticket = self._next_waiting()
-                self._copies.discard(ticket)
+                self._resends.leaving_queue(ticket)
                 if self._still_wanted(ticket):
                     self._send(ticket, lane)
         self._update_idle()
@@ -317,12 +291,12 @@ class Admission:
 
     def _unqueue(self, ticket: Ticket) -> bool:
         """Take a waiting ticket (or a queued copy) out of its queue; False if none waited."""
-        self._copies.discard(ticket)
-        for queue in (self._waiting[ticket.priority], self._resend):
-            if ticket in queue:
-                queue.remove(ticket)
-                return True
-        return False
+        self._resends.leaving_queue(ticket)
+        queue = self._waiting[ticket.priority]
+        if ticket in queue:
+            queue.remove(ticket)
+            return True
+        return self._resends.unqueue_lost(ticket)
 
     def _queued(self) -> bool:
         """Whether a ticket or a copy waits in a class queue."""
@@ -353,17 +327,17 @@ class Admission:
 
     def _lane_with_room(self) -> Lane | None:
         """The next worker with room."""
-        return self._ring.pick(has_room, self._alone)
+        return self._ring.pick(has_room, self._resends.lanes_alone)
 
     def _idle_lane(self) -> Lane | None:
         """A ready worker with nothing in flight, for a resent ticket to run alone on."""
-        return self._ring.pick(is_idle, self._alone)
+        return self._ring.pick(is_idle, self._resends.lanes_alone)
 
     def _send(self, ticket: Ticket, lane: Lane, *, alone: bool = False) -> None:
         ticket.sent(time.monotonic())
         self._sent.setdefault(ticket, []).append(lane)
         if alone:
-            self._alone[lane] = ticket
+            self._resends.running_alone(lane, ticket)
         try:
             lane.submit(Request(ticket.frame_id, ticket.body, ticket.request_id, ticket.trace_id),
                         lambda outcome: self._done(ticket, lane, outcome))
@@ -379,34 +353,32 @@ class Admission:
         and a failure is forgotten while the other copy is in flight or queued to be sent.
         """
         self._forget_copy(ticket, lane)
-        if ticket.outcome.done():
+        verdict = judge(ticket, outcome, in_flight_elsewhere=ticket in self._sent,
+                        lost_waiting=self._resends.is_lost_waiting(ticket),
+                        copy_queued=self._resends.is_copy(ticket))
+        if verdict is Verdict.LATE:
             if not isinstance(outcome, WorkerFailure) and (ticket.resent or ticket.copied):
                 log.info("frame_id=%d request_id=%s answered again by a second worker: the "
                          "later answer is dropped", ticket.frame_id, ticket.request_id)
-        elif (isinstance(outcome, WorkerLost) and not ticket.resent and ticket in self._copies
-              and ticket not in self._sent):
+        elif verdict is Verdict.RESEND_COPY and isinstance(outcome, WorkerLost):
             self._unqueue(ticket)  # lost with the suspect before its copy went: sent alone
-            self._resend_later(ticket, outcome)
-        elif isinstance(outcome, WorkerFailure) and (ticket in self._sent
-                                                     or ticket in self._resend
-                                                     or ticket in self._copies):
+            self._resends.lose(ticket, outcome)
+        elif verdict is Verdict.OTHER_DUE:
             log.info("frame_id=%d request_id=%s: one copy failed (%s), the other is still due",
                      ticket.frame_id, ticket.request_id, outcome)
-        elif isinstance(outcome, WorkerLost) and not ticket.resent:
-            self._resend_later(ticket, outcome)
-        elif isinstance(outcome, WorkerFailure):
+        elif verdict is Verdict.RESEND and isinstance(outcome, WorkerLost):
+            self._resends.lose(ticket, outcome)
+        elif isinstance(outcome, WorkerFailure):  # Verdict.FAILED
             log.error("frame_id=%d request_id=%s failed: %s", ticket.frame_id,
                       ticket.request_id, outcome)
-            if not ticket.outcome.done():
-                ticket.outcome.set_result(Refusal(RefusalKind.FAILED, INFERENCE_FAILED))
-        else:
+            ticket.outcome.set_result(Refusal(RefusalKind.FAILED, INFERENCE_FAILED))
+        else:  # Verdict.ANSWERED
             ticket.worker_ms = outcome.worker_ms
             ticket.worker_reply = outcome
             if outcome.body is not None:
                 self._estimate.learn(len(ticket.body),
                                      outcome.input_tokens + outcome.truncated_tokens)
-            if not ticket.outcome.done():
-                ticket.outcome.set_result(Answer(outcome))
+            ticket.outcome.set_result(Answer(outcome))
         self.pump()
 
     def _forget_copy(self, ticket: Ticket, lane: Lane) -> None:
@@ -416,25 +388,7 @@ class Admission:
             lanes.remove(lane)
             if not lanes:
                 del self._sent[ticket]
-        if self._alone.get(lane) is ticket:
-            del self._alone[lane]
-
-    def _resend_later(self, ticket: Ticket, failure: WorkerLost) -> None:
-        """Queue a ticket lost with its worker to be sent again, alone, before anything else."""
-        log.warning("frame_id=%d request_id=%s lost with its worker (%s): sending it again, "
-                    "alone", ticket.frame_id, ticket.request_id, failure)
-        ticket.started_at = None  # waiting again
-        ticket.wait_again()
-        self._queue_again(ticket, failure.reason)
-
-    def _queue_again(self, ticket: Ticket, reason: str) -> None:
-        """Queue a ticket to be sent again (the once it may be), alone, before anything else."""
-        self._events.resent(reason)
-        ticket.resent = True
-        if ticket.deadline is None:  # bounded even while the last worker is replaced
-            ticket.deadline = time.monotonic() + self._resend_timeout
-        self._resend.append(ticket)
-        self._keep_deadline(ticket)
+        self._resends.finished_on(lane, ticket)
 
     def _unavailable(self, reason: str) -> Refusal:
         return Refusal(RefusalKind.UNAVAILABLE, reason, self._retry_after)

@@ -198,3 +198,22 @@ def test_a_short_stall_timeout_bounds_every_margin() -> None:
     assert judgement.next_look is not None
     clock.now = judgement.next_look
     assert liveness.judge().verdict is Verdict.WEDGED
+
+
+def test_a_worker_busy_with_a_long_batch_is_judged_by_the_batch_not_the_floor() -> None:
+    # The worker answers pings only while gathering and between forwards (clef_worker/main.py,
+    # FrameReader), so a ping behind a long batch waits for it: the floor must not decide then.
+    # Sixteen requests ahead, each of a size last seen in a 0.4 s forward, allow 2 x 16 x 0.4 s.
+    liveness, clock = watched(taught(seconds=0.4, body_bytes=1000))
+    for request_id in range(16):
+        liveness.request_sent(request_id, body_bytes=1000)
+    liveness.ping_sent()
+    assert liveness.judge().allowed == pytest.approx(ESTIMATE_FACTOR * 16 * 0.4)
+    clock.advance(FLOOR_SECONDS * 10)  # ten floors into one long forward: still healthy
+    assert liveness.judge().verdict is Verdict.HEALTHY
+    # Once the batch is answered, the pong owed has nothing ahead: the floor applies again.
+    for request_id in range(16):
+        liveness.request_answered(request_id, tokens=1000, worker_ms=400.0)
+    assert liveness.judge().allowed == pytest.approx(FLOOR_SECONDS)
+    clock.advance(FLOOR_SECONDS + 0.01)
+    assert liveness.judge().verdict is Verdict.SUSPECT
