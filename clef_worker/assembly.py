@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from clef_protocol.finetune import Finetune
 from clef_protocol.options import RequestLimits
 from clef_worker.errors import StartupError
 from clef_worker.gpu.buckets import BucketTable
@@ -52,12 +53,14 @@ from clef_worker.model.backbone import (
 )
 from clef_worker.model.encoding import Encoder
 from clef_worker.model.head import JointSchemaHead
+from clef_worker.model.lora import SEGMENTS, STACKED, AdapterSelection
 from clef_worker.model.packed_layers import kernels_for
 from clef_worker.model.short_conv import bind_short_conv
 from clef_worker.model.snapshot import Snapshot, open_snapshot
 from clef_worker.native import NativeExecutor
 from clef_worker.policy import PACKED, PADDED, BatchPolicy
 from clef_worker.runner import ModelRunner
+from clef_worker.variants import load_variants
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,8 @@ class ModelSettings:
     max_batch_tokens: int = 0
     max_batch: int = 0
     batch_window_ms: float = 0.0
+    # Fine-tuned variants served unmerged over this snapshot (`--finetune`).
+    finetunes: tuple[Finetune, ...] = ()
 
 
 def assemble(settings: ModelSettings) -> NativeExecutor:
@@ -97,6 +102,12 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
     weights_dtype = resolve_dtype(settings.dtype, target)
     try:
         capture = graphs_enabled(settings.cuda_graphs, target)
+        if capture and settings.finetunes:
+            # The stacked LoRA path is built to be captured (clef_worker.model.lora), but the
+            # graph runners do not yet rewrite its per-token index before a replay: a replay
+            # would run every request as the base. Variants run eagerly until they do.
+            log.warning("--finetune: forwards run eagerly, without CUDA graphs")
+            capture = False
         policy = BatchPolicy.resolve(str(target), layout=settings.batch_layout,
                                      max_batch_tokens=settings.max_batch_tokens,
                                      max_sequences=settings.max_batch,
@@ -118,6 +129,8 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
     head_dtype = weights_dtype if target.type == "cuda" else torch.float32
     head = load_head(snapshot, target, head_dtype)
     vision = load_media(snapshot, encoder, backbone, settings.media)
+    selection = AdapterSelection(STACKED if target.type == "cuda" else SEGMENTS)
+    variants = load_variants(list(settings.finetunes), backbone, head, selection)
     pad_id = pad_token_id(encoder.tokenizer.token_to_id("<|endoftext|>"), snapshot.text_config)
     if policy.packed and capture:
         policy = packed_or_padded(backbone, policy, explicit=settings.batch_layout == PACKED)
@@ -127,9 +140,11 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
         capturer: Capturer = CudaGraphCapturer(target) if capture else EagerCapturer()
         graphs = build_graph_runner(backbone, pad_id, capturer, policy, limits.max_length,
                                     settings.graph_max_length)
-    runner = ModelRunner(backbone, head, pad_id, vision, graphs, policy.layout)
+    runner = ModelRunner(backbone, head, pad_id, vision, graphs, policy.layout,
+                         [variant.head for variant in variants],
+                         selection if variants else None)
     executor = NativeExecutor(snapshot=snapshot, encoder=encoder, runner=runner, limits=limits,
-                              short_conv=conv_path, policy=policy)
+                              short_conv=conv_path, policy=policy, variants=variants)
     executor.kernel_cache = kernels.state if kernels is not None else ""
     log.info(
         "loaded %s from %s on %s (%s backbone, %s head, gdn %s, %s batches) in %.1f s",
