@@ -44,6 +44,13 @@ class ApiSurface:
             return workers_ai.check_model(run, self.catalogue)
         return None
 
+    def check_body_model(self, target: bytes, request: dict[str, object]) -> Reply | None:
+        """Once the body is valid: its `model` against the variants served
+        (`Catalogue.check_body_model`; the Workers-AI path's model beside it)."""
+        run = workers_ai.run_target(target)
+        path_model = run.model_id.removeprefix(workers_ai.MODEL_PREFIX) if run else None
+        return self.catalogue.check_body_model(request.get("model"), path_model)
+
     def finish(self, target: bytes | None, reply: Reply) -> Reply:
         """The reply as the route's clients expect it: enveloped on the Workers-AI route."""
         if target is not None and workers_ai.run_target(target) is not None:

@@ -20,6 +20,7 @@ from clef_frontend.config import ServerConfig
 from clef_frontend.dispatch.settings import add_worker_arguments, worker_settings_from
 from clef_frontend.server import serve
 from clef_frontend.version import version
+from clef_protocol.finetune import resolve_finetunes
 from clef_protocol.options import add_model_arguments, limits_from, positive_int
 
 DEFAULTS = ServerConfig(worker_argv=("clef_worker",))
@@ -148,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from(args: argparse.Namespace) -> ServerConfig:
     """Build the config; ValueError names the flag that is wrong."""
+    served = tuple(args.served_model_name or (args.variant,))
     return ServerConfig(
         **dataclasses.asdict(worker_settings_from(args)),
         limits=limits_from(args),
@@ -166,7 +168,8 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         queue_size=args.queue_size,
         retry_after=args.retry_after,
         drain_timeout=args.drain_timeout,
-        served_model_names=tuple(args.served_model_name or (args.variant,)),
+        served_model_names=served,
+        finetune_names=tuple(f.name for f in resolve_finetunes(args.finetune, served)),
         api_key_file=args.api_key_file,
         api_key=os.environ.get(auth.ENV_VAR) or None,
         max_batch_tokens=args.max_batch_tokens,

@@ -46,6 +46,7 @@ class ServerConfig:
     restart_backoff_max: float = 30.0
     restart_reset_after: float = 60.0
     served_model_names: tuple[str, ...] = ("clef-flash",)  # the served name, then aliases
+    finetune_names: tuple[str, ...] = ()  # the fine-tuned variants' names (--finetune)
     api_key_file: str | None = None
     api_key: str | None = field(default=None, repr=False)  # CLEF_API_KEY; never printed
     # Workers (the fields of dispatch.settings.WorkerSettings, which owns their meaning and

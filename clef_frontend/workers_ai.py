@@ -59,7 +59,7 @@ def check_model(target: RunTarget, catalogue: Catalogue) -> Reply | None:
     name = target.model_id.removeprefix(MODEL_PREFIX)
     if target.model_id.startswith(MODEL_PREFIX) and catalogue.knows(name):
         return None
-    served = ", ".join(MODEL_PREFIX + known for known in catalogue.names)
+    served = ", ".join(MODEL_PREFIX + known for known in catalogue.every_name)
     return error(404, f"unknown model {target.model_id!r}; this server runs {served}")
 
 

@@ -22,6 +22,7 @@ from clef_frontend.catalogue import Catalogue, served_name
 from clef_frontend.dispatch.dispatcher import StartupFailed
 from clef_frontend.dispatch.settings import add_worker_arguments, worker_settings_from
 from clef_frontend.responses import Reply
+from clef_protocol.finetune import resolve_finetunes
 from clef_protocol.options import (
     add_model_arguments,
     limits_from,
@@ -142,8 +143,10 @@ def _main(argv: list[str] | None) -> int:
                        f"in {args.output}")
     for item in scan.bad:
         progress.write(f"clef-batch: bad input: {item.message}")
+    served = tuple(args.served_model_name or (args.variant,))
     screen = Screen(limits_from(args),
-                    Catalogue(tuple(args.served_model_name or (args.variant,))),
+                    Catalogue(served, variants=tuple(
+                        f.name for f in resolve_finetunes(args.finetune, served))),
                     args.body_limit)
     refused: list[tuple[Job, Reply]] = []
     forward: list[Job] = []

@@ -46,7 +46,10 @@ class Screen:
         if isinstance(head, Reply):
             return head
         checked = check_body(job.body, self.limits)
-        return checked if isinstance(checked, Reply) else None
+        if isinstance(checked, Reply):
+            return checked
+        path_model = run.model_id.removeprefix(workers_ai.MODEL_PREFIX) if run else None
+        return self.catalogue.check_body_model(checked.get("model"), path_model)
 
 
 def finish(job: Job, reply: Reply) -> Reply:
