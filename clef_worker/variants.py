@@ -29,7 +29,7 @@ from clef_protocol.finetune import Finetune
 from clef_worker.errors import StartupError
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.head import JointSchemaHead
-from clef_worker.model.lora import AdapterSelection, LoraWeights, adapt
+from clef_worker.model.lora import AdaptedLinear, AdapterSelection, LoraWeights, adapt
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +106,15 @@ def read_lora_config(path: Path) -> LoraConfig:
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
-    """The text stack's linear layers by module name (as PEFT names them after the prefix)."""
-    return {name: module for name, module in model.named_modules()
-            if isinstance(module, nn.Linear)}
+    """The text stack's linear layers by module name (as PEFT names them after the prefix); a
+    layer already adapted for another variant is named as it was, by its base layer."""
+    layers: dict[str, nn.Linear] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, AdaptedLinear):
+            layers[name] = module.base
+        elif isinstance(module, nn.Linear) and not name.endswith(".base"):
+            layers[name] = module
+    return layers
 
 
 def read_adapter(path: Path, config: LoraConfig, layers: dict[str, nn.Linear]
