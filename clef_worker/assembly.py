@@ -102,12 +102,6 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
     weights_dtype = resolve_dtype(settings.dtype, target)
     try:
         capture = graphs_enabled(settings.cuda_graphs, target)
-        if capture and settings.finetunes:
-            # The stacked LoRA path is built to be captured (clef_worker.model.lora), but the
-            # graph runners do not yet rewrite its per-token index before a replay: a replay
-            # would run every request as the base. Variants run eagerly until they do.
-            log.warning("--finetune: forwards run eagerly, without CUDA graphs")
-            capture = False
         policy = BatchPolicy.resolve(str(target), layout=settings.batch_layout,
                                      max_batch_tokens=settings.max_batch_tokens,
                                      max_sequences=settings.max_batch,
@@ -134,12 +128,19 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
     pad_id = pad_token_id(encoder.tokenizer.token_to_id("<|endoftext|>"), snapshot.text_config)
     if policy.packed and capture:
         policy = packed_or_padded(backbone, policy, explicit=settings.batch_layout == PACKED)
+    if capture and variants and not policy.packed:
+        # Packed buckets capture the stacked LoRA path over a static slot buffer; the padded
+        # graphs do not rewrite one before a replay, so padded forwards with variants run
+        # eagerly (a replay would score every request as the base).
+        log.warning("--finetune with padded batches: forwards run eagerly, without CUDA graphs")
+        capture = False
     graphs: GraphRunner | PackedGraphRunner | None = None
     if buckets_enabled(settings.cuda_graphs, target) and not (
             policy.packed and capture and not backbone_packs_in_graphs(backbone)):
         capturer: Capturer = CudaGraphCapturer(target) if capture else EagerCapturer()
         graphs = build_graph_runner(backbone, pad_id, capturer, policy, limits.max_length,
-                                    settings.graph_max_length)
+                                    settings.graph_max_length,
+                                    selection if variants else None)
     runner = ModelRunner(backbone, head, pad_id, vision, graphs, policy.layout,
                          [variant.head for variant in variants],
                          selection if variants else None)
@@ -180,7 +181,8 @@ def packed_or_padded(backbone: Backbone, policy: BatchPolicy, *, explicit: bool)
 
 
 def build_graph_runner(backbone: Backbone, pad_id: int, capturer: Capturer, policy: BatchPolicy,
-                       max_length: int, graph_max_length: int = 0
+                       max_length: int, graph_max_length: int = 0,
+                       selection: AdapterSelection | None = None
                        ) -> GraphRunner | PackedGraphRunner:
     """The graph runner for the policy's layout, its shapes planned from the policy: packed,
     one per total-token bucket up to the largest forward; padded, `[rows, bucket]` for the
@@ -191,7 +193,8 @@ def build_graph_runner(backbone: Backbone, pad_id: int, capturer: Capturer, poli
                            plan_shapes(table, policy.max_batch_tokens,
                                        graph_row_counts(policy.max_sequences)))
     buckets = packed_buckets(policy.max_batch_tokens, max_length, graph_max_length)
-    return PackedGraphRunner(backbone, buckets, policy.max_sequences, pad_id, capturer)
+    return PackedGraphRunner(backbone, buckets, policy.max_sequences, pad_id, capturer,
+                             selection)
 
 
 def load_media(snapshot: Snapshot, encoder: Encoder, backbone: Backbone,

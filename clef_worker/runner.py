@@ -116,6 +116,14 @@ class Staged:
     # the group mixes slots, one head pass per slot (`VariantHeads`).
     slots: list[int] = field(default_factory=list)
     heads: VariantHeads | None = None
+    bucket_slots: bool = False  # a packed bucket's per-position slots follow its ids
+
+    @property
+    def forward_tensors(self) -> int:
+        """How many of the flat tensors the forward reads (the head's follow)."""
+        if self.bucket is not None:
+            return 3 if self.bucket_slots else 2
+        return 1 if self.packed else len(self.steps) + 1
 
     @property
     def packed(self) -> bool:
@@ -236,6 +244,7 @@ class ModelRunner:
         real_ids = torch.cat([torch.tensor(tokens, dtype=torch.long) for tokens in ids])
         steps: list[Step] = []
         bucket = None
+        bucket_slots = False
         # A lone request without packed graphs is a batch of one row: the plain forward is the
         # same answer without the packed kernels' per-sequence bookkeeping (on CPU it measured
         # about 15 % faster alone).
@@ -246,6 +255,9 @@ class ModelRunner:
             if graphs is not None and bucket is not None:
                 row, real_rows = graphs.host_ids(ids, bucket)
                 tensors = [row, real_rows]
+                if graphs.selection is not None:
+                    tensors.append(graphs.host_slots(lengths, slots, bucket))
+                    bucket_slots = True
             else:
                 tensors = [real_ids]
         else:
@@ -256,7 +268,7 @@ class ModelRunner:
         if heads is not None:
             tensors += heads.tensors()
         return Staged(lengths, steps, bucket, stage_host(tensors, self.device),
-                      [t.shape for t in tensors], batch, media, slots, heads)
+                      [t.shape for t in tensors], batch, media, slots, heads, bucket_slots)
 
     def _padded_ids(self, ids: Sequence[Sequence[int]], lengths: list[int],
                     step: Step) -> Tensor:
@@ -277,8 +289,7 @@ class ModelRunner:
         clock.mark()
         with torch.inference_mode():
             moved = move_staged(staged.flat, staged.shapes, self.device)
-            extra = 2 if staged.bucket is not None else 1
-            count = extra if staged.packed else len(staged.steps) + 1
+            count = staged.forward_tensors
             width = len(staged.batch.tensors())
             batch = staged.batch.with_tensors(moved[count:count + width])
             if staged.packed:
@@ -332,8 +343,9 @@ class ModelRunner:
         """The real tokens' hidden states [sum T, H] end to end, and their ids."""
         if staged.bucket is not None:
             assert isinstance(self.graphs, PackedGraphRunner)
-            row, real_rows = moved
-            hidden = self.graphs.run(row, staged.lengths, staged.bucket)
+            row, real_rows, *slots = moved
+            hidden = self.graphs.run(row, staged.lengths, staged.bucket,
+                                     slots[0] if slots else None)
             # Each request's rows from its aligned offset: one gather, also a copy out of the
             # static buffer the next replay overwrites.
             return hidden.index_select(0, real_rows), row.index_select(0, real_rows)

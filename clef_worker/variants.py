@@ -56,12 +56,14 @@ class Variant:
     checkpoint: Path
     modules: int
     parameters: int  # LoRA and head parameters together
+    memory_bytes: int  # what they hold on the device (LoRA in the backbone's dtype, head in its)
 
     def describe(self) -> dict[str, Any]:
         """What `ready` and /health say about it."""
         return {"name": self.name, "rank": self.rank, "scale": self.scale,
                 "head": str(self.checkpoint / HEAD_WEIGHTS), "checkpoint": str(self.checkpoint),
-                "adapted_modules": self.modules, "parameters": self.parameters}
+                "adapted_modules": self.modules, "parameters": self.parameters,
+                "memory_bytes": self.memory_bytes}
 
 
 @dataclass(frozen=True)
@@ -231,11 +233,15 @@ def load_variants(finetunes: list[Finetune], backbone: Backbone, base_head: Join
             adapted[module].add(slot, LoraWeights(
                 a=a.to(backbone.device, backbone.dtype),
                 scaled_b=(b * config.scale).to(backbone.device, backbone.dtype)))
-        count = sum(a.numel() + b.numel() for a, b in tensors.values()) + sum(
-            t.numel() for t in head.state_dict().values())
+        lora = sum(a.numel() + b.numel() for a, b in tensors.values())
+        head_tensors = list(head.state_dict().values())
+        head_count = sum(t.numel() for t in head_tensors)
+        memory = (lora * backbone.lexical_table.element_size()
+                  + sum(t.numel() * t.element_size() for t in head_tensors))
         variants.append(Variant(name=finetune.name, slot=slot, rank=config.rank,
                                 scale=config.scale, head=head, checkpoint=finetune.checkpoint,
-                                modules=len(tensors), parameters=count))
+                                modules=len(tensors), parameters=lora + head_count,
+                                memory_bytes=memory))
         log.info("variant %s: LoRA rank %d scale %g on %d modules, head from %s", finetune.name,
                  config.rank, config.scale, len(tensors), finetune.checkpoint / HEAD_WEIGHTS)
     return variants

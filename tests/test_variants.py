@@ -189,14 +189,14 @@ def test_the_worker_receives_every_finetune() -> None:
 # -- refusals ---------------------------------------------------------------------------------
 
 
-def _broken(tmp_path: Path, change: Callable[[Path], None]) -> Finetune:
+def _broken(tmp_path: Path, change: Callable[[Path], object]) -> Finetune:
     checkpoint = tmp_path / "broken"
     shutil.copytree(FINETUNE_FIXTURES / "tiny-alpha", checkpoint)
     change(checkpoint)
     return Finetune("broken", checkpoint)
 
 
-def _rewrite(path: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+def _rewrite(path: Path, edit: Callable[[dict[str, torch.Tensor]], object]) -> None:
     tensors = load_file(str(path))
     edit(tensors)
     save_file(tensors, str(path))
@@ -208,7 +208,7 @@ def _config(checkpoint: Path, **changes: Any) -> None:
 
 
 QKV_A = KEY_PREFIX + "layers.0.linear_attn.in_proj_qkv.lora_A.weight"
-REFUSALS: dict[str, tuple[Callable[[Path], None], str]] = {
+REFUSALS: dict[str, tuple[Callable[[Path], object], str]] = {
     "no adapter config": (lambda c: (c / "adapter" / "adapter_config.json").unlink(),
                           r"adapter_config\.json: missing"),
     "dora": (lambda c: _config(c, use_dora=True), r"adapter_config\.json: use_dora is set"),
@@ -278,3 +278,29 @@ def test_training_state_is_never_unpickled(tiny_snapshot: Path, tmp_path: Path,
     loaded = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
                                finetunes=(finetune,))
     assert [item["name"] for item in loaded.describe().finetunes] == ["broken"]
+
+
+def test_packed_graph_buckets_replay_the_stacked_path(tiny_snapshot: Path) -> None:
+    """`--cuda-graphs on` on CPU builds the packed buckets eagerly through the same code a CUDA
+    capture records: the stacked path over each bucket's static slot buffer, rewritten before
+    every replay. Mixed groups, then a base-only group on the same bucket (its slots must be
+    rewritten to the base's), each equal to the request alone without graphs."""
+    plain = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
+                              finetunes=_finetunes())
+    graphs = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32", cuda_graphs="on",
+                               max_batch_tokens=4096, graph_max_length=2048,
+                               finetunes=_finetunes())
+    graphs.warm_up()
+    assert graphs.runner.graphs is not None and graphs.runner.selection is not None
+    assert graphs.runner.selection.mode != STACKED  # the buckets force it, not the mode
+    bodies = _mixed_bodies()[:4]
+    alone = _alone(plain, bodies)
+    staged = graphs.stage([graphs.prepare(body) for body in bodies])
+    assert staged[1].bucket is not None and staged[1].bucket_slots
+    for got, want in zip(graphs.answer_staged(staged), alone, strict=True):
+        assert_same_response(got.body, want)
+    base_only = [json.dumps(dict(json.loads(body), model="clef-flash")).encode()
+                 for body in bodies]
+    for got, want in zip(graphs.answer_prepared([graphs.prepare(b) for b in base_only]),
+                         _alone(plain, base_only), strict=True):
+        assert_same_response(got.body, want)

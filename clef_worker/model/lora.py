@@ -57,6 +57,22 @@ class AdapterSelection:
         self.mode = mode
         self.segments: tuple[tuple[int, int, int], ...] = ()
         self.token_slots: Tensor | None = None
+        self.static = False  # inside `replaying`: the stacked path, whatever the mode
+
+    @property
+    def stacked(self) -> bool:
+        return self.mode == STACKED or self.static
+
+    @contextmanager
+    def replaying(self, slots: Tensor) -> Iterator[None]:
+        """For a captured forward (clef_worker.gpu.packed_graphs): the stacked path over a
+        static per-token slot buffer the caller rewrites in place before each replay, taken for
+        every forward whatever the buffer holds (the capture records one code path)."""
+        self.static, self.token_slots, self.segments = True, slots, ((0, slots.shape[0], -1),)
+        try:
+            yield
+        finally:
+            self.static, self.token_slots, self.segments = False, None, ()
 
     @contextmanager
     def using(self, slots: Sequence[int], spans: Sequence[tuple[int, int]],
@@ -134,6 +150,13 @@ class AdaptedLinear(nn.Module):
         self.column_slots = torch.cat([
             torch.full((self.adapters[s].a.shape[0],), s, dtype=torch.long,
                        device=self.adapters[s].a.device) for s in slots])
+        # Each variant's A and B become views into the stacked tensors: one copy in memory.
+        start = 0
+        for s in slots:
+            rank = self.adapters[s].a.shape[0]
+            self.adapters[s] = LoraWeights(self.stacked_a[start:start + rank],
+                                           self.stacked_b[:, start:start + rank])
+            start += rank
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(x, self.base.weight, self.base.bias)
@@ -142,7 +165,7 @@ class AdaptedLinear(nn.Module):
             return y
         flat_x = x.reshape(-1, x.shape[-1])
         flat_y = y.view(-1, y.shape[-1])
-        if selection.mode == STACKED:
+        if selection.stacked:
             return (flat_y + self.stacked_delta(flat_x, selection.token_slots)).view_as(y)
         for start, end, slot in selection.segments:
             weights = self.adapters.get(slot)
