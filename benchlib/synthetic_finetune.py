@@ -5,8 +5,8 @@ A benchmark at Clef-Flash's shapes has no real fine-tune, and running clef-finet
 spend the device's time on training, so this writes what a server reads from a checkpoint
 (`adapter/adapter_config.json`, `adapter/adapter_model.safetensors`, `joint_head.safetensors`,
 `train_config.json`) with random values, every linear layer of the text stack adapted, as
-clef-finetune's default targets do. The shapes come from the
-loaded model itself (pass its text stack and head before any variant is attached).
+clef-finetune's default targets do. The shapes come from the loaded model itself (pass its text
+stack and head before any variant is attached).
 """
 
 from __future__ import annotations

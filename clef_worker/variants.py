@@ -111,10 +111,12 @@ def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
     """The text stack's linear layers by module name (as PEFT names them after the prefix); a
     layer already adapted for another variant is named as it was, by its base layer."""
     layers: dict[str, nn.Linear] = {}
+    wrapped: set[str] = set()
     for name, module in model.named_modules():
         if isinstance(module, AdaptedLinear):
             layers[name] = module.base
-        elif isinstance(module, nn.Linear) and not name.endswith(".base"):
+            wrapped.add(f"{name}.base")
+        elif isinstance(module, nn.Linear) and name not in wrapped:
             layers[name] = module
     return layers
 
