@@ -224,7 +224,7 @@ section below is replaced when the script runs again with `--write-docs` on the 
 device, and records the
 command that produced it. The snapshots are random (the shared tiny fixture and a wider one from
 the demo generator), so these numbers measure the serving code, not a real Clef model: real
-Clef-Flash has H 4096 and 32 layers (see clef-model.md §6 for numbers measured on real weights).
+Clef-Flash has H 4096 and 32 layers (docs/model.md has figures measured on real weights).
 Their tokenizers are also small BPEs trained on little text, so client text takes more tokens
 than with the real 248k-entry vocabulary; the `tokens` column is what each stage processed.
 
@@ -269,7 +269,7 @@ def resolve_snapshots(spec: str) -> list[tuple[str, Path]]:
     snapshots = []
     for item in spec.split(","):
         if item == "tiny":
-            snapshots.append(("clef-tiny fixture (../shared/fixtures/clef-tiny)", TINY_SNAPSHOT))
+            snapshots.append(("clef-tiny fixture (tests/fixtures/clef-tiny)", TINY_SNAPSHOT))
         elif item == "wide":
             from clef_worker.demo import DemoSpec, ensure_demo_snapshot
 

@@ -35,7 +35,7 @@ from benchlib.timing import percentile, timed_ms
 log = logging.getLogger("bench_flash_shaped")
 
 # (label, target tokens, questions): typical requests are 150-600 tokens; 64-question requests
-# reach about 6,500 tokens (clef-model.md §6).
+# reach about 6,500 tokens (docs/model.md, "Numbers measured by others").
 CASES = [("1q-300tok", 300, 1), ("3q-300tok", 300, 3), ("8q-1000tok", 1000, 8),
          ("16q-2000tok", 2000, 16), ("64q-6500tok", 6500, 64)]
 

@@ -1,8 +1,8 @@
-"""The golden cases of ../shared/fixtures/clef-tiny.golden.jsonl: one loader, one comparator.
+"""The golden cases of tests/fixtures/clef-tiny.golden.jsonl: one loader, one comparator.
 
 Every test and benchmark (`bench/gpu_parity.py`) that checks answers against the golden file
 goes through here, so the file is read one way and compared with one set of tolerances (the
-rules of ../shared/README.md):
+rules of tests/fixtures/README.md, "What matching them means"):
 
 - tokens, spans and option orders: exact;
 - logits: within `LOGIT_TOLERANCE` (float32 on CPU reproduces the reference's float32 values

@@ -1,9 +1,9 @@
-"""Where the repository and the shared reference fixtures are: one owner for every path that
-benchmarks, stress scenarios and tests read.
+"""Where the repository and its test fixtures are: one owner for every path that benchmarks,
+stress scenarios and tests read.
 
-The fixtures (`clef-tiny`, the golden answers) live in `../shared/fixtures`, beside the
-repository rather than in it; `CLEF_FIXTURES` points elsewhere (a GPU host receives a copy in
-`.gpu/fixtures`, because nothing outside the repository travels there).
+The fixtures (the tiny `clef-tiny` snapshot and its golden answers) live in the repository, in
+`tests/fixtures/` (what each file is and how it was made: tests/fixtures/README.md), so a bare
+clone tests itself. `CLEF_FIXTURES` names another directory with the same layout instead.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = Path(os.environ.get("CLEF_FIXTURES") or REPO.parent / "shared" / "fixtures")
+FIXTURES = Path(os.environ.get("CLEF_FIXTURES") or REPO / "tests" / "fixtures")
 TINY_SNAPSHOT = FIXTURES / "clef-tiny"
 GOLDEN = FIXTURES / "clef-tiny.golden.jsonl"
 MEDIA_GOLDEN = FIXTURES / "clef-tiny.media.golden.jsonl"

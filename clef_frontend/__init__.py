@@ -7,7 +7,7 @@ second and stays responsive while workers load, crash or restart.
 
 Data path, one module per step: connection (socket and timers) -> http1 (h11 events, no I/O)
 -> pipeline (the request's steps, one declared list: routes and the ordered checks of
-http-contract.md, with traffic's key name, quota, class and deadline; body; validation and the
+docs/http-contract.md, with traffic's key name, quota, class and deadline; body; validation and the
 request's identity) -> traffic / answer_cache (a kept answer, an identical request in flight to
 join, or the first of its kind) -> dispatch.admission (interactive before bulk, first come
 first served within a class, deadlines, up to `--max-batch` requests in flight on each worker)

@@ -19,7 +19,7 @@ from clef_frontend.catalogue import served_name
 from clef_frontend.config import ServerConfig
 from clef_frontend.dispatch.settings import add_worker_arguments, worker_settings_from
 from clef_frontend.server import serve
-from clef_frontend.version import version
+from clef_frontend.version import describe
 from clef_protocol.finetune import resolve_finetunes
 from clef_protocol.options import add_model_arguments, limits_from, positive_int
 
@@ -73,6 +73,15 @@ def _objective_class(value: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+class _Version(argparse.Action):
+    """`--version`, worked out only when asked (in a checkout it runs git: no start-up cost)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        print(describe())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="clef-serve",
@@ -80,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "more per device, each batching the requests it holds.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"clef-serve {version()}")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="print the version and the commit it was built from, then exit")
     add_model_arguments(parser)
     d = DEFAULTS
     net = parser.add_argument_group("listening")

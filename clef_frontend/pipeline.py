@@ -1,7 +1,7 @@
 """The request pipeline: what happens to one request, as plain async steps over a context.
 
 The connection (connection.py) turns bytes into a `RequestContext` and a `Reply` back into
-bytes; everything in between is here, one step per stage of http-contract.md, declared once in
+bytes; everything in between is here, one step per stage of docs/http-contract.md, declared once in
 `Pipeline.steps`, in contract order:
 
     head size -> route -> head decisions (key, model name, /v1/models) -> key name -> quota

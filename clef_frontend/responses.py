@@ -1,6 +1,6 @@
 """What goes back on the wire: a status, a JSON body and the few headers the contract requires.
 
-Every error body is built here and only here, serialised exactly as http-contract.md says
+Every error body is built here and only here, serialised exactly as docs/http-contract.md says
 (`json.dumps({"detail": d}, ensure_ascii=False, allow_nan=False)`, default separators), so the
 operators' clients keep seeing the same bytes as from the server they replace.
 """

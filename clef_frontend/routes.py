@@ -1,4 +1,4 @@
-"""Routing and the ordered checks of http-contract.md, as pure functions.
+"""Routing and the ordered checks of docs/http-contract.md, as pure functions.
 
 The connection does the I/O (reading the body, rows 6-7, and waiting for the worker); every
 decision that needs no I/O lives here, in contract order, so the table and the code can be read

@@ -27,7 +27,7 @@ from clef_frontend.responses import Reply, error, json_bytes
 PATH_TEMPLATE = "/accounts/{account_id}/ai/run/@cf/cloudflare/{model}"
 MODEL_PREFIX = "@cf/cloudflare/"
 # Any `/accounts/<id>/ai/run/<model id>` is this route; a query string makes it unknown, as on
-# every other path (http-contract.md: targets are compared as sent).
+# every other path (docs/http-contract.md: targets are compared as sent).
 _RUN_PATH = re.compile(rb"/accounts/(?P<account>[^/?#]+)/ai/run/(?P<model>[^?#]+)")
 
 

@@ -1,4 +1,4 @@
-"""Parsing a `/v1/systemone` body into a JSON object (http-contract rows 8-11 -> 400).
+"""Parsing a `/v1/systemone` body into a JSON object (docs/http-contract.md rows 8-11 -> 400).
 
 Python's `json` accepts things the contract refuses (duplicate keys keep the last value, `NaN`
 literals, `1e999` becomes infinity, `"\\ud800"` becomes a lone surrogate, deep nesting only fails

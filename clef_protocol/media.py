@@ -1,7 +1,7 @@
 """Media inputs (`images`, `videos`, `media_kwargs`): what is accepted, what is refused, decoding.
 
 Shared by the front and the worker, with Pillow and numpy only (the front never imports torch).
-The rules follow ../shared/README.md ("The media golden file"):
+The rules follow docs/model.md ("Media"):
 
 - an image is a string, either a data URI `data:image/<type>;base64,<data>` or the bare base64,
   or an object `{"content_type": "image/<type>", "base64": "<data>"}` (what clients send);

@@ -1,10 +1,10 @@
-"""Request validation (http-contract row 12 -> 422), shared by the front and the worker.
+"""Request validation (docs/http-contract.md row 12 -> 422), shared by the front and the worker.
 
-The first three of the reference's checks keep its exact messages and order (clef-model.md §2).
-The fourth (the token budget) needs the tokenizer and lives in the worker's encoder. Everything
-the reference leaves unchecked, and crashes or misbehaves on, gets a clear message here instead,
-so no request that could crash the model is ever admitted. The front runs this before admission;
-the worker runs it again before encoding (it must never trust its input).
+The first three of the reference's checks keep its exact messages and order (docs/model.md,
+"Validation"). The fourth (the token budget) needs the tokenizer and lives in the worker's
+encoder. Everything the reference leaves unchecked, and crashes or misbehaves on, gets a clear
+message here instead, so no request that could crash the model is ever admitted. The front runs
+this before admission; the worker runs it again before encoding (it must never trust its input).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from clef_protocol.options import RequestLimits
 # module's.
 QUESTION_TYPES = ("noul", "choice", "score")
 
-# The reference's refusals (clef-model.md §2, checks 1-3), word for word; `{qid}` is the question
-# id. The fourth, the token budget, is the encoder's (clef_worker.model.encoding.BUDGET).
+# The reference's refusals (docs/model.md, "Validation", checks 1-3), word for word; `{qid}` is
+# the question id. The fourth, the token budget, is the encoder's
+# (clef_worker.model.encoding.BUDGET).
 MODEL_AND_STATE = "model and state are required"
 AT_LEAST_ONE_QUESTION = "at least one question is required"
 UNKNOWN_TYPE = f"{{qid}}: type must be {', '.join(QUESTION_TYPES[:-1])}, or {QUESTION_TYPES[-1]}"

@@ -1,7 +1,7 @@
 """The front's checks on a job before the worker sees it, and the route's reply shape.
 
 `clef-batch` must refuse exactly what the HTTP API refuses, with the same status and `detail`,
-so it calls the front's own functions (http-contract rows 5 and 8-12 through
+so it calls the front's own functions (docs/http-contract.md rows 5 and 8-12 through
 `clef_frontend.routes`, the Workers-AI model check and envelope through
 `clef_frontend.workers_ai`) rather than restating any rule.
 """

@@ -75,7 +75,7 @@ def reply_for(frame_id: int, outcome: Outcome, worker_ms: float) -> tuple[dict, 
         return messages.error(frame_id, 422, str(exc), worker_ms), False
     if isinstance(exc, BadRequestBody):
         return messages.error(frame_id, 400, str(exc), worker_ms), False
-    # The cause goes to the log, never to the client (http-contract row 13).
+    # The cause goes to the log, never to the client (docs/http-contract.md row 13).
     log.error("frame %s failed:", frame_id, exc_info=exc)
     broken = isinstance(exc, ExecutorBroken)
     return messages.error(frame_id, 500, INFERENCE_FAILED, worker_ms), broken

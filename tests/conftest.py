@@ -1,4 +1,5 @@
-"""Shared test fixtures: where the reference material lives (benchlib.paths owns the paths)."""
+"""Shared test fixtures: the tiny snapshot and golden files in tests/fixtures/ (benchlib.paths
+owns the paths)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,6 @@ if os.environ.get("CI"):
 @pytest.fixture(scope="session")
 def tiny_snapshot() -> Path:
     if not TINY_SNAPSHOT.is_dir():
-        pytest.fail(f"reference fixture missing: {TINY_SNAPSHOT} (../shared must sit beside "
-                    "the repository, or CLEF_FIXTURES name a copy)")
+        pytest.fail(f"test fixture missing: {TINY_SNAPSHOT} (tests/fixtures/clef-tiny is part of "
+                    "the repository; CLEF_FIXTURES, when set, must name a directory holding it)")
     return TINY_SNAPSHOT

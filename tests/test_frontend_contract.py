@@ -1,4 +1,4 @@
-"""Every row of http-contract.md, through a real socket, against one running clef-serve."""
+"""Every row of docs/http-contract.md, through a real socket, against one running clef-serve."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Golden parity: every case of ../shared/fixtures/clef-tiny.golden.jsonl through the native
-executor, in float32 on CPU with the case's max_length (the rules of ../shared/README.md)."""
+"""Golden parity: every case of tests/fixtures/clef-tiny.golden.jsonl through the native
+executor, in float32 on CPU with the case's max_length (the rules of tests/fixtures/README.md)."""
 
 from __future__ import annotations
 

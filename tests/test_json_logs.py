@@ -140,7 +140,7 @@ def test_front_and_fake_worker_lines_are_all_json(tmp_path: Path) -> None:
 
 def test_real_worker_lines_are_all_json() -> None:
     if not TINY_SNAPSHOT.is_dir():
-        pytest.fail(f"reference fixture missing: {TINY_SNAPSHOT}")
+        pytest.fail(f"test fixture missing: {TINY_SNAPSHOT}")
     with Serve(real_worker=True, startup_wait=240, front_args=(
             "--model", str(TINY_SNAPSHOT), "--device", "cpu", "--log-format", "json")) as serve:
         response = serve.post(clef_body(), headers=[("X-Request-Id", "real-json"),

@@ -1,7 +1,7 @@
-"""Media parity: every case of ../shared/fixtures/clef-tiny.media.golden.jsonl through the native
-executor in float32 on CPU (the rules of ../shared/README.md, "The media golden file"): token ids,
-media grids, the processor's pixels (sha256), rotary positions, logits within 1e-4, bodies equal;
-the undecodable image answered 422."""
+"""Media parity: every case of tests/fixtures/clef-tiny.media.golden.jsonl through the native
+executor in float32 on CPU (the rules of tests/fixtures/README.md and docs/model.md, "Media"):
+token ids, media grids, the processor's pixels (sha256), rotary positions, logits within 1e-4,
+bodies equal; the undecodable image answered 422."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Body parsing: http-contract rows 8-11, in order, with their exact details."""
+"""Body parsing: docs/http-contract.md rows 8-11, in order, with their exact details."""
 
 from __future__ import annotations
 

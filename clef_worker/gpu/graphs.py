@@ -68,7 +68,7 @@ def prepare_capture_environment() -> None:
     """Before fla is imported: keep fla off dispatches that read lengths on the host.
 
     fla hands `chunk_gated_delta_rule` to FlashQLA when that package imports, and FlashQLA syncs
-    with the host, which a graph capture cannot contain (../shared/docs/gpu-notes.md).
+    with the host, which a graph capture cannot contain.
     """
     os.environ.setdefault("FLA_FLASH_QLA", "0")
 

@@ -5,7 +5,7 @@ a `vision_config`) and a processor (`processor_config.json`) and `--media` is no
 is transformers' `Qwen3_5VisionModel`, built on meta from `vision_config` and given the release
 tensors, like the text stack (clef_worker.model.backbone).
 
-The layout follows the release (../shared/README.md, "The media golden file"):
+The layout follows the release (docs/model.md, "Media"):
 
 - tokens, placed right after the prompt prefix: per image `<|vision_start|>`, t*h*w/4
   `<|image_pad|>`, `<|vision_end|>`; per video `<|vision_start|>`, then per pair of frames
