@@ -48,8 +48,11 @@ class Serve:
         max_batch: int | None = None,
         answer_cache: int | None = None,
     ) -> None:
-        # The server's own defaults, as operators run it: requests in flight per worker by its
-        # device (clef_frontend.dispatch.supervisor) and the answer cache on. A test about
+        # The server's own defaults, as operators run it (requests in flight per worker as its
+        # `ready` says, the answer cache on), except two flags every server here is given:
+        # `--restart-backoff 0.05` (default 0.5 s: a test that kills a worker waits a twentieth
+        # of the first restart delay, the crash-loop doubling unchanged) and `--shutdown-grace 5`
+        # (default 10 s: a stuck worker holds a test's teardown half as long). A test about
         # another setting passes it (`max_batch=1` where requests must visibly queue behind one
         # held at the worker; `--max-batch` in `front_args` comes later and wins) with a comment
         # why. Requests that must each reach a worker are distinct (`clef_body` numbers every

@@ -1,16 +1,14 @@
 """The clef-serve front: an asyncio + h11 HTTP/1.1 server in front of persistent model workers.
 
-The front owns sockets, HTTP, request checks and the admission queue; each worker process (one
-or more per device) owns a copy of the model and batches the requests it holds into forwards.
+The front owns sockets and HTTP; the workers and their queue are clef_dispatch's; each worker
+process (one or more per device) owns a copy of the model and batches the requests it holds.
 The front never imports torch (nor anything that pulls it in), so it starts in a fraction of a
 second and stays responsive while workers load, crash or restart.
 
 Data path, one module per step: connection (socket and timers) -> http1 (h11 events, no I/O)
 -> pipeline (the request's steps, one declared list: routes and the ordered checks of
 docs/http-contract.md, with traffic's key name, quota, class and deadline; body; validation and the
-request's identity) -> traffic / answer_cache (a kept answer, an identical request in flight to
-join, or the first of its kind) -> dispatch.admission (interactive before bulk, first come
-first served within a class, deadlines, up to `--max-batch` requests in flight on each worker)
--> dispatch.worker_pool / supervisor / worker_channel (frames to and from each worker, replies
-matched by id) -> responses (what goes back on the wire).
+request's identity, with clef_api's checks) -> traffic / answer_cache (a kept answer, an
+identical request in flight to join, or the first of its kind) -> clef_dispatch.Dispatcher (the
+queue, the workers; an Answer or a Refusal) -> clef_api.responses (the outcome as HTTP).
 """

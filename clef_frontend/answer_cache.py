@@ -1,20 +1,35 @@
-"""Duplicates answered once: identical requests in flight share one forward, and a bounded LRU
-of answers answers repeats.
+"""Duplicates answered once, in one object: identical requests in flight share one forward, and
+a bounded LRU of answers answers repeats.
 
-Identical means that the two answers must be byte for byte the same: the same key identity (its
-name, `-` without auth) and the same parsed body in its own order (`identity`). Order is part
-of a request: the questions' order is the prompt's order and the answer's order, and so are the
-criteria's and the levels'; so the body is serialised as parsed, keys never sorted, and only what
-parsing forgets (spacing, escapes) is ignored. The cache is flushed whenever the workers may have
-loaded another snapshot (a reload, or a worker ready with a different snapshot). Answers are
-never shared across keys, because a fast answer would tell one tenant what another asked. An
-answer is a pure function of the request (the model is deterministic for a given snapshot),
-which is what makes sharing it correct.
+Identical means the same key identity (its name, `-` without auth) and the same parsed body in
+its own order (`identity`); the body names the model, so two models' answers never mix. Order is
+part of a request: the questions' order is the prompt's order and the answer's order, and so are
+the criteria's and the levels'; so the body is serialised as parsed, keys never sorted, and only
+what parsing forgets (spacing, escapes) is ignored. An answer is a pure function of the request
+and the weights, which is what makes sharing it correct; so the kept answers are flushed
+whenever the weights may have changed: a reload, or a worker ready with another weights
+fingerprint (the digest of the snapshot's files it reports in `ready`, which changes when the
+files at `--model` are replaced in place). Answers are never shared across keys, because a fast
+answer would tell one tenant what another asked.
 
-Only 200 answers are kept; every answer of a shared forward (200, 4xx or 5xx) goes to all who
-share it. The first request waits on its ticket's outcome; each joiner waits on its own future,
-so one client leaving (or one joiner's deadline passing) does not cancel the others'; the shared
-request leaves the queue only once every caller of it has left.
+`AnswerCache` owns the whole of sharing: the decision (`share`: a kept answer is a `hit`, an
+identical request in flight is joined, `coalesced`, else this request is the first of its kind,
+a `miss`), the flight's life once admitted (`admitted`), a joiner's own deadline
+(`watch_deadline`), and the landing of the first request's outcome (`land`). Rules:
+
+- Only a scored answer (a 200) is kept, and only a scored answer is handed to a request that
+  joins late: a flight whose outcome is already set is joined only if that outcome is a 200.
+- A joiner never receives another request's refusal: when the shared request is refused (its
+  deadline passed, the queue was refused), each joiner is told `NOT_SHARED` and is admitted on
+  its own. A worker's answer (a 200, the worker's 422, the 500 of a request that failed twice)
+  is the request's own, and goes to every request that shares it.
+- The kept answers are bounded twice: by count (`--answer-cache`) and by bytes
+  (`--answer-cache-bytes`, the answers' bodies and keys), so one large answer cannot hold the
+  memory of thousands and many cannot outgrow the bytes; the least recently used go first.
+
+The first request waits on its ticket's outcome; each joiner waits on its own future, so one
+client leaving (or one joiner's deadline passing) does not cancel the others'; the shared request
+leaves the queue only once every caller of it has left.
 """
 
 from __future__ import annotations
@@ -22,17 +37,30 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import marshal
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from clef_frontend.responses import Reply
-
-if TYPE_CHECKING:
-    from clef_frontend.dispatch.admission import Ticket
+from clef_dispatch import (
+    INTERACTIVE,
+    SHARED_EXPIRED_DETAIL,
+    Answer,
+    Outcome,
+    Refusal,
+    RefusalKind,
+    Ticket,
+)
 
 HIT, COALESCED, MISS = "hit", "coalesced", "miss"
+
+# What a joiner is told when the request it shared was refused: admit yourself (never shown).
+NOT_SHARED = Refusal(RefusalKind.UNAVAILABLE, "the shared request was refused")
+# The default bound of the kept answers' bytes (`--answer-cache-bytes`).
+DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+# What one kept entry costs beyond its body: the 32-byte key and the table's own objects.
+_ENTRY_OVERHEAD = 32
 
 # marshal's version 2 has no back-references (version 3 added them), so equal documents give
 # equal bytes whatever objects they share; it keeps dict order and tells bool, int and float
@@ -51,6 +79,10 @@ def identity(key_name: str, request: dict[str, Any]) -> bytes:
     return digest.digest()
 
 
+def _size(answer: Answer) -> int:
+    return len(answer.reply.body or b"") + _ENTRY_OVERHEAD
+
+
 @dataclass(eq=False, slots=True)
 class Flight:
     """A forward that identical requests share.
@@ -59,19 +91,19 @@ class Flight:
     (so a miss costs no future and no callback of its own); each request that joins it later
     waits on a future of its own, so that one caller leaving, or one caller's deadline passing,
     cancels nobody else's wait. `first_gone` says whether the first request's client has left;
-    `ticket` is the first request's place in admission (set once it is admitted);
+    `ticket` is the first request's place in the dispatcher (set once it is admitted);
     `on_all_gone` gives the request up once nobody waits for it.
     """
 
     first_gone: Callable[[], bool]
     ticket: Ticket | None = None
     on_all_gone: Callable[[], None] | None = None
-    joiners: list[asyncio.Future[Reply]] | None = None
+    joiners: list[asyncio.Future[Outcome]] | None = None
     first_left: bool = False
     generation: int = 0
 
-    def join(self) -> asyncio.Future[Reply]:
-        mine: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+    def join(self) -> asyncio.Future[Outcome]:
+        mine: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         if self.joiners is None:
             self.joiners = []
         self.joiners.append(mine)
@@ -79,12 +111,12 @@ class Flight:
 
     def all_gone(self) -> bool:
         """The first request's client has left and every joiner has its answer or has left
-        (admission then never sends the request)."""
+        (the dispatcher then never sends the request)."""
         if not (self.first_left or self.first_gone()):
             return False
         return self.joiners is None or all(joiner.done() for joiner in self.joiners)
 
-    def leave(self, mine: asyncio.Future[Reply]) -> None:
+    def leave(self, mine: asyncio.Future[Outcome]) -> None:
         """A joiner is done waiting (its client left, its deadline passed): its wait ends; the
         last one out gives up the request."""
         if not mine.done():
@@ -107,12 +139,27 @@ class Flight:
         return True
 
 
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """How one request gets its answer: `how` (HIT, COALESCED or MISS), the future it awaits
+    (a hit's, already set; a joiner's own) and the flight it joins or starts (a miss's: the
+    first request then awaits its own ticket)."""
+
+    how: str
+    answer: asyncio.Future[Outcome] | None = None
+    flight: Flight | None = None
+
+
 class AnswerCache:
     """The LRU of answers and the table of requests in flight, both by `identity`."""
 
-    def __init__(self, entries: int) -> None:
+    def __init__(self, entries: int, max_bytes: int = DEFAULT_CACHE_BYTES,
+                 queue_timeout: float | None = None) -> None:
         self.entries = entries
-        self._answers: OrderedDict[bytes, Reply] = OrderedDict()
+        self.max_bytes = max_bytes
+        self._queue_timeout = queue_timeout
+        self._answers: OrderedDict[bytes, Answer] = OrderedDict()
+        self._bytes = 0
         self._flights: dict[bytes, Flight] = {}
         self._generation = 0  # bumped by `flush`: an answer begun before it is not kept
 
@@ -123,33 +170,88 @@ class AnswerCache:
     def __len__(self) -> int:
         return len(self._answers)
 
-    def lookup(self, key: bytes) -> Reply | Flight | None:
-        """A kept answer (hit), the flight to join (coalesced), or None (miss)."""
+    @property
+    def size_bytes(self) -> int:
+        """What the kept answers hold (bodies and keys): the `clef_answer_cache_bytes` gauge.
+        An int read, safe from the metrics port's thread."""
+        return self._bytes
+
+    # -- the decision ------------------------------------------------------------------------
+
+    def share(self, key: bytes, *, priority: str, deadline: float | None,
+              client_gone: Callable[[], bool]) -> Shared:
+        """A kept answer (HIT), an identical request in flight to join (COALESCED), or a new
+        flight for this request, the first of its kind (MISS)."""
         answer = self._answers.get(key)
         if answer is not None:
             self._answers.move_to_end(key)
-            return answer
-        return self._flights.get(key)
+            return Shared(HIT, _done(answer))
+        flight = self._flights.get(key)
+        if flight is not None:
+            ticket = flight.ticket
+            if ticket is not None and ticket.outcome.done() and not ticket.outcome.cancelled():
+                outcome = ticket.outcome.result()
+                if isinstance(outcome, Answer) and outcome.ok:  # landing: as good as kept
+                    return Shared(COALESCED, _done(outcome))
+            elif self._may_join(flight, priority, deadline):
+                return Shared(COALESCED, flight.join(), flight)
+        return Shared(MISS, flight=Flight(client_gone))
 
-    def start(self, key: bytes, flight: Flight) -> Flight:
-        """The first of its kind was admitted: others join its flight until it `land`s (a
-        later first of its kind, admitted on its own, takes the table's place)."""
-        self._flights[key] = flight
+    def _may_join(self, flight: Flight, priority: str, deadline: float | None) -> bool:
+        """Whether the flight's request, not yet answered, will be answered no later and no
+        lower than this one would be on its own: it is at a worker, or it waits in a class no
+        lower with a deadline no earlier than this request's own."""
+        ticket = flight.ticket
+        if ticket is None or ticket.outcome.done():
+            return False  # not admitted yet, or given up
+        if ticket.started_at is not None:
+            return True  # at a worker: its answer comes whatever happens
+        if ticket.priority != priority and priority == INTERACTIVE:
+            return False
+        if ticket.deadline is None:
+            return True
+        mine = deadline
+        if self._queue_timeout is not None:
+            mine = min(d for d in (mine, time.monotonic() + self._queue_timeout)
+                       if d is not None)
+        return mine is not None and mine <= ticket.deadline
+
+    # -- the flight ----------------------------------------------------------------------------
+
+    def admitted(self, key: bytes, flight: Flight, ticket: Ticket,
+                 abandon: Callable[[Ticket], None]) -> None:
+        """The first of its kind was admitted: others join its flight until it lands (a later
+        first of its kind, admitted on its own, takes the table's place). Once nobody waits for
+        it, it leaves the table and `abandon` takes it out of the queue."""
+        flight.ticket = ticket
         flight.generation = self._generation
-        return flight
 
-    def forget(self, key: bytes, flight: Flight) -> None:
-        """The flight was given up: identical requests from now on are misses, not joiners."""
-        if self._flights.get(key) is flight:
-            del self._flights[key]
+        def give_up() -> None:
+            self._forget(key, flight)
+            abandon(ticket)
 
-    def flush(self) -> None:
-        """Forget every kept answer (the workers may have another snapshot); answers now on
-        their way are handed to their callers but not kept."""
-        self._answers.clear()
-        self._generation += 1
+        flight.on_all_gone = give_up
+        self._flights[key] = flight
 
-    def land(self, key: bytes, flight: Flight, outcome: asyncio.Future[Reply]) -> None:
+    def watch_deadline(self, answer: asyncio.Future[Outcome], flight: Flight,
+                       deadline: float | None,
+                       expired: Callable[[], None]) -> asyncio.TimerHandle | None:
+        """A joiner's own deadline: when it passes before the shared answer comes, the joiner
+        alone is refused (EXPIRED) and `expired` is told; the forward goes on for the others."""
+        if deadline is None or answer.done():
+            return None
+
+        def due() -> None:
+            if answer.done():
+                return
+            expired()
+            answer.set_result(Refusal(RefusalKind.EXPIRED, SHARED_EXPIRED_DETAIL))
+            flight.leave(answer)
+
+        loop = asyncio.get_running_loop()
+        return loop.call_at(loop.time() + deadline - time.monotonic(), due)
+
+    def land(self, key: bytes, flight: Flight, outcome: asyncio.Future[Outcome]) -> None:
         """The first request's wait ended: hand its outcome to the joiners and keep a 200.
 
         Called by the first request itself (no callback per request); an outcome not yet set
@@ -157,18 +259,52 @@ class AnswerCache:
         if not outcome.done():
             outcome.add_done_callback(lambda done: self.land(key, flight, done))
             return
-        self.forget(key, flight)
+        self._forget(key, flight)
         joiners = flight.joiners or ()
         if outcome.cancelled():  # every caller left (or the request was given up)
             for joiner in joiners:
                 joiner.cancel()
             return
-        reply = outcome.result()
+        result = outcome.result()
+        shared = NOT_SHARED if isinstance(result, Refusal) and result.kind in (
+            RefusalKind.EXPIRED, RefusalKind.UNAVAILABLE) else result
         for joiner in joiners:
             if not joiner.done():
-                joiner.set_result(reply)
-        if reply.status == 200 and flight.generation == self._generation:
-            self._answers[key] = reply
-            self._answers.move_to_end(key)
-            while len(self._answers) > self.entries:
-                self._answers.popitem(last=False)
+                joiner.set_result(shared)
+        if isinstance(result, Answer) and result.ok and flight.generation == self._generation:
+            self._keep(key, result)
+
+    def flush(self) -> None:
+        """Forget every kept answer (the workers may have other weights); answers now on
+        their way are handed to their callers but not kept."""
+        self._answers.clear()
+        self._bytes = 0
+        self._generation += 1
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _forget(self, key: bytes, flight: Flight) -> None:
+        """The flight landed or was given up: identical requests from now on do not join it."""
+        if self._flights.get(key) is flight:
+            del self._flights[key]
+
+    def _keep(self, key: bytes, answer: Answer) -> None:
+        """Keep an answer, then evict the least recently used past either bound (an answer
+        larger than the byte bound alone is not kept)."""
+        size = _size(answer)
+        if size > self.max_bytes:
+            return
+        old = self._answers.pop(key, None)
+        if old is not None:
+            self._bytes -= _size(old)
+        self._answers[key] = answer
+        self._bytes += size
+        while len(self._answers) > self.entries or self._bytes > self.max_bytes:
+            _, evicted = self._answers.popitem(last=False)
+            self._bytes -= _size(evicted)
+
+
+def _done(outcome: Outcome) -> asyncio.Future[Outcome]:
+    answer: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+    answer.set_result(outcome)
+    return answer

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from clef_frontend import workers_ai
+from clef_api import workers_ai
+from clef_api.catalogue import Catalogue
+from clef_api.checks import check_target
+from clef_api.responses import Reply
+from clef_api.routes import Route
 from clef_frontend.auth import ApiKeys
-from clef_frontend.catalogue import Catalogue
-from clef_frontend.responses import Reply
-from clef_frontend.routes import Route
 
 
 @dataclass(frozen=True)
@@ -39,17 +40,14 @@ class ApiSurface:
         if found is Route.MODELS:
             return self.catalogue.reply()
         if found is Route.WORKERS_AI:
-            run = workers_ai.run_target(target)
-            assert run is not None  # the route matched this target
-            return workers_ai.check_model(run, self.catalogue)
+            return check_target(target, self.catalogue)
         return None
 
     def check_body_model(self, target: bytes, request: dict[str, object]) -> Reply | None:
         """Once the body is valid: its `model` against the variants served
         (`Catalogue.check_body_model`; the Workers-AI path's model beside it)."""
-        run = workers_ai.run_target(target)
-        path_model = run.model_id.removeprefix(workers_ai.MODEL_PREFIX) if run else None
-        return self.catalogue.check_body_model(request.get("model"), path_model)
+        return self.catalogue.check_body_model(request.get("model"),
+                                               workers_ai.path_model(target))
 
     def finish(self, target: bytes | None, reply: Reply) -> Reply:
         """The reply as the route's clients expect it: enveloped on the Workers-AI route."""

@@ -43,13 +43,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clef_frontend import responses
+from clef_api import responses
+from clef_api.credentials import ENV_VAR
+from clef_api.responses import Reply
 from clef_frontend.priority import INTERACTIVE, check_class
-from clef_frontend.responses import Reply
 
 log = logging.getLogger("clef_frontend.auth")
 
-ENV_VAR = "CLEF_API_KEY"
+__all__ = ["ENV_VAR", "NO_KEY", "ApiKeys"]
+
 ENV_KEY_NAME = "env"
 NO_KEY = "-"  # the key name of a request that presented no key in force (auth off, or refused)
 UNAUTHORIZED_DETAIL = "missing or invalid API key"

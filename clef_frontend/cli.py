@@ -9,61 +9,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import os
-from collections.abc import Callable
 from pathlib import Path
 
+from clef_api.catalogue import served_name
+from clef_dispatch import WorkerSettings, add_worker_arguments, worker_settings_from
 from clef_frontend import auth, logs, otel, priority
-from clef_frontend.catalogue import served_name
 from clef_frontend.config import ServerConfig
-from clef_frontend.dispatch.settings import add_worker_arguments, worker_settings_from
 from clef_frontend.server import serve
 from clef_frontend.version import describe
+from clef_protocol.arg_types import (
+    bytes_per_second,
+    non_negative_int,
+    non_negative_seconds,
+    port,
+    positive_int,
+)
 from clef_protocol.finetune import resolve_finetunes
-from clef_protocol.options import add_model_arguments, limits_from, positive_int
+from clef_protocol.options import add_model_arguments, limits_from
 
-DEFAULTS = ServerConfig(worker_argv=("clef_worker",))
-
-
-def _port(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {value!r}") from None
-    if not 0 <= number <= 65535:
-        raise argparse.ArgumentTypeError(f"{number} is not a TCP port (0 picks a free one)")
-    return number
-
-
-def _non_negative(unit: str) -> Callable[[str], float]:
-    """An argparse type: a finite number >= 0 of `unit`."""
-
-    def parse(value: str) -> float:
-        try:
-            number = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {unit}, got {value!r}") from None
-        if not number >= 0 or number == float("inf"):
-            raise argparse.ArgumentTypeError(f"expected a finite number of {unit}, got {value!r}")
-        return number
-
-    return parse
-
-
-_seconds = _non_negative("seconds")
-
-
-def _count(value: str) -> int:
-    """An argparse type: a whole number >= 0."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}")
-    return number
-_rate = _non_negative("bytes per second")
+DEFAULTS = ServerConfig(WorkerSettings(worker_argv=("clef_worker",)))
 
 
 def _objective_class(value: str) -> tuple[str, str]:
@@ -95,11 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = DEFAULTS
     net = parser.add_argument_group("listening")
     net.add_argument("--host", default=d.host, help="address to bind")
-    net.add_argument("--port", type=_port, default=d.port, help="TCP port; 0 picks a free one")
+    net.add_argument("--port", type=port, default=d.port, help="TCP port; 0 picks a free one")
     net.add_argument("--backlog", type=positive_int, default=d.backlog,
                      help="listen queue of not yet accepted connections (the kernel caps it at "
                           "net.core.somaxconn)")
-    net.add_argument("--metrics-port", type=_port, default=None,
+    net.add_argument("--metrics-port", type=port, default=None,
                      help="serve GET /metrics on this port (same --host) instead of the public "
                           "one; 0 picks a free one")
     http = parser.add_argument_group("HTTP limits")
@@ -107,18 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="largest accepted request body in bytes (413 above)")
     http.add_argument("--header-limit", type=positive_int, default=d.header_limit,
                       help="largest request head in bytes (431 above)")
-    http.add_argument("--header-timeout", type=_seconds, default=d.header_timeout,
+    http.add_argument("--header-timeout", type=non_negative_seconds, default=d.header_timeout,
                       help="seconds for a whole request head once it has begun")
-    http.add_argument("--body-timeout", type=_seconds, default=d.body_timeout,
+    http.add_argument("--body-timeout", type=non_negative_seconds, default=d.body_timeout,
                       help="seconds without a body byte before 408")
-    http.add_argument("--body-min-rate", type=_rate, default=d.body_min_rate,
+    http.add_argument("--body-min-rate", type=bytes_per_second, default=d.body_min_rate,
                       help="bytes/s a body must average once the grace period is over (408 "
                            "below); 0 turns the rate check off")
-    http.add_argument("--body-rate-grace", type=_seconds, default=d.body_rate_grace,
+    http.add_argument("--body-rate-grace", type=non_negative_seconds, default=d.body_rate_grace,
                       help="seconds after the head before --body-min-rate applies")
-    http.add_argument("--keepalive-timeout", type=_seconds, default=d.keepalive_timeout,
+    http.add_argument("--keepalive-timeout", type=non_negative_seconds, default=d.keepalive_timeout,
                       help="seconds an idle connection is kept open")
-    http.add_argument("--send-timeout", type=_seconds, default=d.send_timeout,
+    http.add_argument("--send-timeout", type=non_negative_seconds, default=d.send_timeout,
                       help="seconds a client may take to accept a whole response (a deadline, "
                            "not inactivity); a slower reader is reset")
     queue = parser.add_argument_group("admission")
@@ -126,20 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests that may wait for the worker (503 when full)")
     queue.add_argument("--retry-after", type=int, default=d.retry_after,
                        help="Retry-After seconds on 503 answers")
-    queue.add_argument("--queue-timeout", type=_seconds, default=None,
+    queue.add_argument("--queue-timeout", type=non_negative_seconds, default=None,
                        help="seconds a request may wait for a worker before 504 (default: no "
                             "limit; X-Clef-Deadline-Ms sets one per request)")
-    queue.add_argument("--answer-cache", type=_count, default=d.answer_cache,
+    queue.add_argument("--answer-cache", type=non_negative_int, default=d.answer_cache,
                        metavar="ENTRIES",
                        help="answers kept for identical repeats of a key's requests, and "
                             "identical requests in flight share one forward; 0 turns both off")
+    queue.add_argument("--answer-cache-bytes", type=positive_int, default=d.answer_cache_bytes,
+                       metavar="BYTES",
+                       help="the most the kept answers may hold together (their bodies and "
+                            "keys; default 64 MiB): the least recently used go first")
     queue.add_argument("--objective-class", type=_objective_class, action="append", default=[],
                        metavar="NAME=CLASS",
                        help="behind the inference gateway: requests whose "
                             "x-llm-d-inference-objective is NAME wait as CLASS (interactive or "
                             "bulk) unless X-Clef-Priority says otherwise; repeat per objective "
                             "(default: objectives are ignored)")
-    queue.add_argument("--drain-timeout", type=_seconds, default=d.drain_timeout,
+    queue.add_argument("--drain-timeout", type=non_negative_seconds, default=d.drain_timeout,
                        help="seconds to finish queued work after SIGTERM before answering 503")
     add_worker_arguments(parser)
     api = parser.add_argument_group("clients")
@@ -161,7 +130,7 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
     """Build the config; ValueError names the flag that is wrong."""
     served = tuple(args.served_model_name or (args.variant,))
     return ServerConfig(
-        **dataclasses.asdict(worker_settings_from(args)),
+        workers=worker_settings_from(args),
         limits=limits_from(args),
         host=args.host,
         port=args.port,
@@ -182,9 +151,9 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         finetune_names=tuple(f.name for f in resolve_finetunes(args.finetune, served)),
         api_key_file=args.api_key_file,
         api_key=os.environ.get(auth.ENV_VAR) or None,
-        max_batch_tokens=args.max_batch_tokens,
         queue_timeout=args.queue_timeout or None,
         answer_cache=args.answer_cache,
+        answer_cache_bytes=args.answer_cache_bytes,
         objective_classes=tuple(args.objective_class),
     )
 

@@ -6,10 +6,11 @@ requests are in flight. `cli.py` builds it from flags; tests can build it direct
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
+from clef_api.checks import DEFAULT_BODY_LIMIT
+from clef_dispatch import WorkerSettings
 from clef_frontend.body_rate import BodyRateRule
-from clef_frontend.dispatch.settings import WorkerSettings
 from clef_frontend.priority import check_objective_classes
 from clef_protocol.frames import MAX_FRAME_BYTES
 from clef_protocol.options import RequestLimits
@@ -22,13 +23,15 @@ FRAME_ENVELOPE_HEADROOM = 64 * 1024
 class ServerConfig:
     """Everything the front needs to know; see `cli.py` for the meaning of each flag."""
 
-    worker_argv: tuple[str, ...]
+    # The workers: where they run, how they are started, fed, judged, replaced and stopped
+    # (clef_dispatch.WorkerSettings owns those fields, their meaning and their checks).
+    workers: WorkerSettings
     limits: RequestLimits = field(default_factory=RequestLimits)
     host: str = "127.0.0.1"
     port: int = 8000
     backlog: int = 2048
     metrics_port: int | None = None
-    body_limit: int = 8 * 1024 * 1024
+    body_limit: int = DEFAULT_BODY_LIMIT
     header_limit: int = 16 * 1024
     header_timeout: float = 10.0
     body_timeout: float = 30.0
@@ -39,31 +42,10 @@ class ServerConfig:
     queue_size: int = 64
     retry_after: int = 1
     drain_timeout: float = 30.0
-    startup_timeout: float = 900.0
-    request_timeout: float = 300.0
-    shutdown_grace: float = 10.0
-    restart_backoff: float = 0.5
-    restart_backoff_max: float = 30.0
-    restart_reset_after: float = 60.0
     served_model_names: tuple[str, ...] = ("clef-flash",)  # the served name, then aliases
     finetune_names: tuple[str, ...] = ()  # the fine-tuned variants' names (--finetune)
     api_key_file: str | None = None
     api_key: str | None = field(default=None, repr=False)  # CLEF_API_KEY; never printed
-    # Workers (the fields of dispatch.settings.WorkerSettings, which owns their meaning and
-    # checks; `workers` gathers them): one per entry of `devices` (empty: one worker with
-    # `worker_argv` as given), each entry times `workers_per_device`; `max_batch` requests in
-    # flight per worker (None: by the worker's device, see supervisor.default_max_batch).
-    devices: tuple[str, ...] = ()
-    workers_per_device: int = 1
-    max_batch: int | None = None
-    # The worker's --max-batch-tokens (0: by device), which the front reads only as the token
-    # budget behind its utilisation gauge (load.py).
-    max_batch_tokens: int = 0
-    # Shared traffic: a worker silent this long (no pong, no reply) is wedged; requests wait
-    # at most `queue_timeout` seconds for a worker (None: no limit); `answer_cache` answers kept
-    # for repeats (0: no cache, and no sharing of identical requests in flight).
-    stall_timeout: float = 30.0
-    max_restarts: int | None = None
     # Shared traffic: requests wait at most `queue_timeout` seconds for a worker (None: no
     # limit); `answer_cache` answers kept for repeats (0: no cache, and no sharing of identical
     # requests in flight).
@@ -71,6 +53,9 @@ class ServerConfig:
     # A modest bound (answers are a few KiB): enough for retries and score-then-compact pairs,
     # not for whole eval sweeps.
     answer_cache: int = 1024
+    # ...and the bytes they may hold together (bodies and keys): answers with many options run
+    # to tens of KB, so a count alone does not bound the memory.
+    answer_cache_bytes: int = 64 * 1024 * 1024
     # Behind the inference gateway: InferenceObjective names mapped to priority classes
     # (--objective-class NAME=CLASS; priority.py owns the rule). Empty: objectives are ignored.
     objective_classes: tuple[tuple[str, str], ...] = ()
@@ -83,7 +68,6 @@ class ServerConfig:
                 f"--body-limit {self.body_limit} does not fit a worker frame: the maximum is "
                 f"{MAX_FRAME_BYTES - FRAME_ENVELOPE_HEADROOM} bytes"
             )
-        self.workers  # noqa: B018 - the worker fields are checked by WorkerSettings alone
         for name in ("body_limit", "header_limit", "queue_size", "backlog"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be at least 1")
@@ -99,15 +83,12 @@ class ServerConfig:
         check_objective_classes(self.objective_classes)
         if self.answer_cache < 0:
             raise ValueError("--answer-cache must be >= 0")
+        if self.answer_cache_bytes < 1:
+            raise ValueError("--answer-cache-bytes must be >= 1")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port {self.port} is not a TCP port")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port {self.metrics_port} is not a TCP port")
-
-    @property
-    def workers(self) -> WorkerSettings:
-        """The worker fields as the dispatch package takes them."""
-        return WorkerSettings(**{f.name: getattr(self, f.name) for f in fields(WorkerSettings)})
 
     @property
     def body_rate_rule(self) -> BodyRateRule:

@@ -30,12 +30,13 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from clef_frontend import responses
+from clef_api import responses
+from clef_api.responses import Reply
+from clef_dispatch import Outcome
 from clef_frontend.body_rate import BodyClock
 from clef_frontend.config import ServerConfig
 from clef_frontend.http1 import BodyEnd, Http1Session, Need, RefusedHead, RequestHead
 from clef_frontend.pipeline import ClientGone, Pipeline, RequestContext
-from clef_frontend.responses import Reply
 from clef_frontend.timeout_queue import TimeoutQueue
 
 log = logging.getLogger("clef_frontend.connection")
@@ -250,8 +251,8 @@ class HttpConnection:
         self._http.skip_empty_body()
 
     async def wait_answer(
-        self, answer: asyncio.Future[Reply], on_gone: Callable[[], None]
-    ) -> Reply:
+        self, answer: asyncio.Future[Outcome], on_gone: Callable[[], None]
+    ) -> Outcome:
         """Wait for the answer; ClientGone if the client left meanwhile.
 
         The socket is watched for the client leaving (and for pipelined bytes) only once the

@@ -11,14 +11,12 @@ moment the front knows it, so a slow body upload counts against it too.
 
 from __future__ import annotations
 
-from clef_frontend import responses
-from clef_frontend.responses import Reply
+from clef_api import responses
+from clef_api.responses import Reply
 
 HEADER = b"x-clef-deadline-ms"
 # The longest deadline a header may ask for (one day): beyond it the number is a mistake.
 MAX_DEADLINE_MS = 86_400_000
-EXPIRED_DETAIL = "deadline passed before a worker was free"
-SHARED_EXPIRED_DETAIL = "deadline passed before the shared answer came"
 
 
 def from_header(value: bytes | None, head_end: float) -> float | Reply | None:
@@ -34,20 +32,3 @@ def from_header(value: bytes | None, head_end: float) -> float | Reply | None:
     return head_end + int(text) / 1000.0
 
 
-def earliest(deadline: float | None, enqueued_at: float, queue_timeout: float | None
-             ) -> float | None:
-    """The deadline that applies: the request's own or the server's queue timeout, whichever
-    comes first (None: neither)."""
-    limits = [d for d in (deadline, None if queue_timeout is None
-                          else enqueued_at + queue_timeout) if d is not None]
-    return min(limits) if limits else None
-
-
-def expired() -> Reply:
-    """The 504 a request gets when its deadline passes while it waits."""
-    return responses.error(504, EXPIRED_DETAIL)
-
-
-def shared_expired() -> Reply:
-    """The 504 a request sharing another's forward gets when its own deadline passes first."""
-    return responses.error(504, SHARED_EXPIRED_DETAIL)

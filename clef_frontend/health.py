@@ -6,53 +6,50 @@ flag (held by admission, which is what refuses requests while draining). With se
 the server is ready while at least one is: `workers` lists every one (name, device, status, pid,
 in_flight, max_batch, restarts, suspect), `ready_workers` names those that serve, and `worker`
 is the first ready one's ready info (the single-worker shape). A suspect worker (its pong or
-reply overdue, dispatch/liveness.py) is still ready but gets no new work: `suspect_workers` names
-them, and when every ready worker is suspect `waiting_for` says why nothing new is sent.
+reply overdue, clef_dispatch/liveness.py) is still ready but gets no new work:
+`suspect_workers` names them, and when every ready worker is suspect `waiting_for` says why
+nothing new is sent.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from clef_frontend import responses
-from clef_frontend.dispatch.admission import Admission
-from clef_frontend.dispatch.worker_pool import WorkerPool
-from clef_frontend.responses import Reply
+from clef_api import responses
+from clef_api.responses import Reply
+from clef_dispatch import DispatchSnapshot
 
 
 class Health:
-    """The front's service state, as `/health` reports it."""
+    """The front's service state, as `/health` reports it, from the dispatcher's snapshot."""
 
-    def __init__(self, pool: WorkerPool, admission: Admission, retry_after: int) -> None:
-        self._pool = pool
-        self._admission = admission
+    def __init__(self, snapshot: Callable[[], DispatchSnapshot], retry_after: int) -> None:
+        self._snapshot = snapshot
         self._retry_after = retry_after
 
     def status(self) -> str:
         """ready, starting, restarting or draining (stopped once the worker is gone)."""
-        if self._admission.draining:
-            return "draining"
-        return str(self._pool.state())
+        return self._snapshot().state
 
     def document(self) -> dict[str, Any]:
-        status = self.status()
+        now = self._snapshot()
         worker = None
-        ready = self._pool.ready_lanes()
-        info = self._pool.ready_info()
-        if info is not None:
-            worker = {k: v for k, v in asdict(info).items() if k not in ("versions", "snapshot")}
+        if now.worker is not None:
+            worker = {k: v for k, v in asdict(now.worker).items()
+                      if k not in ("versions", "snapshot", "fingerprint")}
         return {
-            "status": status,
+            "status": now.state,
             "worker": worker,
-            "workers": self._pool.describe(),
-            "ready_workers": [lane.slot.name for lane in ready],
-            "suspect_workers": [lane.slot.name for lane in self._pool.suspect_lanes()],
-            "waiting_for": self._pool.waiting_on_suspects(),
-            "queue_depth": self._admission.depth,
-            "in_flight": self._admission.in_flight,
-            "queue_capacity": self._admission.capacity,
-            "restarts": self._pool.restarts,
+            "workers": now.workers,
+            "ready_workers": now.ready_workers,
+            "suspect_workers": now.suspect_workers,
+            "waiting_for": now.waiting_for,
+            "queue_depth": now.queue_depth,
+            "in_flight": now.in_flight,
+            "queue_capacity": now.queue_capacity,
+            "restarts": now.restarts,
         }
 
     def reply(self) -> Reply:

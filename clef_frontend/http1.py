@@ -23,9 +23,9 @@ from http import HTTPStatus
 
 import h11
 
-from clef_frontend import responses
-from clef_frontend.framing import FramingHeaders, reparse_without_framing, scan_framing
-from clef_frontend.responses import Reply
+from clef_api import responses
+from clef_api.framing import FramingHeaders, reparse_without_framing, scan_framing
+from clef_api.responses import Reply
 
 
 class Need(Enum):

@@ -31,6 +31,9 @@ FORMAT = "%(asctime)s clef-serve[%(process)d] %(levelname)s %(message)s"
 _TARGET_CHARS = 200
 
 access = logging.getLogger("clef_frontend.access")
+# The server's own loggers, whose lines `configure` writes at the chosen level: the front's and
+# the dispatch package's (the workers' supervision).
+LOGGERS = ("clef_frontend", "clef_dispatch")
 
 # (request id, trace id) of the request the current task serves; one task per connection.
 _request: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
@@ -114,7 +117,7 @@ class RequestFilter(logging.Filter):
 def flush() -> None:
     """Write the lines queued in this event-loop turn now: before something else writes to the
     same stream meanwhile (a stuck worker's stack, written by the worker itself)."""
-    for handler in logging.getLogger("clef_frontend").handlers:
+    for handler in logging.getLogger(LOGGERS[0]).handlers:
         handler.flush()
 
 
@@ -129,8 +132,8 @@ def unbind_request() -> None:
 
 
 def configure(level: str = "INFO", log_format: str = "text") -> None:
-    """Route every `clef_frontend.*` logger to stderr with one format; other libraries'
-    warnings (asyncio, the OpenTelemetry SDK) go the same way."""
+    """Route every `clef_frontend.*` and `clef_dispatch.*` logger to stderr with one format
+    and level; other libraries' warnings (asyncio, the OpenTelemetry SDK) go the same way."""
     global _structured, _text_sink
     _structured = log_format == "json"
     _text_sink = None
@@ -143,10 +146,11 @@ def configure(level: str = "INFO", log_format: str = "text") -> None:
         formatter = _Formatter(FORMAT)
         handler.setFormatter(formatter)
         _text_sink = (handler, formatter, f" clef-serve[{os.getpid()}] INFO request ")
-    root = logging.getLogger("clef_frontend")
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    root.propagate = False
+    for name in LOGGERS:
+        root = logging.getLogger(name)
+        root.handlers[:] = [handler]
+        root.setLevel(level)
+        root.propagate = False
     everything = logging.getLogger()
     everything.handlers[:] = [handler]
     everything.setLevel(logging.WARNING)

@@ -32,11 +32,12 @@ from prometheus_client import (
 from prometheus_client.core import InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from clef_frontend import exposition, responses
-from clef_frontend.dispatch.worker_channel import RESTART_REASONS
+from clef_api import responses
+from clef_api.responses import Reply
+from clef_dispatch import RESTART_REASONS
+from clef_frontend import exposition
 from clef_frontend.loop_metrics import CounterChild, LoopCounter, LoopHistogram
 from clef_frontend.priority import CLASSES, INTERACTIVE
-from clef_frontend.responses import Reply
 from clef_protocol.messages import ReadyInfo, WorkerReply
 
 log = logging.getLogger("clef_frontend.metrics")
@@ -62,6 +63,7 @@ class LiveState:
     # The endpoint picker's three gauges (load.py): all classes waiting, and the token budget
     # in use (0-1). The third, requests running, is `in_flight`.
     queued: Callable[[], int] = lambda: 0
+    cache_bytes: Callable[[], int] = lambda: 0  # what the kept answers hold (answer_cache.py)
     token_usage: Callable[[], float] = lambda: 0.0
 
 
@@ -114,7 +116,7 @@ class Metrics:
             self.restarts.labels(reason=reason)
         self.suspects = Counter(
             "clef_worker_suspects", "Times a warm worker became suspect: its pong or reply "
-            "overdue by its margin (dispatch/liveness.py); it got no new work meanwhile.",
+            "overdue by its margin (clef_dispatch/liveness.py); it got no new work meanwhile.",
             registry=r)
         depth = Gauge("clef_queue_depth", "Requests waiting for the worker, by priority class.",
                       ["class"], registry=r)
@@ -147,6 +149,9 @@ class Metrics:
             self.load_registry.register(gauge)
         r.register(_InfoCollector(version, live.worker_info))
         self._shared_traffic_metrics()
+        Gauge("clef_answer_cache_bytes", "Bytes the answer cache's kept answers hold (bodies "
+              "and keys), bounded by --answer-cache-bytes.",
+              registry=r).set_function(lambda: float(live.cache_bytes()))
 
     # -- shared traffic: quotas, answer cache, deadlines, resends -----------------------------
 
@@ -237,7 +242,7 @@ class Metrics:
             self.truncated_tokens.inc(worker_reply.truncated_tokens)
 
     def worker_suspect(self) -> None:
-        """A worker became suspect (dispatch/liveness.py)."""
+        """A worker became suspect (clef_dispatch/liveness.py)."""
         self.suspects.inc()
 
     def worker_failed(self, reason: str) -> None:
@@ -275,7 +280,7 @@ class Metrics:
 LOAD_PATH = "/metrics/load"
 
 # Why a request was sent again: `WorkerLost.reason` (worker_channel.py's failure kinds), or
-# `suspect` (its worker was suspect, dispatch/liveness.py; the first answer wins).
+# `suspect` (its worker was suspect, clef_dispatch/liveness.py; the first answer wins).
 RESEND_REASONS = ("crash", "hung", "protocol", "stalled", "suspect")
 
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, Tracer
 
-    from clef_frontend.dispatch.admission import Ticket
+    from clef_dispatch import Ticket
 
 log = logging.getLogger("clef_frontend.otel")
 

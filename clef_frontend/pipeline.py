@@ -29,14 +29,18 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from clef_frontend import deadlines, gateway, logs, otel, responses, workers_ai
-from clef_frontend.answer_cache import COALESCED, AnswerCache, Flight, identity
+from clef_api import responses, workers_ai
+from clef_api.checks import check_body, check_head
+from clef_api.responses import Reply
+from clef_api.routes import Route, route
+from clef_dispatch import Refusal, Ticket
+from clef_frontend import gateway, logs, otel
+from clef_frontend.answer_cache import NOT_SHARED, AnswerCache, Flight, identity
 from clef_frontend.api import ApiSurface
 from clef_frontend.auth import NO_KEY
 from clef_frontend.config import ServerConfig
-from clef_frontend.dispatch.admission import Admission, Refused, Ticket
 from clef_frontend.http1 import RefusedHead
 from clef_frontend.metrics import Metrics, route_label
 from clef_frontend.request_context import (
@@ -46,8 +50,6 @@ from clef_frontend.request_context import (
     RequestIO,
     Step,
 )
-from clef_frontend.responses import Reply
-from clef_frontend.routes import Route, check_body, check_post_head, route
 from clef_frontend.traffic import TrafficSteps
 from clef_protocol.options import RequestLimits
 
@@ -58,6 +60,19 @@ log = logging.getLogger("clef_frontend.pipeline")
 # Bodies above this are parsed and validated in a thread, so a large JSON document does not
 # stall the event loop (and every other client) for the length of its parse.
 INLINE_CHECK_BYTES = 64 * 1024
+
+
+class Dispatch(Protocol):
+    """What the pipeline asks of the workers' side (a `clef_dispatch.Dispatcher`)."""
+
+    @property
+    def draining(self) -> bool: ...
+
+    def submit(self, body: bytes, request_id: str = "", *, trace_id: str = "",
+               priority: str = ..., deadline: float | None = None,
+               gone: Callable[[], bool] = ...) -> Ticket | Refusal: ...
+
+    def abandon(self, ticket: Ticket) -> None: ...
 
 
 
@@ -72,19 +87,20 @@ class Pipeline:
         self,
         *,
         config: ServerConfig,
-        admission: Admission,
+        dispatch: Dispatch,
         health: HealthReply,
         metrics: Metrics,
         api: ApiSurface | None = None,
         cache: AnswerCache | None = None,
     ) -> None:
         self.config = config
-        self.admission = admission
+        self.dispatch = dispatch
         self.health = health
         self.metrics = metrics
         self.api = api or ApiSurface()
-        self.cache = cache if cache is not None else AnswerCache(config.answer_cache)
-        self.traffic = TrafficSteps(self.api.keys, metrics, self.cache, config.queue_timeout,
+        self.cache = cache if cache is not None else AnswerCache(
+            config.answer_cache, config.answer_cache_bytes, config.queue_timeout)
+        self.traffic = TrafficSteps(self.api.keys, metrics, self.cache,
                                     objective_classes=config.objective_classes)
         traffic = self.traffic
         self.steps: list[Step] = [
@@ -97,7 +113,7 @@ class Pipeline:
     @property
     def draining(self) -> bool:
         """Every answer says `Connection: close` while the server drains."""
-        return self.admission.draining
+        return self.dispatch.draining
 
     async def answer(self, ctx: RequestContext) -> Reply | None:
         """Run the steps until one answers; the reply in its route's form, counted. None if
@@ -160,7 +176,7 @@ class Pipeline:
     async def check_post_head(self, ctx: RequestContext) -> Reply | None:
         """Rows 1-5, from the head alone: the body's length, or the refusal."""
         assert ctx.head is not None
-        length = check_post_head(ctx.head.framing, ctx.header(b"content-type"),
+        length = check_head(ctx.head.framing, ctx.header(b"content-type"),
                                  self.config.body_limit)
         if isinstance(length, Reply):
             return length
@@ -196,71 +212,65 @@ class Pipeline:
         return None
 
     async def admit(self, ctx: RequestContext) -> Reply | None:
-        """Row 14: the queue takes the request, or refuses it (503); a request whose deadline
-        passes while it waits gets 504 instead of a worker. A request answered from the cache or
-        sharing one in flight has its answer coming already and is not admitted again; while
-        the server drains it is refused all the same, as every new request is."""
+        """Row 14: the dispatcher takes the request, or refuses it (503); a request whose
+        deadline passes while it waits gets 504 instead of a worker. A request answered from the
+        cache or sharing one in flight has its answer coming already and is not admitted again;
+        while the server drains it is refused all the same, as every new request is."""
         assert ctx.body is not None
         if ctx.answer is not None:
-            if self.admission.draining:
+            if self.dispatch.draining:
                 if ctx.flight is not None:
                     ctx.flight.leave(ctx.answer)  # a joiner no longer waits
                 return responses.unavailable("server is draining", self.config.retry_after)
             return None
         flight = ctx.flight
-        try:
-            # A shared request is wanted while any caller of it is, not only while this client is.
-            ticket = self.admission.submit(
-                ctx.body, ctx.request_id, trace_id=ctx.trace_id, priority=ctx.priority,
-                deadline=ctx.deadline,
-                gone=flight.all_gone if flight is not None else ctx.io.client_gone)
-        except Refused as refused:
-            return refused.reply
+        # A shared request is wanted while any caller of it is, not only while this client is.
+        ticket = self.dispatch.submit(
+            ctx.body, ctx.request_id, trace_id=ctx.trace_id, priority=ctx.priority,
+            deadline=ctx.deadline,
+            gone=flight.all_gone if flight is not None else ctx.io.client_gone)
+        if isinstance(ticket, Refusal):
+            return responses.from_outcome(ticket)
         ctx.ticket = ticket
         ctx.answer = ticket.outcome  # the first of its kind waits on its own ticket
         if flight is not None:
             assert ctx.identity is not None
-            flight.ticket = ticket
-            flight.on_all_gone = functools.partial(self._give_up, ctx.identity, flight)
-            self.cache.start(ctx.identity, flight)
+            self.cache.admitted(ctx.identity, flight, ticket, self.dispatch.abandon)
         return None
-
-    def _give_up(self, identity: bytes, flight: Flight) -> None:
-        """Nobody waits for a shared request any more: out of the queue, out of the table."""
-        assert flight.ticket is not None
-        self.cache.forget(identity, flight)
-        self.admission.abandon(flight.ticket)
 
     async def await_answer(self, ctx: RequestContext) -> Reply | None:
         """The answer (200, 422, row 13's 500), while the client is watched: a worker's, a kept
         one, or a shared forward's. A request sharing another's forward still has its own
         deadline (504 when it passes; the forward goes on for the others) and its own client
-        (dropped when it leaves)."""
+        (dropped when it leaves); if the shared request is refused, it is admitted on its own
+        rather than handed another request's refusal."""
         answer = ctx.answer
         assert answer is not None
         flight, ticket = ctx.flight, ctx.ticket
         on_gone: Callable[[], None] = _nothing  # a kept answer (hit): nothing to give up
+        timer = None
         if flight is not None and ticket is not None:  # the first of its kind
             on_gone = functools.partial(self._first_left, ctx, flight)
-        elif flight is not None:
+        elif flight is not None:  # a joiner
             on_gone = functools.partial(flight.leave, answer)
+            timer = self.cache.watch_deadline(answer, flight, ctx.deadline,
+                                              functools.partial(self._joiner_expired, ctx))
         elif ticket is not None:
-            on_gone = functools.partial(self.admission.abandon, ticket)
-        timer = None
-        if ctx.cache == COALESCED and ctx.deadline is not None and not answer.done():
-            loop = asyncio.get_running_loop()
-            timer = loop.call_at(loop.time() + ctx.deadline - time.monotonic(),
-                                 self._joiner_expired, ctx)
+            on_gone = functools.partial(self.dispatch.abandon, ticket)
         try:
-            reply = await ctx.io.wait_answer(answer, on_gone)
+            outcome = await ctx.io.wait_answer(answer, on_gone)
         finally:
             if timer is not None:
                 timer.cancel()
             if flight is not None and ticket is not None:
                 assert ctx.identity is not None
                 self.cache.land(ctx.identity, flight, answer)  # to its joiners, and kept
+        if outcome is NOT_SHARED:  # the shared request was refused: this one goes on its own
+            ctx.answer = ctx.flight = None
+            refused = await self.admit(ctx)
+            return refused if refused is not None else await self.await_answer(ctx)
         ctx.answered_at = time.monotonic()
-        return reply
+        return responses.from_outcome(outcome)
 
     @staticmethod
     def _first_left(ctx: RequestContext, flight: Flight) -> None:
@@ -271,15 +281,9 @@ class Pipeline:
 
     def _joiner_expired(self, ctx: RequestContext) -> None:
         """A request sharing another's forward reached its own deadline: 504 for it alone."""
-        answer, flight = ctx.answer, ctx.flight
-        assert answer is not None and flight is not None
-        if answer.done():
-            return
         log.info("request_id=%s class=%s: deadline passed while sharing an identical request's "
                  "forward", ctx.request_id, ctx.priority)
         self.metrics.expired(ctx.priority)
-        answer.set_result(deadlines.shared_expired())
-        flight.leave(answer)
 
     # -- after the answer ---------------------------------------------------------------------
 

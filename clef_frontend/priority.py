@@ -1,9 +1,9 @@
 """Priority classes: who is waiting for an answer (`interactive`) and who is not (`bulk`).
 
-One owner for the class names and the `X-Clef-Priority` header's rule. A request's class is the
-header's, else its key's default (the key file's `priority`), else `interactive`: a caller that
-says nothing is assumed to have a person waiting, and floods are marked by the key that sends
-them. Admission (admission.py) orders waiting requests by class.
+One owner for the `X-Clef-Priority` header's rule (the class names are clef_dispatch's). A
+request's class is the header's, else its key's default (the key file's `priority`), else
+`interactive`: a caller that says nothing is assumed to have a person waiting, and floods are
+marked by the key that sends them. Admission (admission.py) orders waiting requests by class.
 
 Behind the inference gateway a client names an objective instead (`x-llm-d-inference-objective`,
 an InferenceObjective with a priority, which the endpoint picker orders by). An operator may map
@@ -19,12 +19,11 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from clef_frontend import responses
-from clef_frontend.responses import Reply
+from clef_api import responses
+from clef_api.responses import Reply
+from clef_dispatch import BULK, CLASSES, INTERACTIVE
 
-INTERACTIVE = "interactive"
-BULK = "bulk"
-CLASSES = (INTERACTIVE, BULK)
+__all__ = ["BULK", "CLASSES", "HEADER", "INTERACTIVE", "OBJECTIVE_HEADER"]
 HEADER = b"x-clef-priority"
 # The objective header of the llm-d router (the Gateway API Inference Extension's endpoint
 # picker); its value is an InferenceObjective's name.

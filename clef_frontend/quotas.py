@@ -14,9 +14,9 @@ import math
 import time
 from dataclasses import dataclass
 
-from clef_frontend import responses
+from clef_api import responses
+from clef_api.responses import Reply
 from clef_frontend.auth import NamedKey
-from clef_frontend.responses import Reply
 
 
 @dataclass

@@ -12,16 +12,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from clef_api.responses import Reply
+from clef_api.routes import Route
+from clef_dispatch import Outcome
 from clef_frontend import logs, otel, tracing
 from clef_frontend.auth import NamedKey
 from clef_frontend.http1 import RequestHead
 from clef_frontend.priority import INTERACTIVE
-from clef_frontend.responses import Reply
-from clef_frontend.routes import Route
 
 if TYPE_CHECKING:
+    from clef_dispatch import Ticket
     from clef_frontend.answer_cache import Flight
-    from clef_frontend.dispatch.admission import Ticket
 
 
 class ClientGone(Exception):
@@ -40,9 +41,9 @@ class RequestIO(Protocol):
         ...
 
     async def wait_answer(
-        self, answer: asyncio.Future[Reply], on_gone: Callable[[], None]
-    ) -> Reply:
-        """`answer`'s reply; if the client leaves first, call `on_gone` (which ends the wait by
+        self, answer: asyncio.Future[Outcome], on_gone: Callable[[], None]
+    ) -> Outcome:
+        """`answer`'s outcome; if the client leaves first, call `on_gone` (which ends the wait by
         cancelling `answer`, or lets an answer others share run on) and raise ClientGone."""
         ...
 
@@ -87,7 +88,7 @@ class RequestContext:
     model: str | None = None
     flight: Flight | None = None
     shared_at: float | None = None
-    answer: asyncio.Future[Reply] | None = None
+    answer: asyncio.Future[Outcome] | None = None
     ticket: Ticket | None = None  # this request's own place in admission (a miss)
     started: float = field(default_factory=time.monotonic)
     # Traces (otel.py): the W3C trace id for the access line ("-": none known), the server

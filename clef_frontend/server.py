@@ -23,16 +23,20 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from clef_api.catalogue import Catalogue
+from clef_dispatch import (
+    Dispatcher,
+    DispatchEvents,
+    StartupFailed,
+    TokenEstimate,
+    utilisation_gauge,
+)
 from clef_frontend.answer_cache import AnswerCache
 from clef_frontend.api import ApiSurface
 from clef_frontend.auth import ApiKeys
-from clef_frontend.catalogue import Catalogue
 from clef_frontend.config import ServerConfig
 from clef_frontend.connection import READ_SIZE, ConnectionTimers, HttpConnection
-from clef_frontend.dispatch.dispatcher import Dispatcher, DispatchEvents
-from clef_frontend.dispatch.supervisor import StartupFailed
 from clef_frontend.health import Health
-from clef_frontend.load import TokenEstimate, utilisation_gauge
 from clef_frontend.metrics import LiveState, Metrics
 from clef_frontend.pipeline import Pipeline
 from clef_frontend.sd_notify import Notifier, ServiceNotifier, making_progress, watchdog_interval
@@ -56,25 +60,26 @@ class FrontServer:
                                   resent=self._request_resent, expired=self._deadline_expired,
                                   suspect=self._worker_suspect),
             estimate=TokenEstimate(config.limits.max_length))
-        self._pool = self._dispatch.pool
-        self._admission = self._dispatch.admission
-        self._health = Health(self._pool, self._admission, config.retry_after)
+        dispatch = self._dispatch
+        self._health = Health(dispatch.snapshot, config.retry_after)
         self._api = api_surface(config)
+        self._cache = AnswerCache(config.answer_cache, config.answer_cache_bytes,
+                                  config.queue_timeout)
         self._metrics = Metrics(LiveState(
-            queue_depth=lambda priority: self._admission.depth_of(priority),
-            in_flight=lambda: self._admission.in_flight,
+            queue_depth=dispatch.depth_of,
+            in_flight=lambda: dispatch.in_flight,
             queue_capacity=config.queue_size,
-            worker_ready=lambda: self._pool.unavailable_reason() is None,
-            worker_info=self._pool.ready_info,
-            queued=lambda: self._admission.depth,
-            token_usage=utilisation_gauge(
-                lambda: self._admission.tokens_waiting + self._admission.tokens_in_flight,
-                self._ready_devices, config.max_batch_tokens),
+            worker_ready=lambda: dispatch.ready,
+            worker_info=dispatch.ready_info,
+            queued=lambda: dispatch.depth,
+            token_usage=utilisation_gauge(lambda: dispatch.tokens_outstanding,
+                                          dispatch.ready_infos),
+            cache_bytes=lambda: self._cache.size_bytes,
         ), version=version(), separate_port=config.metrics_port is not None)
-        self._cache = AnswerCache(config.answer_cache)
-        self._pipeline = Pipeline(config=config, admission=self._admission, health=self._health,
+
+        self._pipeline = Pipeline(config=config, dispatch=dispatch, health=self._health,
                                   metrics=self._metrics, api=self._api, cache=self._cache)
-        self._snapshots: tuple[str, ...] | None = None  # the workers' snapshots, last seen
+        self._fingerprints: tuple[str, ...] | None = None  # the workers' weights, last seen
         self._address = ""
         self._systemd = ServiceNotifier(
             Notifier.from_environment(), status=self._service_status, healthy=self._healthy)
@@ -85,10 +90,6 @@ class FrontServer:
         self._reload_callbacks: list[Callable[[], Awaitable[None] | None]] = [
             self._roll_workers]
         self._reloads: set[asyncio.Future[None]] = set()
-
-    def _ready_devices(self) -> list[str]:
-        """The device of each ready worker, as its `ready` frame says it (the token budget)."""
-        return [lane.info.device for lane in self._pool.ready_lanes() if lane.info is not None]
 
     def on_reload(self, callback: Callable[[], Awaitable[None] | None]) -> None:
         """Run `callback` on every SIGHUP (a coroutine function is run as a task)."""
@@ -133,7 +134,7 @@ class FrontServer:
             key_watch.cancel()
             for task in self._reloads:
                 task.cancel()
-            await self._pool.stop()
+            await self._dispatch.stop()
             self._metrics.close()
 
     def _serve_metrics(self) -> bool:
@@ -161,12 +162,12 @@ class FrontServer:
 
     def _healthy(self) -> bool:
         """For the systemd watchdog: the worker is idle or within its request timeout."""
-        return making_progress(self._admission.in_flight_since, self._config.request_timeout,
+        return making_progress(self._dispatch.in_flight_since, self._config.workers.request_timeout,
                                time.monotonic())
 
     async def _start_worker(self) -> bool:
         """First start, abandoned if a stop signal arrives meanwhile."""
-        starting = asyncio.create_task(self._pool.start())
+        starting = asyncio.create_task(self._dispatch.start())
         stopping = asyncio.create_task(self._stop_requested.wait())
         extending = asyncio.create_task(self._systemd.extend_while_starting())
         await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -186,27 +187,16 @@ class FrontServer:
 
     async def _drain(self, server: asyncio.Server, watcher: asyncio.Task[None]) -> None:
         server.close()
-        self._admission.start_draining()
-        log.info("draining: %d queued, %d in flight (up to %gs)", self._admission.depth,
-                 self._admission.in_flight, self._config.drain_timeout)
-        idle = asyncio.create_task(self._admission.wait_idle())
-        forced = asyncio.create_task(self._force_stop.wait())
-        await asyncio.wait({idle, forced}, timeout=self._config.drain_timeout,
-                           return_when=asyncio.FIRST_COMPLETED)
-        forced.cancel()
-        idle.cancel()
-        if self._admission.depth or self._admission.in_flight:
-            log.warning("drain cut short: %d queued requests get 503", self._admission.depth)
-            self._admission.refuse_waiting("server is draining")
+        await self._dispatch.drain(self._config.drain_timeout, self._force_stop)
         watcher.cancel()
         await asyncio.wait({watcher})
         for task in self._reloads:
             task.cancel()
         # The worker answers what it holds before it reads `shutdown`, so an in-flight request
         # still gets its reply (or a 500 if the worker must be killed after the grace period).
-        await self._pool.stop()
+        await self._dispatch.stop()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._admission.wait_idle(), FINAL_WRITE_SECONDS)
+            await asyncio.wait_for(self._dispatch.wait_idle(), FINAL_WRITE_SECONDS)
         # Idle keep-alive connections stayed open during the drain, so probes on them could see
         # `draining` (every answer meanwhile said `Connection: close`); now they are closed.
         for connection in list(self._connections):
@@ -235,17 +225,17 @@ class FrontServer:
         tickets: it loaded whatever snapshot is at --model now, so if the workers' snapshots
         changed, the kept answers may be another model's, and they go.
         """
-        snapshots = tuple(lane.info.snapshot if lane.info else "" for lane in self._pool.lanes)
-        if self._snapshots is not None and snapshots != self._snapshots:
+        fingerprints = self._dispatch.fingerprints()
+        if self._fingerprints is not None and fingerprints != self._fingerprints:
             self._cache.flush()
-        self._snapshots = snapshots
+        self._fingerprints = fingerprints
 
     async def _roll_workers(self) -> None:
         """SIGHUP's job: every worker onto the snapshot at --model; the answers kept from the
         old one are flushed before and after the roll (old workers answer during it)."""
         self._cache.flush()
         try:
-            await self._pool.reload()
+            await self._dispatch.reload()
         finally:
             self._cache.flush()
 

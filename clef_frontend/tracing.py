@@ -90,7 +90,8 @@ def parse_traceparent(value: str) -> TraceParent | None:
 
 
 def trace_context_of(headers: Iterable[tuple[bytes, bytes]]) -> tuple[str, TraceContext]:
-    """The request id (as `request_id_of`) and the trace context, in one pass.
+    """The request id (the first `X-Request-Id` if acceptable as sent, else a new one) and the
+    trace context, in one pass.
 
     Two `traceparent` headers make it invalid (which one would be the parent?); several
     `tracestate` headers are one comma-separated list, as HTTP combines them.
@@ -125,15 +126,6 @@ def new_request_id() -> str:
     """A fresh id: 32 hex digits (128 random bits, as a UUID4's hex without its object),
     unique enough to grep for across replicas."""
     return os.urandom(16).hex()
-
-
-def request_id_of(headers: Iterable[tuple[bytes, bytes]]) -> str:
-    """The first `X-Request-Id` if it is acceptable as sent, else a new id."""
-    for name, value in headers:
-        if name.lower() == _HEADER_KEY:
-            text = value.decode("latin-1")
-            return text if is_request_id(text) else new_request_id()
-    return new_request_id()
 
 
 def server_timing(queue_ms: float | None, worker_ms: float | None, total_ms: float | None,

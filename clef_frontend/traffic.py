@@ -11,25 +11,22 @@ Plain steps of `pipeline.Pipeline.steps`, which declares them in contract order 
 refused request costs no upload. `share` only decides how the request will get its answer: from
 the cache (hit), by joining an identical request in flight (coalesced), or by being admitted as
 the first of its kind (miss); the pipeline's own `admit` and `await_answer` then run for all
-three, so every scoring request leaves the same traces. A request joins a flight only where the
-shared request cannot be cut short before its own deadline or wait behind a lower class than its
-own (a queued one with an earlier deadline, or bulk for an interactive joiner, is not joined:
-this request is admitted on its own). With `--answer-cache 0` nothing is shared: every request
+three, so every scoring request leaves the same traces (the rules of sharing are
+answer_cache.py's). With `--answer-cache 0` nothing is shared: every request
 is admitted on its own and `cache` stays unset.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING
 
+from clef_api.responses import Reply
 from clef_frontend import deadlines, priority
-from clef_frontend.answer_cache import COALESCED, HIT, MISS, AnswerCache, Flight
+from clef_frontend.answer_cache import AnswerCache
 from clef_frontend.auth import NO_KEY, ApiKeys
 from clef_frontend.metrics import Metrics
 from clef_frontend.quotas import Quotas
-from clef_frontend.responses import Reply
 
 if TYPE_CHECKING:
     from clef_frontend.request_context import RequestContext
@@ -39,12 +36,11 @@ class TrafficSteps:
     """The steps, and what they consult: the keys, the quotas and the answer cache."""
 
     def __init__(self, keys: ApiKeys, metrics: Metrics, cache: AnswerCache,
-                 queue_timeout: float | None = None, quotas: Quotas | None = None,
+                 quotas: Quotas | None = None,
                  objective_classes: tuple[tuple[str, str], ...] = ()) -> None:
         self._keys = keys
         self._objective_classes = objective_classes
         self._metrics = metrics
-        self._queue_timeout = queue_timeout
         self.cache = cache
         self.quotas = quotas or Quotas()
 
@@ -90,38 +86,17 @@ class TrafficSteps:
         return None
 
     async def share(self, ctx: RequestContext) -> Reply | None:
-        """Decide how the answer comes: a kept answer (hit), an identical request in flight
-        (coalesced), or this request admitted as the first of its kind (miss)."""
+        """Decide how the answer comes (answer_cache.AnswerCache.share): a kept answer (hit),
+        an identical request in flight (coalesced), or this request admitted as the first of
+        its kind (miss)."""
         if not self.cache.enabled:
             return None
         assert ctx.identity is not None  # resolved once, by validation
-        found = self.cache.lookup(ctx.identity)
-        if isinstance(found, Reply):
-            ctx.cache = HIT
-            ctx.answer = asyncio.get_running_loop().create_future()
-            ctx.answer.set_result(found)
-        elif isinstance(found, Flight) and self._may_join(ctx, found):
-            ctx.cache = COALESCED
-            ctx.flight = found
-            ctx.answer = found.join()
-        else:
-            ctx.cache = MISS
-            ctx.flight = Flight(ctx.io.client_gone)
+        shared = self.cache.share(ctx.identity, priority=ctx.priority, deadline=ctx.deadline,
+                                  client_gone=ctx.io.client_gone)
+        ctx.cache = shared.how
+        ctx.answer = shared.answer
+        ctx.flight = shared.flight
         ctx.shared_at = time.monotonic()
         self._metrics.answer_cache_lookup(ctx.cache)
         return None
-
-    def _may_join(self, ctx: RequestContext, flight: Flight) -> bool:
-        """Whether the flight's request will be answered no later, and no lower, than this
-        one would be on its own (see the module docstring)."""
-        ticket = flight.ticket
-        if ticket is None or ticket.outcome.cancelled():
-            return False  # given up: nothing will come
-        if ticket.started_at is not None or ticket.outcome.done():
-            return True  # at a worker (or answered): its answer comes whatever happens
-        if ticket.priority != ctx.priority and ctx.priority == priority.INTERACTIVE:
-            return False
-        if ticket.deadline is None:
-            return True
-        mine = deadlines.earliest(ctx.deadline, time.monotonic(), self._queue_timeout)
-        return mine is not None and mine <= ticket.deadline

@@ -84,6 +84,9 @@ class ModelInfo:
     versions: dict[str, str] = field(default_factory=dict)
     demo: bool = False
     snapshot: str = ""
+    # A digest of the snapshot's files as loaded (names, sizes and contents): the same path with
+    # other weights has another fingerprint, so the front's kept answers can follow the weights.
+    fingerprint: str = ""
     # The GPU path (clef_worker.gpu.graphs): length buckets (padded: a row's length; packed: a
     # forward's total tokens), whether they replay captured CUDA graphs, how many shapes were
     # built at warm-up and the device memory the graphs hold.
@@ -142,6 +145,7 @@ class ReadyInfo(ModelInfo):
                 versions={str(k): str(v) for k, v in (message.get("versions") or {}).items()},
                 demo=bool(message.get("demo", False)),
                 snapshot=str(message.get("snapshot", "")),
+                fingerprint=str(message.get("fingerprint", "")),
                 cuda_graphs=bool(message.get("cuda_graphs", False)),
                 buckets=[int(length) for length in message.get("buckets") or ()],
                 shapes=int(message.get("shapes", 0)),

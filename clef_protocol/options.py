@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from clef_protocol.arg_types import non_negative_float, non_negative_int, positive_int
 from clef_protocol.finetune import finetune_arg
 from clef_protocol.logfmt import LOG_FORMATS
 
@@ -90,35 +91,6 @@ def device_arg(value: str) -> str:
         return str(parse_device(value))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def positive_int(value: str) -> int:
-    """argparse type: an integer >= 1 (shared by the front's own flags)."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return number
-
-
-def non_negative_int(value: str) -> int:
-    """argparse type: an integer >= 0."""
-    if value.strip().isdigit():
-        return int(value)
-    raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value!r}")
-
-
-def non_negative_float(value: str) -> float:
-    """argparse type: a finite number >= 0."""
-    try:
-        number = float(value)
-    except ValueError:
-        number = -1.0
-    if not 0.0 <= number < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {value!r}")
-    return number
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

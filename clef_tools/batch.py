@@ -3,7 +3,7 @@
 Bulk work (an eval set, re-enriching a whole collection) sent through the server pays the FIFO,
 the clients' timeouts and retries, and delays the people waiting on interactive requests. This
 command runs the server's own worker on the model flags of `clef-serve` (one definition,
-`clef_protocol.options`) and drives the server's own dispatch (`clef_frontend.dispatch`: the
+`clef_protocol.options`) and drives the server's own dispatch (`clef_dispatch`: the
 same worker flags, supervision, liveness and resend policy), checks every body with the front's
 own checks, and keeps the worker fed with full batches of similar-length requests. The output
 has one line per input line, in OpenAI's batch output shape, keyed by custom_id (order differs
@@ -18,17 +18,13 @@ import logging
 import sys
 from pathlib import Path
 
-from clef_frontend.catalogue import Catalogue, served_name
-from clef_frontend.dispatch.dispatcher import StartupFailed
-from clef_frontend.dispatch.settings import add_worker_arguments, worker_settings_from
-from clef_frontend.responses import Reply
+from clef_api.catalogue import Catalogue, served_name
+from clef_api.checks import DEFAULT_BODY_LIMIT, RequestRules
+from clef_api.responses import Reply
+from clef_dispatch import StartupFailed, add_worker_arguments, worker_settings_from
+from clef_protocol.arg_types import non_negative_float, positive_int
 from clef_protocol.finetune import resolve_finetunes
-from clef_protocol.options import (
-    add_model_arguments,
-    limits_from,
-    non_negative_float,
-    positive_int,
-)
+from clef_protocol.options import add_model_arguments, limits_from
 from clef_tools.batch_input import BadLine, InputScan, Job, read_input
 from clef_tools.batch_output import OutputFile, bad_line, new_request_id
 from clef_tools.batch_runner import (
@@ -42,7 +38,7 @@ from clef_tools.batch_runner import (
 )
 from clef_tools.progress import Progress
 from clef_tools.resume import Done, ResumeError, load_done
-from clef_tools.screening import DEFAULT_BODY_LIMIT, Screen
+from clef_tools.screening import Screen
 
 # Worker replacements before a run gives up (a rerun resumes); the server never gives up.
 DEFAULT_MAX_RESTARTS = 5
@@ -144,10 +140,10 @@ def _main(argv: list[str] | None) -> int:
     for item in scan.bad:
         progress.write(f"clef-batch: bad input: {item.message}")
     served = tuple(args.served_model_name or (args.variant,))
-    screen = Screen(limits_from(args),
-                    Catalogue(served, variants=tuple(
-                        f.name for f in resolve_finetunes(args.finetune, served))),
-                    args.body_limit)
+    screen = Screen(RequestRules(limits_from(args),
+                                 Catalogue(served, variants=tuple(
+                                     f.name for f in resolve_finetunes(args.finetune, served))),
+                                 args.body_limit))
     refused: list[tuple[Job, Reply]] = []
     forward: list[Job] = []
     for job in jobs:

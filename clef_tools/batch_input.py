@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clef_frontend.routes import Route, route
-from clef_frontend.workers_ai import PATH_TEMPLATE
+from clef_api.routes import Route, route
+from clef_api.workers_ai import PATH_TEMPLATE
 from clef_protocol.body import parse_body
 from clef_protocol.errors import BadRequestBody
 

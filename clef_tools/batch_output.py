@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import IO
 
-from clef_frontend.responses import Reply
+from clef_api.responses import Reply
 from clef_tools.batch_input import BadLine
 
 

@@ -1,7 +1,7 @@
 """Drive the server's dispatch through a list of jobs: the workers kept fed, answers written as
 they come.
 
-The workers, their supervision and the queue are the server's own (`clef_frontend.dispatch`):
+The workers, their supervision and the queue are the server's own (`clef_dispatch`):
 the same start, liveness (`--stall-timeout`, `--request-timeout`, the stack of a stuck worker
 in the log), restart with back-off, and resend-alone policy. A request lost with a worker is not
 answered 500 at once, since one request that crashes the worker would otherwise fail every
@@ -24,10 +24,12 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from clef_frontend import responses
-from clef_frontend.dispatch.dispatcher import (
+from clef_api import responses
+from clef_dispatch import (
     Dispatcher,
     DispatchEvents,
+    Outcome,
+    Refusal,
     Ticket,
     WorkerSettings,
 )
@@ -107,7 +109,7 @@ class BatchRunner:
             if supervise is not None:
                 supervise.cancel()
                 await asyncio.wait({supervise})
-            self.state.restarts = dispatch.pool.restarts
+            self.state.restarts = dispatch.restarts
             if not self._has_work():
                 # Said before the workers' exit, which can take seconds: a rate measured up to
                 # this line is the answering's alone (bench/bench_batch_vs_server.py).
@@ -138,9 +140,8 @@ class BatchRunner:
     def _worker_ready(self) -> None:
         """A worker became ready (first start or replacement): say so, once per process."""
         assert self._dispatch is not None
-        for lane in self._dispatch.pool.ready_lanes():
-            info = lane.info
-            if info is None or info.pid in self._announced:
+        for info in self._dispatch.ready_infos():
+            if info.pid in self._announced:
                 continue
             self._announced.add(info.pid)
             if self.state.ready is None and info.demo:
@@ -174,7 +175,7 @@ class BatchRunner:
         assert self._dispatch is not None
         for ticket in [t for t in self._open if t.started_at is None]:
             del self._open[ticket]
-            self._dispatch.admission.abandon(ticket)
+            self._dispatch.abandon(ticket)
 
     # -- feeding the workers -----------------------------------------------------------------
 
@@ -183,17 +184,20 @@ class BatchRunner:
         dispatch = self._dispatch
         assert dispatch is not None
         while self._pending and not self._stop.is_set() and \
-                dispatch.admission.depth < FEED_AHEAD:
+                dispatch.depth < FEED_AHEAD:
             job = self._pending.popleft()
             request_id = new_request_id()
             ticket = dispatch.submit(job.body, request_id)
+            if isinstance(ticket, Refusal):  # only while stopping: the queue is never full
+                self.record(job, request_id, responses.from_outcome(ticket))
+                continue
             self._open[ticket] = job
             ticket.outcome.add_done_callback(
                 functools.partial(self._answered, ticket, request_id))
         self._check_finished()
 
     def _answered(self, ticket: Ticket, request_id: str,
-                  outcome: asyncio.Future[responses.Reply]) -> None:
+                  outcome: asyncio.Future[Outcome]) -> None:
         job = self._open.pop(ticket, None)
         if job is None or outcome.cancelled():
             return  # withdrawn: a rerun answers it
@@ -201,7 +205,7 @@ class BatchRunner:
         if worker_reply is not None:
             self.state.worker_answers += 1
             self.state.batch_size_sum += worker_reply.batch_size
-        self.record(job, request_id, outcome.result())
+        self.record(job, request_id, responses.from_outcome(outcome.result()))
         self._feed()
 
     def _check_finished(self) -> None:

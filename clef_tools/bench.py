@@ -20,9 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from clef_frontend import auth
-from clef_frontend.workers_ai import PATH_TEMPLATE
-from clef_protocol.options import positive_int
+from clef_api import credentials
+from clef_api.workers_ai import PATH_TEMPLATE
+from clef_protocol.arg_types import positive_int
 from clef_tools.bench_body import generated_body
 from clef_tools.bench_report import RunRow, plot_runs, summarise, write_report
 from clef_tools.http_client import Endpoint, HttpConnection
@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     body.add_argument("--account-id", default="bench", help="the account in the Workers-AI path")
     body.add_argument("--model-name", default="clef-flash",
                       help="the model in the Workers-AI path (a --served-model-name)")
-    body.add_argument("--api-key", default=os.environ.get(auth.ENV_VAR), metavar="KEY",
-                      help=f"sent as 'Authorization: Bearer KEY' (default: ${auth.ENV_VAR}, "
+    body.add_argument("--api-key", default=os.environ.get(credentials.ENV_VAR), metavar="KEY",
+                      help=f"sent as 'Authorization: Bearer KEY' (default: ${credentials.ENV_VAR}, "
                            "which keeps the key out of the process list)")
     body.add_argument("--same-body", action="store_true",
                       help="send the body byte for byte every time (by default each request "

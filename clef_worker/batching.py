@@ -31,11 +31,10 @@ import io
 import logging
 import queue
 import select
-import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
@@ -191,21 +190,6 @@ class GroupCutter:
         return group or None
 
 
-def plan_groups(lengths: Sequence[int | None], cost: Callable[[Sequence[int]], int],
-                max_tokens: int, alone: Sequence[bool] = (),
-                max_sequences: int = sys.maxsize) -> list[list[int]]:
-    """All the groups `GroupCutter` makes of these lengths (in order); `None` marks a request
-    that failed before the forward."""
-    cutter = GroupCutter(cost, max_tokens, max_sequences)
-    groups = []
-    for position, length in enumerate(lengths):
-        closed = cutter.add(position, length, position < len(alone) and alone[position])
-        if closed:
-            groups.append(closed)
-    last = cutter.finish()
-    return [*groups, last] if last else groups
-
-
 @dataclass
 class Outcome:
     """One request's result: an answer or the exception it raised (the serve loop maps it to a
@@ -349,13 +333,6 @@ class HostHelper:
         for stop in list(self._stops):
             stop.set()
         self.pool.shutdown(wait=True)
-
-
-def answer_batch(executor: BatchingExecutor, bodies: Sequence[object],
-                 policy: BatchPolicy) -> Iterator[tuple[int, Outcome]]:
-    """Yield (position, outcome) for every body, in order, group by group."""
-    for group in answer_groups(executor, bodies, policy):
-        yield from group
 
 
 def answer_groups(executor: BatchingExecutor, bodies: Sequence[object], policy: BatchPolicy,

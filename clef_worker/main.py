@@ -221,13 +221,17 @@ def executor_policy(executor: object, args: argparse.Namespace | None = None) ->
 
 def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:
     """Load and warm up; send `ready`, or `fatal` with a reason the operator can act on."""
+    from clef_worker.fingerprint import start_fingerprint
     from clef_worker.loading import load_executor
 
     try:
         executor = load_executor(args)
+        model = executor.describe()
+        fingerprint = start_fingerprint(model.snapshot)  # hashed while the worker warms up
         started = time.perf_counter()
         executor.warm_up()
         warmup_ms = _elapsed_ms(started)
+        model = dataclasses.replace(executor.describe(), fingerprint=fingerprint.result())
     except StartupError as exc:
         reason = str(exc)
     except Exception as exc:
@@ -235,7 +239,7 @@ def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:
         reason = f"{type(exc).__name__}: {exc}"
     else:
         ready = messages.ReadyInfo(
-            **dataclasses.asdict(executor.describe()),
+            **dataclasses.asdict(model),
             pid=os.getpid(), thread=threading.current_thread().name, warmup_ms=warmup_ms,
             pings=True,  # `serve` answers every ping between forwards
             **executor_policy(executor, args).ready_fields(),  # type: ignore[arg-type]

@@ -1,7 +1,7 @@
-"""A silent worker is suspect within a second and what it holds is answered elsewhere; a slow but
-live forward is never killed (issue 27). Two real workers on the tiny snapshot (CPU), the front's
-defaults (`--stall-timeout 30`, `--max-batch` by device, the answer cache on), one server, in
-this order (3, 2, 1):
+"""Checks that a silent worker is suspect within a second and that what it holds is answered by
+the other worker, and that a slow but live forward is never killed. Two real workers on the
+tiny snapshot (CPU), the front's defaults (`--stall-timeout 30`, `--max-batch` by device, the
+answer cache on), one server, in this order (3, 2, 1):
 
 1. idle wedge: one worker is SIGSTOPped while idle, then 40 sequential requests with a 5 s client
    timeout: every one 200, the slowest within 2 s; the stopped worker is suspect in /health,

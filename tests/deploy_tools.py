@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from clef_frontend.routes import Route
+from clef_api.routes import Route
 from tests.conftest import REPO
 
 RULES = REPO / "deploy" / "prometheus" / "clef-serve-rules.yaml"

@@ -9,12 +9,31 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import Any
 
-from clef_frontend.dispatch.worker_errors import Deliver, WorkerFailure
+from clef_api.responses import Reply, from_outcome
+from clef_dispatch import admission
+from clef_dispatch.admission import Ticket
+from clef_dispatch.worker_errors import Deliver, WorkerFailure
 from clef_protocol.errors import BadRequestBody, RequestInvalid
 from clef_protocol.messages import ModelInfo, Request, WorkerReply
 from clef_worker.errors import ExecutorBroken
 from clef_worker.executor import Answer
+
+
+class Admission(admission.Admission):
+    """The real admission queue, whose `submit` returns the Ticket: a test that expects a
+    refusal uses `admission.Admission` itself."""
+
+    def submit(self, *args: Any, **kwargs: Any) -> Ticket:
+        ticket = super().submit(*args, **kwargs)
+        assert isinstance(ticket, Ticket), ticket
+        return ticket
+
+
+async def reply_of(ticket: Ticket) -> Reply:
+    """The ticket's outcome, as the HTTP API answers it."""
+    return from_outcome(await ticket.outcome)
 
 
 class FakeLane:

@@ -218,6 +218,8 @@ def main() -> int:
         pid=os.getpid(), thread=threading.current_thread().name, model="fake",
         variant=args.variant, device="cpu", dtype="float32", gdn_path="none", warmup_ms=0.0,
         versions={"fake_worker": "1"}, demo=args.demo, snapshot="", pings=not args.no_pings,
+        # The batch policy as the real worker reports it: what its flags set (0: by device).
+        max_batch_tokens=args.max_batch_tokens or 0, max_sequences=args.max_batch or 0,
     )))
     reader = Reader(inp, out, args.silent_forwards)
     while True:

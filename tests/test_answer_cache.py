@@ -7,10 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-from clef_frontend.answer_cache import AnswerCache, Flight, identity
-from clef_frontend.responses import Reply
+from clef_dispatch import EXPIRED_DETAIL, INTERACTIVE, Answer, Refusal, RefusalKind, Ticket
+from clef_frontend.answer_cache import COALESCED, HIT, MISS, AnswerCache, Shared, identity
+from clef_protocol.messages import WorkerReply
 from tests.frontend_helpers import Serve, background, clef_body, clef_request
 from tests.traffic_helpers import metric, wait_until
 
@@ -115,28 +118,42 @@ def test_a_joiner_keeps_its_own_deadline_and_its_own_client(tmp_path: Path) -> N
         assert metric(serve, "clef_deadline_expired_total", **{"class": "interactive"}) == 1
 
 
+def _share(cache: AnswerCache, key: bytes, gone: Callable[[], bool] = lambda: False) -> Shared:
+    return cache.share(key, priority=INTERACTIVE, deadline=None, client_gone=gone)
+
+
+def _answer(body: bytes) -> Answer:
+    return Answer(WorkerReply(200, body, None, 1.0))
+
+
 def test_one_caller_leaving_does_not_cancel_the_others() -> None:
     async def scenario() -> None:
         cache = AnswerCache(4)
-        outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        ticket = Ticket(1, b"", loop.create_future(), started_at=time.monotonic())
         abandoned: list[str] = []
         key = identity("-", clef_request())
-        flight = cache.start(key, Flight(lambda: False,
-                                         on_all_gone=lambda: abandoned.append("first")))
-        found = cache.lookup(key)
-        assert found is flight
-        first, second = flight.join(), flight.join()
-        flight.leave(first)  # a joining client went away
-        assert first.cancelled() and not abandoned  # the request still has callers
+        miss = _share(cache, key)
+        assert miss.how == MISS and miss.flight is not None
+        flight = miss.flight
+        cache.admitted(key, flight, ticket, lambda _: abandoned.append("first"))
+        first, second = _share(cache, key), _share(cache, key)
+        assert (first.how, second.how) == (COALESCED, COALESCED) and first.flight is flight
+        assert first.answer is not None and second.answer is not None
+        flight.leave(first.answer)  # a joining client went away
+        assert first.answer.cancelled() and not abandoned  # the request still has callers
         assert flight.first_leaves()  # so did the first request's: it goes on for the joiner
         assert not abandoned and not flight.all_gone()  # the second joiner still waits
-        outcome.set_result(Reply(200, b'{"ok": 1}'))
-        cache.land(key, flight, outcome)
-        assert (await second).body == b'{"ok": 1}'
-        assert isinstance(cache.lookup(key), Reply)  # kept for repeats
+        ticket.outcome.set_result(_answer(b'{"ok": 1}'))
+        cache.land(key, flight, ticket.outcome)
+        assert await second.answer == _answer(b'{"ok": 1}')
+        assert _share(cache, key).how == HIT  # kept for repeats
         gone = [False]
-        other = cache.start(identity("-", {}),
-                            Flight(lambda: gone[0], on_all_gone=lambda: abandoned.append("other")))
+        other_key = identity("-", {})
+        other = _share(cache, other_key, lambda: gone[0]).flight
+        assert other is not None
+        cache.admitted(other_key, other, Ticket(2, b"", loop.create_future()),
+                       lambda _: abandoned.append("other"))
         mine = other.join()
         other.leave(mine)
         assert not abandoned  # the first request's client is still there
@@ -145,7 +162,7 @@ def test_one_caller_leaving_does_not_cancel_the_others() -> None:
         other.leave(mine)
         assert abandoned == ["other"]  # the last caller out gives the request up
         cache.flush()
-        assert cache.lookup(key) is None
+        assert _share(cache, key).how == MISS
 
     asyncio.run(scenario())
 
@@ -155,15 +172,18 @@ def test_an_outcome_still_due_lands_when_it_is_set() -> None:
     to the outcome itself: the joiners still get the answer and it is kept."""
     async def scenario() -> None:
         cache = AnswerCache(4)
-        outcome: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        ticket = Ticket(1, b"", asyncio.get_running_loop().create_future(),
+                        started_at=time.monotonic())
         key = identity("-", clef_request())
-        flight = cache.start(key, Flight(lambda: True))
+        flight = _share(cache, key, lambda: True).flight
+        assert flight is not None
+        cache.admitted(key, flight, ticket, lambda _: None)
         joiner = flight.join()
-        cache.land(key, flight, outcome)
-        assert cache.lookup(key) is flight  # still in flight: others may join
-        outcome.set_result(Reply(200, b'{"ok": 2}'))
-        assert (await joiner).body == b'{"ok": 2}'
-        assert cache.lookup(key) == Reply(200, b'{"ok": 2}')
+        cache.land(key, flight, ticket.outcome)
+        assert _share(cache, key).how == COALESCED  # still in flight: others may join
+        ticket.outcome.set_result(_answer(b'{"ok": 2}'))
+        assert await joiner == _answer(b'{"ok": 2}')
+        assert _share(cache, key).how == HIT
 
     asyncio.run(scenario())
 
@@ -198,3 +218,46 @@ def test_the_first_client_leaving_does_not_cut_the_forward_its_joiners_share(
         gate.touch()
         assert_one_forward_answered_and_kept(serve, log, joiner, body)
         serve.wait_for(r"status=499 .*cache=miss")
+
+
+def test_kept_answers_are_bounded_in_bytes(tmp_path: Path) -> None:
+    """With `--answer-cache-bytes 131072` (this test's setting; the default is 64 MiB), sixty
+    distinct ~8 KB answers leave the kept bytes within the bound and above zero: the last
+    request again is a hit, the first again a miss (evicted to make room)."""
+    log = tmp_path / "requests.log"
+    bodies = [clef_body(tag=f"{i:02d}" + "x" * 8000) for i in range(60)]
+    with Serve("--log-file", str(log), front_args=("--answer-cache-bytes", "131072")) as serve:
+        for body in bodies:
+            response = serve.post(body)
+            assert response.status == 200 and len(response.body) > 8000
+        kept = metric(serve, "clef_answer_cache_bytes")
+        assert 0 < kept <= 131072
+        assert metric(serve, "clef_answer_cache_total", result="miss") == 60
+        assert serve.post(bodies[-1]).status == 200
+        assert metric(serve, "clef_answer_cache_total", result="hit") == 1
+        assert serve.post(bodies[0]).status == 200
+        assert metric(serve, "clef_answer_cache_total", result="miss") == 61
+        assert len(log.read_text().split()) == 61  # the first was computed again
+
+
+
+def test_a_flight_already_answered_is_joined_only_with_a_200() -> None:
+    """A flight whose outcome is set but not landed yet: a 200 is handed over at once, a refusal
+    (here a 504) is not: the newcomer is a miss, admitted on its own."""
+    async def scenario() -> None:
+        cache = AnswerCache(4)
+        loop = asyncio.get_running_loop()
+        for outcome, how in ((_answer(b'{"ok": 3}'), COALESCED),
+                             (Refusal(RefusalKind.EXPIRED, EXPIRED_DETAIL), MISS)):
+            key = identity("-", clef_request())
+            flight = _share(cache, key).flight
+            assert flight is not None
+            ticket = Ticket(1, b"", loop.create_future())
+            cache.admitted(key, flight, ticket, lambda _: None)
+            ticket.outcome.set_result(outcome)  # set; the first request has not landed it yet
+            late = _share(cache, key)
+            assert late.how == how
+            if how == COALESCED:
+                assert late.answer is not None and late.answer.result() == outcome
+
+    asyncio.run(scenario())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from clef_frontend.dispatch.backoff import RestartBackoff
+from clef_dispatch.backoff import RestartBackoff
 
 
 def backoff() -> RestartBackoff:

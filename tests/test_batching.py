@@ -8,8 +8,9 @@ import dataclasses
 import io
 import json
 import os
+import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +25,14 @@ from clef_protocol.frames import encode_frame, read_frame_blocking
 from clef_protocol.options import DEFAULT_MAX_BATCH_TOKENS, RequestLimits
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.batching import (
+    BatchingExecutor,
+    GroupCutter,
     HostHelper,
     OneAtATime,
     Outcome,
-    answer_batch,
     answer_groups,
     as_batching,
     frame_waiting,
-    plan_groups,
 )
 from clef_worker.errors import ExecutorBroken
 from clef_worker.executor import Answer
@@ -44,6 +45,29 @@ from tests.request_strategies import requests
 
 CASES = [json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitlines() if line]
 BIG = BatchPolicy(max_batch_tokens=1 << 30, max_sequences=1 << 30)
+
+
+# Test-only helpers over the serve loop's own parts (not in the production module).
+def plan_groups(lengths: Sequence[int | None], cost: Callable[[Sequence[int]], int],
+                max_tokens: int, alone: Sequence[bool] = (),
+                max_sequences: int = sys.maxsize) -> list[list[int]]:
+    """All the groups `GroupCutter` makes of these lengths (in order); `None` marks a request
+    that failed before the forward."""
+    cutter = GroupCutter(cost, max_tokens, max_sequences)
+    groups = []
+    for position, length in enumerate(lengths):
+        closed = cutter.add(position, length, position < len(alone) and alone[position])
+        if closed:
+            groups.append(closed)
+    last = cutter.finish()
+    return [*groups, last] if last else groups
+
+
+def answer_batch(executor: BatchingExecutor, bodies: Sequence[object],
+                 policy: BatchPolicy) -> Iterator[tuple[int, Outcome]]:
+    """Every body's (position, outcome), in order, group by group."""
+    for group in answer_groups(executor, bodies, policy):
+        yield from group
 
 
 def rows_times(padded: Callable[[int], int]) -> Callable[[Sequence[int]], int]:

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from benchlib.golden import answered, assert_response_matches, refused
-from clef_frontend.responses import Reply
-from clef_frontend.routes import check_body
+from clef_api.checks import RequestRules, check_body
+from clef_api.responses import Reply
 from clef_protocol.options import RequestLimits
 from clef_tools.batch_input import BadLine, Job, parse_line, read_input
 from clef_tools.batch_output import answered_line
@@ -382,9 +382,9 @@ def test_read_input_skips_blank_lines_and_numbers_the_rest(tmp_path: Path) -> No
 
 
 def test_screening_refuses_as_the_front_does() -> None:
-    from clef_frontend.catalogue import Catalogue
+    from clef_api.catalogue import Catalogue
 
-    screen = Screen(RequestLimits(), Catalogue(("clef-flash",)), body_limit=100)
+    screen = Screen(RequestRules(RequestLimits(), Catalogue(("clef-flash",)), body_limit=100))
     body = json.dumps(clef_request()).encode()
     assert screen.refuse(Job(1, "a", b"/v1/systemone", body)) is None
     too_big = Job(1, "a", b"/v1/systemone", body + b" " * 100)
@@ -399,7 +399,7 @@ def test_screening_refuses_as_the_front_does() -> None:
 
 
 def test_resume_drops_only_a_torn_last_line(tmp_path: Path) -> None:
-    from clef_frontend.responses import Reply
+    from clef_api.responses import Reply
 
     out = tmp_path / "out.jsonl"
     whole = answered_line("a", "batch_req_1", Reply(200, b'{"k":1}'))

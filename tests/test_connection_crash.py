@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from clef_dispatch import WorkerSettings
 from clef_frontend.config import ServerConfig
 from clef_frontend.connection import HttpConnection
 from clef_frontend.pipeline import Pipeline, RequestContext
@@ -30,9 +31,9 @@ async def _exchange(target: bytes) -> tuple[int, dict[str, Any]]:
     served = asyncio.Event()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        config = ServerConfig(worker_argv=("unused",))
+        config = ServerConfig(WorkerSettings(("unused",)))
         not_draining = SimpleNamespace(draining=False)
-        pipeline = Pipeline(config=config, admission=not_draining,  # type: ignore[arg-type]
+        pipeline = Pipeline(config=config, dispatch=not_draining,
                             health=None, metrics=None)  # type: ignore[arg-type]
         pipeline.steps = [pipeline.route, _explode]  # routed (so the form is known), then a bug
         connection = HttpConnection(reader, writer, config=config, pipeline=pipeline)

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from clef_frontend.dispatch.admission import Admission
-from tests.doubles import FakeLane, FakeWorkers
+from tests.doubles import Admission, FakeLane, FakeWorkers
 from tests.frontend_helpers import Serve, background, clef_body
 from tests.traffic_helpers import metric
 
@@ -91,7 +90,7 @@ def test_deadlines_of_tickets_that_left_the_queue_are_not_kept_for_the_queue_tim
             assert not waiting.outcome.done() and lane.held
             most = max(most, len(admission._deadlines))  # the heap, read for this test only
         expiring = admission.submit(b"still queued")
-        assert any(entry[2] is expiring for entry in admission._deadlines)
+        assert any(ticket is expiring for ticket in admission._deadlines.tickets())
         return most, admission.depth, len(lane.sent)
 
     most, depth, sent = asyncio.run(scenario())

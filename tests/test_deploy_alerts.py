@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
+from clef_api.routes import Route
 from clef_frontend.metrics import route_label
-from clef_frontend.routes import Route
 from tests.conftest import REPO
 from tests.deploy_tools import RULES, SCORING, require, scoring_matcher
 

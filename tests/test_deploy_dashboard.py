@@ -18,8 +18,8 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from clef_api.routes import Route
 from clef_frontend.metrics import route_label
-from clef_frontend.routes import Route
 from tests.conftest import REPO
 from tests.deploy_tools import RULES, SCORING, require, scoring_matcher
 from tests.frontend_helpers import Serve, clef_body

@@ -150,7 +150,7 @@ def test_the_default_command_is_a_valid_server_command() -> None:
     assert f"127.0.0.1:{config.port}/health" in health
     # Longer than the front's own start-up bound: a slow warm-up is not "unhealthy".
     start_period = re.search(r"--start-period=(\d+)s", health)
-    assert start_period and int(start_period[1]) >= config.startup_timeout
+    assert start_period and int(start_period[1]) >= config.workers.startup_timeout
 
 
 def test_the_build_context_holds_what_the_image_copies() -> None:
@@ -214,7 +214,7 @@ def test_compose_replicas_match_the_server_and_the_image() -> None:
         config = config_from(args)
         assert service["read_only"] is True and service["user"] == "10001:10001"
         mounts = {mount(volume)[1]: mount(volume) for volume in service["volumes"]}
-        model = config.worker_argv[config.worker_argv.index("--model") + 1]
+        model = config.workers.worker_argv[config.workers.worker_argv.index("--model") + 1]
         assert mounts[str(Path(model))][2] == "ro", "the model is mounted read-only"
         assert mounts[CACHE][0] in spec["volumes"], "the cache is a named volume"
         # The key file's directory is mounted (a single-file bind mount misses a rewrite).

@@ -117,18 +117,18 @@ def test_the_pod_matches_the_server_settings() -> None:
     # The startup probe outlasts the front's own start-up bound; readiness follows /health.
     startup = main["startupProbe"]
     assert startup["httpGet"]["path"] == "/health"
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= config.startup_timeout
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= config.workers.startup_timeout
     assert main["readinessProbe"]["httpGet"]["path"] == "/health"
     # The kubelet waits longer than preStop plus the whole drain before SIGKILL.
     pre_stop = main["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
-    drain = (float(pre_stop[1]) + config.drain_timeout + config.shutdown_grace
+    drain = (float(pre_stop[1]) + config.drain_timeout + config.workers.shutdown_grace
              + FINAL_WRITE_SECONDS)
     assert pod["spec"]["terminationGracePeriodSeconds"] > drain
     # The model is mounted read-only, from a read-only claim.
     mounts = {m["name"]: m for m in main["volumeMounts"]}
     assert mounts["models"]["readOnly"] is True
-    model = config.worker_argv[config.worker_argv.index("--model") + 1]
+    model = config.workers.worker_argv[config.workers.worker_argv.index("--model") + 1]
     assert model.startswith(mounts["models"]["mountPath"] + "/")
     claim = next(v for v in pod["spec"]["volumes"] if v["name"] == "models")
     assert claim["persistentVolumeClaim"]["readOnly"] is True

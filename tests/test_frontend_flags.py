@@ -13,15 +13,15 @@ import re
 import pytest
 
 from benchlib.paths import FINETUNE_FIXTURES
+from clef_dispatch.supervisor import default_max_batch
+from clef_dispatch.worker_pool import plan_slots
 from clef_frontend.cli import build_parser, config_from
-from clef_frontend.dispatch.supervisor import default_max_batch
-from clef_frontend.dispatch.worker_pool import plan_slots
+from clef_protocol.arg_types import non_negative_float
 from clef_protocol.options import (
     Device,
     add_model_arguments,
     default_max_batch_tokens,
     device_arg,
-    non_negative_float,
     parse_device,
     worker_argv,
 )
@@ -62,7 +62,7 @@ def test_every_model_flag_survives_the_trip_to_the_worker() -> None:
         assert sent != action.default, action.dest  # the trip is tested with a changed value
         assert getattr(worker, action.dest) == sent, action.dest
     # ... and the front's config starts the worker with exactly those flags.
-    assert config_from(front).worker_argv == ("w", *passed)
+    assert config_from(front).workers.worker_argv == ("w", *passed)
 
 
 def test_default_flags_round_trip_too() -> None:

@@ -13,17 +13,17 @@ from collections.abc import Callable
 
 import pytest
 
-from clef_frontend import responses, workers_ai
+from clef_api import responses, workers_ai
+from clef_api.responses import Reply
+from clef_api.routes import Route
+from clef_dispatch import Outcome, WorkerSettings
+from clef_dispatch.worker_errors import Deliver
 from clef_frontend.config import ServerConfig
-from clef_frontend.dispatch.admission import Admission
-from clef_frontend.dispatch.worker_errors import Deliver
 from clef_frontend.http1 import BODY_END, Http1Session, Need, RefusedHead, RequestHead
 from clef_frontend.metrics import LiveState, Metrics
 from clef_frontend.pipeline import ClientGone, Pipeline, RequestContext
-from clef_frontend.responses import Reply
-from clef_frontend.routes import Route
 from clef_protocol.messages import Request, WorkerReply
-from tests.doubles import FakeLane, FakeWorkers
+from tests.doubles import Admission, FakeLane, FakeWorkers
 
 BODY = json.dumps({"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}).encode()
 RUN = "/accounts/acct-1/ai/run/@cf/cloudflare/clef-flash"
@@ -66,8 +66,8 @@ class FakeIO:
         return self.gone
 
     async def wait_answer(
-        self, answer: asyncio.Future[Reply], on_gone: Callable[[], None]
-    ) -> Reply:
+        self, answer: asyncio.Future[Outcome], on_gone: Callable[[], None]
+    ) -> Outcome:
         if self.client_leaves:
             on_gone()
             raise ClientGone
@@ -101,8 +101,8 @@ class Rig:
             queue_depth=self.admission.depth_of, in_flight=lambda: self.admission.in_flight,
             queue_capacity=4, worker_ready=lambda: True, worker_info=lambda: None,
         ), version="test")
-        self.pipeline = Pipeline(config=ServerConfig(worker_argv=("unused",)),
-                                 admission=self.admission, health=Health(), metrics=self.metrics)
+        self.pipeline = Pipeline(config=ServerConfig(WorkerSettings(("unused",))),
+                                 dispatch=self.admission, health=Health(), metrics=self.metrics)
 
     def context(self, method: str, target: str, body: bytes = b"", *headers: str,
                 io: FakeIO | None = None) -> RequestContext:
@@ -354,5 +354,35 @@ def test_a_queued_request_is_joined_only_by_requests_it_cannot_make_wait_longer(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_joiner_is_admitted_on_its_own_when_the_shared_request_is_refused() -> None:
+    """The request a joiner shares is refused while queued (503: here the queue is refused as
+    when the last worker is lost): the first request gets its 503, the joiner, which was never
+    refused itself, is admitted on its own and answered by the worker."""
+    async def scenario() -> None:
+        rig = Rig(room=0)  # no room yet: both wait in the queue
+        first = rig.context("POST", "/v1/systemone", BODY)
+        joiner = rig.context("POST", "/v1/systemone", BODY)
+        tasks = []
+        for ctx in (first, joiner):
+            tasks.append(asyncio.ensure_future(rig.serve(ctx)))
+            while ctx.answer is None:  # each reaches its wait before the next one arrives
+                await asyncio.sleep(0)
+        assert (first.cache, joiner.cache) == ("miss", "coalesced")
+        rig.admission.refuse_waiting("worker is restarting")
+        refused = await tasks[0]
+        assert refused is not None and refused.status == 503
+        while rig.admission.depth == 0:  # the joiner queues again, on its own
+            await asyncio.sleep(0)
+        rig.lane.room = 1
+        rig.admission.pump()
+        _, deliver = rig.lane.held.pop(0)
+        deliver(WorkerReply(200, b'{"answers": 1}', None, 12.0))
+        answered = await asyncio.wait_for(tasks[1], 10)
+        assert answered is not None and answered.status == 200
+        assert answered.body == b'{"answers": 1}'
 
     asyncio.run(scenario())

@@ -11,16 +11,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from clef_frontend import responses
+from clef_api import responses
+from clef_api.checks import check_head as check_post_head
+from clef_api.checks import media_type
+from clef_api.framing import _scan_lines, reparse_without_framing, scan_framing
+from clef_api.responses import Reply
+from clef_api.routes import Route, route
+from clef_dispatch import Refusal, RefusalKind, WorkerSettings
+from clef_dispatch import admission as admission_
+from clef_dispatch.admission import Ticket
 from clef_frontend.config import ServerConfig
-from clef_frontend.dispatch.admission import Admission, Refused, Ticket
-from clef_frontend.framing import _scan_lines, reparse_without_framing, scan_framing
-from clef_frontend.responses import Reply
-from clef_frontend.routes import Route, check_post_head, media_type, route
 from clef_protocol import messages
 from clef_protocol.errors import ProtocolError
 from clef_protocol.messages import WorkerReply
-from tests.doubles import FakeLane, FakeWorkers
+from tests.doubles import Admission, FakeLane, FakeWorkers, reply_of
 
 LIMIT = 8 * 1024 * 1024
 
@@ -180,8 +184,8 @@ def test_every_head_rescued_from_bad_framing_is_refused_by_rows_1_to_4(
 
 def test_config_refuses_a_body_limit_beyond_one_frame() -> None:
     with pytest.raises(ValueError, match="does not fit a worker frame"):
-        ServerConfig(worker_argv=("w",), body_limit=64 * 1024 * 1024)
-    ServerConfig(worker_argv=("w",), body_limit=8 * 1024 * 1024)
+        ServerConfig(WorkerSettings(("w",)), body_limit=64 * 1024 * 1024)
+    ServerConfig(WorkerSettings(("w",)), body_limit=8 * 1024 * 1024)
 
 
 def test_admission_is_fifo_and_drops_abandoned_tickets() -> None:
@@ -190,14 +194,13 @@ def test_admission_is_fifo_and_drops_abandoned_tickets() -> None:
         admission = Admission(capacity=3, retry_after=1, workers=FakeWorkers(lane))
         tickets = [admission.submit(str(i).encode()) for i in (1, 2, 3, 4)]
         assert (admission.in_flight, admission.depth) == (1, 3)
-        with pytest.raises(Refused) as refused:
-            admission.submit(b"5")
-        assert json.loads(refused.value.reply.body) == {"detail": "queue is full"}
+        refused = admission_.Admission.submit(admission, b"5")
+        assert refused == Refusal(RefusalKind.UNAVAILABLE, "queue is full", 1)
         admission.abandon(tickets[2])  # "3" leaves while queued
         while lane.held:
             lane.answer_oldest()
         for ticket in (tickets[0], tickets[1], tickets[3]):
-            assert (await ticket.outcome).body == ticket.body
+            assert (await reply_of(ticket)).body == ticket.body
         await admission.wait_idle()
         return lane.sent
 
@@ -234,7 +237,7 @@ def test_admission_keeps_fifo_per_worker_and_answers_each_request_once(
                 if lane.held:
                     lane.answer_oldest()
         for ticket in tickets:
-            reply = await ticket.outcome
+            reply = await reply_of(ticket)
             answered.append(reply.body)
         assert answered == [t.body for t in tickets]
         for lane in lanes:
@@ -252,10 +255,10 @@ def test_a_crashed_worker_fails_only_its_own_requests() -> None:
         assert [b for b in doomed.sent] == [b"0", b"2"] and healthy.sent == [b"1", b"3"]
         doomed.ready = False
         doomed.crash()  # both of its requests fail; the queue moves on to the other worker
-        assert [(await t.outcome).status for t in (tickets[0], tickets[2])] == [500, 500]
+        assert [(await reply_of(t)).status for t in (tickets[0], tickets[2])] == [500, 500]
         while healthy.held:
             healthy.answer_oldest()
-        assert [(await t.outcome).status for t in (tickets[1], tickets[3], tickets[4],
+        assert [(await reply_of(t)).status for t in (tickets[1], tickets[3], tickets[4],
                                                     tickets[5])] == [200] * 4
         assert doomed.sent == [b"0", b"2"]
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from clef_dispatch import worker_pool
+from clef_dispatch.settings import WorkerSettings, workers_from
+from clef_dispatch.supervisor import DEFAULT_MAX_BATCH_CPU
+from clef_dispatch.worker_pool import plan_slots
 from clef_frontend.cli import build_parser
 from clef_frontend.config import ServerConfig
-from clef_frontend.dispatch import worker_pool
-from clef_frontend.dispatch.settings import WorkerSettings, workers_from
-from clef_frontend.dispatch.supervisor import DEFAULT_MAX_BATCH_CPU
-from clef_frontend.dispatch.worker_pool import plan_slots
 from tests.frontend_helpers import WAIT, Response, Serve, background, clef_body
 
 
@@ -31,9 +31,8 @@ def test_devices_pin_each_worker_with_cuda_visible_devices(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(worker_pool, "host_cores", lambda: 16)
-    config = ServerConfig(worker_argv=("w", "--device", "auto"), devices=("cuda:0", "cuda:3"),
-                          workers_per_device=2)
-    slots = plan_slots(config.workers)
+    slots = plan_slots(WorkerSettings(("w", "--device", "auto"), devices=("cuda:0", "cuda:3"),
+                                      workers_per_device=2))
     assert [s.name for s in slots] == ["cuda:0#0", "cuda:0#1", "cuda:3#0", "cuda:3#1"]
     assert [s.env for s in slots] == [{"CUDA_VISIBLE_DEVICES": "0"}] * 2 + \
         [{"CUDA_VISIBLE_DEVICES": "3"}] * 2
@@ -204,7 +203,7 @@ def test_sighup_runs_every_reload_callback_even_when_one_fails() -> None:
     async def scenario() -> list[str]:
         ran: list[str] = []
         done = asyncio.Event()
-        server = FrontServer(ServerConfig(worker_argv=("unused",)))
+        server = FrontServer(ServerConfig(WorkerSettings(("unused",))))
 
         def broken() -> None:
             raise OSError("key file unreadable")

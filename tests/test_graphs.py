@@ -27,7 +27,7 @@ from clef_worker.gpu.graphs import (
     pad_token_id,
     plan_shapes,
 )
-from clef_worker.gpu.transfer import pack, to_device_packed, unpack
+from clef_worker.gpu.transfer import move_staged, pack, stage_host, unpack
 from clef_worker.model.backbone import Backbone
 from clef_worker.native import NativeExecutor
 from clef_worker.warmup import build_graphs
@@ -304,7 +304,8 @@ def test_packed_copy_round_trips_shapes_and_values() -> None:
     assert flat.shape == (9,)
     for got, want in zip(unpack(flat, [t.shape for t in tensors]), tensors, strict=True):
         assert torch.equal(got, want)
-    moved = to_device_packed(tensors, torch.device("meta"))
+    device = torch.device("meta")
+    moved = move_staged(stage_host(tensors, device), [t.shape for t in tensors], device)
     assert [t.shape for t in moved] == [t.shape for t in tensors]
     assert all(t.device.type == "meta" for t in moved)
     with pytest.raises(TypeError):

@@ -1,4 +1,4 @@
-"""The suspect rule (clef_frontend/dispatch/liveness.py) on a hand-driven clock: when a silent
+"""The suspect rule (clef_dispatch/liveness.py) on a hand-driven clock: when a silent
 worker is suspect, when it is wedged, and that a forward ahead of its pong never gets it killed
 before the stall timeout."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from clef_frontend.dispatch.liveness import (
+from clef_dispatch.liveness import (
     ESTIMATE_FACTOR,
     FLOOR_SECONDS,
     ForwardRates,

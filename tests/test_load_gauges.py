@@ -1,5 +1,5 @@
 """The endpoint picker's three gauges (clef_requests_queued, clef_requests_in_flight,
-clef_token_budget_usage_ratio): what they mean (clef_frontend/load.py), and that they move under
+clef_token_budget_usage_ratio): what they mean (clef_dispatch/load.py), and that they move under
 load from one slow worker, read through a real front's /metrics."""
 
 from __future__ import annotations
@@ -15,18 +15,19 @@ import pytest
 from prometheus_client import generate_latest
 
 from benchlib.http_client import Client
-from clef_frontend.dispatch.admission import Admission
-from clef_frontend.dispatch.worker_channel import WorkerExited
-from clef_frontend.exposition import render
-from clef_frontend.load import (
+from clef_dispatch.load import (
     MAX_TOKENS_PER_BYTE,
     PRIOR_TOKENS_PER_BYTE,
     TokenEstimate,
     token_budget,
     utilisation,
 )
+from clef_dispatch.worker_errors import WorkerExited
+from clef_frontend.exposition import render
 from clef_frontend.metrics import LiveState, Metrics
+from clef_protocol.messages import ReadyInfo
 from clef_protocol.options import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_BATCH_TOKENS_CPU
+from tests.doubles import Admission, reply_of
 from tests.frontend_helpers import Serve, clef_body
 from tests.test_frontend_units import FakeLane, FakeWorkers
 from tests.test_observability import parse_metrics, scrape, value
@@ -59,10 +60,15 @@ def test_estimate_learns_the_ratio_from_answers_within_bounds() -> None:
 
 
 def test_budget_is_the_ready_workers_forward_budgets() -> None:
-    assert token_budget(["cuda", "cuda"], 0) == 2 * DEFAULT_MAX_BATCH_TOKENS
-    assert token_budget(["cpu"], 0) == DEFAULT_MAX_BATCH_TOKENS_CPU
-    assert token_budget(["cpu", "cuda"], 1000) == 2000
-    assert token_budget([], 0) == 0
+    def ready(device: str, max_batch_tokens: int = 0) -> ReadyInfo:
+        return ReadyInfo(model="m", variant="v", device=device, dtype="bfloat16",
+                         gdn_path="fla", max_batch_tokens=max_batch_tokens)
+
+    # As each worker reports it in `ready`; a worker that reports none counts its device's.
+    assert token_budget([ready("cuda", 1000), ready("cpu", 1000)]) == 2000
+    assert token_budget([ready("cuda"), ready("cuda")]) == 2 * DEFAULT_MAX_BATCH_TOKENS
+    assert token_budget([ready("cpu")]) == DEFAULT_MAX_BATCH_TOKENS_CPU
+    assert token_budget([]) == 0
 
 
 def test_utilisation_is_capped_and_full_without_a_ready_worker() -> None:
@@ -92,20 +98,20 @@ def test_admissions_token_counts_follow_every_way_a_ticket_leaves() -> None:
         assert counts() == (30, 10)
         admission.abandon(left)
         assert counts() == (20, 10)
-        assert (await expires.outcome).status == 504  # the deadline timer answered it
+        assert (await reply_of(expires)).status == 504  # the deadline timer answered it
         assert counts() == (10, 10)
         lane.held.pop(0)[1](WorkerExited("worker closed its output"))  # resent, alone
         assert counts() == (10, 10) and lane.in_flight == 1 and admission.depth == 1
         lane.answer_oldest()
-        assert (await sent.outcome).status == 200
+        assert (await reply_of(sent)).status == 200
         assert counts() == (0, 10)  # `waits` took the worker
         refused = admission.submit(body)
         assert counts() == (10, 10)
         admission.refuse_waiting("worker is restarting")
-        assert (await refused.outcome).status == 503
+        assert (await reply_of(refused)).status == 503
         assert counts() == (0, 10)
         lane.answer_oldest()
-        assert (await waits.outcome).status == 200
+        assert (await reply_of(waits)).status == 200
         assert counts() == (0, 0)
 
     asyncio.run(scenario())

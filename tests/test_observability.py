@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clef_frontend import tracing
-from clef_frontend.dispatch.worker_channel import (
+from clef_dispatch.worker_errors import (
     WorkerExited,
+    WorkerFailure,
     WorkerHung,
     WorkerProtocolError,
     WorkerStalled,
     failure_reason,
 )
-from clef_frontend.dispatch.worker_errors import WorkerFailure
+from clef_frontend import tracing
 from clef_protocol import messages
 from clef_protocol.frames import encode_frame, read_frame_blocking
 from clef_worker import logs as worker_logs
@@ -286,10 +286,10 @@ def test_server_timing_shows_queue_and_worker(serve: Serve) -> None:
 
 
 def test_request_id_rule() -> None:
-    assert tracing.request_id_of([(b"x-request-id", b"abc")]) == "abc"
-    assert tracing.request_id_of([(b"X-Request-ID", b"A" * 128)]) == "A" * 128
-    assert tracing.request_id_of([(b"x-request-id", b"A" * 129)]) != "A" * 129
-    assert tracing.request_id_of([(b"x-request-id", b"a\x7fb")]) != "a\x7fb"
+    assert tracing.trace_context_of([(b"x-request-id", b"abc")])[0] == "abc"
+    assert tracing.trace_context_of([(b"X-Request-ID", b"A" * 128)])[0] == "A" * 128
+    assert tracing.trace_context_of([(b"x-request-id", b"A" * 129)])[0] != "A" * 129
+    assert tracing.trace_context_of([(b"x-request-id", b"a\x7fb")])[0] != "a\x7fb"
     assert messages.is_request_id("!~") and not messages.is_request_id(7)
     assert tracing.server_timing(None, None, None) is None
     assert tracing.server_timing(0.25, None, 3.0) == "queue;dur=0.2, total;dur=3.0"

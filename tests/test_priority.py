@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from clef_frontend.dispatch.admission import BULK_EVERY, Admission
-from tests.doubles import FakeLane, FakeWorkers
+from clef_dispatch.admission import BULK_EVERY
+from tests.doubles import Admission, FakeLane, FakeWorkers
 from tests.frontend_helpers import Serve, background, clef_body
 from tests.traffic_helpers import metric
 

@@ -1,4 +1,4 @@
-"""A silent worker is suspect after a short margin (dispatch/liveness.py): it gets no new work,
+"""A silent worker is suspect after a short margin (clef_dispatch/liveness.py): it gets no new work,
 what it holds is answered elsewhere (the first answer wins), /health and a counter show it; it is
 killed at --stall-timeout, or sooner when it owes a pong with nothing ahead of it; a slow but
 live forward is never killed. Through a real front, at the front's default --stall-timeout (30 s)
@@ -71,7 +71,7 @@ def test_a_worker_stopped_mid_forward_its_request_answered_elsewhere_and_its_lat
         assert serve.health().json()["workers"][0]["in_flight"] == 1
         with stopped(pid0):
             serve.wait_health(lambda h: h["suspect_workers"] == ["0"])
-            # Its copy is sent again, alone, to worker 1, which holds it too until the gate.
+            # A copy goes to worker 1 by the ordinary rule; it holds it too until the gate.
             serve.wait_health(lambda h: h["workers"][1]["in_flight"] == 1)
             gate.touch()
             answer = held.result()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from clef_frontend.catalogue import Catalogue
+from clef_api.catalogue import Catalogue
+from clef_api.checks import RequestRules
 from clef_protocol.options import RequestLimits
 from clef_tools.batch_input import Job
 from clef_tools.screening import Screen
@@ -53,7 +54,7 @@ def test_models_lists_variants_after_the_names() -> None:
 
 
 def test_clef_batch_screens_the_same_names() -> None:
-    screen = Screen(RequestLimits(), SERVED)
+    screen = Screen(RequestRules(RequestLimits(), SERVED))
 
     def job(model: str, target: bytes = b"/v1/systemone") -> Job:
         return Job(1, "c", target, json.dumps(dict(BODY, model=model)).encode())

@@ -7,8 +7,8 @@ import asyncio
 import sys
 from pathlib import Path
 
-from clef_frontend.dispatch.worker_channel import WorkerChannel, WorkerProtocolError
-from clef_frontend.dispatch.worker_errors import Deliver, Outcome, WorkerFailure
+from clef_dispatch.worker_channel import WorkerChannel, WorkerProtocolError
+from clef_dispatch.worker_errors import Deliver, WorkerFailure, WorkerOutcome
 from clef_protocol.messages import Request, WorkerReply
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,15 +35,15 @@ UNKNOWN_ID = PREAMBLE + "out.write(reply(ids[1]) + reply(max(ids) + 100)); out.f
     "read_frame_blocking(inp)\n"
 
 
-async def _three_requests(script: str) -> tuple[dict[int, Outcome], WorkerChannel]:
+async def _three_requests(script: str) -> tuple[dict[int, WorkerOutcome], WorkerChannel]:
     """Submit requests 10, 11 and 12; every outcome, once all three have one."""
     channel = await WorkerChannel.spawn((sys.executable, "-c", script))
     await channel.wait_ready(30)
-    outcomes: dict[int, Outcome] = {}
+    outcomes: dict[int, WorkerOutcome] = {}
     all_in = asyncio.get_running_loop().create_future()
 
     def deliver(request_id: int) -> Deliver:
-        def on_outcome(outcome: Outcome) -> None:
+        def on_outcome(outcome: WorkerOutcome) -> None:
             if request_id in outcomes and not all_in.done():
                 all_in.set_exception(AssertionError(f"request {request_id} answered twice"))
             outcomes[request_id] = outcome
@@ -58,7 +58,7 @@ async def _three_requests(script: str) -> tuple[dict[int, Outcome], WorkerChanne
 
 
 def test_replies_in_reverse_order_reach_their_own_requests() -> None:
-    async def scenario() -> dict[int, Outcome]:
+    async def scenario() -> dict[int, WorkerOutcome]:
         outcomes, channel = await _three_requests(REVERSED)
         assert not channel.is_broken
         await channel.stop(grace=5)
@@ -71,7 +71,7 @@ def test_replies_in_reverse_order_reach_their_own_requests() -> None:
 
 
 def test_a_reply_with_an_unknown_id_breaks_the_channel() -> None:
-    async def scenario() -> tuple[dict[int, Outcome], WorkerFailure]:
+    async def scenario() -> tuple[dict[int, WorkerOutcome], WorkerFailure]:
         outcomes, channel = await _three_requests(UNKNOWN_ID)
         failure = await asyncio.wait_for(channel.broken(), 30)
         await channel.kill()

@@ -7,8 +7,8 @@ import asyncio
 import sys
 from pathlib import Path
 
-from clef_frontend.dispatch.worker_channel import WorkerChannel
-from clef_frontend.dispatch.worker_errors import Deliver, WorkerFailure
+from clef_dispatch.worker_channel import WorkerChannel
+from clef_dispatch.worker_errors import Deliver, WorkerFailure
 from clef_protocol.messages import Request, WorkerReply
 
 REPO = Path(__file__).resolve().parent.parent

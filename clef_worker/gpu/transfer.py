@@ -13,18 +13,8 @@ import torch
 from torch import Tensor
 
 
-def to_device_packed(tensors: Sequence[Tensor], device: torch.device) -> list[Tensor]:
-    """Move int64 tensors to `device` in one copy; returns views with the original shapes."""
-    if device.type == "cpu" or not tensors:
-        return list(tensors)
-    flat = pack(tensors)
-    if device.type == "cuda":
-        flat = flat.pin_memory()
-    return unpack(flat.to(device, non_blocking=True), [t.shape for t in tensors])
-
-
 def stage_host(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
-    """The host half of `to_device_packed`: one flat int64 buffer, pinned when it is bound for
+    """The host half of a packed copy: one flat int64 buffer, pinned when it is bound for
     CUDA (pinning is host work: the serve loop's helper thread does it while the device runs
     the previous group)."""
     flat = pack(tensors)

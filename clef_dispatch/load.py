@@ -3,7 +3,7 @@
 The inference gateway's endpoint picker (docs/operations.md, "Behind the inference gateway")
 routes each request by three gauges per pod: requests queued, requests running, and a 0-1
 utilisation it treats as a KV cache's fill. Clef has no KV cache; what fills up is the worker's
-token budget (`--max-batch-tokens`: padded tokens one forward holds, by device unless set). So
+token budget (`max_batch_tokens` in each worker's `ready`: the tokens one forward holds). So
 utilisation here is the tokens of every request the replica holds (waiting in the front, or
 sent to a worker and not answered) over the budgets of its ready workers, capped at 1: at 1 the
 replica already holds at least one full forward per worker, and a new request waits behind it.
@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
+from clef_protocol.messages import ReadyInfo
 from clef_protocol.options import default_max_batch_tokens
 
 # The starting tokens-per-byte ratio, before any answer taught a better one.
@@ -59,10 +60,11 @@ class TokenEstimate:
         self.tokens_per_byte += LEARNING_WEIGHT * (ratio - self.tokens_per_byte)
 
 
-def token_budget(devices: Iterable[str], max_batch_tokens: int) -> int:
-    """The tokens the ready workers hold in one forward each: `--max-batch-tokens`, or its
-    default for each worker's device (`devices`: one entry per ready worker)."""
-    return sum(max_batch_tokens or default_max_batch_tokens(device) for device in devices)
+def token_budget(ready: Iterable[ReadyInfo]) -> int:
+    """The tokens the ready workers hold in one forward each, as each reported it in `ready`
+    (the worker resolved its batch policy once, clef_worker.policy); a worker that reports none
+    (one that does not batch) counts its device's default."""
+    return sum(info.max_batch_tokens or default_max_batch_tokens(info.device) for info in ready)
 
 
 def utilisation(outstanding_tokens: int, budget: int) -> float:
@@ -74,9 +76,8 @@ def utilisation(outstanding_tokens: int, budget: int) -> float:
 
 
 def utilisation_gauge(outstanding_tokens: Callable[[], int],
-                      ready_devices: Callable[[], Iterable[str]],
-                      max_batch_tokens: int) -> Callable[[], float]:
-    """The gauge's read function, wired by the server from admission's and the pool's state."""
+                      ready: Callable[[], Iterable[ReadyInfo]]) -> Callable[[], float]:
+    """The gauge's read function, wired by the server from the dispatcher's state."""
     def read() -> float:
-        return utilisation(outstanding_tokens(), token_budget(ready_devices(), max_batch_tokens))
+        return utilisation(outstanding_tokens(), token_budget(ready()))
     return read

@@ -25,16 +25,14 @@ Resent tickets also wait through a restart of the last worker (bounded by their 
 `resend_timeout`), where new tickets would get 503 (unless `wait_for_workers`: clef-batch's
 lines wait for a replacement rather than be answered 503).
 
-Each ticket carries three ids, one name each (`clef_protocol.messages`): `frame_id`, the int
-id of its request frame; `request_id`, the client's `X-Request-Id`; `trace_id`, the W3C trace
-id ("" when untraced). The last two travel in the frame, so the worker's log lines carry them.
-
-A suspect worker (`lane_suspect`, from dispatch/liveness.py: its pong or reply is overdue) is not
-lost yet: what it holds is queued to be sent again by the same rule (once, alone, first), while
-its own copy stays in flight. The first answer wins and the other is dropped, so every client
-gets exactly one answer; a copy that fails while another is in flight or queued is forgotten.
-A suspect that answers again takes back what is still queued (it was not sent elsewhere yet).
-With one worker the queued tickets simply wait for its answer or its replacement.
+A suspect worker (`lane_suspect`, from clef_dispatch/liveness.py: its pong or reply is overdue) is
+not lost yet, and nothing stalls for it: each ticket it holds gets one copy, queued at the head of
+its class and sent by the ordinary rule to the next worker with room, beside new traffic, while
+its own copy stays in flight (counted once: in flight). The first answer wins and the other is
+dropped, so every client gets exactly one answer; a copy that fails while another is in flight
+or queued is forgotten, and a ticket lost with both workers is sent again alone, as any lost
+ticket (a poison request is still isolated). A suspect that answers again takes back the copies
+still queued. With one worker the copies simply wait for its answer or its replacement.
 
 Admission knows the workers only through the `Workers` and `Lane` protocols below and tells a
 503 from a 500 by the exceptions of `worker_errors`; it never imports the supervisor, the pool
@@ -52,113 +50,46 @@ its ticket and sends the next waiting one. No dispatcher task, no task per reque
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable
 
-from clef_frontend import deadlines, responses
-from clef_frontend.dispatch.worker_errors import (
-    Deliver,
-    Outcome,
+from clef_dispatch.deadline_heap import DeadlineHeap
+from clef_dispatch.load import TokenEstimate
+from clef_dispatch.outcomes import (
+    EXPIRED_DETAIL,
+    Answer,
+    Refusal,
+    RefusalKind,
+)
+from clef_dispatch.ticket import (
+    AdmissionEvents,
+    Lane,
+    LaneRing,
+    Ticket,
+    Workers,
+    has_room,
+    is_idle,
+    never_gone,
+)
+from clef_dispatch.urgency import BULK, CLASSES, INTERACTIVE, earliest
+from clef_dispatch.worker_errors import (
     WorkerFailure,
     WorkerLost,
+    WorkerOutcome,
     WorkerUnavailable,
 )
-from clef_frontend.load import TokenEstimate
-from clef_frontend.priority import BULK, CLASSES, INTERACTIVE
-from clef_frontend.responses import Reply
-from clef_protocol.messages import INFERENCE_FAILED, Request, WorkerReply
+from clef_protocol.messages import INFERENCE_FAILED, Request
 from clef_protocol.options import RequestLimits
 
-log = logging.getLogger("clef_frontend.dispatch.admission")
+log = logging.getLogger("clef_dispatch.admission")
 
 # While both classes wait, one admission in this many goes to the oldest bulk ticket: an
 # interactive request waits behind at most one bulk request per BULK_EVERY - 1 interactive ones,
 # and a bulk flood still moves at 1/BULK_EVERY of the workers under sustained interactive load.
 BULK_EVERY = 8
-# Deadline entries of tickets that left the queue, kept beyond twice the queue's depth before the
-# heap is rebuilt without them (see Admission._drop_stale_deadlines).
-STALE_DEADLINES_KEPT = 64
-
-
-class Lane(Protocol):
-    """One worker as admission sees it (a Supervisor)."""
-
-    def has_room(self) -> bool: ...
-
-    @property
-    def in_flight(self) -> int: ...
-
-    def submit(self, request: Request, deliver: Deliver) -> None: ...
-
-
-class Workers(Protocol):
-    """All workers (a WorkerPool)."""
-
-    @property
-    def lanes(self) -> Sequence[Lane]: ...
-
-    def unavailable_reason(self) -> str | None: ...
-
-
-class Refused(Exception):
-    """The request cannot join the queue; `reply` is its 503."""
-
-    def __init__(self, reply: Reply) -> None:
-        super().__init__(reply.status)
-        self.reply = reply
-
-
-def _never_gone() -> bool:
-    return False
-
-
-def _ignore(_: str) -> None:
-    """Default for the event callbacks."""
-
-
-@dataclass(eq=False, slots=True)
-class Ticket:
-    """One admitted request, from the queue to its reply.
-
-    `gone` says whether the client has left (checked right before the frame is written);
-    `deadline` is when a still waiting ticket is answered 504 (`time.monotonic()`; None: never).
-    """
-
-    frame_id: int
-    body: bytes
-    outcome: asyncio.Future[Reply]
-    request_id: str = ""
-    trace_id: str = ""
-    priority: str = INTERACTIVE
-    deadline: float | None = None
-    gone: Callable[[], bool] = _never_gone
-    enqueued_at: float = field(default_factory=time.monotonic)
-    started_at: float | None = None
-    worker_ms: float | None = None
-    worker_reply: WorkerReply | None = None
-    resent: bool = False  # sent again after its worker was lost (it never is a second time)
-    tokens: int = 0  # its estimated token cost (load.TokenEstimate), for the utilisation gauge
-
-    @property
-    def queue_ms(self) -> float:
-        """Time spent waiting for the worker (until now, if still waiting)."""
-        end = self.started_at if self.started_at is not None else time.monotonic()
-        return (end - self.enqueued_at) * 1000.0
-
-
-@dataclass(frozen=True)
-class AdmissionEvents:
-    """What admission reports to the metrics: a resend (its reason) and a deadline that
-    passed while waiting (the ticket's class)."""
-
-    resent: Callable[[str], None] = _ignore
-    expired: Callable[[str], None] = _ignore
 
 
 class Admission:
@@ -177,29 +108,32 @@ class Admission:
         self._events = events or AdmissionEvents()
         self._waiting: dict[str, deque[Ticket]] = {name: deque() for name in CLASSES}
         self._resend: deque[Ticket] = deque()  # lost with their worker: next, each alone
+        # Copies of a suspect worker's tickets, queued at the head of their class while the
+        # original is still in flight (counted there, not here).
+        self._copies: set[Ticket] = set()
         self._alone: dict[Lane, Ticket] = {}  # lanes running a resent ticket, and which
         self._sent: dict[Ticket, list[Lane]] = {}  # in flight, oldest first; on which lanes
-        self._next_lane = 0
+        self._ring = LaneRing(workers)
         self._turn = 0  # admissions made while both classes waited (see BULK_EVERY)
         self._ids = itertools.count(1)
-        self._deadlines: list[tuple[float, int, Ticket]] = []  # a heap; stale entries skipped
-        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._deadlines = DeadlineHeap(self._deadline_passed, self._update_idle)
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
         self._estimate = estimate or TokenEstimate(RequestLimits().max_length)
 
-    # Estimated tokens of the tickets waiting and in flight (load.py), summed at scrape time:
-    # the queues hold at most `--queue-size` tickets, and each `list(...)` copy is taken in one
-    # C call, so a scrape on the metrics port's thread never sees a queue change under it. A
-    # ticket with two copies in flight (a suspect's, dispatch/liveness.py) counts once.
+    # The gauges' reads may run on the metrics port's thread while the loop changes the queues:
+    # each walks a `list(...)` copy, taken in one C call (never a live deque, set or dict), so a
+    # scrape never sees a container change under it. Each ticket counts once: a suspect's
+    # ticket whose copy waits is in flight, not waiting (clef_dispatch/liveness.py).
 
     @property
     def tokens_waiting(self) -> int:
         """Estimated tokens of the tickets waiting (resent ones included)."""
         queues = [list(queue) for queue in list(self._waiting.values())]
-        return (sum(t.tokens for queue in queues for t in queue)
-                + sum(t.tokens for t in list(self._resend) if t not in self._sent))
+        copies = set(list(self._copies))
+        return (sum(t.tokens for queue in queues for t in queue if t not in copies)
+                + sum(t.tokens for t in list(self._resend)))
 
     @property
     def tokens_in_flight(self) -> int:
@@ -210,11 +144,14 @@ class Admission:
     def depth(self) -> int:
         """Tickets waiting (not counting those in flight)."""
         # map, not a generator: asked several times a request
-        return sum(map(len, self._waiting.values())) + len(self._resend)
+        return (sum(map(len, list(self._waiting.values()))) + len(self._resend)
+                - len(self._copies))
 
     def depth_of(self, priority: str) -> int:
         """Tickets of one class waiting (a resent ticket counts in its class)."""
-        return len(self._waiting[priority]) + sum(t.priority == priority for t in self._resend)
+        return (len(self._waiting[priority])
+                + sum(t.priority == priority for t in list(self._resend))
+                - sum(t.priority == priority for t in list(self._copies)))
 
     @property
     def draining(self) -> bool:
@@ -233,14 +170,14 @@ class Admission:
     @property
     def in_flight_since(self) -> float | None:
         """`time.monotonic()` at which the oldest request now in flight was sent (None: idle)."""
-        for ticket in self._sent:
-            return ticket.started_at
-        return None
+        oldest = next(iter(list(self._sent)), None)
+        return oldest.started_at if oldest is not None else None
 
     def submit(self, body: bytes, request_id: str = "", *, trace_id: str = "",
                priority: str = INTERACTIVE, deadline: float | None = None,
-               gone: Callable[[], bool] = _never_gone) -> Ticket:
-        """Admit a checked body (sent at once if a worker has room), or raise Refused (row 14).
+               gone: Callable[[], bool] = never_gone) -> Ticket | Refusal:
+        """Admit a checked body (sent at once if a worker has room), or refuse it
+        (UNAVAILABLE: draining, no ready worker, or the queue is full).
 
         A ticket whose deadline has already passed is answered 504 at once.
         """
@@ -248,16 +185,16 @@ class Admission:
         if reason is not None and self._wait_for_workers and not self._draining:
             reason = None
         lane = None
-        if reason is None and not self.depth:
+        if reason is None and not self._queued() and not self._resend:
             lane = self._lane_with_room()
         if reason is None and lane is None and self.depth >= self._capacity:
             reason = "queue is full"
         if reason is not None:
-            raise Refused(responses.unavailable(reason, self._retry_after))
+            return self._unavailable(reason)
         now = time.monotonic()
         ticket = Ticket(next(self._ids), body, asyncio.get_running_loop().create_future(),
                         request_id, trace_id, priority,
-                        deadlines.earliest(deadline, now, self._queue_timeout), gone,
+                        earliest(deadline, now, self._queue_timeout), gone,
                         enqueued_at=now, tokens=self._estimate.cost(len(body)))
         if ticket.deadline is not None and ticket.deadline <= now:
             self._expire(ticket)
@@ -282,14 +219,17 @@ class Admission:
         """Answer every waiting ticket with 503 (no worker is left, or the drain timed out).
 
         With `resent_too=False` (the last worker was lost and is being replaced) resent tickets
-        keep waiting for the replacement: they were admitted while a worker was ready.
+        keep waiting for the replacement: they were admitted while a worker was ready. A
+        suspect's queued copy is never refused: its ticket is in flight, and is answered there.
         """
         queues = [*self._waiting.values(), *([self._resend] if resent_too else [])]
         for queue in queues:
+            copies = [ticket for ticket in queue if ticket in self._copies]
             while queue:
                 ticket = queue.popleft()
-                if not ticket.outcome.done():
-                    ticket.outcome.set_result(responses.unavailable(reason, self._retry_after))
+                if ticket not in self._copies and not ticket.outcome.done():
+                    ticket.outcome.set_result(self._unavailable(reason))
+            queue.extend(copies)
         self._update_idle()
 
     def start_draining(self) -> None:
@@ -303,22 +243,27 @@ class Admission:
     def lane_suspect(self, lane: Lane, suspect: bool) -> None:
         """A worker became suspect (True) or answered again (False); see the module docstring.
 
-        Suspect: each ticket it holds that was never sent again is queued to be, alone and first.
-        Healthy again: those of its tickets still queued (not sent elsewhere) are taken back.
+        Suspect: each ticket it holds gets a copy queued at the head of its class (once), sent
+        by the ordinary rule to the next worker with room; new traffic flows on meanwhile.
+        Healthy again: copies still queued (not sent elsewhere) are taken back.
         """
         mine = [ticket for ticket, lanes in self._sent.items() if lane in lanes]
         if suspect:
-            for ticket in mine:
-                if not ticket.resent and not ticket.outcome.done():
-                    log.warning("frame_id=%d request_id=%s held by a suspect worker: sending it "
-                                "again, alone (the first answer wins)", ticket.frame_id,
-                                ticket.request_id)
-                    self._queue_again(ticket, "suspect")
+            for ticket in reversed(mine):  # each to the head of its class: oldest first
+                if not ticket.copied and not ticket.outcome.done():
+                    log.warning("frame_id=%d request_id=%s held by a suspect worker: a copy "
+                                "goes to another worker (the first answer wins)",
+                                ticket.frame_id, ticket.request_id)
+                    self._events.resent("suspect")
+                    ticket.copied = True
+                    ticket.wait_again()
+                    self._copies.add(ticket)
+                    self._waiting[ticket.priority].appendleft(ticket)
         else:
             for ticket in mine:
-                if ticket in self._resend:
-                    self._resend.remove(ticket)
-                    ticket.resent = False
+                if ticket in self._copies:
+                    self._unqueue(ticket)
+                    ticket.copied = False
         self.pump()
 
     def pump(self) -> None:
@@ -337,11 +282,12 @@ class Admission:
             if self._still_wanted(ticket):
                 self._send(ticket, lane, alone=True)
         if not self._resend:  # a resent ticket waiting for an idle worker holds the rest back
-            while self.depth:
+            while self._queued():
                 lane = self._lane_with_room()
                 if lane is None:
                     break
                 ticket = self._next_waiting()
+                self._copies.discard(ticket)
                 if self._still_wanted(ticket):
                     self._send(ticket, lane)
         self._update_idle()
@@ -354,44 +300,12 @@ class Admission:
         self._keep_deadline(ticket)
 
     def _keep_deadline(self, ticket: Ticket) -> None:
-        if ticket.deadline is None:
-            return
-        heapq.heappush(self._deadlines, (ticket.deadline, ticket.frame_id, ticket))
-        if self._deadlines[0][2] is ticket:  # the new earliest: aim the timer at it
-            self._arm_deadline_timer()
-        elif len(self._deadlines) > 2 * self.depth + STALE_DEADLINES_KEPT:
-            self._drop_stale_deadlines()
+        self._deadlines.add(ticket, self.depth)
 
-    def _drop_stale_deadlines(self) -> None:
-        """Forget the deadlines of tickets no longer waiting (sent, answered, given up).
-
-        Entries are not removed when their ticket leaves the queue (a heap has no cheap
-        removal); without this, `--queue-timeout` seconds of every ticket, bodies included,
-        would stay referenced here. Rebuilt once stale entries outnumber live ones, so each
-        entry is copied at most once on average."""
-        self._deadlines = [entry for entry in self._deadlines
-                           if entry[2].started_at is None and not entry[2].outcome.done()]
-        heapq.heapify(self._deadlines)
-        self._arm_deadline_timer()
-
-    def _arm_deadline_timer(self) -> None:
-        if self._deadline_timer is not None:
-            self._deadline_timer.cancel()
-            self._deadline_timer = None
-        if self._deadlines:
-            self._deadline_timer = asyncio.get_running_loop().call_at(
-                _loop_time(self._deadlines[0][0]), self._expire_due)
-
-    def _expire_due(self) -> None:
-        """The deadline timer: answer 504 to every waiting ticket whose deadline has passed."""
-        self._deadline_timer = None
-        now = time.monotonic()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, ticket = heapq.heappop(self._deadlines)
-            if self._unqueue(ticket) and ticket not in self._sent:  # else its copy still runs
-                self._expire(ticket)
-        self._arm_deadline_timer()
-        self._update_idle()
+    def _deadline_passed(self, ticket: Ticket) -> None:
+        """A deadline passed: 504 for the ticket if it still waits (not if a copy runs)."""
+        if self._unqueue(ticket) and ticket not in self._sent:
+            self._expire(ticket)
 
     def _expire(self, ticket: Ticket) -> None:
         log.info("frame_id=%d request_id=%s class=%s: deadline passed after %.0f ms waiting, "
@@ -399,15 +313,20 @@ class Admission:
                  ticket.queue_ms)
         self._events.expired(ticket.priority)
         if not ticket.outcome.done():
-            ticket.outcome.set_result(deadlines.expired())
+            ticket.outcome.set_result(Refusal(RefusalKind.EXPIRED, EXPIRED_DETAIL))
 
     def _unqueue(self, ticket: Ticket) -> bool:
-        """Take a waiting ticket out of its queue; False if it was not waiting."""
+        """Take a waiting ticket (or a queued copy) out of its queue; False if none waited."""
+        self._copies.discard(ticket)
         for queue in (self._waiting[ticket.priority], self._resend):
             if ticket in queue:
                 queue.remove(ticket)
                 return True
         return False
+
+    def _queued(self) -> bool:
+        """Whether a ticket or a copy waits in a class queue."""
+        return any(self._waiting.values())
 
     def _next_waiting(self) -> Ticket:
         """The next ticket to send: interactive first, one in BULK_EVERY bulk while both wait."""
@@ -432,29 +351,16 @@ class Admission:
             return False
         return True
 
-    def _pick_lane(self, fits: Callable[[Lane], bool]) -> Lane | None:
-        """The next worker that `fits` and runs no resent ticket, round robin from the one
-        after the last used."""
-        lanes = self._workers.lanes
-        count = len(lanes)
-        for step in range(count):
-            index = (self._next_lane + step) % count
-            lane = lanes[index]
-            if lane not in self._alone and fits(lane):
-                self._next_lane = (index + 1) % count
-                return lane
-        return None
-
     def _lane_with_room(self) -> Lane | None:
         """The next worker with room."""
-        return self._pick_lane(_has_room)
+        return self._ring.pick(has_room, self._alone)
 
     def _idle_lane(self) -> Lane | None:
         """A ready worker with nothing in flight, for a resent ticket to run alone on."""
-        return self._pick_lane(_is_idle)
+        return self._ring.pick(is_idle, self._alone)
 
     def _send(self, ticket: Ticket, lane: Lane, *, alone: bool = False) -> None:
-        ticket.started_at = time.monotonic()
+        ticket.sent(time.monotonic())
         self._sent.setdefault(ticket, []).append(lane)
         if alone:
             self._alone[lane] = ticket
@@ -464,9 +370,9 @@ class Admission:
         except WorkerUnavailable as exc:  # has_room said yes; nothing was sent
             self._forget_copy(ticket, lane)
             if not ticket.outcome.done() and ticket not in self._sent:
-                ticket.outcome.set_result(responses.unavailable(str(exc), self._retry_after))
+                ticket.outcome.set_result(self._unavailable(str(exc)))
 
-    def _done(self, ticket: Ticket, lane: Lane, outcome: Outcome) -> None:
+    def _done(self, ticket: Ticket, lane: Lane, outcome: WorkerOutcome) -> None:
         """A worker answered the ticket (or failed with it in flight): reply, send the next.
 
         With two copies (one on a suspect worker) the first answer wins: a later one is dropped,
@@ -474,11 +380,16 @@ class Admission:
         """
         self._forget_copy(ticket, lane)
         if ticket.outcome.done():
-            if not isinstance(outcome, WorkerFailure) and ticket.resent:
+            if not isinstance(outcome, WorkerFailure) and (ticket.resent or ticket.copied):
                 log.info("frame_id=%d request_id=%s answered again by a second worker: the "
                          "later answer is dropped", ticket.frame_id, ticket.request_id)
+        elif (isinstance(outcome, WorkerLost) and not ticket.resent and ticket in self._copies
+              and ticket not in self._sent):
+            self._unqueue(ticket)  # lost with the suspect before its copy went: sent alone
+            self._resend_later(ticket, outcome)
         elif isinstance(outcome, WorkerFailure) and (ticket in self._sent
-                                                     or ticket in self._resend):
+                                                     or ticket in self._resend
+                                                     or ticket in self._copies):
             log.info("frame_id=%d request_id=%s: one copy failed (%s), the other is still due",
                      ticket.frame_id, ticket.request_id, outcome)
         elif isinstance(outcome, WorkerLost) and not ticket.resent:
@@ -487,7 +398,7 @@ class Admission:
             log.error("frame_id=%d request_id=%s failed: %s", ticket.frame_id,
                       ticket.request_id, outcome)
             if not ticket.outcome.done():
-                ticket.outcome.set_result(responses.error(500, INFERENCE_FAILED))
+                ticket.outcome.set_result(Refusal(RefusalKind.FAILED, INFERENCE_FAILED))
         else:
             ticket.worker_ms = outcome.worker_ms
             ticket.worker_reply = outcome
@@ -495,7 +406,7 @@ class Admission:
                 self._estimate.learn(len(ticket.body),
                                      outcome.input_tokens + outcome.truncated_tokens)
             if not ticket.outcome.done():
-                ticket.outcome.set_result(responses.from_worker(outcome))
+                ticket.outcome.set_result(Answer(outcome))
         self.pump()
 
     def _forget_copy(self, ticket: Ticket, lane: Lane) -> None:
@@ -513,6 +424,7 @@ class Admission:
         log.warning("frame_id=%d request_id=%s lost with its worker (%s): sending it again, "
                     "alone", ticket.frame_id, ticket.request_id, failure)
         ticket.started_at = None  # waiting again
+        ticket.wait_again()
         self._queue_again(ticket, failure.reason)
 
     def _queue_again(self, ticket: Ticket, reason: str) -> None:
@@ -524,22 +436,12 @@ class Admission:
         self._resend.append(ticket)
         self._keep_deadline(ticket)
 
+    def _unavailable(self, reason: str) -> Refusal:
+        return Refusal(RefusalKind.UNAVAILABLE, reason, self._retry_after)
+
     def _update_idle(self) -> None:
         if not self.depth and not self._sent:
             self._idle.set()
         else:
             self._idle.clear()
 
-
-def _has_room(lane: Lane) -> bool:
-    return lane.has_room()
-
-
-def _is_idle(lane: Lane) -> bool:
-    return lane.has_room() and lane.in_flight == 0
-
-
-def _loop_time(monotonic: float) -> float:
-    """A `time.monotonic()` instant on the event loop's clock (they may differ in origin)."""
-    loop = asyncio.get_running_loop()
-    return loop.time() + (monotonic - time.monotonic())

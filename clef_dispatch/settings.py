@@ -15,13 +15,13 @@ import shlex
 import sys
 from dataclasses import dataclass
 
-from clef_protocol.options import (
+from clef_protocol.arg_types import (
     non_negative_float,
     non_negative_int,
-    parse_device,
     positive_int,
-    worker_argv,
+    positive_seconds,
 )
+from clef_protocol.options import parse_device, worker_argv
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,9 @@ class WorkerSettings:
     """How the workers are placed, started, fed, judged, replaced and stopped.
 
     `devices` empty: `workers_per_device` workers with `worker_argv` as given; else one per
-    entry, each times `workers_per_device`. `max_batch` None: by the worker's device.
+    entry, each times `workers_per_device`. How many requests each worker holds at once is
+    not here: the worker resolves its batch policy once (`--max-batch`, a model flag it
+    receives) and reports it in `ready` (supervisor.default_max_batch).
     `max_restarts` None: replace failed workers forever (the server); a number: after that
     many replacements the pool gives up (clef-batch, whose rerun resumes).
     """
@@ -37,7 +39,6 @@ class WorkerSettings:
     worker_argv: tuple[str, ...]
     devices: tuple[str, ...] = ()
     workers_per_device: int = 1
-    max_batch: int | None = None
     startup_timeout: float = 900.0
     request_timeout: float = 300.0
     # A worker silent this long (no pong, no reply) while the front waits on it is wedged.
@@ -51,8 +52,6 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         if not self.worker_argv:
             raise ValueError("the worker command is empty")
-        if self.max_batch is not None and self.max_batch < 1:
-            raise ValueError("--max-batch must be at least 1")
         if self.workers_per_device < 1:
             raise ValueError("workers-per-device must be at least 1")
         for name in ("startup_timeout", "request_timeout", "stall_timeout", "shutdown_grace",
@@ -66,14 +65,6 @@ class WorkerSettings:
 
 
 DEFAULTS = WorkerSettings(worker_argv=("clef_worker",))
-
-
-def _seconds(value: str) -> float:
-    """argparse type: a positive, finite number of seconds."""
-    number = non_negative_float(value)
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
-    return number
 
 
 def _devices(value: str) -> tuple[str, ...]:
@@ -110,24 +101,25 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *,
                              "--device (ignored with --devices)")
     worker.add_argument("--workers-per-device", type=positive_int, default=d.workers_per_device,
                         help="workers per device (two keep serving while one restarts)")
-    worker.add_argument("--startup-timeout", type=_seconds, default=d.startup_timeout,
+    worker.add_argument("--startup-timeout", type=positive_seconds, default=d.startup_timeout,
                         help="seconds a worker may take to load and warm up")
-    worker.add_argument("--request-timeout", type=_seconds, default=d.request_timeout,
+    worker.add_argument("--request-timeout", type=positive_seconds, default=d.request_timeout,
                         help="seconds the worker may take to answer one request; past it the "
                              "worker counts as hung: it is killed and replaced, and the request "
                              "gets 500")
-    worker.add_argument("--stall-timeout", type=_seconds, default=d.stall_timeout,
+    worker.add_argument("--stall-timeout", type=positive_seconds, default=d.stall_timeout,
                         help="seconds a worker may stay silent (no pong, no reply) while the "
                              "front waits on it; past it the worker counts as stalled: its stack "
                              "is logged, it is killed and replaced, and its requests are sent "
                              "again")
-    worker.add_argument("--shutdown-grace", type=_seconds, default=d.shutdown_grace,
+    worker.add_argument("--shutdown-grace", type=positive_seconds, default=d.shutdown_grace,
                         help="seconds a worker may take to exit after 'shutdown' before SIGKILL")
     worker.add_argument("--restart-backoff", type=non_negative_float, default=d.restart_backoff,
                         help="delay before the first restart; doubles per consecutive failure")
-    worker.add_argument("--restart-backoff-max", type=_seconds, default=d.restart_backoff_max,
-                        help="cap on the restart delay")
-    worker.add_argument("--restart-reset-after", type=_seconds, default=d.restart_reset_after,
+    worker.add_argument("--restart-backoff-max", type=positive_seconds,
+                        default=d.restart_backoff_max, help="cap on the restart delay")
+    worker.add_argument("--restart-reset-after", type=positive_seconds,
+                        default=d.restart_reset_after,
                         help="a worker up this long resets the backoff")
     if max_restarts is not None:
         worker.add_argument("--max-restarts", type=non_negative_int, default=max_restarts,
@@ -163,7 +155,6 @@ def worker_settings_from(args: argparse.Namespace) -> WorkerSettings:
         worker_argv=worker_command(args),
         devices=devices,
         workers_per_device=per_device,
-        max_batch=args.max_batch or None,  # a model flag (0: unset): the worker gets it
         startup_timeout=args.startup_timeout,
         request_timeout=args.request_timeout,
         stall_timeout=args.stall_timeout,

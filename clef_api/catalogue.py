@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from clef_frontend import responses
-from clef_frontend.responses import Reply, error
+from clef_api import responses
+from clef_api.responses import Reply, error
 from clef_protocol.finetune import MODEL_NAME as _NAME
 
 OWNER = "cloudflare"

@@ -12,12 +12,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from clef_frontend.truncation import truncation_headers
+from clef_api.truncation import truncation_headers
+from clef_dispatch import Answer, Outcome, RefusalKind
 from clef_protocol.messages import INFERENCE_FAILED, WorkerReply
 
 JSON = "application/json"
 
-log = logging.getLogger("clef_frontend.responses")
+log = logging.getLogger("clef_api.responses")
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,18 @@ def from_worker(answer: WorkerReply) -> Reply:
             log.error("worker answered %d: %s", answer.status, detail)
         detail = INFERENCE_FAILED
     return error(answer.status, detail)
+
+
+# The status the HTTP API gives each kind of refusal (docs/http-contract.md rows 13-14, deadlines).
+REFUSAL_STATUS = {RefusalKind.UNAVAILABLE: 503, RefusalKind.EXPIRED: 504, RefusalKind.FAILED: 500}
+
+
+def from_outcome(outcome: Outcome) -> Reply:
+    """A dispatch outcome as the HTTP API answers it: the worker's reply, or the refusal's
+    status with its detail (and `Retry-After` when it says when)."""
+    if isinstance(outcome, Answer):
+        return from_worker(outcome.reply)
+    return error(REFUSAL_STATUS[outcome.kind], outcome.detail, retry_after=outcome.retry_after)
 
 
 def document(status: int, value: dict[str, Any], *, retry_after: int | None = None) -> Reply:

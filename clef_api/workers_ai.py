@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 from http import HTTPStatus
 from urllib.parse import unquote
 
-from clef_frontend.catalogue import Catalogue
-from clef_frontend.responses import Reply, error, json_bytes
+from clef_api.catalogue import Catalogue
+from clef_api.responses import Reply, error, json_bytes
 
 PATH_TEMPLATE = "/accounts/{account_id}/ai/run/@cf/cloudflare/{model}"
 MODEL_PREFIX = "@cf/cloudflare/"
@@ -46,6 +46,13 @@ def run_target(target: bytes) -> RunTarget | None:
         account_id=match["account"].decode("latin-1"),
         model_id=unquote(match["model"].decode("latin-1")),
     )
+
+
+def path_model(target: bytes) -> str | None:
+    """The model a Workers-AI run path names (without `@cf/cloudflare/`), or None for any other
+    target."""
+    run = run_target(target)
+    return run.model_id.removeprefix(MODEL_PREFIX) if run is not None else None
 
 
 def route_path(target: bytes) -> bytes:

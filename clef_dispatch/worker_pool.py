@@ -22,12 +22,12 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from clef_frontend.dispatch.settings import WorkerSettings
-from clef_frontend.dispatch.supervisor import StartupFailed, Supervisor, WorkerSlot, WorkerState
+from clef_dispatch.settings import WorkerSettings
+from clef_dispatch.supervisor import StartupFailed, Supervisor, WorkerSlot, WorkerState
 from clef_protocol.messages import ReadyInfo
 from clef_protocol.options import parse_device
 
-log = logging.getLogger("clef_frontend.pool")
+log = logging.getLogger("clef_dispatch.worker_pool")
 
 
 def plan_slots(config: WorkerSettings) -> list[WorkerSlot]:

@@ -23,85 +23,44 @@ request fails at once with `WorkerFailure` (exactly those, nothing else) and `br
 resolves, so the supervisor can replace the process. A broken channel is never reused, because
 after one bad frame nothing later on the pipe can be trusted either.
 
-A worker killed as hung or stalled is first sent `STACK_DUMP_SIGNAL` (and SIGCONT, should it be
-stopped): it writes every thread's stack to the log and exits, so the log says where it was
-stuck; one still there `STACK_DUMP_SECONDS` later is SIGKILLed (gunicorn's SIGABRT-then-SIGKILL,
-without the core file).
+A worker killed as hung or stalled first dumps its stack (worker_process.py); the failures a
+channel reports, and the one word each is counted under, are worker_errors.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from clef_frontend import logs
-from clef_frontend.dispatch.liveness import (
+from clef_dispatch.liveness import (
     ForwardRates,
     Judgement,
     Liveness,
-    Verdict,
-    ping_interval,
 )
-from clef_frontend.dispatch.worker_errors import Deliver, WorkerFailure, WorkerLost
+from clef_dispatch.liveness_timer import LivenessTimer
+from clef_dispatch.worker_errors import (
+    Deliver,
+    WorkerExited,
+    WorkerFailure,
+    WorkerHung,
+    WorkerProtocolError,
+    WorkerStalled,
+)
+from clef_dispatch.worker_process import dump_stack, exit_code
 from clef_protocol import messages
 from clef_protocol.errors import ProtocolError
 from clef_protocol.frames import MAX_FRAME_BYTES, FrameBuffer, encode_frame
 from clef_protocol.messages import ReadyInfo, Request
 
-log = logging.getLogger("clef_frontend.worker")
-
-
-class WorkerExited(WorkerLost):
-    """The worker closed its output: it has exited (or is exiting) on its own."""
-
-
-class WorkerHung(WorkerLost):
-    """The worker did not answer a request within the request timeout."""
-
-    reason = "hung"
-
-
-class WorkerProtocolError(WorkerLost):
-    """The worker wrote something that is not a valid frame or reply (it broke the protocol)."""
-
-    reason = "protocol"
-
-
-class WorkerStalled(WorkerLost):
-    """The worker answered neither a ping nor a request for the stall timeout (wedged)."""
-
-    reason = "stalled"
+log = logging.getLogger("clef_dispatch.worker_channel")
 
 
 def _ignore_suspicion(_: bool) -> None:
     """Default for `on_suspect`."""
-
-
-def failure_reason(failure: WorkerFailure, exit_code: int | None) -> str:
-    """Why a warm worker was lost, as one of a few fixed words (a metric label, a log token).
-
-    `cuda_error`: it exited with the status the worker uses after a sticky device error;
-    `hung`: it did not answer within the request timeout; `stalled`: it answered neither
-    pings nor requests for the stall timeout; `protocol`: it wrote something that is
-    not a valid frame, or exited because the front's frame was unreadable; `crash`: anything
-    else (it died, was killed, or closed its output).
-    """
-    if exit_code == messages.EXIT_EXECUTOR_BROKEN:
-        return "cuda_error"
-    if isinstance(failure, WorkerHung | WorkerStalled):
-        return failure.reason
-    if isinstance(failure, WorkerProtocolError) or exit_code == messages.EXIT_PROTOCOL_ERROR:
-        return "protocol"
-    return "crash"
-
-
-RESTART_REASONS = ("crash", "hung", "protocol", "cuda_error", "stalled")
 
 
 # How long a worker that closed its output gets to finish exiting before SIGKILL. Waiting for
@@ -156,17 +115,8 @@ class WorkerChannel:
         # While replies are handed on, the requests they let through are framed here and written
         # together afterwards: one pipe write for several frames (see `_on_output`).
         self._corked: list[bytes] | None = None
-        # Liveness (see the module docstring): the judge of its silence (None until
-        # `watch_liveness`), the ping awaiting its pong (None: none), the one timer that sends
-        # pings and judges, and the current suspicion (None: healthy).
-        self._liveness: Liveness | None = None
-        self._ping_seq = 0
-        self._ping_waiting: int | None = None
-        self._pinger: asyncio.TimerHandle | None = None
-        self._pings = False  # whether the worker answers pings (its ready frame's `pings`)
-        self._suspect: Judgement | None = None
-        self._suspect_since = 0.0
-        self._on_suspect: Callable[[bool], None] = _ignore_suspicion
+        # Liveness (see the module docstring; None until `watch_liveness`, and once stopped).
+        self._timer: LivenessTimer | None = None
         self._stuck = False  # hung, stalled or silent at start-up: dump its stack before a kill
 
     @classmethod
@@ -244,23 +194,23 @@ class WorkerChannel:
         `rates` are its slot's recent forwards (the estimate of the work it holds); `on_suspect`
         hears each change of suspicion (True: suspect, False: healthy again).
         """
-        self._liveness = Liveness(stall_timeout=stall_timeout, rates=rates or ForwardRates(),
-                                  clock=self._loop.time)
-        self._pings = pings
-        if on_suspect is not None:
-            self._on_suspect = on_suspect
-        if self._pinger is None and not self._broken.done():
-            self._pinger = self._loop.call_at(self._loop.time(), self._tick)
+        if self._timer is not None or self._broken.done():
+            return
+        self._timer = LivenessTimer(
+            self._loop, Liveness(stall_timeout=stall_timeout, rates=rates or ForwardRates(),
+                                 clock=self._loop.time),
+            pings=pings, write=self._write, fail=self._wedged, in_flight=lambda: self.in_flight,
+            on_suspect=on_suspect or _ignore_suspicion)
 
     @property
     def suspect(self) -> Judgement | None:
         """Why the worker is suspect (None: it is not): what it owes and for how long."""
-        return self._suspect
+        return self._timer.suspect if self._timer is not None else None
 
     @property
     def suspect_for(self) -> float:
         """Seconds since the worker became suspect (0 when it is not)."""
-        return self._loop.time() - self._suspect_since if self._suspect is not None else 0.0
+        return self._timer.suspect_for if self._timer is not None else 0.0
 
     def submit(self, request: Request, timeout: float, deliver: Deliver) -> None:
         """Send one request; `deliver` is called once with its reply or its failure.
@@ -276,19 +226,14 @@ class WorkerChannel:
             return
         if request.id in self._outstanding:
             raise RuntimeError(f"frame id {request.id} is already in flight on this worker")
-        if self._liveness is not None:
-            # A fresh ping ahead of the request (unless one is owed): an idle worker owes its
-            # pong at once, so one that wedged since its last pong is suspect within the floor,
-            # whatever the request's length.
-            if self._pings and self._ping_waiting is None and not self._send_ping():
-                deliver(self._broken.result())
-                return
-            self._liveness.request_sent(request.id, len(request.body))
+        if self._timer is not None and not self._timer.request_sent(request.id,
+                                                                     len(request.body)):
+            deliver(self._broken.result())
+            return
         self._outstanding[request.id] = _Outstanding(deliver, self._loop.time() + timeout,
                                                      timeout)
         if self._watchdog is None:
             self._arm_watchdog()
-        self._look_sooner()
         if not self._write(request.message()):
             self._fail(WorkerExited("worker closed its input"))
 
@@ -320,21 +265,7 @@ class WorkerChannel:
         return await self._exit_code(grace=EXIT_GRACE_SECONDS if exiting else 0.0)
 
     async def _dump_stack(self) -> None:
-        """Ask the stuck worker for its stack (`STACK_DUMP_SIGNAL`; SIGCONT wakes a stopped
-        one), which it writes before it exits; wait for the exit up to `STACK_DUMP_SECONDS`."""
-        process = self.process
-        if process.returncode is not None:
-            return
-        log.warning("worker pid=%d is stuck: asking for its stack (signal %s) before the kill",
-                    self.pid, messages.STACK_DUMP_SIGNAL.name)
-        logs.flush()  # this line before the stack, not in the middle of one of its lines
-        try:
-            process.send_signal(messages.STACK_DUMP_SIGNAL)
-            process.send_signal(signal.SIGCONT)
-        except ProcessLookupError:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(process.wait(), messages.STACK_DUMP_SECONDS)
+        await dump_stack(self.process)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -387,13 +318,9 @@ class WorkerChannel:
 
     def _deliver(self, frame: messages.FromWorker) -> None:
         if isinstance(frame, messages.Pong):
-            if self._ping_waiting is None or frame.seq != self._ping_waiting:
+            if self._timer is None or not self._timer.pong(frame.seq):
                 raise WorkerProtocolError(f"unsolicited pong from worker (seq {frame.seq!r})")
-            self._ping_waiting = None
-            if self._liveness is not None:
-                self._liveness.pong()
             log.debug("worker pid=%d: pong %d", self.pid, frame.seq)
-            self._sign_of_life()
             return
         if not isinstance(frame, messages.WorkerReply):
             raise WorkerProtocolError(f"unexpected {type(frame).__name__} frame from worker")
@@ -401,18 +328,9 @@ class WorkerChannel:
         if waiting is None:
             kind = messages.RESPONSE if frame.body is not None else messages.ERROR
             raise WorkerProtocolError(f"unsolicited {kind!r} frame from worker (id {frame.id!r})")
-        if self._liveness is not None:
-            self._liveness.request_answered(frame.id, frame.input_tokens, frame.worker_ms,
-                                            cut=frame.truncated_tokens > 0)
-        self._sign_of_life()
+        if self._timer is not None:
+            self._timer.answered(frame)
         waiting.deliver(frame)
-
-    def _sign_of_life(self) -> None:
-        """A sign of life: a suspect is judged again now (healthy again unless it still owes
-        something overdue), and the timer may have to look sooner."""
-        if self._suspect is not None and self._liveness is not None:
-            self._judge(self._liveness.judge())
-        self._look_sooner()
 
     def _write(self, message: dict[str, Any]) -> bool:
         """Queue a frame on the worker's stdin; False if the pipe is already gone.
@@ -453,83 +371,17 @@ class WorkerChannel:
             self._watchdog = self._loop.call_at(waiting.deadline, self._arm_watchdog)
             return
 
-    def _tick(self) -> None:
-        """The liveness timer: judge the silence, then ping if one is due; look again when the
-        verdict would change or the next ping is due, whichever is sooner."""
-        self._pinger = None
-        liveness = self._liveness
-        if self._broken.done() or liveness is None:
-            return
-        if not self._judge(liveness.judge()):
-            return
-        if self._pings and liveness.ping_due() and not self._send_ping():
-            return
-        self._pinger = self._loop.call_at(self._next_look(liveness), self._tick)
-
-    def _next_look(self, liveness: Liveness) -> float:
-        """When the verdict would change or the next ping is due, whichever is sooner."""
-        looks = [liveness.judge().next_look, liveness.next_ping_at() if self._pings else None]
-        return min((look for look in looks if look is not None),
-                   default=self._loop.time() + liveness.stall_timeout / 3)
-
-    def _look_sooner(self) -> None:
-        """After a pong, a reply or a request the verdict may change sooner than the timer is
-        aimed (the next ping is due, the margin shrank or became known): the timer looks again
-        within a ping interval. Not judged here: a judgement costs a hundred microseconds with
-        a full batch held, too much for every reply."""
-        liveness = self._liveness
-        if liveness is None or self._pinger is None:
-            return
-        soon = self._loop.time() + ping_interval(liveness.stall_timeout)
-        if soon < self._pinger.when():
-            self._pinger.cancel()
-            self._pinger = self._loop.call_at(soon, self._tick)
-
-    def _send_ping(self) -> bool:
-        """Write a ping (none may be owed); False if the pipe is gone (the channel is broken)."""
-        assert self._liveness is not None
-        self._ping_seq += 1
-        self._ping_waiting = self._ping_seq
-        self._liveness.ping_sent()
-        if not self._write(messages.ping(self._ping_seq)):
-            self._fail(WorkerExited("worker closed its input"))
-            return False
-        return True
-
-    def _judge(self, judgement: Judgement) -> bool:
-        """Act on a verdict: break the channel if wedged (False), else track the suspicion and
-        tell `on_suspect` of each change (True)."""
-        liveness = self._liveness
-        assert liveness is not None
-        if judgement.verdict is Verdict.WEDGED:
+    def _wedged(self, failure: WorkerFailure) -> None:
+        """The liveness timer found the worker wedged (or its pipe gone): break, and dump its
+        stack before the kill when it was wedged."""
+        if isinstance(failure, WorkerStalled):
             self._stuck = True
-            if judgement.kill_after >= liveness.stall_timeout:
-                self._fail(WorkerStalled(
-                    f"no pong and no reply within {liveness.stall_timeout:g}s "
-                    f"({len(self._outstanding)} request(s) in flight)"))
-            else:
-                self._fail(WorkerStalled(
-                    f"no pong within {judgement.kill_after:g}s with no request ahead of it "
-                    f"({len(self._outstanding)} request(s) in flight)"))
-            return False
-        was_suspect = self._suspect is not None
-        if judgement.verdict is Verdict.SUSPECT:
-            if not was_suspect:
-                self._suspect_since = self._loop.time()
-            self._suspect = judgement
-            if not was_suspect:
-                self._on_suspect(True)
-        elif was_suspect:
-            self._suspect = None
-            self._on_suspect(False)
-        return True
+        self._fail(failure)
 
     def _stop_liveness(self) -> None:
-        self._liveness = None
-        self._suspect = None
-        if self._pinger is not None:
-            self._pinger.cancel()
-            self._pinger = None
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.stop()
 
     def _fail(self, failure: WorkerFailure) -> None:
         """Break the channel for good; every outstanding request gets `failure`, once."""
@@ -544,14 +396,4 @@ class WorkerChannel:
             waiting.deliver(failure)
 
     async def _exit_code(self, grace: float) -> int | None:
-        """Wait up to `grace` for the exit, then SIGKILL; always reap."""
-        if self.process.returncode is None and grace > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.process.wait(), grace)
-        if self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.kill()
-        code = await self.process.wait()
-        if self.process.stdin is not None:
-            self.process.stdin.close()
-        return code
+        return await exit_code(self.process, grace)

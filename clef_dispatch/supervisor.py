@@ -28,20 +28,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from clef_frontend.dispatch.backoff import RestartBackoff
-from clef_frontend.dispatch.liveness import ForwardRates, Judgement
-from clef_frontend.dispatch.settings import WorkerSettings
-from clef_frontend.dispatch.worker_channel import WorkerChannel, failure_reason
-from clef_frontend.dispatch.worker_errors import (
+from clef_dispatch.backoff import RestartBackoff
+from clef_dispatch.liveness import ForwardRates, Judgement
+from clef_dispatch.settings import WorkerSettings
+from clef_dispatch.worker_channel import WorkerChannel
+from clef_dispatch.worker_errors import (
     Deliver,
-    Outcome,
     WorkerFailure,
+    WorkerOutcome,
     WorkerUnavailable,
+    failure_reason,
 )
 from clef_protocol.messages import ReadyInfo, Request, WorkerReply
 from clef_protocol.options import DEFAULT_MAX_BATCH_CPU, DEFAULT_MAX_BATCH_CUDA
 
-log = logging.getLogger("clef_frontend.dispatch.supervisor")
+log = logging.getLogger("clef_dispatch.supervisor")
 
 
 class WorkerState(StrEnum):
@@ -55,10 +56,10 @@ class StartupFailed(Exception):
     """The first worker did not become ready; str() is the reason for the operator."""
 
 
-# Requests outstanding per worker when --max-batch is not given: what the worker reports in
-# `ready` (`max_sequences`, the requests one of its forwards holds: the worker owns the batch
-# policy, clef_worker.policy); for a worker that reports none (the release executor, test
-# doubles), the same by-device default the worker would resolve.
+# Requests outstanding per worker: what the worker reports in `ready` (`max_sequences`, the
+# requests one of its forwards holds, `--max-batch` or its device's default: the worker owns the
+# batch policy, clef_worker.policy, and the front reads it from `ready` only); for a worker that
+# reports none (the release executor, which does not batch), the by-device default.
 
 
 def default_max_batch(device: str, reported: int = 0) -> int:
@@ -104,7 +105,7 @@ class Supervisor:
         self._on_worker_failed = on_worker_failed
         self._on_gave_up = on_gave_up
         self.slot = slot or WorkerSlot("0", "default", config.worker_argv)
-        self.max_batch = config.max_batch or 1
+        self.max_batch = 1  # until its worker's `ready` says
         self._backoff = RestartBackoff(
             config.restart_backoff, config.restart_backoff_max, config.restart_reset_after
         )
@@ -172,7 +173,7 @@ class Supervisor:
         channel = self._channel
         assert channel is not None
 
-        def answered(outcome: Outcome) -> None:
+        def answered(outcome: WorkerOutcome) -> None:
             if (isinstance(outcome, WorkerReply) and outcome.status == 200
                     and channel is self._channel):
                 self._served += 1  # useful work: resets the restart backoff (backoff.py)
@@ -304,8 +305,7 @@ class Supervisor:
 
     def _adopt(self, channel: WorkerChannel, info: ReadyInfo) -> None:
         self._channel, self.info = channel, info
-        self.max_batch = self._config.max_batch or default_max_batch(info.device,
-                                                                      info.max_sequences)
+        self.max_batch = default_max_batch(info.device, info.max_sequences)
         self._ready_at = time.monotonic()
         self._served = 0
         self.state = WorkerState.READY

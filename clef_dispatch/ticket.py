@@ -1,0 +1,136 @@
+"""A ticket: one admitted request, from the queue to its outcome; and the workers as admission
+sees them (`Lane`, `Workers`: the supervisors and the pool, behind protocols), and the round
+robin over them (`LaneRing`).
+
+Each ticket carries three ids, one name each (`clef_protocol.messages`): `frame_id`, the int
+id of its request frame; `request_id`, the client's `X-Request-Id`; `trace_id`, the W3C trace
+id ("" when untraced). The last two travel in the frame, so the worker's log lines carry them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from clef_dispatch.outcomes import Outcome
+from clef_dispatch.urgency import INTERACTIVE
+from clef_dispatch.worker_errors import Deliver
+from clef_protocol.messages import Request, WorkerReply
+
+
+class Lane(Protocol):
+    """One worker as admission sees it (a Supervisor)."""
+
+    def has_room(self) -> bool: ...
+
+    @property
+    def in_flight(self) -> int: ...
+
+    def submit(self, request: Request, deliver: Deliver) -> None: ...
+
+
+class Workers(Protocol):
+    """All workers (a WorkerPool)."""
+
+    @property
+    def lanes(self) -> Sequence[Lane]: ...
+
+    def unavailable_reason(self) -> str | None: ...
+
+
+def never_gone() -> bool:
+    return False
+
+
+def _ignore(_: str) -> None:
+    """Default for the event callbacks."""
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One admitted request, from the queue to its reply.
+
+    `gone` says whether the client has left (checked right before the frame is written);
+    `deadline` is when a still waiting ticket is answered 504 (`time.monotonic()`; None: never).
+    """
+
+    frame_id: int
+    body: bytes
+    outcome: asyncio.Future[Outcome]
+    request_id: str = ""
+    trace_id: str = ""
+    priority: str = INTERACTIVE
+    deadline: float | None = None
+    gone: Callable[[], bool] = never_gone
+    enqueued_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    worker_ms: float | None = None
+    worker_reply: WorkerReply | None = None
+    resent: bool = False  # sent again alone after its worker was lost (never a second time)
+    copied: bool = False  # a copy was queued while a suspect worker held it (liveness.py)
+    tokens: int = 0  # its estimated token cost (load.TokenEstimate), for the utilisation gauge
+    # Queue time is counted per send: the time waiting before each, never the time spent on
+    # a worker that was then lost or suspect.
+    waiting: bool = True
+    waiting_since: float = 0.0
+    queued_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.waiting_since = self.enqueued_at
+
+    @property
+    def queue_ms(self) -> float:
+        """Time spent waiting for a worker, over every send (until now, if waiting)."""
+        now = time.monotonic() - self.waiting_since if self.waiting else 0.0
+        return (self.queued_s + now) * 1000.0
+
+    def wait_again(self) -> None:
+        """Queued again (lost with its worker, or copied from a suspect one)."""
+        if not self.waiting:
+            self.waiting, self.waiting_since = True, time.monotonic()
+
+    def sent(self, now: float) -> None:
+        if self.waiting:
+            self.queued_s += now - self.waiting_since
+            self.waiting = False
+        self.started_at = now
+
+
+@dataclass(frozen=True)
+class AdmissionEvents:
+    """What admission reports to the metrics: a resend (its reason) and a deadline that
+    passed while waiting (the ticket's class)."""
+
+    resent: Callable[[str], None] = _ignore
+    expired: Callable[[str], None] = _ignore
+
+
+class LaneRing:
+    """Which worker gets the next ticket: round robin from the one after the last used, among
+    those that fit and are not running a resent ticket alone."""
+
+    def __init__(self, workers: Workers) -> None:
+        self._workers = workers
+        self._next = 0
+
+    def pick(self, fits: Callable[[Lane], bool], busy_alone: Container[Lane]) -> Lane | None:
+        lanes = self._workers.lanes
+        count = len(lanes)
+        for step in range(count):
+            index = (self._next + step) % count
+            lane = lanes[index]
+            if lane not in busy_alone and fits(lane):
+                self._next = (index + 1) % count
+                return lane
+        return None
+
+
+def has_room(lane: Lane) -> bool:
+    return lane.has_room()
+
+
+def is_idle(lane: Lane) -> bool:
+    return lane.has_room() and lane.in_flight == 0

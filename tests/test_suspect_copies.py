@@ -1,0 +1,139 @@
+"""A suspect worker's tickets, as admission handles them (the real queue, hand-answered lanes):
+their copies go by the ordinary rule beside new traffic, nothing stalls, each ticket is counted
+once, the first answer wins, and queue time is counted per send.
+
+A suspect lane is one with no room (as `Supervisor.has_room` says of a suspect worker); it keeps
+what it holds, silent, until the test answers or crashes it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from clef_dispatch.worker_errors import WorkerExited
+from tests.doubles import Admission, FakeLane, FakeWorkers, reply_of
+
+
+def test_a_suspects_copies_and_new_requests_are_served_together() -> None:
+    async def scenario() -> None:
+        suspect, healthy = FakeLane(room=3), FakeLane(room=8)
+        admission = Admission(capacity=16, retry_after=1, workers=FakeWorkers(suspect, healthy))
+        held = [admission.submit(f"held{i}".encode()) for i in range(6)]  # 3 on each lane
+        assert len(suspect.held) == 3 and len(healthy.held) == 3
+        suspect.room = 0  # suspect: no new work, silent
+        admission.lane_suspect(suspect, True)
+        new = [admission.submit(f"new{i}".encode()) for i in range(2)]
+        # All three copies and both new requests went to the healthy worker at once: nothing
+        # waits for the copies to run one by one.
+        assert healthy.sent == [b"held1", b"held3", b"held5", b"held0", b"held2", b"held4",
+                                b"new0", b"new1"]
+        assert admission.depth == 0
+        assert admission.in_flight == 8  # each ticket once, copies or not
+        while healthy.held:
+            healthy.answer_oldest()
+        for ticket in held + new:
+            reply = await reply_of(ticket)
+            assert reply.status == 200 and reply.body == ticket.body
+        # The suspect answers late: dropped (the first answer won), and it is healthy again.
+        suspect.room = 3
+        admission.lane_suspect(suspect, False)
+        while suspect.held:
+            suspect.answer_oldest()
+        assert admission.in_flight == 0 and admission.depth == 0
+        await asyncio.wait_for(admission.wait_idle(), 1)
+
+    asyncio.run(scenario())
+
+
+def test_a_copy_waiting_for_room_is_counted_once_and_taken_back_when_the_suspect_answers(
+) -> None:
+    async def scenario() -> None:
+        suspect, busy = FakeLane(room=1), FakeLane(room=1)
+        admission = Admission(capacity=16, retry_after=1, workers=FakeWorkers(suspect, busy))
+        first, second = admission.submit(b"a"), admission.submit(b"b")
+        suspect.room = 0
+        admission.lane_suspect(suspect, True)
+        # The copy of "a" waits for room: the ticket is in flight, not also waiting.
+        assert (admission.in_flight, admission.depth) == (2, 0)
+        assert admission.tokens_waiting == 0
+        third = admission.submit(b"c")
+        assert (admission.in_flight, admission.depth) == (2, 1)
+        suspect.room = 1
+        admission.lane_suspect(suspect, False)  # answered again: its copy is taken back
+        suspect.answer_oldest()
+        busy.answer_oldest()
+        for lane in (suspect, busy):
+            while lane.held:
+                lane.answer_oldest()
+        assert (suspect.sent + busy.sent).count(b"a") == 1  # its copy never went anywhere
+        assert [(await reply_of(t)).body for t in (first, second, third)] == [b"a", b"b", b"c"]
+
+    asyncio.run(scenario())
+
+
+def test_a_ticket_lost_with_both_workers_is_sent_again_alone() -> None:
+    """A second loss still isolates a suspect's ticket: lost on the suspect and on the worker
+    that ran its copy, it goes once more, alone, and a third loss is its 500."""
+    async def scenario() -> None:
+        suspect, other, spare = FakeLane(room=2), FakeLane(room=2), FakeLane(room=2)
+        admission = Admission(capacity=16, retry_after=1,
+                              workers=FakeWorkers(suspect, other, spare))
+        ticket = admission.submit(b"poison")
+        suspect.room = 0
+        admission.lane_suspect(suspect, True)
+        assert other.sent == [b"poison"]
+        suspect.crash()  # one copy lost: the other is still due
+        assert not ticket.outcome.done()
+        other.ready = False
+        held = other.held.pop(0)[1]
+        held(WorkerExited("worker closed its output"))  # lost again: sent alone
+        assert spare.sent == [b"poison"] and len(spare.held) == 1
+        spare.held.pop(0)[1](WorkerExited("worker closed its output"))
+        assert (await reply_of(ticket)).status == 500
+
+    asyncio.run(scenario())
+
+
+def test_queue_time_is_counted_per_send() -> None:
+    """A ticket lost with its worker and sent again: its queue time is its waits, not its
+    time on the lost worker."""
+    async def scenario() -> None:
+        lane = FakeLane(room=1)
+        admission = Admission(capacity=4, retry_after=1, workers=FakeWorkers(lane))
+        ticket = admission.submit(b"x")
+        first_wait = ticket.queue_ms
+        # A minute on the worker: every instant recorded so far moves a minute into the past.
+        ticket.enqueued_at -= 60.0
+        ticket.waiting_since -= 60.0
+        ticket.started_at = (ticket.started_at or 0.0) - 60.0
+        lane.held.pop(0)[1](WorkerExited("worker closed its output"))
+        assert ticket.queue_ms < first_wait + 1000.0  # not the minute on the lost worker
+        lane.answer_oldest()
+        assert (await reply_of(ticket)).status == 200
+
+    asyncio.run(scenario())
+
+
+def test_a_queued_copy_is_never_refused_and_becomes_the_resend_when_the_suspect_is_lost(
+) -> None:
+    """The suspect's copy waits (no room elsewhere): refusing the queue (the last worker lost,
+    a drain cut short) leaves it, since its ticket is in flight; when the suspect is then lost,
+    the copy becomes the ticket's one resend, alone, which waits through the restart."""
+    async def scenario() -> None:
+        suspect = FakeLane(room=1)
+        admission = Admission(capacity=4, retry_after=1, workers=FakeWorkers(suspect))
+        ticket = admission.submit(b"held")
+        suspect.room = 0
+        admission.lane_suspect(suspect, True)
+        admission.refuse_waiting("worker is restarting", resent_too=False)
+        assert not ticket.outcome.done()
+        suspect.ready = False
+        suspect.held.pop(0)[1](WorkerExited("worker closed its output"))
+        admission.refuse_waiting("worker is restarting", resent_too=False)
+        assert not ticket.outcome.done() and ticket.resent  # waits for the replacement
+        suspect.ready, suspect.room = True, 1
+        admission.lane_suspect(suspect, False)
+        assert suspect.sent == [b"held", b"held"]
+        suspect.answer_oldest()
+        assert (await reply_of(ticket)).status == 200
+
+    asyncio.run(scenario())
