@@ -6,10 +6,22 @@ Not a test. Starts `clef-serve` on loopback with the in-memory Clef-Flash-shaped
 - reads the worker's ready info from `/health`: warm-up time, captured graph shapes, graph
   memory; with `--cuda-graphs on` on CUDA it exits 1 unless every length bucket was captured
   (a capture that fell back to eager must not be reported as graphs);
-- C1 latency (one keep-alive connection, sequential) at `--lengths` tokens, 3 questions;
+- C1 latency (one keep-alive connection, sequential) at `--lengths` tokens, 3 questions; the
+  first length (370 by default) is timed `--p99-samples` times, so its p99 rests on a few
+  hundred samples, not on the slowest of thirty;
 - fresh lengths: requests at `--fresh` lengths drawn between 1,100 and 8,000 tokens that no
   earlier request had, first request against the median of three repeats (target <= 1.5x);
-- throughput: requests/s and latency at each `--concurrency`, closed loop, `--seconds` each.
+- throughput: requests/s and latency at each `--concurrency`, closed loop, `--seconds` each;
+- mixed throughput: the same at each `--mixed-concurrency`, the requests cycling through
+  `--mixed-lengths` (those within `--max-length`): where packing can win over padding, which a
+  single length cannot show.
+
+Every figure is a forward: the server runs with its answer cache off (`--answer-cache 0`; the
+benchmark repeats bodies, which the production default would answer from the cache in
+microseconds), and the result records `answer_cache_hits`, read from the server's `/metrics`
+after each phase (0 unless a cached answer slipped in). It also records the worker's start-up
+self-check (`self_check`, from `/health`'s `worker.self_check`; None where the worker does not
+report one).
 `--warmup-only` stops after the ready info (the warm-cache start-up figure). `--batch-layout`
 and `--max-batch-tokens` choose the worker's batch policy (packed and padded side by side in the
 GPU script). The result is written to `--out` after every phase, so a run stopped at its time
@@ -36,14 +48,19 @@ import time
 from typing import Any
 
 from benchlib.flash_model import BUILT, SHAPES, RequestSizer, make_request
-from benchlib.gpu_checks import capture_problems, capture_report
+from benchlib.gpu_checks import cache_hits, capture_problems, capture_report
 from benchlib.http_client import Client
-from benchlib.http_load import run_load
+from benchlib.http_load import run_mixed_load
 from benchlib.provenance import command_line
 from benchlib.serve import Serve
 from benchlib.timing import latency_summary, timed_ms
 
 FRESH_RANGE = (1100, 8000)
+# The mixed-length phase's requests, in turn: Clef's spread of short and long prompts, all
+# within the padded step's --max-length 1024 so packed and padded see the same mix.
+MIXED_LENGTHS = (90, 150, 250, 370, 520, 700, 850, 1000)
+# Every request is a forward: the benchmark repeats bodies, which the answer cache would answer.
+NO_ANSWER_CACHE = ("--answer-cache", "0")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -61,6 +78,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lengths", type=int, nargs="*", default=[370, 1000, 7000])
     parser.add_argument("--questions", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=50, help="timed requests per length")
+    parser.add_argument("--p99-samples", type=int, default=300,
+                        help="timed requests at the first length (its p99 needs hundreds)")
+    parser.add_argument("--mixed-concurrency", type=int, nargs="*", default=[16],
+                        help="concurrencies of the mixed-length phase (none: skip it)")
+    parser.add_argument("--mixed-lengths", type=int, nargs="*", default=list(MIXED_LENGTHS))
     parser.add_argument("--fresh", type=int, default=8, help="fresh lengths to try")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 32])
     parser.add_argument("--seconds", type=float, default=8.0, help="per concurrency")
@@ -76,6 +98,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "cpu", "small", 2, "float32", "torch")
         args.max_length, args.lengths, args.repeat, args.fresh = 512, [370], 3, 1
         args.concurrency, args.seconds = [1, 4], 1.0
+        args.p99_samples, args.mixed_concurrency = 20, [4]
         args.fresh_range = (300, 500)
     else:
         args.fresh_range = FRESH_RANGE
@@ -89,7 +112,8 @@ def server_flags(args: argparse.Namespace) -> tuple[str, ...]:
             "--gdn-prefill", args.gdn_prefill, "--cuda-graphs", args.cuda_graphs,
             "--max-length", str(args.max_length), "--media", "off",
             "--batch-layout", args.batch_layout, "--max-batch-tokens", str(args.max_batch_tokens),
-            "--workers-per-device", str(args.workers_per_device), *args.server_args)
+            "--workers-per-device", str(args.workers_per_device), *NO_ANSWER_CACHE,
+            *args.server_args)
 
 
 def post_ms(client: Client, body: bytes) -> float:
@@ -104,7 +128,7 @@ def post_ms(client: Client, body: bytes) -> float:
 
 def latency(client: Client, sizer: RequestSizer, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for tokens in args.lengths:
+    for index, tokens in enumerate(args.lengths):
         if tokens > args.max_length:
             continue
         request = make_request(sizer, tokens, args.questions)
@@ -112,6 +136,8 @@ def latency(client: Client, sizer: RequestSizer, args: argparse.Namespace) -> di
         for _ in range(3):
             post_ms(client, body)
         repeat = args.repeat if tokens <= 2000 else max(5, args.repeat // 4)
+        if index == 0:
+            repeat = max(repeat, args.p99_samples)
         out[str(tokens)] = {"input_tokens": len(sizer.encode(request).input_ids),
                             **latency_summary([post_ms(client, body) for _ in range(repeat)])}
         print(f"C1 {tokens} tokens: {out[str(tokens)]}", file=sys.stderr, flush=True)
@@ -136,21 +162,43 @@ def fresh_lengths(client: Client, sizer: RequestSizer,
     return out
 
 
-def throughput(port: int, sizer: RequestSizer, args: argparse.Namespace) -> dict[str, Any]:
-    body = json.dumps(make_request(sizer, 370 if args.max_length >= 370 else 100,
-                                   args.questions)).encode()
+def load_by_concurrency(port: int, bodies: list[bytes], concurrencies: list[int],
+                        seconds: float, label: str) -> dict[str, Any]:
+    """Closed-loop load at each concurrency, the requests taking `bodies` in turn."""
     out: dict[str, Any] = {}
-    for connections in args.concurrency:
-        result = run_load("127.0.0.1", port, "POST", "/v1/systemone", body,
-                          connections=connections, seconds=args.seconds, use_wrk=False)
+    for connections in concurrencies:
+        result = run_mixed_load("127.0.0.1", port, "POST", "/v1/systemone", bodies,
+                                connections=connections, seconds=seconds)
         out[f"C{connections}"] = {"req_per_s": round(result.throughput, 1),
                                   "p50_ms": round(result.p50_ms, 2),
                                   "p99_ms": round(result.p99_ms, 2),
                                   "requests": result.requests, "failed": result.bad_status}
-        print(f"C{connections}: {out[f'C{connections}']}", file=sys.stderr, flush=True)
+        print(f"{label}C{connections}: {out[f'C{connections}']}", file=sys.stderr, flush=True)
         if result.bad_status:
-            raise RuntimeError(f"C{connections}: {result.bad_status} requests failed")
+            raise RuntimeError(f"{label}C{connections}: {result.bad_status} requests failed")
     return out
+
+
+def throughput(port: int, sizer: RequestSizer, args: argparse.Namespace) -> dict[str, Any]:
+    body = json.dumps(make_request(sizer, 370 if args.max_length >= 370 else 100,
+                                   args.questions)).encode()
+    return load_by_concurrency(port, [body], args.concurrency, args.seconds, "")
+
+
+def mixed_throughput(port: int, sizer: RequestSizer,
+                     args: argparse.Namespace) -> dict[str, Any]:
+    """Closed-loop load cycling through requests of mixed lengths, at each concurrency."""
+    lengths = [n for n in args.mixed_lengths if n <= args.max_length]
+    bodies = [json.dumps(make_request(sizer, n, args.questions)).encode() for n in lengths]
+    concurrencies = args.mixed_concurrency if bodies else []
+    return {"lengths": lengths,
+            **load_by_concurrency(port, bodies, concurrencies, args.seconds, "mixed ")}
+
+
+def answer_cache_hits(server: Serve) -> int | None:
+    """The server's answer-cache hits so far, from /metrics (None when it cannot be read)."""
+    response = server.request("GET", "/metrics")
+    return cache_hits(response.body.decode()) if response.status == 200 else None
 
 
 def worker_lines(log: str) -> list[dict[str, str]]:
@@ -182,9 +230,10 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
                                "batch_layout": args.batch_layout,
                                "workers_per_device": args.workers_per_device, "phase": "start"}
 
-    def done(phase: str) -> None:
-        """Record the phase reached and write what is measured so far."""
+    def done(phase: str, server: Serve) -> None:
+        """Record the phase reached and the cache hits, and write what is measured so far."""
         results["phase"] = phase
+        results["answer_cache_hits"] = answer_cache_hits(server)
         save(results, args.out)
 
     sizer = RequestSizer()
@@ -199,21 +248,24 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         results["workers"] = worker_lines(server.stderr)
         results["device_memory_used_mib"] = device_memory_used_mib()
         results["capture"] = capture_report(info)
+        results["self_check"] = info.get("self_check")
         problems = capture_problems(info, graphs_requested=args.cuda_graphs == "on",
                                     on_cuda=args.device.startswith("cuda"))
         results["capture_problems"] = problems
-        done("ready")
+        done("ready", server)
         if problems or args.warmup_only:
             return results, problems
         with server.connect(timeout=120) as client:
             results["latency"] = latency(client, sizer, args)
-            done("latency")
+            done("latency", server)
             results["fresh_lengths"] = fresh_lengths(client, sizer, args)
         results["fresh_max_ratio"] = max((f["ratio"] for f in results["fresh_lengths"]),
                                          default=None)
-        done("fresh_lengths")
+        done("fresh_lengths", server)
         results["throughput"] = throughput(server.port, sizer, args)
-        done("throughput")
+        done("throughput", server)
+        results["mixed_throughput"] = mixed_throughput(server.port, sizer, args)
+        done("mixed_throughput", server)
     return results, problems
 
 

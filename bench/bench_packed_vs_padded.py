@@ -1,26 +1,38 @@
-"""Packed against padded batches: C8 worker throughput over distinct mixed-length requests,
-side by side in one run.
+"""Packed against padded batches, and the default layout against both: C8 worker throughput
+over distinct requests of mixed lengths and of one length, side by side in one run.
 
 Not a test. Starts `python -m clef_worker` directly (no HTTP front: this measures the worker's
 batching alone, as bench_worker_batching.py does) and keeps C requests in flight over its pipe.
-The requests are distinct (no cache can answer one for another) and their lengths spread from
-the shortest a request can be on the tiny fixture (~130 tokens) to ~1,500, in an order that
-puts far-apart lengths next to each other (benchlib.bodies.mixed_length_bodies): the mix where
-padding every row to the group's longest wastes the most. Rows, each with its own worker:
+The requests are distinct (no cache can answer one for another). Two mixes:
+
+- `mixed`: lengths spread from the shortest a request can be on the tiny fixture (~130 tokens)
+  to ~1,500, in an order that puts far-apart lengths next to each other
+  (benchlib.bodies.mixed_length_bodies): the mix where padding every row to the group's longest
+  wastes the most;
+- `uniform`: every request the same length (~500 tokens, benchlib.bodies.uniform_length_bodies):
+  the mix where padding wastes nothing.
+
+Rows, each with its own worker, the same workers for both mixes:
 
 - C1: one request at a time (the answers every other row is compared with);
 - C8 padded: `--batch-layout padded` (rows right-padded to the group's longest; on CPU no
   length buckets);
-- C8 packed: `--batch-layout packed` (the rows' tokens end to end with cumulative offsets).
+- C8 packed: `--batch-layout packed` (the rows' tokens end to end with cumulative offsets);
+- C8 default: no `--batch-layout` (`auto`: on CPU each group padded or packed by how much
+  padding it would waste, clef_worker.policy.group_layout).
 
-Both C8 rows keep the default token budget for the device (4,096 on CPU: padded counts rows x
-longest, packed counts real tokens). The rows take turns for `--rounds` rounds (median reported,
-with its range), so other work on a shared host weighs on every row alike. Every answer is
-compared with the C1 answer of the same request within the golden bound (1e-4); the script
-exits non-zero when one differs or fails.
+Every C8 row keeps the default token budget for the device (4,096 on CPU: padded counts rows x
+longest, packed counts real tokens). The rows take turns for `--rounds` rounds, mix by mix,
+in an order that rotates every round (median reported, with its range), so other work on a
+shared host weighs on every row alike;
+the summary gives the default's ratio to padded from the medians and from each row's best
+round (`default_vs_padded_best`: on a loaded host, the least disturbed turns).
+Every answer is compared with the C1 answer of the same request within the golden bound
+(1e-4); the script exits non-zero when one differs or fails.
 
-    python bench/bench_packed_vs_padded.py                # tiny fixture, CPU, 48 requests
+    python bench/bench_packed_vs_padded.py                # tiny fixture, CPU, both mixes
     python bench/bench_packed_vs_padded.py --threads 1    # on a shared host
+    python bench/bench_packed_vs_padded.py --mix uniform  # one mix
     python bench/bench_packed_vs_padded.py --quick        # CI smoke run
 """
 
@@ -33,10 +45,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchlib.bodies import mixed_length_bodies
+from benchlib.bodies import mixed_length_bodies, uniform_length_bodies
 from benchlib.paths import TINY_SNAPSHOT
 from benchlib.worker_pipe import Worker, same_answer
 from clef_protocol import messages
+
+MIXES = ("mixed", "uniform")
 
 
 def main() -> int:
@@ -45,7 +59,10 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--longest", type=int, default=1500,
-                        help="about the longest request's tokens")
+                        help="about the longest request's tokens (mixed)")
+    parser.add_argument("--uniform-tokens", type=int, default=500,
+                        help="about every request's tokens (uniform)")
+    parser.add_argument("--mix", choices=(*MIXES, "both"), default="both")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5,
                         help="turns each row takes (interleaved); the median is reported")
@@ -62,23 +79,63 @@ def main() -> int:
         args.device = "cpu"
     flags = ["--model", args.model, "--device", args.device, "--max-length", "2048",
              *args.worker_flag]
-    bodies = mixed_length_bodies(args.requests, args.longest)
+    mixes = MIXES if args.mix == "both" else (args.mix,)
+    bodies = {"mixed": mixed_length_bodies(args.requests, args.longest),
+              "uniform": uniform_length_bodies(args.requests, args.uniform_tokens)}
     c = args.concurrency
     plans: list[tuple[str, int, list[str]]] = [
         ("C1", 1, []),
         (f"C{c} padded", c, ["--batch-layout", "padded"]),
         (f"C{c} packed", c, ["--batch-layout", "packed"]),
+        (f"C{c} default", c, []),
     ]
     workers = [Worker(flags + extra, args.threads) for _, _, extra in plans]
     for worker in workers:
-        worker.run(bodies[:2], 1)  # untimed: first-touch costs
+        worker.run(bodies[mixes[0]][:2], 1)  # untimed: first-touch costs
+    layouts = {name: worker.ready.get("batch_layout") for (name, _, _), worker
+               in zip(plans, workers, strict=True)}
+    results = {mix: measure(plans, workers, bodies[mix], args.rounds) for mix in mixes}
+    for worker in workers:
+        worker.close()
+    report: dict[str, Any] = {"model": args.model, "device": args.device,
+                              "threads": args.threads, "mixes": {}}
+    ok = True
+    for mix, (rows, tokens) in results.items():
+        for row in rows:
+            row["layout"] = layouts[row["row"]]
+            print(json.dumps({"mix": mix, **row}), flush=True)
+            ok &= row["all_ok"] and row["answers_equal_to_C1"]
+        rate = {row["row"]: row["req_per_s"] for row in rows}
+        best = {row["row"]: row["req_per_s_range"][1] for row in rows}
+        summary = {"mix": mix, "request_tokens": [tokens[0], tokens[len(tokens) // 2],
+                                                  tokens[-1]],
+                   "packed_vs_padded": round(rate[f"C{c} packed"] / rate[f"C{c} padded"], 2),
+                   "default_vs_padded": round(rate[f"C{c} default"] / rate[f"C{c} padded"], 2),
+                   # The best rounds: on a loaded host the least disturbed turn of each row.
+                   "default_vs_padded_best": round(best[f"C{c} default"] / best[f"C{c} padded"],
+                                                   2)}
+        print(json.dumps(summary), flush=True)
+        report["mixes"][mix] = {"rows": rows, **summary}
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0 if ok else 1
+
+
+def measure(plans: list[tuple[str, int, list[str]]], workers: list[Worker], bodies: list[bytes],
+            rounds: int) -> tuple[list[dict[str, Any]], list[int]]:
+    """Every row over these bodies, `rounds` interleaved turns: the rows, and the requests'
+    token counts (sorted)."""
     seconds: dict[str, list[float]] = {name: [] for name, _, _ in plans}
     sizes: dict[str, list[int]] = {name: [] for name, _, _ in plans}
     ok = {name: True for name, _, _ in plans}
     equal = dict(ok)
     baseline: dict[int, dict] = {}
-    for _ in range(args.rounds):
-        for (name, in_flight, _), worker in zip(plans, workers, strict=True):
+    turns = list(zip(plans, workers, strict=True))
+    for round_ in range(rounds):
+        # C1 first in the first round (its answers are the baseline); after that the order
+        # rotates, so no row always follows the same one on a host whose load drifts.
+        shift = round_ % len(turns)
+        for (name, in_flight, _), worker in turns[shift:] + turns[:shift]:
             took, replies = worker.run(bodies, in_flight)
             seconds[name].append(took)
             sizes[name] += [int(r.get("batch_size", 1)) for r in replies.values()]
@@ -87,28 +144,16 @@ def main() -> int:
             ok[name] &= answered
             equal[name] &= answered and all(same_answer(replies[i]["body"], baseline[i]["body"])
                                             for i in replies)
-    layouts = {name: worker.ready.get("batch_layout") for (name, _, _), worker
-               in zip(plans, workers, strict=True)}
-    for worker in workers:
-        worker.close()
     rows: list[dict[str, Any]] = []
     for name, _, _ in plans:
         rates = sorted(len(bodies) / took for took in seconds[name])
-        rows.append({"row": name, "layout": layouts[name], "requests": len(bodies),
-                     "rounds": args.rounds, "req_per_s": round(statistics.median(rates), 2),
+        rows.append({"row": name, "requests": len(bodies), "rounds": rounds,
+                     "req_per_s": round(statistics.median(rates), 2),
                      "req_per_s_range": [round(rates[0], 2), round(rates[-1], 2)],
                      "mean_batch_size": round(statistics.mean(sizes[name]), 2),
                      "all_ok": ok[name], "answers_equal_to_C1": equal[name]})
-        print(json.dumps(rows[-1]), flush=True)
     tokens = sorted(int(reply.get("input_tokens", 0)) for reply in baseline.values())
-    by_name = {row["row"]: row["req_per_s"] for row in rows}
-    summary = {"model": args.model, "device": args.device, "threads": args.threads,
-               "request_tokens": [tokens[0], tokens[len(tokens) // 2], tokens[-1]],
-               "packed_vs_padded": round(by_name[f"C{c} packed"] / by_name[f"C{c} padded"], 2)}
-    print(json.dumps(summary))
-    if args.out is not None:
-        args.out.write_text(json.dumps({"rows": rows, **summary}, indent=1) + "\n")
-    return 0 if all(row["all_ok"] and row["answers_equal_to_C1"] for row in rows) else 1
+    return rows, tokens
 
 
 if __name__ == "__main__":

@@ -12,9 +12,16 @@ only cost load time).
 case with each, and compares them question by question (`graphs_vs_eager`: largest probability
 difference, every argmax equal, the top-2 margins where an argmax differs). With graphs on, the
 run exits 1 unless the executor reports every length bucket captured (benchlib/gpu_checks.py).
-`packed_groups`: with the last mode's executor, every answered case again in mixed groups of up
-to eight (the batch layout's forwards: packed rows by default), compared with the same case
-alone, question by question.
+`packed_groups`: with each mode's executor, every answered case again in mixed groups of up to
+eight (the batch layout's forwards: packed rows by default), compared with the same case alone,
+question by question. Run on both executors, a difference is placed: grouped against alone on
+the eager executor is the packed kernels (varlen against one sequence); the grouped answers of
+the graphs executor against the eager one's (`packed_graphs_vs_packed_eager`, same layout and
+kernels) is the capture. Against the golden answers (float32): `argmax_mismatches_vs_golden`
+counts the questions whose argmax differs, over every mode.
+
+The result is written to `--out` after each mode (a run stopped at its time limit keeps the
+modes it finished; `"phase"` says how far it got).
 
 The executor is loaded at the longest golden case's length (rounded up to 64, `--max-length 0`)
 and a 4,096-token budget: every case fits, and only the shapes the cases can reach are
@@ -85,35 +92,44 @@ def run_cases(executor: Any, cases: tuple[dict[str, Any], ...]) -> dict[str, Any
 
 
 def grouped_vs_alone(executor: Any, cases: tuple[dict[str, Any], ...],
-                     size: int = 8) -> dict[str, Any]:
+                     alone: dict[str, list[list[float]]], size: int = 8) -> dict[str, Any]:
     """Every answered case in mixed groups of up to `size` (in file order, so long and short
-    cases share groups) through the executor's runner, against the same case alone."""
+    cases share groups) through the executor's runner, against the same case alone (`alone`:
+    `run_cases`' answers by case name, from the same executor, one request per forward)."""
     from benchlib.executors import with_limits
-    from clef_protocol.errors import RequestInvalid
 
-    encodings = []
+    named = []
     for case in cases:
-        if "error" in case:
+        if case["name"] not in alone:
             continue
         limited = with_limits(executor, dataclasses.replace(executor.limits,
                                                            max_length=case["max_length"]))
-        try:
-            encodings.append(limited.encode(case["request"]))
-        except RequestInvalid:
-            continue
-    alone: dict[str, list[list[float]]] = {}
+        named.append((case["name"], limited.encode(case["request"])))
     grouped: dict[str, list[list[float]]] = {}
-    for index, encoding in enumerate(encodings):
-        counts = [len(q.option_spans) for q in encoding.questions]
-        row = executor.runner.run([encoding]).rows[0]
-        alone[str(index)] = split_by_question(row.probabilities, counts)
-    for first in range(0, len(encodings), size):
-        group = encodings[first:first + size]
-        for offset, row in enumerate(executor.runner.run(group).rows):
-            counts = [len(q.option_spans) for q in group[offset].questions]
-            grouped[str(first + offset)] = split_by_question(row.probabilities, counts)
-    return {"layout": executor.runner.layout, "cases": len(encodings), "group_size": size,
-            **compare_questions(alone, grouped)}
+    for first in range(0, len(named), size):
+        group = named[first:first + size]
+        rows = executor.runner.run([encoding for _, encoding in group]).rows
+        for (name, encoding), row in zip(group, rows, strict=True):
+            counts = [len(q.option_spans) for q in encoding.questions]
+            grouped[name] = split_by_question(row.probabilities, counts)
+    return {"layout": executor.runner.layout, "cases": len(named), "group_size": size,
+            **compare_questions({name: alone[name] for name in grouped}, grouped),
+            "grouped": grouped}
+
+
+def write(summary: dict[str, Any], path: Path | None) -> None:
+    """The result so far, atomically (a reader never sees half a file)."""
+    if path is None:
+        return
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    temporary.replace(path)
+
+
+def without_answers(result: dict[str, Any]) -> dict[str, Any]:
+    """A mode's result as written: its comparisons, not every probability."""
+    groups = {k: v for k, v in result["packed_groups"].items() if k != "grouped"}
+    return {**{k: v for k, v in result.items() if k != "per_question"}, "packed_groups": groups}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         longest = max(len(case["input_ids"]) for case in cases if "input_ids" in case)
         args.max_length = -(-longest // 64) * 64
     summary: dict[str, Any] = {"command": command_line(__file__), "cases": len(cases),
-                               "modes": {}}
+                               "modes": {}, "phase": "start"}
     problems: list[str] = []
+    answers: dict[str, dict[str, Any]] = {}
     for mode in modes:
         executor = assemble_snapshot(args.fixtures / "clef-tiny", device=args.device,
                                        dtype=args.dtype, gdn_prefill=args.gdn_prefill,
@@ -177,26 +194,36 @@ def main(argv: list[str] | None = None) -> int:
         problems += [f"--cuda-graphs {mode}: {problem}" for problem in found]
         summary["device"], summary["dtype"] = str(executor.device), info["dtype"]
         summary["gdn_path"], summary["short_conv"] = info["gdn_path"], info["short_conv"]
-        summary["modes"][mode] = {**run_cases(executor, cases), "capture": capture_report(info),
-                                  "capture_problems": found}
-    summary["packed_groups"] = grouped_vs_alone(executor, cases)
+        answered = run_cases(executor, cases)
+        answers[mode] = {**answered, "capture": capture_report(info), "capture_problems": found,
+                         "packed_groups": grouped_vs_alone(executor, cases,
+                                                           answered["per_question"])}
+        del executor  # its weights and graphs go before the next mode loads its own
+        summary["modes"][mode] = without_answers(answers[mode])
+        summary["argmax_mismatches_vs_golden"] = sum(
+            len(m["argmax_mismatches"]) for m in summary["modes"].values())
+        summary["packed_groups_argmax_equal"] = all(
+            m["packed_groups"]["argmax_equal"] for m in summary["modes"].values())
+        summary["phase"] = mode
+        write(summary, args.out)
     if len(modes) == 2:
-        summary["graphs_vs_eager"] = compare_questions(summary["modes"]["off"]["per_question"],
-                                                       summary["modes"]["on"]["per_question"])
-    for result in summary["modes"].values():
-        result.pop("per_question")
+        summary["graphs_vs_eager"] = compare_questions(answers["off"]["per_question"],
+                                                       answers["on"]["per_question"])
+        summary["packed_graphs_vs_packed_eager"] = compare_questions(
+            answers["off"]["packed_groups"]["grouped"], answers["on"]["packed_groups"]["grouped"])
     summary["within_test_tolerance"] = all(m["within_test_tolerance"]
                                            for m in summary["modes"].values())
+    summary["phase"] = "done"
     print(json.dumps(summary))
-    if args.out:
-        args.out.write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    write(summary, args.out)
     for problem in problems:
         print(f"not graphs: {problem}", file=sys.stderr)
     if problems:
         return 1
     if args.quick and not (summary["within_test_tolerance"] and cases
                            and summary["graphs_vs_eager"]["argmax_equal"]
-                           and summary["packed_groups"]["argmax_equal"]):
+                           and summary["packed_graphs_vs_packed_eager"]["argmax_equal"]
+                           and summary["packed_groups_argmax_equal"]):
         return 1
     return 0
 

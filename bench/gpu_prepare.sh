@@ -2,20 +2,26 @@
 # Before running bench/gpu_session.sh on a GPU host without network: fill .gpu/ (gitignored)
 # with what it needs there. The host is expected to hold torch, triton, pytest, hypothesis and
 # this project's other dependencies, but not transformers 5.24.0 nor fla-core; both wheels are
-# pure Python, so any platform tags do. The commit is recorded for the summary (the host's copy
-# of the checkout may have no git history).
+# pure Python, so any platform tags do. The reference fixtures travel with the checkout
+# (tests/fixtures, benchlib/paths.py). The commit is recorded for the summary (the host's copy
+# of the checkout may have no git history): CLEF_COMMIT when the launcher sets it, else this
+# project's own HEAD when the project is its own git checkout (never the HEAD of a repository
+# that merely contains it), else "unknown".
 #
 #   bash bench/gpu_prepare.sh          # then send .gpu along with the checkout
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-FIXTURES=${CLEF_FIXTURES:-../shared/fixtures}
 mkdir -p .gpu/whl
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
   -d .gpu/whl transformers==5.24.0 fla-core==0.6.0
-rm -rf .gpu/fixtures
-cp -r "$FIXTURES" .gpu/fixtures
-git rev-parse --short=12 HEAD > .gpu/COMMIT
+if [ -n "${CLEF_COMMIT:-}" ]; then
+  echo "$CLEF_COMMIT"
+elif [ "$(git rev-parse --show-toplevel 2>/dev/null || true)" = "$(pwd -P)" ]; then
+  git rev-parse --short=12 HEAD
+else
+  echo unknown
+fi > .gpu/COMMIT
 ls .gpu/whl
 du -sh .gpu

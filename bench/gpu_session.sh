@@ -8,34 +8,63 @@
 #   bash bench/gpu_session.sh --dry-run    # on CPU: every step in --quick mode (CI runs this)
 #
 # The GPU host needs no network: .gpu/whl holds the transformers and fla-core wheels (the host
-# has torch, triton and the project's other dependencies) and .gpu/fixtures a copy of the
-# reference fixtures. Files land in $OUT (default /tmp/clef-gpu-out): the summary
-# h200-YYYY-MM-DD-summary.json (fields in benchlib/gpu_steps.py, null where a step did not run),
-# steps.jsonl (each step's status, time and result), logs.txt and env.txt. The steps, their
-# limits and the summary are benchlib/gpu_steps.py; DEADLINE (seconds) overrides the deadline.
+# has torch, triton and the project's other dependencies); the reference fixtures come with the
+# checkout (benchlib/paths.py). Files land in $OUT (default /tmp/clef-gpu-out), five at most:
+# the summary h200-YYYY-MM-DD-summary.json (fields in benchlib/gpu_steps.py, null where a step
+# did not run), steps.jsonl (each step's status, time and result), logs.txt, env.txt (the
+# host and the versions, or the import that failed) and triton-autotune.tar (copy it to .gpu/ to
+# seed the next sitting). Missing wheels or a failed `import fla` run no step, but still leave
+# env.txt and a summary whose `error` says why. CLEF_COMMIT, when the launcher sets it, is the
+# commit the summary records. The steps, their limits and the summary are
+# benchlib/gpu_steps.py; DEADLINE (seconds) overrides the deadline, SCRATCH the steps' own folder.
 set -u
 export PYTHONUNBUFFERED=1
 DRY=0; [ "${1:-}" = "--dry-run" ] && DRY=1
 # The dry run: the same plan on a CPU host, limits and deadline doubled (benchlib/gpu_steps.py).
 if [ $DRY = 1 ]; then DEADLINE=${DEADLINE:-1080}; else DEADLINE=${DEADLINE:-540}; fi
 OUT=${OUT:-/tmp/clef-gpu-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+: > "$OUT/env.txt"
 cd "$(dirname "$0")/.."
+ERROR=""
 if [ $DRY = 1 ]; then
   PY=${PYTHON:-python3}
   FLAGS=(--dry-run)
   SCRATCH=$(mktemp -d)
 else
   PY=python3
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .gpu/whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-  export CLEF_FIXTURES=$PWD/.gpu/fixtures
   FLAGS=()
-  SCRATCH=/tmp/clef-gpu-steps
-  { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
-    python3 -c "import sys, torch, transformers, fla, triton; print(sys.version.split()[0], torch.__version__, transformers.__version__, fla.__version__, triton.__version__, torch.cuda.get_device_name())"
-  } 2>&1 | tee "$OUT/env.txt"
+  SCRATCH=${SCRATCH:-/tmp/clef-gpu-steps}
+  if ! compgen -G ".gpu/whl/*.whl" > /dev/null; then
+    ERROR="no wheels in .gpu/whl: run bench/gpu_prepare.sh before the sitting"
+  elif ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .gpu/whl/*.whl >> "$OUT/env.txt" 2>&1; then
+    ERROR="installing the wheels of .gpu/whl failed (env.txt)"
+  fi
+  export PYTHONPATH=/tmp/site:$PWD
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv \
+    >> "$OUT/env.txt" 2>&1
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
+# Each version on its own line, or the import's error, so one missing module names itself.
+"$PY" - >> "$OUT/env.txt" 2>&1 <<'EOF'
+import importlib, sys
+print("python", sys.version.split()[0])
+for name in ("torch", "transformers", "triton", "fla"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as exc:
+        print(name, "FAILED:", type(exc).__name__, exc)
+try:
+    import torch
+    print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA")
+except Exception as exc:
+    print("device", "FAILED:", exc)
+EOF
+# fla is the GPU path's (the dry run's quick steps run the torch path on CPU).
+if [ $DRY = 0 ] && [ -z "$ERROR" ] && grep -q "^fla FAILED" "$OUT/env.txt"; then
+  ERROR="import fla failed: $(grep '^fla FAILED' "$OUT/env.txt" | head -1)"
+fi
+cat "$OUT/env.txt"
+[ -n "$ERROR" ] && FLAGS+=(--error "$ERROR")
 exec "$PY" -m benchlib.gpu_steps ${FLAGS[@]+"${FLAGS[@]}"} --out "$OUT" --scratch "$SCRATCH" \
   --deadline $((DEADLINE - SECONDS))

@@ -41,10 +41,28 @@ def mixed_length_bodies(count: int, longest: int = 1500) -> list[bytes]:
     for i in range(count):
         rank = (i * 37) % count  # a fixed permutation of the lengths
         sentences = rank * steps // max(1, count - 1)
-        state = "".join(f"Ticket {7000 + i}-{k}: customer paid invoice #{k} twice. "
-                        for k in range(sentences))
-        body = {"model": "clef-flash", "state": state or f"T{i}.",
-                "questions": {"refund": {"type": "noul",
-                                         "criteria": {"true": None, "false": None}}}}
-        bodies.append(json.dumps(body).encode())
+        bodies.append(_ticket_body(_ticket_state(7000 + i, sentences) or f"T{i}."))
     return bodies
+
+
+def uniform_length_bodies(count: int, tokens: int = 500) -> list[bytes]:
+    """Distinct requests of one encoded length (about `tokens` on the tiny fixture): the same
+    number of sentences, each request's own ticket number (four digits for every request, so
+    every state tokenizes to the same count). The mix where padding wastes nothing."""
+    sentences = max(0, tokens - 126) // 27  # as mixed_length_bodies: 126 fixed, 27 a sentence
+    return [_ticket_body(_ticket_state(7000 + i, sentences) or f"T{7000 + i}.")
+            for i in range(count)]
+
+
+def _ticket_state(ticket: int, sentences: int) -> str:
+    """`sentences` sentences about one ticket (27 tokens each on the tiny fixture)."""
+    return "".join(f"Ticket {ticket}-{k}: customer paid invoice #{k} twice. "
+                   for k in range(sentences))
+
+
+def _ticket_body(state: str) -> bytes:
+    """A request with this state and one bare noul question."""
+    return json.dumps({"model": "clef-flash", "state": state,
+                       "questions": {"refund": {"type": "noul",
+                                                "criteria": {"true": None, "false": None}}}}
+                      ).encode()

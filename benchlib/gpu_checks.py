@@ -7,13 +7,28 @@ graphs reads the executor's own account (`describe()`, or the worker info in `/h
 `[rows, tokens]` shapes were captured (`graph_shapes`) against the length buckets it serves
 (`buckets`). Fields a worker does not report are unknown, never assumed: on a CUDA device an
 unknown capture is a failure, on CPU (where graphs are an eager stand-in) it is reported as
-unknown.
+unknown. Likewise a latency the answer cache served is not a forward: `cache_hits` reads the
+server's own count of them from `/metrics`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+ANSWER_CACHE_SAMPLE = "clef_answer_cache_total"
+
+
+def cache_hits(metrics_text: str) -> int | None:
+    """Requests the answer cache answered (`result="hit"`), from a `/metrics` exposition;
+    None when the server exports no such series (a figure then cannot be vouched for)."""
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == ANSWER_CACHE_SAMPLE and sample.labels.get("result") == "hit":
+                return int(sample.value)
+    return None
 
 
 def captured_shapes(info: Mapping[str, Any]) -> list[tuple[int, int]] | None:

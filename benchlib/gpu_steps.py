@@ -18,13 +18,21 @@ whole command killed) still leaves what was measured: `steps.jsonl` (each step's
 exit code, reason and result, appended after each step), `logs.txt` (every step's stderr and,
 as it arrives, the stderr of the servers and workers the steps start: `CLEF_BENCH_SERVER_LOG`),
 the benches' partial results (they rewrite their `--out` after each phase, and a timed-out
-step's partial result counts in the summary), Triton's autotune results (`triton-autotune/`,
-every `*.autotune.json` of the kernel cache, copied after each step; a later sitting seeds its
-empty cache from `.gpu/triton-autotune/` when present), and the summary
-`h200-YYYY-MM-DD-summary.json` with the fixed fields of `SUMMARY_FIELDS` (null where a step did
-not run or failed), which also records the project's own commit and the graph shapes the H200
-defaults plan. `--dry-run` runs the same plan in each script's `--quick` mode on CPU, which
-exercises the scheduler and the summary writer in CI.
+step's partial result counts in the summary), Triton's autotune results in one archive
+(`triton-autotune.tar`: every `*.autotune.json` of the kernel cache, rewritten after each step;
+a later sitting seeds its empty cache from `.gpu/triton-autotune.tar` when present), and the
+summary `h200-YYYY-MM-DD-summary.json` with the fixed fields of `SUMMARY_FIELDS` (null where a
+step did not run or failed), which also records the project's own commit, the graph shapes the
+H200 defaults plan, and `error` when the sitting could not start (`--error`: missing wheels, a
+failed `import fla`; no step runs then, but the summary and gpu_session.sh's `env.txt` are
+still written). The device returns at most 8 files, so `$OUT` holds these five and nothing
+else: the steps' own results stay in `--scratch`.
+
+Every HTTP figure is a forward: the HTTP benches run their servers with the answer cache off,
+and `answer_cache_hits` (summed over their servers' `/metrics`) says so. fla's l2norm kernel,
+which autotunes 25 configs for each token-count bucket (~100 compiles of a cold start), gets a
+shipped default config (`bench/fla-configs/`, through fla's `FLA_CONFIG_DIR` and
+`FLA_CACHE_MODE=default`, unless either is already set); fla's other kernels autotune as usual.
 
 The scheduling (`run_steps`) and the summary (`summarise`) take the clock and the step runner
 as arguments, so they are unit-tested without CUDA or subprocesses.
@@ -36,10 +44,10 @@ import argparse
 import datetime
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -58,23 +66,33 @@ RESERVE_S = 10.0
 # gpu_session.sh's setup before the steps (installing the wheels, nvidia-smi, versions): the
 # deadline counts it, so the required steps must fit in what is left after it.
 SETUP_ALLOWANCE_S = 30.0
-AUTOTUNE_DIR = "triton-autotune"  # in $OUT, and under .gpu/ to seed the next sitting
-SEED_AUTOTUNE = REPO / ".gpu" / AUTOTUNE_DIR
+AUTOTUNE_ARCHIVE = "triton-autotune.tar"  # in $OUT, and under .gpu/ to seed the next sitting
+SEED_AUTOTUNE = REPO / ".gpu" / AUTOTUNE_ARCHIVE
+AUTOTUNE_SUFFIX = ".autotune.json"
+# fla's kernel configs shipped with the project: the l2norm default (see the module docs).
+FLA_CONFIGS = REPO / "bench" / "fla-configs"
+FLA_CACHE_MODE = "default"  # fla: use a shipped file's default_config, autotune the rest
+COMMIT_ENV = "CLEF_COMMIT"  # the launcher's record of the commit measured: it wins
 SERVER_LOG_ENV = "CLEF_BENCH_SERVER_LOG"  # benchlib.serve appends the servers' stderr there
 LOG_TAIL_BYTES = 8 << 20
 STDOUT_TAIL_CHARS = 4000
 
 SUMMARY_FIELDS = (
-    "date", "commit", "batch_layout", "graph_shapes_planned", "graph_shapes_captured",
-    "p50_ms_370tok", "p99_ms_370tok", "p50_ms_1000tok", "p50_ms_7000tok",
+    "date", "commit", "error", "batch_layout", "graph_shapes_planned", "graph_shapes_captured",
+    "self_check", "answer_cache_hits",
+    "p50_ms_370tok", "p99_ms_370tok", "p99_samples_370tok", "p50_ms_1000tok", "p50_ms_7000tok",
     "fresh_len_max_ratio", "warmup_cold_s", "warmup_cached_s", "c1_rps", "c16_rps", "c32_rps",
-    "padded_p50_ms_370tok", "padded_p50_ms_1000tok", "padded_c16_rps", "padded_warmup_s",
-    "padded_graph_shapes_captured", "eager_p50_ms_370tok", "eager_c16_rps",
-    "two_workers_c16_rps", "graph_memory_bytes", "bf16_graphs_vs_eager_max_prob_diff",
-    "argmax_equal", "packed_groups_argmax_equal",
+    "mixed_c16_rps", "padded_p50_ms_370tok", "padded_p50_ms_1000tok", "padded_c16_rps",
+    "padded_mixed_c16_rps", "padded_warmup_s", "padded_graph_shapes_captured",
+    "eager_p50_ms_370tok", "eager_c16_rps", "two_workers_c16_rps", "graph_memory_bytes",
+    "bf16_eager_vs_fp32_max_prob_diff", "bf16_graphs_vs_fp32_max_prob_diff",
+    "bf16_argmax_mismatches", "bf16_graphs_vs_eager_max_prob_diff", "argmax_equal",
+    "packed_graphs_vs_packed_eager_max_prob_diff", "packed_groups_argmax_equal",
 )
-# Fields the script computes itself, not read from a step's result.
-OWN_FIELDS = ("date", "commit", "graph_shapes_planned")
+# Fields the script computes itself, not read from one step's result.
+OWN_FIELDS = ("date", "commit", "error", "graph_shapes_planned", "answer_cache_hits")
+# The steps whose servers' answer-cache hits are summed (every step that times HTTP).
+HTTP_STEPS = ("http_graphs_cold", "http_padded", "warmup_cached", "http_eager", "two_workers")
 
 
 def _ms_to_s(value: Any) -> float:
@@ -96,9 +114,20 @@ SOURCES: dict[str, tuple[str, tuple[str, ...], Callable[[Any], Any] | None]] = {
     "padded_graph_shapes_captured": ("http_padded", ("capture", "captured_shapes"), _count),
     "eager_p50_ms_370tok": ("http_eager", ("latency", "370", "p50_ms"), None),
     "eager_c16_rps": ("http_eager", ("throughput", "C16", "req_per_s"), None),
-    "packed_groups_argmax_equal": ("parity_bf16", ("packed_groups", "argmax_equal"), None),
+    "packed_groups_argmax_equal": ("parity_bf16", ("packed_groups_argmax_equal",), None),
     "p50_ms_370tok": ("http_graphs_cold", ("latency", "370", "p50_ms"), None),
     "p99_ms_370tok": ("http_graphs_cold", ("latency", "370", "p99_ms"), None),
+    "p99_samples_370tok": ("http_graphs_cold", ("latency", "370", "n"), None),
+    "self_check": ("http_graphs_cold", ("self_check",), None),
+    "mixed_c16_rps": ("http_graphs_cold", ("mixed_throughput", "C16", "req_per_s"), None),
+    "padded_mixed_c16_rps": ("http_padded", ("mixed_throughput", "C16", "req_per_s"), None),
+    "bf16_eager_vs_fp32_max_prob_diff": (
+        "parity_bf16", ("modes", "off", "max_abs_probability_diff"), None),
+    "bf16_graphs_vs_fp32_max_prob_diff": (
+        "parity_bf16", ("modes", "on", "max_abs_probability_diff"), None),
+    "bf16_argmax_mismatches": ("parity_bf16", ("argmax_mismatches_vs_golden",), None),
+    "packed_graphs_vs_packed_eager_max_prob_diff": (
+        "parity_bf16", ("packed_graphs_vs_packed_eager", "max_abs_probability_diff"), None),
     "p50_ms_1000tok": ("http_graphs_cold", ("latency", "1000", "p50_ms"), None),
     "p50_ms_7000tok": ("http_graphs_cold", ("latency", "7000", "p50_ms"), None),
     "fresh_len_max_ratio": ("http_graphs_cold", ("fresh_max_ratio",), None),
@@ -200,15 +229,25 @@ def _dig(document: Any, path: Sequence[str]) -> Any:
     return document
 
 
+def answer_cache_hits(results: Mapping[str, Any]) -> int | None:
+    """The answer-cache hits the HTTP steps' servers counted, summed (None when none said)."""
+    counts = [_dig(results.get(step), ("answer_cache_hits",)) for step in HTTP_STEPS]
+    known = [int(count) for count in counts if count is not None]
+    return sum(known) if known else None
+
+
 def summarise(outcomes: Sequence[Outcome], date: str, commit: str,
-              graph_shapes_planned: int | None = None) -> dict[str, Any]:
+              graph_shapes_planned: int | None = None, error: str | None = None
+              ) -> dict[str, Any]:
     """The summary's fields, from the results of the steps that succeeded or ran out of time
     (what a timed-out step measured before its limit stands: the benches write their results
     after each phase); None for the rest (a failed step's numbers are not reported: it may
-    have failed for measuring the wrong thing, e.g. eager under the name of graphs)."""
+    have failed for measuring the wrong thing, e.g. eager under the name of graphs). `error`:
+    why the sitting could not run (None when it could)."""
     results = {o.name: o.result for o in outcomes if o.status in ("ok", "timed_out")}
-    summary: dict[str, Any] = {"date": date, "commit": commit,
-                               "graph_shapes_planned": graph_shapes_planned}
+    summary: dict[str, Any] = {"date": date, "commit": commit, "error": error,
+                               "graph_shapes_planned": graph_shapes_planned,
+                               "answer_cache_hits": answer_cache_hits(results)}
     for name, (step, path, convert) in SOURCES.items():
         value = _dig(results.get(step), path)
         summary[name] = convert(value) if (convert and value is not None) else value
@@ -228,47 +267,57 @@ def plan(*, dry_run: bool, python: str = sys.executable,
     Limits, from what each step does at the H200 defaults (the packed layout's 28 total-token
     graphs, about 80k tokens of capture against the padded layout's 110 shapes and 509k
     tokens that made the old first step overrun): the first step loads the 7.9 B model,
-    compiles every kernel cold and captures, then times ~30 requests at each of three lengths,
-    four fresh lengths and C1/C16/C32 for 6 s each; the padded step runs the padded layout at
-    `--max-length 1024` and a 6,144-token budget (66 shapes, ~122k tokens, enough for C16 at
-    370 tokens), so packed and padded are measured side by side in the same sitting."""
+    compiles every kernel cold and captures, then times 300 requests at 370 tokens (its p99)
+    and ~30 at two more lengths, four fresh lengths, C1/C16/C32 and mixed lengths at C16 for
+    6 s each; the parity step loads the tiny snapshot twice in bf16 and answers every golden
+    case alone and in groups on each (the issue's reading of the old step: 90-110 s against
+    its 75 s limit); the padded step runs the padded layout at `--max-length 1024` and a
+    6,144-token budget (66 shapes, ~122k tokens, enough for C16 at 370 tokens) with the same
+    length mix, so packed and padded are measured side by side in the same sitting. Eager over
+    HTTP is optional (the parity step compares eager and graphs answer by answer)."""
     quick = ("--quick",) if dry_run else ()
     scale = DRY_RUN_SCALE if dry_run else 1.0
     http = (python, "bench/bench_gpu_http.py", *quick, "--gdn-prefill", "fla")
     pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider")
     return [
-        # Packed (the default): latency by length, fresh lengths, cold warm-up, graph memory,
-        # C1/C16/C32, over HTTP.
-        Step("http_graphs_cold", (*http, "--cuda-graphs", "on", "--repeat", "30", "--fresh",
-                                  "4", "--seconds", "6"), 190 * scale, graphs=True),
-        # Golden parity in bf16, eager and graphs, graphs vs eager question by question, and
-        # the cases in mixed packed groups against alone; at the longest golden length.
+        # Packed (the default): latency by length (p99 at 370 from 300 samples), fresh
+        # lengths, cold warm-up, graph memory, C1/C16/C32 and mixed lengths at C16, over HTTP.
+        Step("http_graphs_cold", (*http, "--cuda-graphs", "on", "--repeat", "30",
+                                  "--p99-samples", "300", "--fresh", "4", "--seconds", "6",
+                                  "--mixed-concurrency", "16"), 200 * scale, graphs=True),
+        # Golden parity in bf16 against the float32 goldens, eager and graphs, graphs vs eager
+        # question by question, and on each executor the cases in mixed packed groups against
+        # alone; at the longest golden length. Written after each mode.
         Step("parity_bf16", (python, "bench/gpu_parity.py", *quick, "--fixtures", str(fixtures),
                              "--device", "cuda", "--dtype", "bfloat16", "--gdn-prefill", "fla",
-                             "--cuda-graphs", "both"), 75 * scale, graphs=True),
-        # The padded layout beside it: p50 at 370 / 1,000 tokens, C16, its warm-up.
+                             "--cuda-graphs", "both"), 125 * scale, graphs=True),
+        # The padded layout beside it: p50 at 370 / 1,000 tokens, C16, mixed C16, its warm-up.
         Step("http_padded", (*http, "--cuda-graphs", "on", "--batch-layout", "padded",
                              "--max-length", "1024", "--lengths", "370", "1000", "--repeat",
-                             "30", "--fresh", "0", "--concurrency", "16", "--seconds", "6",
-                             "--max-batch-tokens", "6144"), 120 * scale, graphs=True),
+                             "30", "--p99-samples", "0", "--fresh", "0", "--concurrency", "16",
+                             "--seconds", "6", "--mixed-concurrency", "16",
+                             "--max-batch-tokens", "6144"), 125 * scale, graphs=True),
         # Start-up again with the kernel cache the first step left.
         Step("warmup_cached", (*http, "--cuda-graphs", "on", "--warmup-only"), 50 * scale,
              graphs=True),
-        # Eager over HTTP by length, beside graphs (the latency-by-length comparison).
-        Step("http_eager", (*http, "--cuda-graphs", "off", "--lengths", "370", "1000", "7000",
-                            "--repeat", "20", "--fresh", "0", "--concurrency", "16",
-                            "--seconds", "6"), 60 * scale),
-        # Optional, in the time left: the CUDA-only unit tests (capture, short convolution,
-        # the packed layers' fla and varlen_attn path), two workers, the profile.
-        Step("graphs_unit", (*pytest, "tests/test_graphs.py", "-k", "cuda"), 45 * scale,
-             writes_json=False, graphs=True, optional=True),
+        # Optional, in the time left: first the packed CUDA tests (fla's varlen kernels and
+        # varlen_attn on the tiny snapshot in bf16, never run on a GPU before), then the other
+        # CUDA-only unit tests, eager over HTTP, two workers, the profile.
         Step("packed_unit", (*pytest, "tests/test_packed_cuda.py",
                              "tests/test_packed_runner.py", "-k", "cuda"),
              60 * scale, writes_json=False, graphs=True, optional=True),
+        Step("graphs_unit", (*pytest, "tests/test_graphs.py", "-k", "cuda"), 45 * scale,
+             writes_json=False, graphs=True, optional=True),
         Step("short_conv_unit", (*pytest, "tests/test_short_conv_cuda.py"), 40 * scale,
              writes_json=False, optional=True),
+        # Eager over HTTP by length, beside graphs (the latency-by-length comparison).
+        Step("http_eager", (*http, "--cuda-graphs", "off", "--lengths", "370", "1000", "7000",
+                            "--repeat", "20", "--p99-samples", "0", "--fresh", "0",
+                            "--concurrency", "16", "--seconds", "6", "--mixed-concurrency"),
+             60 * scale, optional=True),
         Step("two_workers", (*http, "--cuda-graphs", "on", "--workers-per-device", "2",
-                             "--lengths", "--fresh", "0", "--concurrency", "16", "32"),
+                             "--lengths", "--fresh", "0", "--concurrency", "16", "32",
+                             "--mixed-concurrency"),
              120 * scale, graphs=True, optional=True),
         Step("profile", (python, "bench/bench_gpu_profile.py", *quick, "--gdn-prefill", "fla",
                          "--modes", "eager", "graphs"), 90 * scale, graphs=True, optional=True),
@@ -305,31 +354,51 @@ def graph_shapes_planned() -> int | None:
     return len(plan_shapes(table, policy.max_batch_tokens, graph_row_counts(policy.max_sequences)))
 
 
-def seed_autotune(cache: Path, seed: Path = SEED_AUTOTUNE) -> int:
-    """Copy a previous sitting's autotune results into an empty kernel cache (same relative
-    paths); returns how many files were seeded."""
-    if not seed.is_dir():
+def _archived_name(name: str) -> bool:
+    """An autotune result's relative path, never one that leaves the cache."""
+    path = Path(name)
+    return (name.endswith(AUTOTUNE_SUFFIX) and not path.is_absolute()
+            and ".." not in path.parts)
+
+
+def seed_autotune(cache: Path, archive: Path = SEED_AUTOTUNE) -> int:
+    """Unpack a previous sitting's autotune results into the kernel cache (same relative
+    paths), never over a file already there; returns how many files were seeded."""
+    if not archive.is_file():
         return 0
     count = 0
-    for source in seed.rglob("*.autotune.json"):
-        target = cache / source.relative_to(seed)
-        if not target.exists():
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            if not member.isfile() or not _archived_name(member.name):
+                continue
+            target = cache / member.name
+            source = tar.extractfile(member)
+            if target.exists() or source is None:
+                continue
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target)
+            target.write_bytes(source.read())
             count += 1
     return count
 
 
-def collect_autotune(cache: Path, out: Path) -> int:
-    """Copy every `*.autotune.json` of the kernel cache into `out` (same relative paths);
-    returns how many there are."""
-    count = 0
-    for source in cache.rglob("*.autotune.json"):
-        target = out / source.relative_to(cache)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(source, target)
-        count += 1
-    return count
+def archive_autotune(cache: Path, archive: Path) -> int:
+    """Every `*.autotune.json` of the kernel cache in one tar (relative paths; one file, where
+    the tree would be ~30 of the 8 the device returns); returns how many there are."""
+    sources = sorted(cache.rglob(f"*{AUTOTUNE_SUFFIX}")) if cache.is_dir() else []
+    temporary = archive.with_name(archive.name + ".tmp")
+    with tarfile.open(temporary, "w") as tar:
+        for source in sources:
+            tar.add(source, arcname=str(source.relative_to(cache)))
+    temporary.replace(archive)
+    return len(sources)
+
+
+def fla_config_env(env: Mapping[str, str], configs: Path = FLA_CONFIGS) -> dict[str, str]:
+    """fla's config variables for the steps: the shipped configs with `FLA_CACHE_MODE=default`
+    unless the launcher set either variable (then its choice stands, untouched)."""
+    if "FLA_CONFIG_DIR" in env or "FLA_CACHE_MODE" in env:
+        return {}
+    return {"FLA_CONFIG_DIR": str(configs), "FLA_CACHE_MODE": FLA_CACHE_MODE}
 
 
 class SubprocessRunner:
@@ -367,11 +436,15 @@ class SubprocessRunner:
         return Ran(rc, stdout or "", result)
 
 
-def commit_id(repo: Path = REPO) -> str:
-    """The commit measured: the project's own HEAD where the project is its own git checkout
-    (a worktree counts), else the one `bench/gpu_prepare.sh` recorded in .gpu/COMMIT, else
-    "unknown". Never the HEAD of a repository that merely contains the project's folder: git
-    run inside an untracked copy would report the enclosing repository's commit."""
+def commit_id(repo: Path = REPO, env: Mapping[str, str] | None = None) -> str:
+    """The commit measured: `CLEF_COMMIT` when the launcher set it (it knows what it sent);
+    else the project's own HEAD where the project is its own git checkout (a worktree counts);
+    else the one `bench/gpu_prepare.sh` recorded in .gpu/COMMIT; else "unknown". Never the
+    HEAD of a repository that merely contains the project's folder: git run inside an
+    untracked copy would report the enclosing repository's commit."""
+    launcher = (os.environ if env is None else env).get(COMMIT_ENV, "").strip()
+    if launcher:
+        return launcher
     try:
         done = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short=12", "HEAD"],
                               cwd=repo, capture_output=True, text=True, check=False, timeout=10)
@@ -402,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/clef-gpu-steps"))
     parser.add_argument("--only", nargs="*", help="run just these steps (in plan order)")
     parser.add_argument("--fixtures", type=Path, default=FIXTURES)
+    parser.add_argument("--error", default="",
+                        help="why the sitting cannot run (set by gpu_session.sh): no step "
+                             "runs, the summary records it")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     args.scratch.mkdir(parents=True, exist_ok=True)
@@ -413,7 +489,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{'fits' if fits else 'DOES NOT FIT'}; {args.deadline:.0f} s left now", flush=True)
     if args.only:
         steps = [step for step in steps if step.name in args.only]
+    if args.error:
+        print(f"=== not running any step: {args.error}", flush=True)
+        steps = []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    fla_env = fla_config_env(env)
+    env.update(fla_env)
+    print(f"=== fla configs: {fla_env or 'as the launcher set them'}", flush=True)
     # One kernel cache for every step, empty at the start but for the autotune results of an
     # earlier sitting: the first step's warm-up is the cold figure, `warmup_cached` the warm.
     cache = args.scratch / "triton-cache"
@@ -432,24 +514,25 @@ def main(argv: list[str] | None = None) -> int:
     def report(outcome: Outcome) -> None:
         with steps_file.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(asdict(outcome)) + "\n")
-        collect_autotune(cache, args.out / AUTOTUNE_DIR)
+        archive_autotune(cache, args.out / AUTOTUNE_ARCHIVE)
         print(f"{outcome.status:<9} {outcome.name:<18} {outcome.seconds:6.1f} s  "
               f"{outcome.reason}", flush=True)
 
     outcomes = run_steps(steps, args.deadline - RESERVE_S, SubprocessRunner(args.scratch, log, env),
                          report=report)
     date = datetime.datetime.now(datetime.UTC).date().isoformat()
-    summary = summarise(outcomes, date, commit_id(), graph_shapes_planned())
+    summary = summarise(outcomes, date, commit_id(), graph_shapes_planned(),
+                        error=args.error or None)
     (args.out / summary_name(date)).write_text(json.dumps(summary, indent=1) + "\n")
-    tuned = collect_autotune(cache, args.out / AUTOTUNE_DIR)
+    tuned = archive_autotune(cache, args.out / AUTOTUNE_ARCHIVE)
     _trim(log, LOG_TAIL_BYTES)
     print(json.dumps(summary, indent=1))
     failed = [o.name for o in outcomes if o.status in ("failed", "timed_out")]
     skipped = [o.name for o in outcomes if o.status == "skipped"]
     print(f"=== {len(outcomes) - len(failed) - len(skipped)} ok, {len(failed)} failed "
           f"{failed}, {len(skipped)} skipped {skipped}; {tuned} autotune results in "
-          f"{args.out / AUTOTUNE_DIR} (copy them to .gpu/{AUTOTUNE_DIR} to seed the next sitting)")
-    return 1 if failed or not fits else 0
+          f"{args.out / AUTOTUNE_ARCHIVE} (copy it to .gpu/ to seed the next sitting)")
+    return 1 if failed or not fits or args.error else 0
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,9 +135,27 @@ def _wrk(host: str, port: int, method: str, path: str, body: bytes, connections:
 async def _asyncio_load(host: str, port: int, method: str, path: str, body: bytes,
                         connections: int, seconds: float, expect: int,
                         distinct: bool) -> LoadResult:
-    run = await closed_loop(Endpoint(host, port), method, path,
-                            (lambda number: numbered(body, str(number))) if distinct
-                            else (lambda _number: body),
+    return await _asyncio_load_of(host, port, method, path,
+                                  (lambda number: numbered(body, str(number))) if distinct
+                                  else (lambda _number: body), connections, seconds, expect)
+
+
+def run_mixed_load(host: str, port: int, method: str, path: str, bodies: Sequence[bytes], *,
+                   connections: int, seconds: float, expect: int = 200) -> LoadResult:
+    """Closed-loop load whose requests take `bodies` in turn (request n sends bodies[n mod
+    len]): a mix of lengths in flight at once, as real traffic is (clef-bench's loop; wrk
+    sends one body)."""
+    if not bodies:
+        raise ValueError("a mixed load needs at least one body")
+    return asyncio.run(_asyncio_load_of(host, port, method, path,
+                                        lambda number: bodies[number % len(bodies)],
+                                        connections, seconds, expect))
+
+
+async def _asyncio_load_of(host: str, port: int, method: str, path: str,
+                           body_for: Callable[[int], bytes], connections: int, seconds: float,
+                           expect: int) -> LoadResult:
+    run = await closed_loop(Endpoint(host, port), method, path, body_for,
                             clients=connections, seconds=seconds,
                             timeout=max(60.0, seconds * 4))
     latencies = [sample.ms for sample in run.samples]

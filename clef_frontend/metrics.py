@@ -29,7 +29,7 @@ from prometheus_client import (
     Counter,
     Gauge,
 )
-from prometheus_client.core import InfoMetricFamily
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from clef_api import responses
@@ -148,6 +148,7 @@ class Metrics:
             r.register(gauge)
             self.load_registry.register(gauge)
         r.register(_InfoCollector(version, live.worker_info))
+        r.register(_SelfCheckCollector(live.worker_info))
         self._shared_traffic_metrics()
         Gauge("clef_answer_cache_bytes", "Bytes the answer cache's kept answers hold (bodies "
               "and keys), bounded by --answer-cache-bytes.",
@@ -313,3 +314,28 @@ class _InfoCollector(Collector):
             labels[f"version_{_LABEL_UNSAFE.sub('_', package)}"] = version
         yield InfoMetricFamily("clef_model", "The warm worker's model and how it runs.",
                                value=labels)
+
+
+class _SelfCheckCollector(Collector):
+    """The warm worker's start-up self-check (clef_worker.self_check, its `ready` frame's
+    `self_check`), labelled by the layout it serves with; nothing when it was skipped."""
+
+    def __init__(self, worker_info: Callable[[], ReadyInfo | None]) -> None:
+        self._worker_info = worker_info
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        info = self._worker_info()
+        verdict = info.self_check if info is not None else None
+        if verdict is None:
+            return
+        for name, text, value in (
+                ("passed", "1 when the layout the worker serves with agreed with the eager "
+                 "one-by-one answers at start-up, else 0.", float(verdict.passed)),
+                ("max_abs_diff", "The largest probability difference the start-up self-check "
+                 "saw on the layout the worker serves with.", verdict.max_abs_diff),
+                ("fallbacks", "Layouts the start-up self-check fell back from (0: the default "
+                 "layout agreed).", float(len(verdict.fell_back_from)))):
+            family = GaugeMetricFamily(f"clef_worker_self_check_{name}", text,
+                                       labels=["layout"])
+            family.add_metric([verdict.layout], value)
+            yield family

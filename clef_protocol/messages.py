@@ -112,6 +112,43 @@ def _shapes(value: Any) -> list[list[int]]:
 
 
 @dataclass(frozen=True)
+class SelfCheck:
+    """The worker's start-up self-check (clef_worker.self_check): a fixed set of requests
+    answered through the layout it serves with and, one by one, through the plain eager path.
+
+    `passed`: the layout it serves with agreed within the dtype's bound; `layout`: that layout
+    (`packed-graphs`, `packed`, `per-group`, `padded-graphs`, `padded`, `one-at-a-time`);
+    `checked`: requests compared; `max_abs_diff`: the largest probability difference seen on
+    that layout; `fell_back_from`: the layouts that disagreed before it, in the order tried.
+    """
+
+    passed: bool
+    layout: str
+    checked: int
+    max_abs_diff: float
+    fell_back_from: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_message(cls, value: Any) -> SelfCheck:
+        """Check and convert the `self_check` map of a `ready` frame (every field, its type)."""
+        if not isinstance(value, dict) or set(value) != _SELF_CHECK_FIELDS:
+            raise ValueError(f"self_check: expected a map of {sorted(_SELF_CHECK_FIELDS)}, "
+                             f"got {value!r}")
+        passed, layout, checked = value["passed"], value["layout"], value["checked"]
+        diff, fell_back = value["max_abs_diff"], value["fell_back_from"]
+        if not (isinstance(passed, bool) and isinstance(layout, str)
+                and isinstance(checked, int) and not isinstance(checked, bool) and checked >= 0
+                and isinstance(diff, (int, float)) and not isinstance(diff, bool)
+                and diff >= 0 and isinstance(fell_back, list)
+                and all(isinstance(name, str) for name in fell_back)):
+            raise ValueError(f"self_check: a field has the wrong type or range: {value!r}")
+        return cls(passed, layout, checked, float(diff), list(fell_back))
+
+
+_SELF_CHECK_FIELDS = frozenset(("passed", "layout", "checked", "max_abs_diff", "fell_back_from"))
+
+
+@dataclass(frozen=True)
 class ReadyInfo(ModelInfo):
     """The whole `ready` frame: the model, plus the process that serves it."""
 
@@ -123,13 +160,17 @@ class ReadyInfo(ModelInfo):
     # not know. Either way a worker silent with requests in flight is judged by --stall-timeout.
     pings: bool = False
     # The batch policy the worker resolved once from its flags (clef_worker.policy) and built
-    # its graph shapes for: the layout (packed / padded), the tokens one forward may hold, the
-    # requests one forward may hold (the front's default in-flight cap for this worker), and
-    # how long it waits for company. Zero / empty from a worker that does not batch.
+    # its graph shapes for: the layout (packed / padded / per-group), the tokens one forward may
+    # hold, the requests one forward may hold (the front's default in-flight cap for this
+    # worker), and how long it waits for company. Zero / empty from a worker that does not
+    # batch.
     batch_layout: str = ""
     max_batch_tokens: int = 0
     max_sequences: int = 0
     batch_window_ms: float = 0.0
+    # The start-up self-check's verdict; None when it was skipped (`--self-check off`, an
+    # executor without layouts) or from a worker that predates it.
+    self_check: SelfCheck | None = None
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> ReadyInfo:
@@ -162,6 +203,8 @@ class ReadyInfo(ModelInfo):
                 max_batch_tokens=int(message.get("max_batch_tokens", 0)),
                 max_sequences=int(message.get("max_sequences", 0)),
                 batch_window_ms=float(message.get("batch_window_ms", 0.0)),
+                self_check=(None if message.get("self_check") is None
+                            else SelfCheck.from_message(message["self_check"])),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"malformed ready frame: {exc!r}") from None

@@ -28,6 +28,9 @@ MEDIA_MODES = ("auto", "on", "off")
 # tokens end to end in one sequence with cumulative offsets (no padding), `padded` right-pads
 # every request to the group's bucket in a [rows, tokens] batch.
 BATCH_LAYOUTS = ("auto", "packed", "padded")
+# The worker's start-up self-check (clef_worker.self_check): `on` falls back to a slower layout
+# that agrees with the eager answers, `strict` refuses to start instead, `off` skips it.
+SELF_CHECK_MODES = ("on", "strict", "off")
 
 
 # `--max-batch-tokens 0`: tokens per batched forward by device (real tokens when packed, rows x
@@ -128,9 +131,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="how a batched forward holds its requests: packed (tokens end to "
                             "end with offsets, no padding; one CUDA graph per total-token "
                             "bucket) or padded (rows right-padded to a length bucket; graphs "
-                            "per [rows, bucket]). auto: packed on CPU, where it measured "
-                            "1.17-1.36x padded's C8 throughput on mixed lengths "
-                            "(docs/benchmarks.md); on CUDA packed where its kernels can be "
+                            "per [rows, bucket]). auto: on CPU each group padded when its "
+                            "lengths are uniform enough that padding wastes little, else packed, "
+                            "whichever measured faster (docs/benchmarks.md); on CUDA packed "
+                            "where its kernels can be "
                             "captured (bfloat16 with fla), else padded, until the GPU script's "
                             "packed-vs-padded step (bench/gpu_session.sh) has measured both")
     group.add_argument("--max-batch-tokens", type=non_negative_int, default=0,
@@ -144,6 +148,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                             f"{DEFAULT_MAX_BATCH_CUDA} on CUDA, {DEFAULT_MAX_BATCH_CPU} on CPU)")
     group.add_argument("--batch-window-ms", type=non_negative_float, default=0.0,
                        help="how long the worker waits for more requests before a forward")
+    group.add_argument("--self-check", choices=SELF_CHECK_MODES, default="on",
+                       help="at start-up, answer a fixed set of requests through the serving "
+                            "layout and one by one eagerly, and compare: on (on a mismatch, log "
+                            "an ERROR and fall back to a slower layout that agrees), strict "
+                            "(refuse to start instead) or off (skip)")
     limits = parser.add_argument_group("request limits")
     limits.add_argument("--max-length", type=positive_int, default=RequestLimits.max_length,
                         help="token budget per request (state is cut to fit)")

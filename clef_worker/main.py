@@ -219,6 +219,19 @@ def executor_policy(executor: object, args: argparse.Namespace | None = None) ->
                                max_sequences=args.max_batch, window_ms=args.batch_window_ms)
 
 
+def self_check(executor: Executor, mode: str) -> messages.SelfCheck | None:
+    """The start-up self-check (clef_worker.self_check) of an executor that has serving layouts
+    to check (the native one); None for one that has none (the release executor runs the
+    snapshot's own code, one request at a time)."""
+    from clef_worker.native import NativeExecutor
+
+    if not isinstance(executor, NativeExecutor):
+        return None
+    from clef_worker.self_check import run_self_check
+
+    return run_self_check(executor, mode)
+
+
 def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:
     """Load and warm up; send `ready`, or `fatal` with a reason the operator can act on."""
     from clef_worker.fingerprint import start_fingerprint
@@ -231,6 +244,7 @@ def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:
         started = time.perf_counter()
         executor.warm_up()
         warmup_ms = _elapsed_ms(started)
+        verdict = self_check(executor, args.self_check)  # may drop graphs: describe after it
         model = dataclasses.replace(executor.describe(), fingerprint=fingerprint.result())
     except StartupError as exc:
         reason = str(exc)
@@ -243,6 +257,7 @@ def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:
             pid=os.getpid(), thread=threading.current_thread().name, warmup_ms=warmup_ms,
             pings=True,  # `serve` answers every ping between forwards
             **executor_policy(executor, args).ready_fields(),  # type: ignore[arg-type]
+            self_check=verdict,
         )
         log.info("ready in %.0f ms%s", warmup_ms, f" (kernel cache {ready.kernel_cache} at start)"
                  if ready.kernel_cache else "")

@@ -12,6 +12,7 @@ The per-device defaults live in `clef_protocol.options` beside the flags that ov
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from clef_protocol.options import (
@@ -24,15 +25,28 @@ from clef_protocol.options import (
 
 PACKED = "packed"
 PADDED = "padded"
+# CPU's `--batch-layout auto`: each group padded when its lengths are uniform enough that
+# padding wastes little (`group_layout`), else packed. Not a flag value: `auto` resolves to it.
+PER_GROUP = "per-group"
+LAYOUTS = (PACKED, PADDED, PER_GROUP)
 
-# `--batch-layout auto`. Packed measured 1.17-1.36x padded's C8 throughput on CPU over mixed
-# lengths (bench/bench_packed_vs_padded.py, docs/benchmarks.md). On CUDA no GPU run has
+# The most padding a group may carry and still run padded under PER_GROUP: the share of the
+# padded batch's tokens (rows x longest) that are pad. On CPU a packed row runs the gated delta
+# rule, the attention and the short convolution once per sequence (clef_worker.model
+# .packed_layers), so per request it costs about a forward of its own, while a padded batch
+# runs them once over all rows: on uniform lengths padded is faster, on mixed lengths packed
+# is, because padded computes every pad token. Measured for one group of 8 on the tiny
+# snapshot, in one process (bench/bench_group_layout.py; docs/benchmarks.md, "Packed against
+# padded batches"): padded ahead at low waste, packed ahead from about 15-20 %.
+MAX_PADDED_WASTE = 0.15
+
+# `--batch-layout auto`. On CPU, PER_GROUP (above). On CUDA no GPU run has
 # compared them yet: packed is the default there too because it is the layout whose graph
 # shapes fit a first sitting (at most 32 total-token buckets against about 110 [rows, bucket]
 # shapes); the GPU script measures both side by side (bench/gpu_session.sh, step
 # `http_padded`) and that figure decides whether CUDA's default changes. Where the packed
 # kernels cannot be captured (float32, --gdn-prefill torch), assembly falls back to padded.
-DEFAULT_LAYOUT = {"cpu": PACKED, "cuda": PACKED}
+DEFAULT_LAYOUT = {"cpu": PER_GROUP, "cuda": PACKED}
 
 
 def _on_cuda(device: str) -> bool:
@@ -49,6 +63,21 @@ def default_layout(device: str) -> str:
     return DEFAULT_LAYOUT["cuda" if _on_cuda(device) else "cpu"]
 
 
+def padding_waste(lengths: Sequence[int]) -> float:
+    """The share of a padded batch's tokens (rows x longest) that would be pad."""
+    if not lengths:
+        return 0.0
+    return 1.0 - sum(lengths) / (len(lengths) * max(lengths))
+
+
+def group_layout(layout: str, lengths: Sequence[int]) -> str:
+    """The layout one group of requests of these lengths runs in: PER_GROUP's choice
+    (padded when it wastes at most MAX_PADDED_WASTE, else packed), or the fixed layout."""
+    if layout != PER_GROUP:
+        return layout
+    return PADDED if padding_waste(lengths) <= MAX_PADDED_WASTE else PACKED
+
+
 @dataclass(frozen=True)
 class BatchPolicy:
     """How much the worker puts into one forward, how it lays it out, and how long it waits
@@ -62,8 +91,8 @@ class BatchPolicy:
     window_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.layout not in (PACKED, PADDED):
-            raise ValueError(f"batch layout {self.layout!r}: expected {PACKED} or {PADDED}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"batch layout {self.layout!r}: expected one of {', '.join(LAYOUTS)}")
         if self.max_batch_tokens < 1 or self.max_sequences < 1 or self.window_ms < 0:
             raise ValueError(f"bad batch policy: {self}")
 

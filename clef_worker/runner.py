@@ -17,6 +17,8 @@ Layouts (the batch policy's, clef_worker.policy):
   the requests at 64-aligned offsets; the head then reads each request's rows from its offset
   (one gather), and eagerly the row is already the requests' real tokens end to end.
 - **padded**: right-padded `[rows, bucket]` forwards as `GraphRunner.plan` chooses them.
+- **per-group** (CPU's `auto`, eager only): each group padded when its lengths are uniform
+  enough, else packed (`clef_worker.policy.group_layout`, the one place that decides).
 
 Media requests run alone, eagerly, through the vision tower. It knows nothing about request
 bodies, limits or replies: that is the executor's job (clef_worker.native).
@@ -48,7 +50,7 @@ from clef_worker.model.encoding import Encoding
 from clef_worker.model.head import HeadBatch, HeadOutput, JointSchemaHead, RecordSpans
 from clef_worker.model.lora import BASE_SLOT, AdapterSelection
 from clef_worker.model.packed import PackedLayout
-from clef_worker.policy import PACKED, PADDED
+from clef_worker.policy import PACKED, PADDED, group_layout
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +188,8 @@ class ModelRunner:
         self.vision = vision
         self.graphs = graphs
         self.layout = layout
-        if graphs is not None and isinstance(graphs, PackedGraphRunner) != (layout == PACKED):
+        if graphs is not None and (layout not in (PACKED, PADDED) or isinstance(
+                graphs, PackedGraphRunner) != (layout == PACKED)):
             raise ValueError(f"a {layout} runner cannot use {type(graphs).__name__}")
 
     @property
@@ -197,10 +200,16 @@ class ModelRunner:
     def packed(self) -> bool:
         return self.layout == PACKED
 
+    def packs(self, lengths: Sequence[int]) -> bool:
+        """Whether a group of requests of these lengths runs as one packed row (the layout's
+        choice for the group: clef_worker.policy.group_layout)."""
+        return group_layout(self.layout, lengths) == PACKED
+
     def batch_tokens(self, lengths: Sequence[int]) -> int:
-        """A forward's cost against `--max-batch-tokens`: packed, its real tokens (each aligned
-        to 64 when graphs replay it); padded, rows x the longest's bucket."""
-        if self.packed:
+        """A forward's cost against `--max-batch-tokens`, in the layout the group would run
+        in: packed, its real tokens (each aligned to 64 when graphs replay it); padded, rows x
+        the longest's bucket."""
+        if self.packs(lengths):
             return aligned_total(lengths) if self.graphs is not None else sum(lengths)
         longest = max(lengths)
         padded = (self.graphs.padded_length(longest) if isinstance(self.graphs, GraphRunner)
@@ -249,7 +258,7 @@ class ModelRunner:
         # same answer without the packed kernels' per-sequence bookkeeping (on CPU it measured
         # about 15 % faster alone).
         lone = len(lengths) == 1 and not isinstance(self.graphs, PackedGraphRunner)
-        if self.packed and media is None and not lone:
+        if media is None and not lone and self.packs(lengths):
             graphs = self.graphs if isinstance(self.graphs, PackedGraphRunner) else None
             bucket = graphs.bucket_for(lengths) if graphs is not None else None
             if graphs is not None and bucket is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchlib.gpu_checks import (
+    cache_hits,
     capture_problems,
     capture_report,
     compare_questions,
@@ -67,6 +68,17 @@ def test_argmax_is_compared_per_question_with_margins_where_it_differs() -> None
         {"request": "a", "question": 1, "argmax": [0, 1],
          "top2_margin": [pytest.approx(0.2), pytest.approx(0.02)]}]
     assert compare_questions(eager, eager)["argmax_equal"] is True
+
+
+def test_cache_hits_are_read_from_the_exposition_and_unknown_without_the_series() -> None:
+    text = ("# HELP clef_answer_cache Answer cache lookups.\n"
+            "# TYPE clef_answer_cache counter\n"
+            'clef_answer_cache_total{result="hit"} 7.0\n'
+            'clef_answer_cache_total{result="coalesced"} 2.0\n'
+            'clef_answer_cache_total{result="miss"} 40.0\n')
+    assert cache_hits(text) == 7
+    assert cache_hits(text.replace("} 7.0", "} 0.0")) == 0
+    assert cache_hits("# TYPE other counter\nother_total 1.0\n") is None
 
 
 def test_top2_margin() -> None:

@@ -3,13 +3,19 @@ clock that the fake steps advance, and canned step results."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from benchlib.gpu_steps import (
+    AUTOTUNE_ARCHIVE,
     DEFAULT_DEADLINE_S,
     DRY_RUN_SCALE,
+    FLA_CONFIGS,
     OWN_FIELDS,
     SOURCES,
     SUMMARY_FIELDS,
@@ -17,9 +23,11 @@ from benchlib.gpu_steps import (
     Ran,
     Step,
     SubprocessRunner,
-    collect_autotune,
+    archive_autotune,
     commit_id,
+    fla_config_env,
     graph_shapes_planned,
+    main,
     plan,
     plan_fits,
     run_steps,
@@ -92,42 +100,79 @@ def canned(name: str, status: str, result: object) -> Outcome:
     return Outcome(name, status, result=result)
 
 
-COLD = {"latency": {"370": {"p50_ms": 18.5, "p99_ms": 22.0}, "1000": {"p50_ms": 27.0},
-                    "7000": {"p50_ms": 240.0}},
+COLD = {"latency": {"370": {"p50_ms": 18.5, "p99_ms": 22.0, "n": 300},
+                    "1000": {"p50_ms": 27.0}, "7000": {"p50_ms": 240.0}},
         "fresh_max_ratio": 1.3, "warmup_ms": 41234.0,
         "throughput": {"C1": {"req_per_s": 50.1}, "C16": {"req_per_s": 85.0},
                        "C32": {"req_per_s": 95.5}},
+        "mixed_throughput": {"lengths": [90, 370], "C16": {"req_per_s": 70.0}},
         "capture": {"graph_memory_bytes": 123456789, "batch_layout": "packed",
-                    "captured_shapes": [[1, 64], [1, 128]]}}
+                    "captured_shapes": [[1, 64], [1, 128]]},
+        "self_check": {"passed": True, "layout": "packed-graphs", "checked": 6,
+                       "max_abs_diff": 1e-3, "fell_back_from": None},
+        "answer_cache_hits": 0}
+# gpu_parity.py's result, as much of it as the summary reads
+PARITY = {"modes": {"off": {"max_abs_probability_diff": 2.5e-3, "argmax_mismatches": []},
+                    "on": {"max_abs_probability_diff": 3.0e-3, "argmax_mismatches": ["c/q1"]}},
+          "argmax_mismatches_vs_golden": 1, "packed_groups_argmax_equal": True,
+          "graphs_vs_eager": {"max_abs_probability_diff": 1.5e-3, "argmax_equal": True},
+          "packed_graphs_vs_packed_eager": {"max_abs_probability_diff": 0.0,
+                                            "argmax_equal": True}}
 
 
 def test_the_summary_has_exactly_the_fields_from_the_steps_that_succeeded() -> None:
     outcomes = [
         canned("http_graphs_cold", "ok", COLD),
-        canned("parity_bf16", "ok", {"graphs_vs_eager": {"max_abs_probability_diff": 1.5e-3,
-                                                         "argmax_equal": True}}),
-        canned("warmup_cached", "ok", {"warmup_ms": 9000.0}),
-        canned("two_workers", "failed", {"throughput": {"C16": {"req_per_s": 120.0}}}),
+        canned("parity_bf16", "ok", PARITY),
+        canned("warmup_cached", "ok", {"warmup_ms": 9000.0, "answer_cache_hits": 0}),
+        canned("two_workers", "failed", {"throughput": {"C16": {"req_per_s": 120.0}},
+                                         "answer_cache_hits": 50}),
         # ran out of time after its latency phase: what it measured stands
         canned("http_padded", "timed_out", {"latency": {"370": {"p50_ms": 25.0}},
-                                            "phase": "latency"}),
+                                            "phase": "latency", "answer_cache_hits": 0}),
     ]
     summary = summarise(outcomes, "2026-12-01", "abc123", 28)
     assert tuple(summary) == SUMMARY_FIELDS
     assert summary == {
-        "date": "2026-12-01", "commit": "abc123", "batch_layout": "packed",
+        "date": "2026-12-01", "commit": "abc123", "error": None, "batch_layout": "packed",
         "graph_shapes_planned": 28, "graph_shapes_captured": 2,
+        "self_check": COLD["self_check"],
+        "answer_cache_hits": 0,  # the failed step's servers are not counted either
         "padded_p50_ms_370tok": 25.0, "padded_p50_ms_1000tok": None, "padded_c16_rps": None,
+        "padded_mixed_c16_rps": None,
         "padded_warmup_s": None, "padded_graph_shapes_captured": None,
-        "eager_p50_ms_370tok": None, "eager_c16_rps": None, "packed_groups_argmax_equal": None,
-        "p50_ms_370tok": 18.5,
-        "p99_ms_370tok": 22.0, "p50_ms_1000tok": 27.0, "p50_ms_7000tok": 240.0,
+        "eager_p50_ms_370tok": None, "eager_c16_rps": None, "packed_groups_argmax_equal": True,
+        "p50_ms_370tok": 18.5, "p99_ms_370tok": 22.0, "p99_samples_370tok": 300,
+        "p50_ms_1000tok": 27.0, "p50_ms_7000tok": 240.0,
         "fresh_len_max_ratio": 1.3, "warmup_cold_s": 41.23, "warmup_cached_s": 9.0,
-        "c1_rps": 50.1, "c16_rps": 85.0, "c32_rps": 95.5,
+        "c1_rps": 50.1, "c16_rps": 85.0, "c32_rps": 95.5, "mixed_c16_rps": 70.0,
         "two_workers_c16_rps": None,  # its step failed: its number is not reported
-        "graph_memory_bytes": 123456789, "bf16_graphs_vs_eager_max_prob_diff": 1.5e-3,
-        "argmax_equal": True,
+        "graph_memory_bytes": 123456789,
+        "bf16_eager_vs_fp32_max_prob_diff": 2.5e-3, "bf16_graphs_vs_fp32_max_prob_diff": 3.0e-3,
+        "bf16_argmax_mismatches": 1, "bf16_graphs_vs_eager_max_prob_diff": 1.5e-3,
+        "argmax_equal": True, "packed_graphs_vs_packed_eager_max_prob_diff": 0.0,
     }
+
+
+def test_answer_cache_hits_are_summed_over_the_http_steps_and_unknown_when_none_say() -> None:
+    hits = [canned("http_graphs_cold", "ok", {"answer_cache_hits": 3}),
+            canned("http_padded", "ok", {"answer_cache_hits": 2}),
+            canned("parity_bf16", "ok", {"answer_cache_hits": 99})]  # not an HTTP step
+    assert summarise(hits, "d", "c")["answer_cache_hits"] == 5
+    assert summarise([canned("http_graphs_cold", "ok", {})], "d", "c")[
+        "answer_cache_hits"] is None
+
+
+def test_a_sitting_that_cannot_start_leaves_a_summary_with_its_error(tmp_path: Path) -> None:
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    assert main(["--out", str(out), "--scratch", str(scratch), "--deadline", "60",
+                 "--error", "no wheels in .gpu/whl"]) == 1
+    [summary_file] = out.glob("h200-*-summary.json")
+    summary = json.loads(summary_file.read_text())
+    assert summary["error"] == "no wheels in .gpu/whl"
+    assert summary["commit"] and summary["p50_ms_370tok"] is None
+    assert (out / "steps.jsonl").read_text() == ""  # no step ran
+    assert len([p for p in out.rglob("*") if p.is_file()]) <= 8  # what the device returns
 
 
 def test_fields_are_null_where_a_step_did_not_run_or_lacks_the_figure() -> None:
@@ -138,6 +183,57 @@ def test_fields_are_null_where_a_step_did_not_run_or_lacks_the_figure() -> None:
     assert all(summary[name] is None for name in SUMMARY_FIELDS
                if name not in ("date", "commit", "p50_ms_370tok"))
     assert summary["graph_shapes_planned"] is None  # not given
+
+
+def test_the_http_benches_measure_forwards_not_the_answer_cache() -> None:
+    """Each HTTP step's server runs with the answer cache off (its figures are forwards) and
+    the bench reads the hits back; the first step times 370 tokens a few hundred times (p99)
+    and every layout step runs the mixed-length phase."""
+    from bench.bench_gpu_http import parse_args, server_flags
+
+    flags = server_flags(parse_args(["--quick"]))
+    assert flags[flags.index("--answer-cache") + 1] == "0"
+    planned = {step.name: step.argv for step in plan(dry_run=False)}
+    cold = planned["http_graphs_cold"]
+    assert int(cold[cold.index("--p99-samples") + 1]) >= 200
+    for name in ("http_graphs_cold", "http_padded"):
+        argv = planned[name]
+        assert argv[argv.index("--mixed-concurrency") + 1] == "16", name
+
+
+def test_the_commit_from_the_launcher_wins(tmp_path: Path) -> None:
+    assert commit_id(tmp_path, {"CLEF_COMMIT": "feedface1234"}) == "feedface1234"
+    assert commit_id(tmp_path, {"CLEF_COMMIT": " "}) == "unknown"  # blank: not a commit
+
+
+def test_fla_gets_the_shipped_l2norm_config_unless_the_launcher_chose(tmp_path: Path) -> None:
+    assert fla_config_env({}) == {"FLA_CONFIG_DIR": str(FLA_CONFIGS),
+                                  "FLA_CACHE_MODE": "default"}
+    assert fla_config_env({"FLA_CACHE_MODE": "full"}) == {}
+    assert fla_config_env({"FLA_CONFIG_DIR": str(tmp_path)}) == {}
+    shipped = json.loads((FLA_CONFIGS / "l2norm_fwd_kernel.json").read_text())
+    assert shipped["kernel_name"] == "l2norm_fwd_kernel"
+    assert {"kwargs", "num_warps", "num_stages", "num_ctas"} <= set(shipped["default_config"])
+
+
+def test_fla_reads_the_shipped_config_as_the_l2norm_kernels_default() -> None:
+    """fla itself (its own loader, in a process with the variables set before import) finds
+    the file by the kernel's name and returns a config among the kernel's own."""
+    code = ("import json\n"
+            "from fla.modules.norm import l2norm\n"
+            "from fla.ops.utils.cache import load_cached_config\n"
+            "kernel = l2norm.l2norm_fwd_kernel\n"
+            "config = load_cached_config(kernel.kernel_name)\n"
+            "print(json.dumps({'config': config, 'choices': [c.kwargs for c in kernel.configs],"
+            " 'warps': sorted({c.num_warps for c in kernel.configs})}))\n")
+    env = {**os.environ, **fla_config_env({})}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["config"] is not None
+    assert seen["config"]["kwargs"] in seen["choices"]
+    assert seen["config"]["num_warps"] in seen["warps"]
 
 
 def test_every_summary_field_has_a_source_in_a_planned_step_that_writes_json() -> None:
@@ -175,6 +271,10 @@ def test_the_plan_fits_one_ten_minute_command_and_names_existing_scripts(
     assert padded.argv[padded.argv.index("--batch-layout") + 1] == "padded"
     # `--out FILE` is appended to a step's argv: nothing may turn it into a positional
     assert all("--" not in step.argv for step in planned)
+    # the packed CUDA tests come first among the optional steps
+    optional = [step.name for step in planned if step.optional]
+    assert optional[0] == "packed_unit"
+    assert "tests/test_packed_cuda.py" in planned[len(planned) - len(optional)].argv
 
 
 def test_the_h200_defaults_plan_at_most_32_graph_shapes() -> None:
@@ -201,8 +301,6 @@ def test_later_graph_steps_are_skipped_once_capture_failed() -> None:
 
 
 def test_the_commit_is_the_projects_own_never_an_enclosing_repositorys(tmp_path: Path) -> None:
-    import subprocess
-
     outer = tmp_path / "outer"
     project = outer / "project"
     project.mkdir(parents=True)
@@ -211,31 +309,44 @@ def test_the_commit_is_the_projects_own_never_an_enclosing_repositorys(tmp_path:
     (outer / "f").write_text("x")
     subprocess.run([*git, "-C", str(outer), "add", "f"], check=True)
     subprocess.run([*git, "-C", str(outer), "commit", "-qm", "outer"], check=True)
-    assert commit_id(project) == "unknown"  # the enclosing repository's HEAD is not taken
+    assert commit_id(project, {}) == "unknown"  # the enclosing repository's HEAD is not taken
     (project / ".gpu").mkdir()
     (project / ".gpu" / "COMMIT").write_text("abcdef123456\n")
-    assert commit_id(project) == "abcdef123456"
+    assert commit_id(project, {}) == "abcdef123456"
+    assert commit_id(project, {"CLEF_COMMIT": "0123456789ab"}) == "0123456789ab"
     # a project that is its own checkout reports its HEAD
     head = subprocess.run(["git", "-C", str(outer), "rev-parse", "--short=12", "HEAD"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    assert commit_id(outer) == head
+    assert commit_id(outer, {}) == head
 
 
-def test_autotune_results_come_back_and_seed_the_next_cache(tmp_path: Path) -> None:
-    cache, out, seed = tmp_path / "cache", tmp_path / "out", tmp_path / "seed"
-    (cache / "abc").mkdir(parents=True)
-    (cache / "abc" / "kernel.autotune.json").write_text('{"BT": 64}')
-    (cache / "abc" / "kernel.cubin").write_bytes(b"\0")
-    assert collect_autotune(cache, out) == 1
-    assert (out / "abc" / "kernel.autotune.json").read_text() == '{"BT": 64}'
-    assert not (out / "abc" / "kernel.cubin").exists()
+def test_autotune_results_come_back_in_one_archive_and_seed_the_next_cache(
+        tmp_path: Path) -> None:
+    import tarfile
+
+    cache, archive = tmp_path / "cache", tmp_path / AUTOTUNE_ARCHIVE
+    for folder in ("abc", "def"):
+        (cache / folder).mkdir(parents=True)
+        (cache / folder / "kernel.autotune.json").write_text(f'{{"BT": "{folder}"}}')
+        (cache / folder / "kernel.cubin").write_bytes(b"\0")
+    assert archive_autotune(cache, archive) == 2
+    with tarfile.open(archive) as tar:
+        assert sorted(tar.getnames()) == ["abc/kernel.autotune.json", "def/kernel.autotune.json"]
     # the next sitting: an empty cache, seeded from what came back
-    out.rename(seed)
     fresh = tmp_path / "fresh"
-    assert seed_autotune(fresh, seed) == 1
-    assert (fresh / "abc" / "kernel.autotune.json").read_text() == '{"BT": 64}'
-    assert seed_autotune(fresh, seed) == 0  # never overwrites
-    assert seed_autotune(fresh, tmp_path / "none") == 0
+    assert seed_autotune(fresh, archive) == 2
+    assert (fresh / "def" / "kernel.autotune.json").read_text() == '{"BT": "def"}'
+    assert seed_autotune(fresh, archive) == 0  # never overwrites
+    assert seed_autotune(fresh, tmp_path / "none.tar") == 0
+    # an archive naming a path outside the cache, or another kind of file, seeds nothing
+    evil = tmp_path / "evil.tar"
+    with tarfile.open(evil, "w") as tar:
+        for name in ("../escape.autotune.json", "abc/kernel.cubin"):
+            source = tmp_path / "payload"
+            source.write_text("{}")
+            tar.add(source, arcname=name)
+    assert seed_autotune(tmp_path / "other", evil) == 0
+    assert not (tmp_path / "escape.autotune.json").exists()
 
 
 def test_the_subprocess_runner_reads_the_result_and_kills_a_step_at_its_limit(
@@ -254,3 +365,34 @@ def test_the_subprocess_runner_reads_the_result_and_kills_a_step_at_its_limit(
     ran = runner(hangs, 1)
     assert ran.rc is None and ran.result is None
     assert "=== hangs" in log.read_text()
+
+
+def test_the_session_script_without_wheels_leaves_env_and_an_error_summary(
+        tmp_path: Path) -> None:
+    """bench/gpu_session.sh on a host whose .gpu/ was never prepared: no step runs, and what
+    comes back says why (env.txt with the versions, a summary with `error`), with the commit
+    the launcher gave, in at most the 8 files the device returns."""
+    import shutil
+
+    from benchlib.paths import REPO
+
+    copy = tmp_path / "project"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for folder in ("bench", "benchlib", "clef_protocol", "clef_worker", "clef_frontend",
+                   "clef_tools"):
+        shutil.copytree(REPO / folder, copy / folder, ignore=ignore)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "SCRATCH": str(tmp_path / "scratch"),
+           "CLEF_COMMIT": "c0ffee123456", "DEADLINE": "120"}
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(["bash", str(copy / "bench" / "gpu_session.sh")], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    [summary_file] = out.glob("h200-*-summary.json")
+    summary = json.loads(summary_file.read_text())
+    assert summary["error"].startswith("no wheels in .gpu/whl")
+    assert summary["commit"] == "c0ffee123456"
+    assert all(summary[name] is None for name in ("p50_ms_370tok", "answer_cache_hits"))
+    environment = (out / "env.txt").read_text()
+    assert "python " in environment and "torch " in environment
+    assert len([p for p in out.rglob("*") if p.is_file()]) <= 8

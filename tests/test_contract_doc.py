@@ -1,5 +1,5 @@
 """docs/http-contract.md says what the code sends: its rows are numbered in order, and every
-fixed detail text in its tables is a string the front or the protocol package actually holds."""
+fixed detail text in its tables is a string the serving packages actually hold."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ def _table_rows() -> list[list[str]]:
 
 @cache
 def _code_strings() -> frozenset[str]:
-    """Every string constant in clef_frontend and clef_protocol (f-strings' fixed parts too)."""
+    """Every string constant in the packages that answer HTTP requests (f-strings' fixed parts
+    too): the front, the request rules below both drivers, dispatch and the protocol."""
     found: set[str] = set()
-    for package in ("clef_frontend", "clef_protocol"):
+    for package in ("clef_frontend", "clef_api", "clef_dispatch", "clef_protocol"):
         for path in (REPO / package).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
                 if isinstance(node, ast.Constant) and isinstance(node.value, str):

@@ -4,11 +4,14 @@ forward that never syncs with the host, and one CUDA graph of a static row repla
 mixes of lengths.
 
 Skipped without CUDA or fla-core. Written before any GPU was available: it has not run yet.
-tests/test_packed_forward.py covers the same code on CPU with fakes for fla and varlen_attn.
+On the tiny reference snapshot in bfloat16 (GQA 2:1, two key heads serving four value heads):
+it loads in a second, so the GPU sitting runs these first among its optional steps.
+tests/test_packed_forward.py covers the same code on CPU with fakes for fla and varlen_attn, and
+tests/test_packed_fla_interpreter.py runs fla's real kernels on CPU under Triton's interpreter.
 
 bfloat16 bounds: the packed and the separate forwards run different kernels (varlen against
 fixed-shape fla, FlashAttention varlen against SDPA), so they agree to bfloat16 rounding through
-four layers; each token's row is compared by its relative norm (5 %), which a leak across a
+the layers; each token's row is compared by its relative norm (5 %), which a leak across a
 boundary (the previous sequence's convolution taps or recurrent state, or wrong rotary
 positions) exceeds by far. Where the same kernels see the same values (the boundary test, a
 replay against its eager forward) the rows are expected to be exactly equal.
@@ -40,21 +43,19 @@ ROW_BOUND = 0.05  # relative norm error of one token's row, bfloat16 (see the mo
 
 
 @pytest.fixture(scope="module")
-def wide(tmp_path_factory: pytest.TempPathFactory) -> Backbone:
-    """The wide demo snapshot (1,024 wide, GQA 4:1, 128-wide attention heads) in bfloat16."""
-    from clef_worker.demo import DemoSpec, ensure_demo_snapshot
-
+def backbone(tiny_snapshot: Path) -> Backbone:
+    """The tiny reference snapshot in bfloat16 on the fla path."""
     prepare_capture_environment()  # before fla is imported: no FlashQLA (it reads the host)
-    snapshot = ensure_demo_snapshot(Path(tmp_path_factory.mktemp("wide")), DemoSpec.wide())
-    executor = assemble_snapshot(snapshot, device="cuda", dtype="bfloat16", cuda_graphs="off",
-                                   limits=RequestLimits(max_length=2048))
+    executor = assemble_snapshot(tiny_snapshot, device="cuda", dtype="bfloat16",
+                                   cuda_graphs="off", limits=RequestLimits(max_length=2048))
     assert executor.backbone.gdn_path == "fla"
     return executor.backbone
 
 
 def random_ids(lengths: Sequence[int], seed: int) -> list[Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 1000, (n,), generator=generator).to(DEVICE) for n in lengths]
+    # within the tiny snapshot's 640-token vocabulary, below its special tokens
+    return [torch.randint(0, 520, (n,), generator=generator).to(DEVICE) for n in lengths]
 
 
 def separate(backbone: Backbone, sequences: Sequence[Tensor]) -> list[Tensor]:
@@ -76,20 +77,20 @@ def assert_rows_close(hidden: Tensor, layout: PackedLayout, expected: Sequence[T
 
 
 def test_cuda_packed_forward_runs_the_varlen_kernels_and_equals_separate_forwards(
-        wide: Backbone) -> None:
+        backbone: Backbone) -> None:
     sequences = random_ids([40, 200, 7, 130, 700], seed=1)
-    hidden, layout = packed(wide, sequences)
-    assert wide.packed_kernels is not None
-    assert wide.packed_kernels.names == ("fla-varlen", "fla-varlen", "varlen_attn")
-    assert wide.packed_kernels.graph_safe
-    assert_rows_close(hidden, layout, separate(wide, sequences))
+    hidden, layout = packed(backbone, sequences)
+    assert backbone.packed_kernels is not None
+    assert backbone.packed_kernels.names == ("fla-varlen", "fla-varlen", "varlen_attn")
+    assert backbone.packed_kernels.graph_safe
+    assert_rows_close(hidden, layout, separate(backbone, sequences))
 
 
-def test_cuda_a_boundary_leaks_nothing(wide: Backbone) -> None:
+def test_cuda_a_boundary_leaks_nothing(backbone: Backbone) -> None:
     sequences = random_ids([150, 90, 300], seed=2)
     changed = [torch.flip(sequences[0], (0,)), *sequences[1:]]
-    before, layout = packed(wide, sequences)
-    after, _ = packed(wide, changed)
+    before, layout = packed(backbone, sequences)
+    after, _ = packed(backbone, changed)
     rest = slice(layout.spans()[1][0], None)
     first = slice(*layout.spans()[0])
     assert not torch.equal(before[first], after[first])
@@ -97,16 +98,16 @@ def test_cuda_a_boundary_leaks_nothing(wide: Backbone) -> None:
     assert torch.equal(before[rest], after[rest]), (before[rest] - after[rest]).abs().max()
 
 
-def test_cuda_packed_forward_never_syncs_with_the_host(wide: Backbone) -> None:
+def test_cuda_packed_forward_never_syncs_with_the_host(backbone: Backbone) -> None:
     sequences = random_ids([64, 333, 5], seed=3)
     layout = PackedLayout.from_lengths([len(ids) for ids in sequences], DEVICE)
     ids = torch.cat(sequences)
     with torch.inference_mode():
-        wide.packed_hidden_state(ids, layout)  # autotuning (which syncs) happens here
+        backbone.packed_hidden_state(ids, layout)  # autotuning (which syncs) happens here
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            wide.packed_hidden_state(ids, layout)
+            backbone.packed_hidden_state(ids, layout)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
@@ -119,14 +120,14 @@ def fill_ids(static: StaticPackedLayout, layout: PackedLayout, ids: Tensor,
         ids[start:start + len(sequence)] = sequence
 
 
-def test_cuda_one_graph_per_static_row_replays_any_mix(wide: Backbone) -> None:
+def test_cuda_one_graph_per_static_row_replays_any_mix(backbone: Backbone) -> None:
     static = StaticPackedLayout(total_tokens=1024, max_sequences=4, device=DEVICE)
     ids = torch.zeros(static.total_tokens, dtype=torch.int64, device=DEVICE)
     warm = random_ids([300, 5, 64], seed=4)
     fill_ids(static, static.fill([len(s) for s in warm]), ids, warm)
 
     def forward() -> Tensor:
-        return wide.packed_hidden_state(ids, static.layout())
+        return backbone.packed_hidden_state(ids, static.layout())
 
     with torch.inference_mode():
         stream = torch.cuda.Stream()
@@ -148,4 +149,4 @@ def test_cuda_one_graph_per_static_row_replays_any_mix(wide: Backbone) -> None:
             eager = forward().float()
             assert_rows_close(replayed, layout, [eager[start:start + n] for (start, _), n
                                                  in zip(layout.spans(), lengths, strict=False)])
-            assert_rows_close(replayed, layout, separate(wide, sequences))
+            assert_rows_close(replayed, layout, separate(backbone, sequences))

@@ -38,6 +38,14 @@ def test_health_reports_the_real_worker(serve: Serve) -> None:
     assert worker["demo"] is True  # the fixture is marked as a tiny random model
     # The real worker answers pings, so the front watches it for stalls even while it is idle.
     assert worker["pings"] is True
+    # The start-up self-check (on by default): CPU's default layout agreed with the eager
+    # one-by-one answers within the float32 bound, and the metric says the same.
+    check = worker["self_check"]
+    assert (check["passed"], check["layout"], check["fell_back_from"]) == (True, "per-group", [])
+    assert check["checked"] >= 7 and 0.0 <= check["max_abs_diff"] <= 1e-4
+    metrics = serve.request("GET", "/metrics").body.decode()
+    assert 'clef_worker_self_check_passed{layout="per-group"} 1.0' in metrics
+    assert 'clef_worker_self_check_fallbacks{layout="per-group"} 0.0' in metrics
 
 
 @pytest.mark.parametrize("name", ["invoice", "unicode_ids", "choice_sort_order", "object_state",

@@ -1,0 +1,186 @@
+"""fla's real Triton kernels on CPU under Triton's interpreter, driven through the project's
+CUDA-branch calls, measured against the per-sequence torch path. Run as its own process
+(`python -m tests.fla_interpreter`, with `TRITON_INTERPRET=1` in its environment) by
+`tests/test_packed_fla_interpreter.py`, which asserts on the JSON it prints.
+
+Why a process of its own: Triton reads `TRITON_INTERPRET` when fla's kernels are defined, so it
+must be set before fla is first imported, and the test session may have imported fla already
+(or must not have it interpreted for the other tests).
+
+Two things stand between fla-core 0.6.0 and the interpreter (triton 3.9.0), both fixed here in
+the harness, never in fla:
+
+- Autotuning: `Autotuner` times each config through the active driver's benchmarker, and the
+  interpreter has no such driver. `equal_autotune_timings` gives every config the same timing
+  without running it, so the autotuner keeps the first config (its `min` over equal values)
+  and only that one runs.
+- Loops: under the compiler a `range` loop's index inside a kernel is a Triton scalar, and
+  fla's `chunk_delta_h` and `chunk_o` call `.to(tl.int64)` on it; the interpreter runs the loop
+  in Python and hands out a plain int, which has no `.to`. The interpreter executes a kernel's
+  body with its module's globals (`triton.runtime.interpreter.FunctionRewriter`), so those
+  modules get a module-level `range` (`interpreter_range`) that yields interpreter scalars.
+
+What is driven, all from the project: `kernels_for` on the fla path (which also turns fla's
+index memo off: `disable_fla_memo`), fla's short convolution bound through the project's own
+adapter (`short_conv.load_fla_kernel`, `FlaShortConv`), `PackedLayout` (unaligned, its
+`chunk_indices` handed to fla) and `StaticPackedLayout` refilled in place for a second mix (the
+CUDA-graph layout: aligned sequences, a dummy tail, garbage in the pad slots). The reference is
+`LOOPED`, the per-sequence torch path (clef's chunked delta rule, transformers' convolution),
+on the real tokens only. Shapes are tiny (one key head serving two value heads, 16-wide heads)
+because the interpreter runs every program instance in Python.
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+# The fla modules whose kernels call `.to()` on a `range` loop's index.
+RANGE_MODULES = ("fla.ops.common.chunk_delta_h", "fla.ops.common.chunk_o")
+KEY_HEADS, VALUE_HEADS, HEAD_DIM, CONV_WIDTH = 1, 2, 16, 4
+# Two mixes: one built unaligned, one a static row refilled in place after the first.
+MIXES = ((70, 1, 57), (5, 100))
+STATIC_TOKENS, STATIC_SEQUENCES = 256, 3
+
+
+def equal_autotune_timings() -> None:
+    """Every autotune config times the same and none is run to time it: the first is kept."""
+    from triton.runtime.autotuner import Autotuner
+
+    def same_for_all(kernel_call: Any, quantiles: Any) -> list[float]:
+        return [0.0, 0.0, 0.0]
+
+    # A class attribute in place of Autotuner's cached `do_bench` property (the driver's
+    # benchmarker, which the interpreter does not have).
+    Autotuner.do_bench = staticmethod(same_for_all)
+
+
+def interpreter_range(*bounds: Any) -> Iterator[Any]:
+    """`range` for an interpreted kernel body: bounds may be interpreter scalars; each index is
+    an interpreter scalar (int32, as the compiler types a loop index), so `.to()` works."""
+    import triton.language as tl
+    from triton.runtime.interpreter import interpreter_semantic
+
+    ints = [int(b.handle.data.item()) if isinstance(b, tl.tensor) else int(b) for b in bounds]
+    for index in builtins.range(*ints):
+        yield interpreter_semantic.to_tensor(index, False)
+
+
+def interpreted_loops(modules: Sequence[str] = RANGE_MODULES) -> None:
+    for name in modules:
+        module = importlib.import_module(name)
+        module.range = interpreter_range  # type: ignore[attr-defined]
+
+
+def prepare() -> None:
+    """The harness: refuse to run unless the interpreter is on before fla is imported."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("TRITON_INTERPRET=1 must be set before fla is imported")
+    if "fla" in sys.modules:
+        raise SystemExit("fla was imported before the harness: its kernels are not interpreted")
+    equal_autotune_timings()
+    interpreted_loops()
+
+
+def inputs(total: int, seed: int) -> dict[str, Any]:
+    """Random delta-rule and convolution inputs for a row of `total` tokens, as the packed
+    Gated DeltaNet layer hands them to its kernels."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int) -> Any:
+        return torch.randn(*shape, generator=generator)
+
+    return {
+        "query": normal(1, total, KEY_HEADS, HEAD_DIM),
+        "key": normal(1, total, KEY_HEADS, HEAD_DIM),
+        "value": normal(1, total, VALUE_HEADS, HEAD_DIM),
+        "g": -torch.rand(1, total, VALUE_HEADS, generator=generator) * 0.5,
+        "beta": torch.rand(1, total, VALUE_HEADS, generator=generator),
+        "x": normal(1, total, (2 * KEY_HEADS + VALUE_HEADS) * HEAD_DIM),
+    }
+
+
+def gather(values: dict[str, Any], spans: Sequence[tuple[int, int]],
+           lengths: Sequence[int]) -> dict[str, Any]:
+    """The real tokens of each sequence (the first `length` of each span), back to back."""
+    import torch
+
+    return {name: torch.cat([tensor[:, start:start + length]
+                             for (start, _), length in zip(spans, lengths, strict=False)], 1)
+            for name, tensor in values.items()}
+
+
+def run(kernels: Any, values: dict[str, Any], layout: Any, weight: Any, bias: Any) -> tuple[
+        Any, Any]:
+    delta = kernels.delta_rule(values["query"], values["key"], values["value"], values["g"],
+                               values["beta"], layout)
+    conv = kernels.conv(values["x"], weight, bias, "silu", layout)
+    return delta, conv
+
+
+def measure() -> dict[str, Any]:
+    import torch
+
+    from clef_worker.model import gated_delta, packed_layers, short_conv, swap
+    from clef_worker.model.packed import PackedLayout, StaticPackedLayout
+
+    cpu = torch.device("cpu")
+    modeling = packed_layers.modeling_module()
+    gated_delta.install(modeling)  # the CPU worker's per-sequence delta rule
+    generator = torch.Generator().manual_seed(99)
+    width = (2 * KEY_HEADS + VALUE_HEADS) * HEAD_DIM
+    weight = torch.randn(width, CONV_WIDTH, generator=generator) * 0.5
+    bias = torch.randn(width, generator=generator) * 0.1
+
+    # The reference first, while transformers' own convolution is still the bound one.
+    cases = []
+    static = StaticPackedLayout(STATIC_TOKENS, STATIC_SEQUENCES, cpu)
+    for index, lengths in enumerate(MIXES):
+        layout = PackedLayout.from_lengths(lengths, cpu) if index == 0 else static.fill(lengths)
+        values = inputs(layout.total_tokens, seed=index)
+        real = gather(values, layout.spans(), lengths)
+        with torch.inference_mode():
+            expected = run(packed_layers.LOOPED, real, PackedLayout.from_lengths(lengths, cpu),
+                           weight, bias)
+        cases.append((lengths, values, expected))
+
+    swap.replace(modeling, short_conv.FUNCTION_NAME,
+                 lambda original: short_conv.FlaShortConv(short_conv.load_fla_kernel(),
+                                                          original))
+    kernels = packed_layers.kernels_for(cpu, torch.float32, "fla")
+    fla_utils = importlib.import_module(packed_layers.FLA_UTILS)
+    results: dict[str, Any] = {"names": list(kernels.names),
+                               "memo_off": getattr(fla_utils, packed_layers.FLA_MEMO_SWITCH),
+                               "interpreter": os.environ.get("TRITON_INTERPRET"), "cases": []}
+    for index, (lengths, values, expected) in enumerate(cases):
+        # The static row is refilled in place for the second mix after the first ran.
+        layout = PackedLayout.from_lengths(lengths, cpu) if index == 0 else static.fill(lengths)
+        with torch.inference_mode():
+            got = run(kernels, values, layout, weight, bias)
+        outputs = [gather({"out": out}, layout.spans(), lengths)["out"] for out in got]
+        results["cases"].append({
+            "layout": "packed" if index == 0 else "static",
+            "lengths": list(lengths), "offsets": list(layout.cu_seqlens_host),
+            "chunk_indices": layout.chunk_indices.tolist(),
+            "delta_max_abs_diff": float((outputs[0] - expected[0]).abs().max()),
+            "conv_max_abs_diff": float((outputs[1] - expected[1]).abs().max()),
+            "finite": bool(all(torch.isfinite(out).all() for out in got)),
+        })
+    return results
+
+
+def main() -> int:
+    prepare()
+    print(json.dumps(measure()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The packed CUDA branch with fla's real kernels, no GPU: fla-core's varlen gated delta rule and
+short convolution run on CPU under Triton's interpreter, called the way the packed layers call
+them (the project's `kernels_for`, `PackedLayout`/`StaticPackedLayout` and their
+`chunk_indices`, fla's memo switched off), against the per-sequence torch path.
+
+The kernels run in a process of their own (`tests/fla_interpreter.py`: the harness and the
+measurement), because `TRITON_INTERPRET=1` must be set before fla is first imported. Bound: the
+float32 golden bound scaled down to what the two paths' float32 arithmetic allows (different
+chunkings of the same recurrence: about 1e-7 measured), 1e-5.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from benchlib.paths import REPO
+from tests.fla_interpreter import MIXES, STATIC_SEQUENCES, STATIC_TOKENS
+
+BOUND = 1e-5
+FLA_CHUNK = 64
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, Any]:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "tests.fla_interpreter"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def expected_chunk_indices(offsets: list[int]) -> list[list[int]]:
+    """fla's (sequence, chunk within it) pairs for these offsets, written out plainly."""
+    pairs = []
+    for sequence, (start, end) in enumerate(itertools.pairwise(offsets)):
+        pairs += [[sequence, chunk] for chunk in range(-(-(end - start) // FLA_CHUNK))]
+    return pairs
+
+
+def test_the_fla_path_is_the_one_measured(measured: dict[str, Any]) -> None:
+    assert measured["interpreter"] == "1"
+    # fla's delta rule and convolution (attention has no CPU varlen kernel: not measured here)
+    assert measured["names"][:2] == ["fla-varlen", "fla-varlen"]
+    assert measured["memo_off"] is True  # kernels_for switched fla's index memo off
+    assert [case["lengths"] for case in measured["cases"]] == [list(m) for m in MIXES]
+
+
+def test_the_layouts_hand_fla_its_own_chunk_indices(measured: dict[str, Any]) -> None:
+    packed, static = measured["cases"]
+    assert packed["offsets"] == [0, 70, 71, 128]
+    assert packed["chunk_indices"] == expected_chunk_indices(packed["offsets"])
+    # the static row: aligned sequences, the tail, empty slots; one chunk per 64 tokens
+    assert len(static["offsets"]) == STATIC_SEQUENCES + 2
+    assert static["offsets"][-1] == STATIC_TOKENS
+    assert static["chunk_indices"] == expected_chunk_indices(static["offsets"])
+    assert len(static["chunk_indices"]) == STATIC_TOKENS // FLA_CHUNK
+
+
+@pytest.mark.parametrize("index", range(len(MIXES)))
+def test_flas_kernels_equal_the_per_sequence_torch_path(measured: dict[str, Any],
+                                                         index: int) -> None:
+    """Each sequence's real tokens from fla's varlen kernels equal the same sequence run alone
+    through the torch path: nothing crosses a boundary, and the static row refilled in place
+    for a second mix gives that mix's answers (not the first fill's)."""
+    case = measured["cases"][index]
+    assert case["finite"]
+    assert case["delta_max_abs_diff"] <= BOUND, case
+    assert case["conv_max_abs_diff"] <= BOUND, case
