@@ -128,20 +128,17 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
     pad_id = pad_token_id(encoder.tokenizer.token_to_id("<|endoftext|>"), snapshot.text_config)
     if policy.packed and capture:
         policy = packed_or_padded(backbone, policy, explicit=settings.batch_layout == PACKED)
-<<<<<<< HEAD
     if capture and variants and not policy.packed:
         # Packed buckets capture the stacked LoRA path over a static slot buffer; the padded
         # graphs do not rewrite one before a replay, so padded forwards with variants run
         # eagerly (a replay would score every request as the base).
         log.warning("--finetune with padded batches: forwards run eagerly, without CUDA graphs")
         capture = False
-=======
     buckets = buckets_enabled(settings.cuda_graphs, target)
     if buckets and policy.layout == PER_GROUP:
         # Bucketed shapes are one layout's: CPU's `auto` keeps packed rows, as before it chose
         # per group (clef_worker.policy.group_layout runs only eager forwards).
         policy = dataclasses.replace(policy, layout=PACKED)
->>>>>>> main
     graphs: GraphRunner | PackedGraphRunner | None = None
     if buckets and not (
             policy.packed and capture and not backbone_packs_in_graphs(backbone)):
