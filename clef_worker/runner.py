@@ -353,8 +353,10 @@ class ModelRunner:
         if staged.bucket is not None:
             assert isinstance(self.graphs, PackedGraphRunner)
             row, real_rows, *slots = moved
-            hidden = self.graphs.run(row, staged.lengths, staged.bucket,
-                                     slots[0] if slots else None)
+            if slots:  # fine-tuned variants: the bucket's per-position slots
+                hidden = self.graphs.run(row, staged.lengths, staged.bucket, slots[0])
+            else:
+                hidden = self.graphs.run(row, staged.lengths, staged.bucket)
             # Each request's rows from its aligned offset: one gather, also a copy out of the
             # static buffer the next replay overwrites.
             return hidden.index_select(0, real_rows), row.index_select(0, real_rows)
