@@ -11,6 +11,7 @@ def with_limits(executor: NativeExecutor, limits: RequestLimits) -> NativeExecut
     a worker has one, and the forward does not care."""
     limited = NativeExecutor(snapshot=executor.snapshot, encoder=executor.encoder,
                              runner=executor.runner, limits=limits,
-                             short_conv=executor.short_conv, policy=executor.policy)
+                             short_conv=executor.short_conv, policy=executor.policy,
+                             variants=list(executor.variants.values()))
     limited.kernel_cache = executor.kernel_cache
     return limited

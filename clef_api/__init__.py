@@ -12,7 +12,8 @@ files), so neither restates them and `clef_tools` imports nothing of the front:
 |  | to a checked request or its refusal |
 | `framing.py` | the framing headers a request declared (Content-Length, Transfer-Encoding) |
 | `workers_ai.py` | the Workers-AI route: its path, the model check and the envelope |
-| `catalogue.py` | the model names served (`/v1/models`, the Workers-AI model check) |
+| `catalogue.py` | the model names served (`/v1/models`, the Workers-AI model check) and the |
+|  | fine-tuned variants' (`--finetune`: a body's `model` must be one of them all, 404) |
 | `responses.py` | `Reply`, and the reply each dispatch outcome gets |
 | `truncation.py` | the header that says the state was cut |
 """

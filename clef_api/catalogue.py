@@ -13,17 +13,16 @@ typesafe Clef SDK and jevcompat read. Each reads its own keys and ignores the ot
 from __future__ import annotations
 
 import argparse
-import re
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from clef_api import responses
-from clef_api.responses import Reply
+from clef_api.responses import Reply, error
+from clef_protocol.finetune import MODEL_NAME as _NAME
 
 OWNER = "cloudflare"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
 def served_name(value: str) -> str:
@@ -38,10 +37,13 @@ def served_name(value: str) -> str:
 
 @dataclass(frozen=True)
 class Catalogue:
-    """The served name first, then its aliases; `created` is when this server started."""
+    """The served name first, then its aliases; `created` is when this server started.
+    `variants` are the fine-tuned variants' names (`--finetune`, docs/finetune.md): each is a
+    model of its own, listed after the names, served over the same snapshot."""
 
     names: tuple[str, ...]
     created: int = field(default_factory=lambda: int(time.time()))
+    variants: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -52,12 +54,35 @@ class Catalogue:
         return self.names[0]
 
     def knows(self, name: str) -> bool:
-        return name in self.names
+        return name in self.names or name in self.variants
+
+    @property
+    def every_name(self) -> tuple[str, ...]:
+        return self.names + self.variants
 
     def description(self, name: str) -> str:
         if name == self.served:
             return "Clef decision model: scores a state against typed questions (/v1/systemone)"
+        if name in self.variants:
+            return f"fine-tuned variant of {self.served} (clef-finetune LoRA and head)"
         return f"alias of {self.served}"
+
+    def check_body_model(self, model: object, path_model: str | None = None) -> Reply | None:
+        """With variants served, a body's `model` chooses what scores it, so it must be a name
+        this server serves (404 `unknown model`, naming it as sent); on the Workers-AI route,
+        where the path names the model, a variant named on one side must be named on the other
+        (422), since the worker scores by the body's `model`. Without variants any name is
+        accepted and echoed, as the reference does."""
+        if not self.variants or not isinstance(model, str):
+            return None
+        if not self.knows(model):
+            return error(404, f"unknown model {model!r}; this server runs "
+                              f"{', '.join(self.every_name)}")
+        if path_model is not None and path_model != model and (
+                model in self.variants or path_model in self.variants):
+            return error(422, f"model: the body names {model!r} but the path runs "
+                              f"{path_model!r}; a fine-tuned variant is chosen by both")
+        return None
 
     def document(self) -> dict[str, Any]:
         """The model list in both shapes clients read (see the module docstring).
@@ -71,12 +96,12 @@ class Catalogue:
             "data": [
                 {"id": name, "object": "model", "created": self.created, "owned_by": OWNER,
                  "root": self.served}
-                for name in self.names
+                for name in self.every_name
             ],
             "models": [
                 {"name": name, "description": self.description(name),
                  "release_date": served_since}
-                for name in self.names
+                for name in self.every_name
             ],
         }
 

@@ -99,4 +99,9 @@ class RequestRules:
         length = check_head(framing, content_type, self.body_limit)
         if isinstance(length, Reply):
             return length
-        return check_body(body, self.limits)
+        checked = check_body(body, self.limits)
+        if isinstance(checked, Reply):
+            return checked
+        # With fine-tuned variants served, the body's model must be one this server serves.
+        return self.catalogue.check_body_model(checked.get("model"),
+                                               workers_ai.path_model(target)) or checked

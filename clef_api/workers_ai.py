@@ -48,6 +48,13 @@ def run_target(target: bytes) -> RunTarget | None:
     )
 
 
+def path_model(target: bytes) -> str | None:
+    """The model a Workers-AI run path names (without `@cf/cloudflare/`), or None for any other
+    target."""
+    run = run_target(target)
+    return run.model_id.removeprefix(MODEL_PREFIX) if run is not None else None
+
+
 def route_path(target: bytes) -> bytes:
     """The path a metrics label may show: the route's template for a run path (account ids
     and model names come from clients and must not grow the label set), else the target."""
@@ -59,7 +66,7 @@ def check_model(target: RunTarget, catalogue: Catalogue) -> Reply | None:
     name = target.model_id.removeprefix(MODEL_PREFIX)
     if target.model_id.startswith(MODEL_PREFIX) and catalogue.knows(name):
         return None
-    served = ", ".join(MODEL_PREFIX + known for known in catalogue.names)
+    served = ", ".join(MODEL_PREFIX + known for known in catalogue.every_name)
     return error(404, f"unknown model {target.model_id!r}; this server runs {served}")
 
 

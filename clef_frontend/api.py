@@ -43,6 +43,12 @@ class ApiSurface:
             return check_target(target, self.catalogue)
         return None
 
+    def check_body_model(self, target: bytes, request: dict[str, object]) -> Reply | None:
+        """Once the body is valid: its `model` against the variants served
+        (`Catalogue.check_body_model`; the Workers-AI path's model beside it)."""
+        return self.catalogue.check_body_model(request.get("model"),
+                                               workers_ai.path_model(target))
+
     def finish(self, target: bytes | None, reply: Reply) -> Reply:
         """The reply as the route's clients expect it: enveloped on the Workers-AI route."""
         if target is not None and workers_ai.run_target(target) is not None:

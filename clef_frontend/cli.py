@@ -25,6 +25,7 @@ from clef_protocol.arg_types import (
     port,
     positive_int,
 )
+from clef_protocol.finetune import resolve_finetunes
 from clef_protocol.options import add_model_arguments, limits_from
 
 DEFAULTS = ServerConfig(WorkerSettings(worker_argv=("clef_worker",)))
@@ -127,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from(args: argparse.Namespace) -> ServerConfig:
     """Build the config; ValueError names the flag that is wrong."""
+    served = tuple(args.served_model_name or (args.variant,))
     return ServerConfig(
         workers=worker_settings_from(args),
         limits=limits_from(args),
@@ -145,7 +147,8 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         queue_size=args.queue_size,
         retry_after=args.retry_after,
         drain_timeout=args.drain_timeout,
-        served_model_names=tuple(args.served_model_name or (args.variant,)),
+        served_model_names=served,
+        finetune_names=tuple(f.name for f in resolve_finetunes(args.finetune, served)),
         api_key_file=args.api_key_file,
         api_key=os.environ.get(auth.ENV_VAR) or None,
         queue_timeout=args.queue_timeout or None,

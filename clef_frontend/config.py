@@ -43,6 +43,7 @@ class ServerConfig:
     retry_after: int = 1
     drain_timeout: float = 30.0
     served_model_names: tuple[str, ...] = ("clef-flash",)  # the served name, then aliases
+    finetune_names: tuple[str, ...] = ()  # the fine-tuned variants' names (--finetune)
     api_key_file: str | None = None
     api_key: str | None = field(default=None, repr=False)  # CLEF_API_KEY; never printed
     # Shared traffic: requests wait at most `queue_timeout` seconds for a worker (None: no

@@ -188,6 +188,7 @@ def request_line(
     key: str = "-",
     cache: str | None = None,
     tenant: str = "-",
+    model: str | None = None,
 ) -> None:
     """`request method=POST path=/v1/systemone status=200 queue_ms=0.3 worker_ms=41.2 batch=4
     ... key=rag-ingest cache=miss tenant=- trace_id=4bf9... request_id=...` (`batch`: requests
@@ -195,7 +196,8 @@ def request_line(
     key's name, `-` without one; `cache`: the answer cache's `hit`, `coalesced` (shared an
     identical request's forward: no queue or worker time of its own) or `miss`, `-` when not
     looked up; `tenant`: the inference gateway's fairness id, gateway.py, `-` without one;
-    `trace_id`: the W3C trace, `-` when none is known).
+    `trace_id`: the W3C trace, `-` when none is known; `model`, only with fine-tuned variants
+    served: the body's model, i.e. the variant or base name that scored it).
 
     In JSON the same fields are keys of the line (numbers as numbers, unknown ones null)."""
     if _structured:
@@ -203,14 +205,16 @@ def request_line(
             "method": printable(method), "path": printable(target), "status": status,
             "queue_ms": _round(queue_ms), "worker_ms": _round(worker_ms), "batch": batch,
             "bytes_in": bytes_in, "bytes_out": bytes_out, "client": client, "key": key,
-            "cache": cache, "tenant": tenant}})
+            "cache": cache, "tenant": tenant,
+            **({"model": model} if model is not None else {})}})
         return
     fields = (
         f"method={printable(method)} path={printable(target)} status={status} "
         f"queue_ms={_ms(queue_ms)} worker_ms={_ms(worker_ms)} "
         f"batch={'-' if batch is None else batch} bytes_in={bytes_in} bytes_out={bytes_out} "
-        f"client={client} key={key} cache={cache or '-'} tenant={tenant} trace_id={trace_id} "
-        f"request_id={request_id}")
+        f"client={client} key={key} cache={cache or '-'} tenant={tenant} "
+        f"{'' if model is None else f'model={printable(model.encode())} '}"
+        f"trace_id={trace_id} request_id={request_id}")
     sink = _text_sink
     if sink is not None and access.isEnabledFor(logging.INFO):
         handler, formatter, prefix = sink

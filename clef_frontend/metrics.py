@@ -173,6 +173,11 @@ class Metrics:
             "clef_deadline_expired", "Requests answered 504 because their deadline passed while "
             "they waited (for a worker, or for a shared forward), by priority class.", ["class"],
             registry=r)
+        self.model_requests = Counter(
+            "clef_model_requests", "Scoring requests by the model their body named (only with "
+            "fine-tuned variants served, docs/finetune.md: a variant or a served name; unknown "
+            "names are refused before this count) and status.", ["model", "status"],
+            registry=r)
         self.resent = Counter(
             "clef_requests_resent", "Requests sent again because their worker was lost with "
             "them in flight, by why it was lost.", ["reason"], registry=r)
@@ -194,6 +199,10 @@ class Metrics:
         self.resent.labels(reason=reason).inc()
 
     # -- recording --------------------------------------------------------------------------
+
+    def model_request(self, model: str, status: int) -> None:
+        """One request whose body named `model`, a name the catalogue knows (a bounded set)."""
+        self.model_requests.labels(model, str(status)).inc()
 
     def request_done(
         self,

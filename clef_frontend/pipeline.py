@@ -204,6 +204,11 @@ class Pipeline:
         if isinstance(checked, Reply):
             return checked
         ctx.request, ctx.identity = checked
+        if self.api.catalogue.variants:
+            refused = self.api.check_body_model(ctx.target, ctx.request)
+            if refused is not None:
+                return refused
+            ctx.model = ctx.request.get("model")
         return None
 
     async def admit(self, ctx: RequestContext) -> Reply | None:
@@ -298,6 +303,8 @@ class Pipeline:
             worker_reply=ticket.worker_reply if ticket else None,
             key=ctx.key or NO_KEY, priority=ctx.priority,
         )
+        if ctx.model is not None:
+            self.metrics.model_request(ctx.model, status)
 
     def log(self, ctx: RequestContext, status: int, bytes_out: int, client: str) -> None:
         """The access-log line, once the request is answered (or abandoned)."""
@@ -309,7 +316,7 @@ class Pipeline:
             worker_ms=ticket.worker_ms if ticket else None,
             bytes_in=ctx.bytes_in, bytes_out=bytes_out, client=client,
             request_id=ctx.request_id, batch=_batch_of(ticket), trace_id=ctx.trace_id,
-            key=ctx.key or NO_KEY, cache=ctx.cache, tenant=tenant,
+            key=ctx.key or NO_KEY, cache=ctx.cache, tenant=tenant, model=ctx.model,
         )
         otel.end(ctx.span, status=status, route=ctx.route_label, ticket=ticket,
                  answered_at=ctx.answered_at, cache=ctx.cache, shared_at=ctx.shared_at,

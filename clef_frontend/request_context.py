@@ -84,6 +84,8 @@ class RequestContext:
     # when that was decided; `answer` is the future this request awaits, whichever way.
     identity: bytes | None = None
     cache: str | None = None
+    # The body's `model` once validated, with fine-tuned variants served (metrics, access log).
+    model: str | None = None
     flight: Flight | None = None
     shared_at: float | None = None
     answer: asyncio.Future[Outcome] | None = None

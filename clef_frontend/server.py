@@ -288,7 +288,8 @@ def api_surface(config: ServerConfig) -> ApiSurface:
     if keys.enabled:
         log.info("API keys required: %d key(s) in force%s", keys.count,
                  f", watching {key_file} for changes" if key_file is not None else "")
-    return ApiSurface(keys=keys, catalogue=Catalogue(config.served_model_names))
+    return ApiSurface(keys=keys, catalogue=Catalogue(config.served_model_names,
+                                                     variants=config.finetune_names))
 
 
 async def serve(config: ServerConfig) -> int:

@@ -102,6 +102,9 @@ class ModelInfo:
     # Whether the on-disk kernel caches (Triton, fla autotune) held entries at start-up:
     # "warm", "cold", or empty where no kernel is compiled (CPU).
     kernel_cache: str = ""
+    # The fine-tuned variants served over this model (`--finetune`), each with its `name`,
+    # LoRA `rank` and `scale`, `head` file, `checkpoint`, `adapted_modules` and `parameters`.
+    finetunes: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _shapes(value: Any) -> list[list[int]]:
@@ -191,6 +194,7 @@ class ReadyInfo(ModelInfo):
                 graph_shapes=_shapes(message.get("graph_shapes")),
                 captured_shapes=_shapes(message.get("captured_shapes")),
                 kernel_cache=str(message.get("kernel_cache", "")),
+                finetunes=[dict(item) for item in message.get("finetunes") or ()],
                 pid=int(message["pid"]),
                 thread=str(message["thread"]),
                 warmup_ms=float(message["warmup_ms"]),

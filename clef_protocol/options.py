@@ -13,6 +13,7 @@ import argparse
 from dataclasses import dataclass
 
 from clef_protocol.arg_types import non_negative_float, non_negative_int, positive_int
+from clef_protocol.finetune import finetune_arg
 from clef_protocol.logfmt import LOG_FORMATS
 
 VARIANTS = ("clef-flash", "clef")
@@ -102,6 +103,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="snapshot directory, or 'demo' for the built-in tiny random snapshot")
     group.add_argument("--variant", choices=VARIANTS, default="clef-flash",
                        help="which release the snapshot must be (checked against its shapes)")
+    group.add_argument("--finetune", action="append", type=finetune_arg, default=[],
+                       metavar="NAME=CHECKPOINT",
+                       help="serve a clef-finetune checkpoint (LoRA adapter + head) unmerged "
+                            "over --model as model NAME; or a directory of checkpoints, each "
+                            "named after its directory (repeatable; docs/finetune.md)")
     group.add_argument("--device", type=device_arg, default="auto", help=DEVICES_HELP)
     group.add_argument("--dtype", choices=DTYPES, default="auto",
                        help="auto: bfloat16 on CUDA, float32 on CPU")
@@ -200,5 +206,8 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
         if not action.option_strings:
             continue
         value = getattr(args, action.dest)
+        if isinstance(value, list):  # a repeatable flag: once per value
+            argv += [item for each in value for item in (action.option_strings[0], each)]
+            continue
         argv += [action.option_strings[0], repr(value) if isinstance(value, float) else str(value)]
     return argv

@@ -23,6 +23,7 @@ from clef_api.checks import DEFAULT_BODY_LIMIT, RequestRules
 from clef_api.responses import Reply
 from clef_dispatch import StartupFailed, add_worker_arguments, worker_settings_from
 from clef_protocol.arg_types import non_negative_float, positive_int
+from clef_protocol.finetune import resolve_finetunes
 from clef_protocol.options import add_model_arguments, limits_from
 from clef_tools.batch_input import BadLine, InputScan, Job, read_input
 from clef_tools.batch_output import OutputFile, bad_line, new_request_id
@@ -138,8 +139,10 @@ def _main(argv: list[str] | None) -> int:
                        f"in {args.output}")
     for item in scan.bad:
         progress.write(f"clef-batch: bad input: {item.message}")
+    served = tuple(args.served_model_name or (args.variant,))
     screen = Screen(RequestRules(limits_from(args),
-                                 Catalogue(tuple(args.served_model_name or (args.variant,))),
+                                 Catalogue(served, variants=tuple(
+                                     f.name for f in resolve_finetunes(args.finetune, served))),
                                  args.body_limit))
     refused: list[tuple[Job, Reply]] = []
     forward: list[Job] = []

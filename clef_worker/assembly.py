@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from clef_protocol.finetune import Finetune
 from clef_protocol.options import RequestLimits
 from clef_worker.errors import StartupError
 from clef_worker.gpu.buckets import BucketTable
@@ -52,12 +53,14 @@ from clef_worker.model.backbone import (
 )
 from clef_worker.model.encoding import Encoder
 from clef_worker.model.head import JointSchemaHead
+from clef_worker.model.lora import SEGMENTS, STACKED, AdapterSelection
 from clef_worker.model.packed_layers import kernels_for
 from clef_worker.model.short_conv import bind_short_conv
 from clef_worker.model.snapshot import Snapshot, open_snapshot
 from clef_worker.native import NativeExecutor
 from clef_worker.policy import PACKED, PADDED, PER_GROUP, BatchPolicy
 from clef_worker.runner import ModelRunner
+from clef_worker.variants import load_variants
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,8 @@ class ModelSettings:
     max_batch_tokens: int = 0
     max_batch: int = 0
     batch_window_ms: float = 0.0
+    # Fine-tuned variants served unmerged over this snapshot (`--finetune`).
+    finetunes: tuple[Finetune, ...] = ()
 
 
 def assemble(settings: ModelSettings) -> NativeExecutor:
@@ -118,9 +123,17 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
     head_dtype = weights_dtype if target.type == "cuda" else torch.float32
     head = load_head(snapshot, target, head_dtype)
     vision = load_media(snapshot, encoder, backbone, settings.media)
+    selection = AdapterSelection(STACKED if target.type == "cuda" else SEGMENTS)
+    variants = load_variants(list(settings.finetunes), backbone, head, selection)
     pad_id = pad_token_id(encoder.tokenizer.token_to_id("<|endoftext|>"), snapshot.text_config)
     if policy.packed and capture:
         policy = packed_or_padded(backbone, policy, explicit=settings.batch_layout == PACKED)
+    if capture and variants and not policy.packed:
+        # Packed buckets capture the stacked LoRA path over a static slot buffer; the padded
+        # graphs do not rewrite one before a replay, so padded forwards with variants run
+        # eagerly (a replay would score every request as the base).
+        log.warning("--finetune with padded batches: forwards run eagerly, without CUDA graphs")
+        capture = False
     buckets = buckets_enabled(settings.cuda_graphs, target)
     if buckets and policy.layout == PER_GROUP:
         # Bucketed shapes are one layout's: CPU's `auto` keeps packed rows, as before it chose
@@ -131,10 +144,13 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
             policy.packed and capture and not backbone_packs_in_graphs(backbone)):
         capturer: Capturer = CudaGraphCapturer(target) if capture else EagerCapturer()
         graphs = build_graph_runner(backbone, pad_id, capturer, policy, limits.max_length,
-                                    settings.graph_max_length)
-    runner = ModelRunner(backbone, head, pad_id, vision, graphs, policy.layout)
+                                    settings.graph_max_length,
+                                    selection if variants else None)
+    runner = ModelRunner(backbone, head, pad_id, vision, graphs, policy.layout,
+                         [variant.head for variant in variants],
+                         selection if variants else None)
     executor = NativeExecutor(snapshot=snapshot, encoder=encoder, runner=runner, limits=limits,
-                              short_conv=conv_path, policy=policy)
+                              short_conv=conv_path, policy=policy, variants=variants)
     executor.kernel_cache = kernels.state if kernels is not None else ""
     log.info(
         "loaded %s from %s on %s (%s backbone, %s head, gdn %s, %s batches) in %.1f s",
@@ -170,7 +186,8 @@ def packed_or_padded(backbone: Backbone, policy: BatchPolicy, *, explicit: bool)
 
 
 def build_graph_runner(backbone: Backbone, pad_id: int, capturer: Capturer, policy: BatchPolicy,
-                       max_length: int, graph_max_length: int = 0
+                       max_length: int, graph_max_length: int = 0,
+                       selection: AdapterSelection | None = None
                        ) -> GraphRunner | PackedGraphRunner:
     """The graph runner for the policy's layout, its shapes planned from the policy: packed,
     one per total-token bucket up to the largest forward; padded, `[rows, bucket]` for the
@@ -181,7 +198,8 @@ def build_graph_runner(backbone: Backbone, pad_id: int, capturer: Capturer, poli
                            plan_shapes(table, policy.max_batch_tokens,
                                        graph_row_counts(policy.max_sequences)))
     buckets = packed_buckets(policy.max_batch_tokens, max_length, graph_max_length)
-    return PackedGraphRunner(backbone, buckets, policy.max_sequences, pad_id, capturer)
+    return PackedGraphRunner(backbone, buckets, policy.max_sequences, pad_id, capturer,
+                             selection)
 
 
 def load_media(snapshot: Snapshot, encoder: Encoder, backbone: Backbone,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from clef_protocol.finetune import resolve_finetunes
 from clef_protocol.options import limits_from
 from clef_worker.errors import StartupError
 from clef_worker.executor import Executor
@@ -30,6 +31,13 @@ def load_executor(args: argparse.Namespace) -> Executor:
     """Load the executor the flags ask for; StartupError names what is wrong."""
     snapshot, demo = resolve_snapshot(args.model)
     limits = limits_from(args)
+    try:
+        finetunes = tuple(resolve_finetunes(args.finetune))
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    if finetunes and args.executor == "release":
+        raise StartupError("--finetune needs --executor native (the release executor runs the "
+                           "snapshot's own code, which serves merged releases only)")
     if args.executor == "release":
         from clef_worker.release import ReleaseExecutor
 
@@ -44,5 +52,5 @@ def load_executor(args: argparse.Namespace) -> Executor:
         gdn_prefill=args.gdn_prefill, short_conv=args.short_conv, limits=limits, demo=demo,
         media=args.media, cuda_graphs=args.cuda_graphs, graph_max_length=args.graph_max_length,
         batch_layout=args.batch_layout, max_batch_tokens=args.max_batch_tokens,
-        max_batch=args.max_batch, batch_window_ms=args.batch_window_ms,
+        max_batch=args.max_batch, batch_window_ms=args.batch_window_ms, finetunes=finetunes,
     ))

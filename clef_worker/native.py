@@ -39,10 +39,12 @@ from clef_worker.model.backbone import (
 )
 from clef_worker.model.encoding import Encoder, Encoding
 from clef_worker.model.head import JointSchemaHead
+from clef_worker.model.lora import BASE_SLOT
 from clef_worker.model.short_conv import TORCH_PATH
 from clef_worker.model.snapshot import Snapshot
 from clef_worker.policy import BatchPolicy
 from clef_worker.runner import ModelRunner, Staged
+from clef_worker.variants import Variant
 from clef_worker.versions import package_version, package_versions
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ class Prepared:
     request: dict[str, Any]
     encoding: Encoding
     media: PreparedMedia | None = None
+    slot: int = BASE_SLOT  # the fine-tuned variant that scores it (0: the base)
 
 
 class NativeExecutor:
@@ -88,8 +91,12 @@ class NativeExecutor:
         limits: RequestLimits,
         short_conv: str = TORCH_PATH,
         policy: BatchPolicy | None = None,
+        variants: Sequence[Variant] = (),
     ):
         self.snapshot = snapshot
+        # Fine-tuned variants by model name: a request whose `model` names one is scored by it
+        # (the front has refused names that are neither served nor a variant).
+        self.variants = {variant.name: variant for variant in variants}
         self.encoder = encoder
         self.runner = runner
         self.limits = limits
@@ -145,6 +152,7 @@ class NativeExecutor:
             demo=self.snapshot.random,
             snapshot=str(self.snapshot.root),
             kernel_cache=self.kernel_cache,
+            finetunes=[variant.describe() for variant in self.variants.values()],
             **shapes,
         )
 
@@ -194,13 +202,18 @@ class NativeExecutor:
         prepared = time.perf_counter()
         encoding = self.encode(request, media)
         encoded = time.perf_counter()
-        output = self.runner.run([encoding], [media])
+        output = self.runner.run([encoding], [media], [self.slot_of(request)])
         if profile:
             timings = {"media": (prepared - started) * 1000, "encode": (encoded - prepared) * 1000,
                        "backbone": output.stages["forward_ms"], "head": output.stages["head_ms"]}
         row = output.rows[0]
         return Scored(request=request, encoding=encoding, logits=row.logits,
                       probabilities=row.probabilities, timings_ms=timings, media=media)
+
+    def slot_of(self, request: dict[str, Any]) -> int:
+        """The slot of the variant the request's `model` names; the base for any other name."""
+        variant = self.variants.get(request.get("model"))  # type: ignore[arg-type]
+        return variant.slot if variant is not None else BASE_SLOT
 
     # -- Batching (clef_worker.batching) -------------------------------------------------
 
@@ -211,7 +224,7 @@ class NativeExecutor:
         media = self._decode_media(request)
         media_ids = media.token_ids if media is not None else ()
         return Prepared(request, self.encoder.encode(request, self.limits.max_length, media_ids),
-                        media)
+                        media, self.slot_of(request))
 
     def prepared_length(self, prepared: Prepared) -> int:
         return len(prepared.encoding.input_ids)
@@ -227,7 +240,8 @@ class NativeExecutor:
     def stage(self, batch: Sequence[Prepared]) -> tuple[Sequence[Prepared], Staged]:
         """The group's host tensors (helper thread; no CUDA call but pinning)."""
         return batch, self.runner.stage([item.encoding for item in batch],
-                                        [item.media for item in batch])
+                                        [item.media for item in batch],
+                                        [item.slot for item in batch])
 
     def answer_staged(self, staged: tuple[Sequence[Prepared], Staged]) -> list[Answer]:
         """The group's forwards on the main thread; the answers in order."""

@@ -34,7 +34,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -45,7 +47,8 @@ from clef_worker.gpu.transfer import move_staged, stage_host
 from clef_worker.media.vision import PreparedMedia, VisionTower
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.encoding import Encoding
-from clef_worker.model.head import HeadBatch, JointSchemaHead, RecordSpans
+from clef_worker.model.head import HeadBatch, HeadOutput, JointSchemaHead, RecordSpans
+from clef_worker.model.lora import BASE_SLOT, AdapterSelection
 from clef_worker.model.packed import PackedLayout
 from clef_worker.policy import PACKED, PADDED, group_layout
 
@@ -111,10 +114,58 @@ class Staged:
     shapes: list[torch.Size]
     batch: HeadBatch  # index tensors still on the host (replaced by the moved ones)
     media: PreparedMedia | None = None
+    # Fine-tuned variants (clef_worker.variants): each request's slot (0: the base) and, when
+    # the group mixes slots, one head pass per slot (`VariantHeads`).
+    slots: list[int] = field(default_factory=list)
+    heads: VariantHeads | None = None
+    bucket_slots: bool = False  # a packed bucket's per-position slots follow its ids
+
+    @property
+    def forward_tensors(self) -> int:
+        """How many of the flat tensors the forward reads (the head's follow)."""
+        if self.bucket is not None:
+            return 3 if self.bucket_slots else 2
+        return 1 if self.packed else len(self.steps) + 1
 
     @property
     def packed(self) -> bool:
         return not self.steps
+
+
+@dataclass
+class VariantHeads:
+    """A mixed group's head passes: per slot, its members (request indices), the rows of its
+    members' tokens in the group's end-to-end hidden state, and their own `HeadBatch`."""
+
+    groups: list[tuple[int, list[int], Tensor, HeadBatch]]
+
+    def tensors(self) -> list[Tensor]:
+        return [t for _, _, rows, batch in self.groups for t in (rows, *batch.tensors())]
+
+    def count(self) -> int:
+        return sum(1 + len(batch.tensors()) for _, _, _, batch in self.groups)
+
+    def with_tensors(self, tensors: Sequence[Tensor]) -> VariantHeads:
+        groups, at = [], 0
+        for slot, members, _, batch in self.groups:
+            width = len(batch.tensors())
+            groups.append((slot, members, tensors[at],
+                           batch.with_tensors(tensors[at + 1:at + 1 + width])))
+            at += 1 + width
+        return VariantHeads(groups)
+
+    @classmethod
+    def build(cls, slots: Sequence[int], records: Sequence[RecordSpans]) -> VariantHeads:
+        starts = [0]
+        for record in records[:-1]:
+            starts.append(starts[-1] + record.tokens)
+        groups = []
+        for slot in sorted(set(slots)):
+            members = [i for i, s in enumerate(slots) if s == slot]
+            rows = torch.cat([torch.arange(starts[i], starts[i] + records[i].tokens)
+                              for i in members])
+            groups.append((slot, members, rows, HeadBatch.build([records[i] for i in members])))
+        return cls(groups)
 
 
 class ModelRunner:
@@ -125,9 +176,14 @@ class ModelRunner:
     def __init__(self, backbone: Backbone, head: JointSchemaHead, pad_id: int,
                  vision: VisionTower | None = None,
                  graphs: GraphRunner | PackedGraphRunner | None = None,
-                 layout: str = PADDED):
+                 layout: str = PADDED, variant_heads: Sequence[JointSchemaHead] = (),
+                 selection: AdapterSelection | None = None):
         self.backbone = backbone
         self.head = head
+        # Slot 0 is the base head; slot i the i-th fine-tuned variant's (clef_worker.variants),
+        # whose LoRA layers read `selection` during each forward.
+        self.heads = [head, *variant_heads]
+        self.selection = selection
         self.pad_id = pad_id
         self.vision = vision
         self.graphs = graphs
@@ -167,30 +223,37 @@ class ModelRunner:
         return self.graphs.plan(lengths)
 
     def run(self, encodings: Sequence[Encoding],
-            medias: Sequence[PreparedMedia | None] = ()) -> RunOutput:
+            medias: Sequence[PreparedMedia | None] = (), slots: Sequence[int] = ()) -> RunOutput:
         """Backbone and head over the group: per request, per-option logits and probabilities
-        (question order, then encode order). A media request must be alone in its group."""
-        return self.run_staged(self.stage(encodings, medias))
+        (question order, then encode order), each by its variant's slot (none given: the base).
+        A media request must be alone in its group."""
+        return self.run_staged(self.stage(encodings, medias, slots))
 
     # -- host half ---------------------------------------------------------------------------
 
     def stage(self, encodings: Sequence[Encoding],
-              medias: Sequence[PreparedMedia | None] = ()) -> Staged:
+              medias: Sequence[PreparedMedia | None] = (), slots: Sequence[int] = ()) -> Staged:
         """The group's host tensors in one flat buffer (pinned on CUDA); no device work."""
+        slots = list(slots) or [BASE_SLOT] * len(encodings)
+        if any(slot >= len(self.heads) or slot < 0 for slot in slots):
+            raise ValueError(f"variant slots {slots} beyond the {len(self.heads) - 1} loaded")
         media = next((m for m in medias if m is not None), None)
         if media is not None and len(encodings) > 1:
             raise ValueError("a media request runs alone, not in a group of "
                              f"{len(encodings)}")
         lengths = [len(encoding.input_ids) for encoding in encodings]
         ids = [encoding.input_ids for encoding in encodings]
-        batch = HeadBatch.build([RecordSpans(
+        records = [RecordSpans(
             tokens=length, question_spans=[q.question_span for q in encoding.questions],
             option_spans=[q.option_spans for q in encoding.questions],
             question_types=[q.type_id for q in encoding.questions])
-            for encoding, length in zip(encodings, lengths, strict=True)])
+            for encoding, length in zip(encodings, lengths, strict=True)]
+        batch = HeadBatch.build(records)
+        heads = VariantHeads.build(slots, records) if len(set(slots)) > 1 else None
         real_ids = torch.cat([torch.tensor(tokens, dtype=torch.long) for tokens in ids])
         steps: list[Step] = []
         bucket = None
+        bucket_slots = False
         # A lone request without packed graphs is a batch of one row: the plain forward is the
         # same answer without the packed kernels' per-sequence bookkeeping (on CPU it measured
         # about 15 % faster alone).
@@ -201,6 +264,9 @@ class ModelRunner:
             if graphs is not None and bucket is not None:
                 row, real_rows = graphs.host_ids(ids, bucket)
                 tensors = [row, real_rows]
+                if graphs.selection is not None:
+                    tensors.append(graphs.host_slots(lengths, slots, bucket))
+                    bucket_slots = True
             else:
                 tensors = [real_ids]
         else:
@@ -208,8 +274,10 @@ class ModelRunner:
                 self.plan(lengths)
             tensors = [*(self._padded_ids(ids, lengths, step) for step in steps), real_ids]
         tensors += batch.tensors()
+        if heads is not None:
+            tensors += heads.tensors()
         return Staged(lengths, steps, bucket, stage_host(tensors, self.device),
-                      [t.shape for t in tensors], batch, media)
+                      [t.shape for t in tensors], batch, media, slots, heads, bucket_slots)
 
     def _padded_ids(self, ids: Sequence[Sequence[int]], lengths: list[int],
                     step: Step) -> Tensor:
@@ -230,16 +298,21 @@ class ModelRunner:
         clock.mark()
         with torch.inference_mode():
             moved = move_staged(staged.flat, staged.shapes, self.device)
-            extra = 2 if staged.bucket is not None else 1
-            count = extra if staged.packed else len(staged.steps) + 1
-            batch = staged.batch.with_tensors(moved[count:])
+            count = staged.forward_tensors
+            width = len(staged.batch.tensors())
+            batch = staged.batch.with_tensors(moved[count:count + width])
             if staged.packed:
                 hidden, real_ids = self._packed_hidden(staged, moved[:count])
             else:
                 hidden, real_ids = self._padded_hidden(staged, moved[:count])
             clock.mark()
-            outputs = self.head.forward_batch(hidden, real_ids, self.backbone.lexical_table,
-                                              batch)
+            if staged.heads is None:
+                slot = staged.slots[0] if staged.slots else BASE_SLOT
+                outputs = self.heads[slot].forward_batch(
+                    hidden, real_ids, self.backbone.lexical_table, batch)
+            else:
+                outputs = self._variant_heads(
+                    staged.heads.with_tensors(moved[count + width:]), hidden, real_ids)
             values = torch.cat([torch.stack([o.logits, o.probabilities]) for o in outputs],
                                dim=1).cpu()
             clock.mark()
@@ -253,18 +326,44 @@ class ModelRunner:
                        values.split(list(batch.option_counts), dim=1), sizes, strict=True)]
         return RunOutput(results, {"forward_ms": forward_ms, "head_ms": head_ms})
 
+    def _variant_heads(self, heads: VariantHeads, hidden: Tensor, real_ids: Tensor
+                       ) -> list[HeadOutput]:
+        """A mixed group: each slot's head over its own members' rows; outputs in request
+        order."""
+        outputs: dict[int, HeadOutput] = {}
+        for slot, members, rows, batch in heads.groups:
+            part = self.heads[slot].forward_batch(hidden.index_select(0, rows),
+                                                  real_ids.index_select(0, rows),
+                                                  self.backbone.lexical_table, batch)
+            outputs.update(zip(members, part, strict=True))
+        return [outputs[i] for i in range(len(outputs))]
+
+    def _selected(self, staged: Staged, spans: Sequence[tuple[int, int]],
+                  members: Sequence[int] | None = None) -> Any:
+        """The adapter selection for one forward whose requests (`members`, default all) sit at
+        `spans` of its flattened tokens; a no-op without variants."""
+        if self.selection is None:
+            return nullcontext()
+        slots = staged.slots or [BASE_SLOT] * len(staged.lengths)
+        chosen = [slots[m] for m in (members if members is not None else range(len(slots)))]
+        return self.selection.using(chosen, spans, self.device)
+
     def _packed_hidden(self, staged: Staged, moved: list[Tensor]) -> tuple[Tensor, Tensor]:
         """The real tokens' hidden states [sum T, H] end to end, and their ids."""
         if staged.bucket is not None:
             assert isinstance(self.graphs, PackedGraphRunner)
-            row, real_rows = moved
-            hidden = self.graphs.run(row, staged.lengths, staged.bucket)
+            row, real_rows, *slots = moved
+            if slots:  # fine-tuned variants: the bucket's per-position slots
+                hidden = self.graphs.run(row, staged.lengths, staged.bucket, slots[0])
+            else:
+                hidden = self.graphs.run(row, staged.lengths, staged.bucket)
             # Each request's rows from its aligned offset: one gather, also a copy out of the
             # static buffer the next replay overwrites.
             return hidden.index_select(0, real_rows), row.index_select(0, real_rows)
         [ids] = moved
         layout = PackedLayout.from_lengths(staged.lengths, self.device)
-        return self.backbone.packed_hidden_state(ids, layout), ids
+        with self._selected(staged, _end_to_end(staged.lengths)):
+            return self.backbone.packed_hidden_state(ids, layout), ids
 
     def _padded_hidden(self, staged: Staged, moved: list[Tensor]) -> tuple[Tensor, Tensor]:
         """Every request's real rows of the last hidden state, end to end, and their ids. A
@@ -273,20 +372,33 @@ class ModelRunner:
         *device_ids, real_ids = moved
         lengths, steps = staged.lengths, staged.steps
         if staged.media is not None and self.vision is not None:
-            return self.vision.hidden_states(self.backbone, device_ids[0][0, :lengths[0]],
-                                             staged.media), real_ids
+            with self._selected(staged, [(0, lengths[0])]):
+                return self.vision.hidden_states(self.backbone, device_ids[0][0, :lengths[0]],
+                                                 staged.media), real_ids
         rows: list[Tensor | None] = [None] * len(lengths)
         for step, ids in zip(steps, device_ids, strict=True):
-            if isinstance(self.graphs, GraphRunner):
-                hidden = self.graphs.run(ids, step.shape)
-            else:
-                hidden = self.backbone.last_hidden_state(ids)
+            width = int(ids.shape[1])
+            spans = [(row * width, (row + 1) * width) for row in range(len(step.members))]
+            with self._selected(staged, spans, step.members):
+                if isinstance(self.graphs, GraphRunner):
+                    hidden = self.graphs.run(ids, step.shape)
+                else:
+                    hidden = self.backbone.last_hidden_state(ids)
             for row, member in enumerate(step.members):
                 part = hidden[row, :lengths[member]]
                 rows[member] = part.clone() if len(steps) > 1 else part
         done = [row for row in rows if row is not None]
         assert len(done) == len(rows)
         return (done[0] if len(done) == 1 else torch.cat(done)), real_ids
+
+
+def _end_to_end(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """Where each request's tokens sit when they are laid end to end."""
+    spans, start = [], 0
+    for length in lengths:
+        spans.append((start, start + length))
+        start += length
+    return spans
 
 
 def warm_row_counts(backbone: Backbone, row_counts: Sequence[int], length: int) -> None:

@@ -12,6 +12,7 @@ import re
 
 import pytest
 
+from benchlib.paths import FINETUNE_FIXTURES
 from clef_dispatch.supervisor import default_max_batch
 from clef_dispatch.worker_pool import plan_slots
 from clef_frontend.cli import build_parser, config_from
@@ -43,6 +44,8 @@ def other_value(action: argparse.Action) -> str:
         return "2.75"
     if isinstance(action.default, int):
         return str(action.default + 3)
+    if isinstance(action.default, list):  # --finetune: the front lists the checkpoints it names
+        return f"{action.dest}={FINETUNE_FIXTURES / 'tiny-alpha'}"
     return f"/snapshots/{action.dest}"
 
 

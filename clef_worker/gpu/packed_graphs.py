@@ -32,6 +32,7 @@ from torch import Tensor
 from clef_worker.gpu.buckets import bucket_lengths
 from clef_worker.gpu.graphs import Capturer, Forward
 from clef_worker.model.backbone import Backbone
+from clef_worker.model.lora import AdapterSelection
 from clef_worker.model.packed import FLA_CHUNK, StaticPackedLayout, aligned_length
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class PackedStatic:
     input_ids: Tensor  # [tokens] on the device; written in place, never replaced
     layout: StaticPackedLayout
     replay: Forward  # returns [tokens, H], valid until the next replay of any bucket
+    # With fine-tuned variants: each token's slot (clef_worker.model.lora), written in place.
+    slots: Tensor | None = None
 
 
 @dataclass
@@ -85,8 +88,11 @@ class PackedGraphRunner:
     """Runs the text stack over packed rows at built total-token buckets."""
 
     def __init__(self, backbone: Backbone, buckets: Sequence[int], max_sequences: int,
-                 pad_id: int, capturer: Capturer):
+                 pad_id: int, capturer: Capturer, selection: AdapterSelection | None = None):
         self.backbone = backbone
+        # Fine-tuned variants: each bucket's forward runs the stacked LoRA path over a static
+        # slot buffer (`host_slots` fills it per group), so one capture serves every mix.
+        self.selection = selection
         self.planned = tuple(buckets)
         self.max_sequences = max_sequences
         self.pad_id = pad_id
@@ -117,6 +123,14 @@ class PackedGraphRunner:
             real.append(torch.arange(start, start + len(tokens)))
         return row, torch.cat(real)
 
+    def host_slots(self, lengths: Sequence[int], slots: Sequence[int], bucket: int) -> Tensor:
+        """Each position's variant slot in the bucket's row as `host_ids` lays it out (0, the
+        base, between and after the requests)."""
+        row = torch.zeros(bucket, dtype=torch.long)
+        for start, length, slot in zip(aligned_offsets(lengths), lengths, slots, strict=True):
+            row[start:start + length] = slot
+        return row
+
     # -- warm-up -----------------------------------------------------------------------------
 
     def build_all(self) -> list[int]:
@@ -137,12 +151,18 @@ class PackedGraphRunner:
         input_ids = torch.full((tokens,), self.pad_id, dtype=torch.long, device=device)
         layout = StaticPackedLayout(tokens, self.max_sequences, device)
         backbone = self.backbone
+        selection = self.selection
+        slots = (torch.zeros(tokens, dtype=torch.long, device=device)
+                 if selection is not None else None)
 
         def forward() -> Tensor:
-            return backbone.packed_hidden_state(input_ids, layout.layout())
+            if selection is None or slots is None:
+                return backbone.packed_hidden_state(input_ids, layout.layout())
+            with selection.replaying(slots):
+                return backbone.packed_hidden_state(input_ids, layout.layout())
 
         self.static[tokens] = PackedStatic(tokens, input_ids, layout,
-                                           self.capturer.capture(forward))
+                                           self.capturer.capture(forward), slots)
         self.stats.built.append(tokens)
 
     def replay_all(self, clock: Callable[[], float] | None = None) -> dict[int, float]:
@@ -162,7 +182,8 @@ class PackedGraphRunner:
 
     # -- running -----------------------------------------------------------------------------
 
-    def run(self, ids: Tensor, lengths: Sequence[int], bucket: int) -> Tensor:
+    def run(self, ids: Tensor, lengths: Sequence[int], bucket: int,
+            slots: Tensor | None = None) -> Tensor:
         """Last hidden state [bucket, H] of a packed row laid out by `host_ids` (on the
         device): the offsets are written into the bucket's static layout, the ids into its
         buffer, and its graph replays. A view of a static buffer: use it before the next
@@ -172,6 +193,11 @@ class PackedGraphRunner:
             raise ValueError(f"ids of shape {tuple(ids.shape)} for the {bucket}-token bucket")
         static.layout.fill(lengths)
         static.input_ids.copy_(ids, non_blocking=True)
+        if static.slots is not None:
+            if slots is None:
+                static.slots.zero_()
+            else:
+                static.slots.copy_(slots, non_blocking=True)
         self.stats.replays[bucket] = self.stats.replays.get(bucket, 0) + 1
         return static.replay()
 

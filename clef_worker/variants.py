@@ -1,0 +1,249 @@
+"""Fine-tuned variants (clef-finetune checkpoints) loaded over the one base backbone.
+
+A checkpoint is `adapter/adapter_config.json` + `adapter/adapter_model.safetensors` (PEFT LoRA:
+`base_model.model.model.language_model.<module>.lora_A.weight` [r, in] and `.lora_B.weight`
+[out, r]), `joint_head.safetensors` (the release head's tensor names) and `train_config.json`.
+Its `training_state.pt` (a pickle of the optimizer) is never opened: nothing here unpickles
+anything, only JSON and safetensors are read.
+
+Each checkpoint is checked against the loaded base before any of its tensors is read: the LoRA
+configuration (plain LoRA: no DoRA, no rsLoRA, no bias, no `modules_to_save`, one rank and one
+alpha), every adapted module present in the text stack and linear, A and B shaped for it and
+for the rank, floating point, both present; the head's tensors exactly the base head's names and
+shapes. A bad checkpoint stops start-up with a `StartupError` naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor, nn
+
+from clef_protocol.finetune import Finetune
+from clef_worker.errors import StartupError
+from clef_worker.model.backbone import Backbone
+from clef_worker.model.head import JointSchemaHead
+from clef_worker.model.lora import AdaptedLinear, AdapterSelection, LoraWeights, adapt
+
+log = logging.getLogger(__name__)
+
+ADAPTER_DIR = "adapter"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+HEAD_WEIGHTS = "joint_head.safetensors"
+# PEFT's key for a module of the text stack of Qwen3_5ForConditionalGeneration.
+KEY_PREFIX = "base_model.model.model.language_model."
+KEY_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One loaded variant: its name, slot (1-based; 0 is the base), LoRA rank and scale, head,
+    and where it came from."""
+
+    name: str
+    slot: int
+    rank: int
+    scale: float
+    head: JointSchemaHead
+    checkpoint: Path
+    modules: int
+    parameters: int  # LoRA and head parameters together
+    memory_bytes: int  # what they hold on the device (LoRA in the backbone's dtype, head in its)
+
+    def describe(self) -> dict[str, Any]:
+        """What `ready` and /health say about it."""
+        return {"name": self.name, "rank": self.rank, "scale": self.scale,
+                "head": str(self.checkpoint / HEAD_WEIGHTS), "checkpoint": str(self.checkpoint),
+                "adapted_modules": self.modules, "parameters": self.parameters,
+                "memory_bytes": self.memory_bytes}
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int
+    alpha: float
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def read_lora_config(path: Path) -> LoraConfig:
+    """Check `adapter_config.json` is plain LoRA this server applies as clef-finetune merges it."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise StartupError(f"{path}: missing (not a clef-finetune checkpoint)") from None
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"{path}: cannot read it as JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise StartupError(f"{path}: not a JSON object")
+    if raw.get("peft_type") != "LORA":
+        raise StartupError(f"{path}: peft_type is {raw.get('peft_type')!r}, expected 'LORA'")
+    rank, alpha = raw.get("r"), raw.get("lora_alpha")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise StartupError(f"{path}: r must be a positive integer, got {rank!r}")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or alpha <= 0:
+        raise StartupError(f"{path}: lora_alpha must be a positive number, got {alpha!r}")
+    refusals = {
+        "use_dora": "DoRA", "use_rslora": "rsLoRA scaling", "modules_to_save": "modules_to_save",
+        "rank_pattern": "per-module ranks (rank_pattern)",
+        "alpha_pattern": "per-module alphas (alpha_pattern)",
+        "fan_in_fan_out": "fan_in_fan_out", "layers_to_transform": "layers_to_transform",
+    }
+    for key, what in refusals.items():
+        if raw.get(key):
+            raise StartupError(f"{path}: {key} is set: {what} is not supported")
+    if raw.get("bias", "none") != "none":
+        raise StartupError(f"{path}: bias is {raw.get('bias')!r}: only 'none' is supported")
+    return LoraConfig(rank, float(alpha))
+
+
+def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
+    """The text stack's linear layers by module name (as PEFT names them after the prefix); a
+    layer already adapted for another variant is named as it was, by its base layer."""
+    layers: dict[str, nn.Linear] = {}
+    wrapped: set[str] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, AdaptedLinear):
+            layers[name] = module.base
+            wrapped.add(f"{name}.base")
+        elif isinstance(module, nn.Linear) and name not in wrapped:
+            layers[name] = module
+    return layers
+
+
+def read_adapter(path: Path, config: LoraConfig, layers: dict[str, nn.Linear]
+                 ) -> dict[str, tuple[Tensor, Tensor]]:
+    """Check then read every module's (A, B) from `adapter_model.safetensors`, as float32."""
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except FileNotFoundError:
+        raise StartupError(f"{path}: missing (not a clef-finetune checkpoint)") from None
+    except Exception as exc:
+        raise StartupError(f"{path}: cannot read it as safetensors: {exc}") from None
+    with handle:
+        keys = list(handle.keys())
+        parts: dict[str, dict[str, Any]] = {}
+        for key in keys:
+            suffix = next((s for s in KEY_SUFFIXES if key.endswith(s)), None)
+            if not key.startswith(KEY_PREFIX) or suffix is None:
+                raise StartupError(f"{path}: tensor {key} is not a LoRA A or B of the text stack "
+                                   f"({KEY_PREFIX}<module>.lora_A/B.weight): only the text "
+                                   "stack's linear layers can be served unmerged")
+            module = key[len(KEY_PREFIX):-len(suffix)]
+            layer = layers.get(module)
+            if layer is None:
+                raise StartupError(f"{path}: tensor {key} adapts {module}, which is not a linear "
+                                   "layer of the base's text stack")
+            piece = handle.get_slice(key)
+            shape = tuple(piece.get_shape())
+            expected = ((config.rank, layer.in_features) if "lora_A" in suffix
+                        else (layer.out_features, config.rank))
+            if shape != expected:
+                raise StartupError(f"{path}: tensor {key} has shape {list(shape)}, expected "
+                                   f"{list(expected)} (rank {config.rank}, layer "
+                                   f"{layer.out_features}x{layer.in_features})")
+            parts.setdefault(module, {})[suffix] = key
+        for module, found in parts.items():
+            for suffix in KEY_SUFFIXES:
+                if suffix not in found:
+                    raise StartupError(f"{path}: tensor {KEY_PREFIX}{module}{suffix} is missing "
+                                       "(each adapted module needs lora_A and lora_B)")
+        if not parts:
+            raise StartupError(f"{path}: holds no LoRA tensors")
+        out: dict[str, tuple[Tensor, Tensor]] = {}
+        for module, found in sorted(parts.items()):
+            pair = []
+            for suffix in KEY_SUFFIXES:
+                tensor = handle.get_tensor(found[suffix])
+                if tensor.dtype not in FLOATS:
+                    raise StartupError(f"{path}: tensor {found[suffix]} is {tensor.dtype}, "
+                                       "expected a floating point type")
+                if not torch.isfinite(tensor).all():
+                    raise StartupError(f"{path}: tensor {found[suffix]} holds NaN or infinity")
+                pair.append(tensor.float())
+            out[module] = (pair[0], pair[1])
+    return out
+
+
+def read_head(path: Path, base: JointSchemaHead, device: torch.device, dtype: torch.dtype
+              ) -> JointSchemaHead:
+    """The variant's head: the base head's structure with the checkpoint's tensors (exactly the
+    same names and shapes)."""
+    expected = {name: tuple(t.shape) for name, t in base.state_dict().items()}
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except FileNotFoundError:
+        raise StartupError(f"{path}: missing (not a clef-finetune checkpoint)") from None
+    except Exception as exc:
+        raise StartupError(f"{path}: cannot read it as safetensors: {exc}") from None
+    state: dict[str, Tensor] = {}
+    with handle:
+        keys = set(handle.keys())
+        for name in sorted(set(expected) - keys):
+            raise StartupError(f"{path}: tensor {name} is missing (the base head has it)")
+        for name in sorted(keys - set(expected)):
+            raise StartupError(f"{path}: tensor {name} is not a tensor of the base head")
+        for name, shape in expected.items():
+            found = tuple(handle.get_slice(name).get_shape())
+            if found != shape:
+                raise StartupError(f"{path}: tensor {name} has shape {list(found)}, expected "
+                                   f"{list(shape)} (the base head's)")
+            tensor = handle.get_tensor(name)
+            if tensor.dtype not in FLOATS:
+                raise StartupError(f"{path}: tensor {name} is {tensor.dtype}, expected a "
+                                   "floating point type")
+            state[name] = tensor.to(device, dtype)
+    with torch.device("meta"):
+        head = JointSchemaHead(base.config)
+    head.load_state_dict(state, strict=True, assign=True)
+    head.eval()
+    head.requires_grad_(False)
+    return head
+
+
+def load_variants(finetunes: list[Finetune], backbone: Backbone, base_head: JointSchemaHead,
+                  selection: AdapterSelection) -> list[Variant]:
+    """Check every checkpoint (all of them, before any is attached), then adapt the backbone's
+    layers and attach each variant's updates in its slot. The LoRA weights are kept in the
+    backbone's dtype on its device; the head in the base head's dtype."""
+    if not finetunes:
+        return []
+    layers = linear_layers(backbone.model)
+    head_dtype = base_head.hidden_norm.weight.dtype
+    checked = []
+    for finetune in finetunes:
+        adapter_dir = finetune.checkpoint / ADAPTER_DIR
+        config = read_lora_config(adapter_dir / ADAPTER_CONFIG)
+        tensors = read_adapter(adapter_dir / ADAPTER_WEIGHTS, config, layers)
+        head = read_head(finetune.checkpoint / HEAD_WEIGHTS, base_head, backbone.device,
+                         head_dtype)
+        checked.append((finetune, config, tensors, head))
+    variants = []
+    for slot, (finetune, config, tensors, head) in enumerate(checked, start=1):
+        adapted = adapt(backbone.model, list(tensors), selection)
+        for module, (a, b) in tensors.items():
+            adapted[module].add(slot, LoraWeights(
+                a=a.to(backbone.device, backbone.dtype),
+                scaled_b=(b * config.scale).to(backbone.device, backbone.dtype)))
+        lora = sum(a.numel() + b.numel() for a, b in tensors.values())
+        head_tensors = list(head.state_dict().values())
+        head_count = sum(t.numel() for t in head_tensors)
+        memory = (lora * backbone.lexical_table.element_size()
+                  + sum(t.numel() * t.element_size() for t in head_tensors))
+        variants.append(Variant(name=finetune.name, slot=slot, rank=config.rank,
+                                scale=config.scale, head=head, checkpoint=finetune.checkpoint,
+                                modules=len(tensors), parameters=lora + head_count,
+                                memory_bytes=memory))
+        log.info("variant %s: LoRA rank %d scale %g on %d modules, head from %s", finetune.name,
+                 config.rank, config.scale, len(tensors), finetune.checkpoint / HEAD_WEIGHTS)
+    return variants

@@ -1,0 +1,306 @@
+"""Fine-tuned variants (clef-finetune checkpoints, `--finetune`) in the native executor: each
+variant's answers equal the upstream reference on its float32-merged release, the base's golden
+answers are unchanged on the same executor, mixed groups equal each request alone (segments and
+the stacked path), and bad checkpoints are refused at start-up naming the file and the tensor.
+
+The checkpoints and the reference answers are tests/fixtures/finetune (made by clef-finetune
+itself: make_variants.py there)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import pickle
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from benchlib.executors import with_limits
+from benchlib.golden import Drift, answered, assert_response_matches
+from benchlib.paths import FINETUNE_FIXTURES, FINETUNE_REFERENCE, TINY_SNAPSHOT
+from clef_protocol.finetune import Finetune, resolve_finetunes
+from clef_protocol.options import RequestLimits, add_model_arguments, worker_argv
+from clef_worker.assembly import assemble_snapshot
+from clef_worker.errors import StartupError
+from clef_worker.model.lora import STACKED, merge_segments, token_slots
+from clef_worker.native import NativeExecutor
+from clef_worker.variants import KEY_PREFIX, load_variants
+from tests.answer_compare import assert_same_response
+
+# The golden bound for a variant (issue 35): fp32 on CPU, unmerged against merged.
+VARIANT_LOGIT_TOLERANCE = 1.5e-4
+VARIANTS = ("tiny-alpha", "tiny-beta")
+REFERENCE = [json.loads(line) for line in FINETUNE_REFERENCE.read_text().splitlines() if line]
+
+
+def _finetunes() -> tuple[Finetune, ...]:
+    return tuple(resolve_finetunes([str(FINETUNE_FIXTURES)]))
+
+
+@pytest.fixture(scope="module")
+def executor(tiny_snapshot: Path) -> NativeExecutor:
+    """The worker's defaults on CPU (float32, packed batches) with both variants."""
+    return assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
+                             limits=RequestLimits(), finetunes=_finetunes())
+
+
+def _limited(executor: NativeExecutor, case: dict[str, Any]) -> NativeExecutor:
+    return with_limits(executor, dataclasses.replace(executor.limits,
+                                                    max_length=case["max_length"]))
+
+
+def test_the_fixtures_were_made_from_the_served_snapshot() -> None:
+    """The variants are only valid over the exact base they were trained on."""
+    recorded = json.loads((FINETUNE_FIXTURES / "base.json").read_text())
+    for name, digest in recorded.items():
+        assert hashlib.sha256((TINY_SNAPSHOT / name).read_bytes()).hexdigest() == digest, name
+    for variant in VARIANTS:
+        assert not (FINETUNE_FIXTURES / variant / "training_state.pt").exists()
+    assert {row["variant"] for row in REFERENCE} == set(VARIANTS)
+    assert len(REFERENCE) == len(VARIANTS) * len(answered())
+
+
+@pytest.mark.parametrize("row", REFERENCE, ids=[f"{r['variant']}-{r['name']}" for r in REFERENCE])
+def test_variant_equals_the_reference_on_its_merged_release(executor: NativeExecutor,
+                                                           row: dict[str, Any]) -> None:
+    limited = _limited(executor, row)
+    scored = limited.score(row["request"])
+    drift = Drift()
+    drift.add(row, scored.logits, scored.probabilities)
+    assert drift.max_logit_diff <= VARIANT_LOGIT_TOLERANCE and not drift.argmax_mismatches, drift
+    answer = limited.answer(json.dumps(row["request"]).encode())
+    assert_response_matches(json.loads(answer.body), row["response"], scored.probabilities)
+
+
+@pytest.mark.parametrize("case", answered(), ids=[c["name"] for c in answered()])
+def test_base_goldens_unchanged_beside_variants(executor: NativeExecutor,
+                                               case: dict[str, Any]) -> None:
+    scored = _limited(executor, case).score(case["request"])
+    drift = Drift()
+    drift.add(case, scored.logits, scored.probabilities)
+    assert drift.within_tolerance, drift
+
+
+def test_the_lora_part_matters(executor: NativeExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without its adapters (only its head), a variant is far from the reference: the parity
+    above checks the LoRA arithmetic, not only the head."""
+    row = REFERENCE[0]
+    monkeypatch.setattr(executor.runner, "selection", None)
+    scored = executor.score(row["request"])
+    drift = Drift()
+    drift.add(row, scored.logits, scored.probabilities)
+    assert drift.max_logit_diff > 100 * VARIANT_LOGIT_TOLERANCE
+
+
+def _mixed_bodies() -> list[bytes]:
+    """Base, alpha and beta requests of several lengths, interleaved."""
+    cases = [c for c in answered() if c["max_length"] == RequestLimits().max_length][:6]
+    models = ["clef-flash", "tiny-alpha", "tiny-beta", "tiny-alpha", "clef-flash", "tiny-beta"]
+    return [json.dumps(dict(case["request"], model=model)).encode()
+            for case, model in zip(cases, models, strict=True)]
+
+
+def _alone(executor: NativeExecutor, bodies: list[bytes]) -> list[bytes]:
+    return [executor.answer(body).body for body in bodies]
+
+
+def test_a_mixed_group_equals_each_request_alone(executor: NativeExecutor) -> None:
+    bodies = _mixed_bodies()
+    alone = _alone(executor, bodies)
+    grouped = executor.answer_prepared([executor.prepare(body) for body in bodies])
+    assert [answer.batch_size for answer in grouped] == [len(bodies)] * len(bodies)
+    for got, want in zip(grouped, alone, strict=True):
+        assert_same_response(got.body, want)
+    # Each model's answer is its own: the variants answer unlike the base.
+    assert len({json.dumps(json.loads(b)["answers"]) for b in alone[:3]}) == 3
+
+
+def test_the_stacked_path_equals_segments(executor: NativeExecutor,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA design (stacked adapters, per-token index, fixed shapes) run on CPU."""
+    bodies = _mixed_bodies()
+    alone = _alone(executor, bodies)
+    selection = executor.runner.selection
+    assert selection is not None
+    monkeypatch.setattr(selection, "mode", STACKED)
+    grouped = executor.answer_prepared([executor.prepare(body) for body in bodies])
+    for got, want in zip(grouped, alone, strict=True):
+        assert_same_response(got.body, want)
+
+
+def test_padded_mixed_groups_equal_each_request_alone(tiny_snapshot: Path) -> None:
+    padded = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
+                               batch_layout="padded", finetunes=_finetunes())
+    bodies = _mixed_bodies()
+    alone = _alone(padded, bodies)
+    grouped = padded.answer_prepared([padded.prepare(body) for body in bodies])
+    for got, want in zip(grouped, alone, strict=True):
+        assert_same_response(got.body, want)
+
+
+def test_segments_and_token_slots() -> None:
+    spans = [(0, 3), (3, 5), (5, 9), (9, 10)]
+    assert merge_segments([1, 1, 0, 2], spans) == ((0, 5, 1), (9, 10, 2))
+    assert merge_segments([0, 0, 0, 0], spans) == ()
+    assert token_slots(((0, 5, 1), (9, 10, 2)), 11).tolist() == [1] * 5 + [0] * 4 + [2, 0]
+
+
+def test_describe_lists_each_variant(executor: NativeExecutor) -> None:
+    described = {item["name"]: item for item in executor.describe().finetunes}
+    assert list(described) == list(VARIANTS)
+    assert (described["tiny-alpha"]["rank"], described["tiny-alpha"]["scale"]) == (4, 2.0)
+    assert (described["tiny-beta"]["rank"], described["tiny-beta"]["scale"]) == (2, 0.5)
+    assert described["tiny-beta"]["head"].endswith("tiny-beta/joint_head.safetensors")
+
+
+# -- the flag ---------------------------------------------------------------------------------
+
+
+def test_finetune_values_resolve(tmp_path: Path) -> None:
+    named = resolve_finetunes([f"mine={FINETUNE_FIXTURES / 'tiny-alpha'}"])
+    assert named == [Finetune("mine", (FINETUNE_FIXTURES / "tiny-alpha").resolve())]
+    with pytest.raises(ValueError, match="already a served model name"):
+        resolve_finetunes([f"clef-flash={FINETUNE_FIXTURES / 'tiny-alpha'}"], ("clef-flash",))
+    with pytest.raises(ValueError, match="given twice"):
+        resolve_finetunes([str(FINETUNE_FIXTURES), f"tiny-beta={FINETUNE_FIXTURES}"])
+    with pytest.raises(ValueError, match="no checkpoint in it"):
+        resolve_finetunes([str(tmp_path)])
+    with pytest.raises(ValueError, match="not a directory"):
+        resolve_finetunes([f"x={tmp_path / 'missing'}"])
+
+
+def test_the_worker_receives_every_finetune() -> None:
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    args = parser.parse_args(["--finetune", "a=/x", "--finetune", "/dir"])
+    again = parser.parse_args(worker_argv(args))
+    assert again.finetune == ["a=/x", "/dir"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--finetune", "bad name=/x"])
+
+
+# -- refusals ---------------------------------------------------------------------------------
+
+
+def _broken(tmp_path: Path, change: Callable[[Path], object]) -> Finetune:
+    checkpoint = tmp_path / "broken"
+    shutil.copytree(FINETUNE_FIXTURES / "tiny-alpha", checkpoint)
+    change(checkpoint)
+    return Finetune("broken", checkpoint)
+
+
+def _rewrite(path: Path, edit: Callable[[dict[str, torch.Tensor]], object]) -> None:
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path))
+
+
+def _config(checkpoint: Path, **changes: Any) -> None:
+    path = checkpoint / "adapter" / "adapter_config.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), **changes)))
+
+
+QKV_A = KEY_PREFIX + "layers.0.linear_attn.in_proj_qkv.lora_A.weight"
+REFUSALS: dict[str, tuple[Callable[[Path], object], str]] = {
+    "no adapter config": (lambda c: (c / "adapter" / "adapter_config.json").unlink(),
+                          r"adapter_config\.json: missing"),
+    "dora": (lambda c: _config(c, use_dora=True), r"adapter_config\.json: use_dora is set"),
+    "rslora": (lambda c: _config(c, use_rslora=True), r"use_rslora is set"),
+    "rank": (lambda c: _config(c, r=8),
+             r"adapter_model\.safetensors: tensor .*lora_A\.weight has shape \[4, 64\], expected "
+             r"\[8, 64\]"),
+    "shape": (lambda c: _rewrite(c / "adapter" / "adapter_model.safetensors",
+                                 lambda t: t.__setitem__(QKV_A, torch.zeros(4, 32))),
+              rf"adapter_model\.safetensors: tensor {QKV_A} has shape \[4, 32\]"),
+    "missing B": (lambda c: _rewrite(c / "adapter" / "adapter_model.safetensors",
+                                     lambda t: t.pop(QKV_A.replace("lora_A", "lora_B"))),
+                  r"in_proj_qkv\.lora_B\.weight is missing"),
+    "vision": (lambda c: _rewrite(c / "adapter" / "adapter_model.safetensors",
+                                  lambda t: t.__setitem__(
+                                      "base_model.model.model.visual.blocks.0.mlp.linear_fc1."
+                                      "lora_A.weight", torch.zeros(4, 32))),
+               r"tensor base_model\.model\.model\.visual\.blocks\.0\.mlp\.linear_fc1\.lora_A\."
+               r"weight is not a LoRA A or B of the text stack"),
+    "unknown module": (lambda c: _rewrite(c / "adapter" / "adapter_model.safetensors",
+                                          lambda t: t.__setitem__(
+                                              KEY_PREFIX + "layers.9.mlp.up_proj.lora_A.weight",
+                                              torch.zeros(4, 64))),
+                       r"adapts layers\.9\.mlp\.up_proj, which is not a linear layer"),
+    "nan": (lambda c: _rewrite(c / "adapter" / "adapter_model.safetensors",
+                               lambda t: t[QKV_A].fill_(float("nan"))),
+            rf"tensor {QKV_A} holds NaN"),
+    "head missing": (lambda c: _rewrite(c / "joint_head.safetensors",
+                                        lambda t: t.pop("residual_gate")),
+                     r"joint_head\.safetensors: tensor residual_gate is missing"),
+    "head shape": (lambda c: _rewrite(c / "joint_head.safetensors",
+                                      lambda t: t.__setitem__("type_embedding.weight",
+                                                              torch.zeros(3, 16))),
+                   r"joint_head\.safetensors: tensor type_embedding\.weight has shape \[3, 16\]"),
+    "head extra": (lambda c: _rewrite(c / "joint_head.safetensors",
+                                      lambda t: t.__setitem__("extra", torch.zeros(1))),
+                   r"tensor extra is not a tensor of the base head"),
+    "not safetensors": (lambda c: (c / "joint_head.safetensors").write_bytes(b"junk"),
+                        r"joint_head\.safetensors: cannot read it as safetensors"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_bad_checkpoints_are_refused_naming_file_and_tensor(
+        executor: NativeExecutor, tmp_path: Path, name: str) -> None:
+    """Checked against the loaded base before anything is attached (so the module's executor
+    is left as it was: `load_variants` checks every checkpoint first)."""
+    change, message = REFUSALS[name]
+    finetune = _broken(tmp_path, change)
+    assert executor.runner.selection is not None
+    with pytest.raises(StartupError, match=message):
+        load_variants([finetune], executor.backbone, executor.head, executor.runner.selection)
+
+
+def test_training_state_is_never_unpickled(tiny_snapshot: Path, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint as clef-finetune writes it holds `training_state.pt`; loading must not open
+    it (a pickle runs code)."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("something was unpickled")
+
+    finetune = _broken(tmp_path, lambda c: (c / "training_state.pt").write_bytes(
+        pickle.dumps({"optimizer": {}})))
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    loaded = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
+                               finetunes=(finetune,))
+    assert [item["name"] for item in loaded.describe().finetunes] == ["broken"]
+
+
+def test_packed_graph_buckets_replay_the_stacked_path(tiny_snapshot: Path) -> None:
+    """`--cuda-graphs on` on CPU builds the packed buckets eagerly through the same code a CUDA
+    capture records: the stacked path over each bucket's static slot buffer, rewritten before
+    every replay. Mixed groups, then a base-only group on the same bucket (its slots must be
+    rewritten to the base's), each equal to the request alone without graphs."""
+    plain = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
+                              finetunes=_finetunes())
+    graphs = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32", cuda_graphs="on",
+                               max_batch_tokens=4096, graph_max_length=2048,
+                               finetunes=_finetunes())
+    graphs.warm_up()
+    assert graphs.runner.graphs is not None and graphs.runner.selection is not None
+    assert graphs.runner.selection.mode != STACKED  # the buckets force it, not the mode
+    bodies = _mixed_bodies()[:4]
+    alone = _alone(plain, bodies)
+    staged = graphs.stage([graphs.prepare(body) for body in bodies])
+    assert staged[1].bucket is not None and staged[1].bucket_slots
+    for got, want in zip(graphs.answer_staged(staged), alone, strict=True):
+        assert_same_response(got.body, want)
+    base_only = [json.dumps(dict(json.loads(body), model="clef-flash")).encode()
+                 for body in bodies]
+    for got, want in zip(graphs.answer_prepared([graphs.prepare(b) for b in base_only]),
+                         _alone(plain, base_only), strict=True):
+        assert_same_response(got.body, want)
