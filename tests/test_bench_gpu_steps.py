@@ -25,6 +25,7 @@ from benchlib.gpu_steps import (
     SubprocessRunner,
     archive_autotune,
     commit_id,
+    failing_steps,
     fla_config_env,
     graph_shapes_planned,
     main,
@@ -396,3 +397,12 @@ def test_the_session_script_without_wheels_leaves_env_and_an_error_summary(
     environment = (out / "env.txt").read_text()
     assert "python " in environment and "torch " in environment
     assert len([p for p in out.rglob("*") if p.is_file()]) <= 8
+
+
+def test_a_dry_runs_optional_time_out_does_not_fail_it_but_a_gpu_runs_does() -> None:
+    steps = [Step("need", ("true",), 10.0), Step("extra", ("true",), 10.0, optional=True)]
+    late = [Outcome("need", "timed_out"), Outcome("extra", "timed_out")]
+    assert failing_steps(late, steps, dry_run=False) == ["need", "extra"]
+    assert failing_steps(late, steps, dry_run=True) == ["need"]
+    broken = [Outcome("need", "ok"), Outcome("extra", "failed")]
+    assert failing_steps(broken, steps, dry_run=True) == ["extra"]
