@@ -321,6 +321,13 @@ def plan(*, dry_run: bool, python: str = sys.executable,
              120 * scale, graphs=True, optional=True),
         Step("profile", (python, "bench/bench_gpu_profile.py", *quick, "--gdn-prefill", "fla",
                          "--modes", "eager", "graphs"), 90 * scale, graphs=True, optional=True),
+        # Fine-tuned variants' cost at Clef-Flash shapes: a forward of the base alone, with
+        # variants loaded, all one variant and mixed (rank 64, as clef-finetune's default), and
+        # the memory each variant adds (bench/bench_finetune.py, eager).
+        Step("finetune", (python, "bench/bench_finetune.py", *quick, "--device", "cuda",
+                          "--shape", "flash", "--gdn-prefill", "fla", "--rank", "64",
+                          "--variants", "2", "--group", "16", "--rounds", "5"),
+             120 * scale, optional=True),
     ]
 
 
