@@ -144,8 +144,14 @@ async def wedge_mid_forward(report: Report, serve: Serve, stopped: set[int]) -> 
     os.kill(victim, signal.SIGCONT)  # let go: it finishes the forward, and answers it too
     stopped.discard(victim)
     healthy = await _until(port, lambda h: not h["suspect_workers"], 20)
-    dropped = any("answered again by a second worker: the later answer is dropped" in line
-                  for line in serve.lines)
+    # The log line and /health's recovery travel apart (stderr through a reader thread), so the
+    # line is waited for, not looked up once.
+    try:
+        await asyncio.to_thread(serve.wait_for, re.escape(
+            "answered again by a second worker: the later answer is dropped"), 20)
+        dropped = True
+    except AssertionError:
+        dropped = False
     report.add("mid-forward wedge: answered after (s)", answered_after)
     report.add("mid-forward wedge: /health while stopped", document["suspect_workers"])
     report.check(answer.status == 200, "mid-forward wedge: the held request was answered 200")
