@@ -121,15 +121,33 @@ def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
     return layers
 
 
-def read_adapter(path: Path, config: LoraConfig, layers: dict[str, nn.Linear]
-                 ) -> dict[str, tuple[Tensor, Tensor]]:
-    """Check then read every module's (A, B) from `adapter_model.safetensors`, as float32."""
+def open_checkpoint_file(path: Path) -> Any:
+    """A checkpoint's safetensors file opened lazily (tensors read one by one, after their
+    names and shapes were checked), or a StartupError naming the file."""
     try:
-        handle = safe_open(str(path), framework="pt", device="cpu")
+        return safe_open(str(path), framework="pt", device="cpu")
     except FileNotFoundError:
         raise StartupError(f"{path}: missing (not a clef-finetune checkpoint)") from None
     except Exception as exc:
         raise StartupError(f"{path}: cannot read it as safetensors: {exc}") from None
+
+
+def checked_tensor(handle: Any, path: Path, key: str) -> Tensor:
+    """One tensor of a checkpoint file, refused unless it is floating point and finite (a NaN
+    in an adapter or a head would serve NaN probabilities behind a 200)."""
+    tensor: Tensor = handle.get_tensor(key)
+    if tensor.dtype not in FLOATS:
+        raise StartupError(f"{path}: tensor {key} is {tensor.dtype}, expected a floating point "
+                           "type")
+    if not torch.isfinite(tensor).all():
+        raise StartupError(f"{path}: tensor {key} holds NaN or infinity")
+    return tensor
+
+
+def read_adapter(path: Path, config: LoraConfig, layers: dict[str, nn.Linear]
+                 ) -> dict[str, tuple[Tensor, Tensor]]:
+    """Check then read every module's (A, B) from `adapter_model.safetensors`, as float32."""
+    handle = open_checkpoint_file(path)
     with handle:
         keys = list(handle.keys())
         parts: dict[str, dict[str, Any]] = {}
@@ -164,13 +182,7 @@ def read_adapter(path: Path, config: LoraConfig, layers: dict[str, nn.Linear]
         for module, found in sorted(parts.items()):
             pair = []
             for suffix in KEY_SUFFIXES:
-                tensor = handle.get_tensor(found[suffix])
-                if tensor.dtype not in FLOATS:
-                    raise StartupError(f"{path}: tensor {found[suffix]} is {tensor.dtype}, "
-                                       "expected a floating point type")
-                if not torch.isfinite(tensor).all():
-                    raise StartupError(f"{path}: tensor {found[suffix]} holds NaN or infinity")
-                pair.append(tensor.float())
+                pair.append(checked_tensor(handle, path, found[suffix]).float())
             out[module] = (pair[0], pair[1])
     return out
 
@@ -180,12 +192,7 @@ def read_head(path: Path, base: JointSchemaHead, device: torch.device, dtype: to
     """The variant's head: the base head's structure with the checkpoint's tensors (exactly the
     same names and shapes)."""
     expected = {name: tuple(t.shape) for name, t in base.state_dict().items()}
-    try:
-        handle = safe_open(str(path), framework="pt", device="cpu")
-    except FileNotFoundError:
-        raise StartupError(f"{path}: missing (not a clef-finetune checkpoint)") from None
-    except Exception as exc:
-        raise StartupError(f"{path}: cannot read it as safetensors: {exc}") from None
+    handle = open_checkpoint_file(path)
     state: dict[str, Tensor] = {}
     with handle:
         keys = set(handle.keys())
@@ -198,11 +205,7 @@ def read_head(path: Path, base: JointSchemaHead, device: torch.device, dtype: to
             if found != shape:
                 raise StartupError(f"{path}: tensor {name} has shape {list(found)}, expected "
                                    f"{list(shape)} (the base head's)")
-            tensor = handle.get_tensor(name)
-            if tensor.dtype not in FLOATS:
-                raise StartupError(f"{path}: tensor {name} is {tensor.dtype}, expected a "
-                                   "floating point type")
-            state[name] = tensor.to(device, dtype)
+            state[name] = checked_tensor(handle, path, name).to(device, dtype)
     with torch.device("meta"):
         head = JointSchemaHead(base.config)
     head.load_state_dict(state, strict=True, assign=True)
