@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib.paths import FIXTURES, REPO
+from clef_frontend.build_info import git_commit
 
 DEFAULT_DEADLINE_S = 540.0
 # A dry run's steps are CPU quick runs on a shared CI machine: same plan and order, limits (and
@@ -465,15 +466,9 @@ def commit_id(repo: Path = REPO, env: Mapping[str, str] | None = None) -> str:
     launcher = (os.environ if env is None else env).get(COMMIT_ENV, "").strip()
     if launcher:
         return launcher
-    try:
-        done = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short=12", "HEAD"],
-                              cwd=repo, capture_output=True, text=True, check=False, timeout=10)
-        lines = done.stdout.split()
-        if done.returncode == 0 and len(lines) == 2 and \
-                Path(lines[0]).resolve() == repo.resolve():
-            return lines[1]
-    except OSError:
-        pass
+    own = git_commit(repo)  # the rule `clef-serve --version` follows: HEAD only at the top
+    if own:
+        return own
     recorded = repo / ".gpu" / "COMMIT"
     return recorded.read_text().strip() if recorded.is_file() else "unknown"
 

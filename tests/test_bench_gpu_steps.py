@@ -315,8 +315,8 @@ def test_the_commit_is_the_projects_own_never_an_enclosing_repositorys(tmp_path:
     (project / ".gpu" / "COMMIT").write_text("abcdef123456\n")
     assert commit_id(project, {}) == "abcdef123456"
     assert commit_id(project, {"CLEF_COMMIT": "0123456789ab"}) == "0123456789ab"
-    # a project that is its own checkout reports its HEAD
-    head = subprocess.run(["git", "-C", str(outer), "rev-parse", "--short=12", "HEAD"],
+    # a project that is its own checkout reports its HEAD (whole, as `clef-serve --version`)
+    head = subprocess.run(["git", "-C", str(outer), "rev-parse", "HEAD"],
                           capture_output=True, text=True, check=True).stdout.strip()
     assert commit_id(outer, {}) == head
 
