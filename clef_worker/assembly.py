@@ -102,10 +102,7 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
     weights_dtype = resolve_dtype(settings.dtype, target)
     try:
         capture = graphs_enabled(settings.cuda_graphs, target)
-        policy = BatchPolicy.resolve(str(target), layout=settings.batch_layout,
-                                     max_batch_tokens=settings.max_batch_tokens,
-                                     max_sequences=settings.max_batch,
-                                     window_ms=settings.batch_window_ms)
+        policy = BatchPolicy.from_flags(str(target), settings)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     if capture:

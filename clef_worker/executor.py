@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from clef_protocol.messages import ModelInfo
+from clef_worker.policy import BatchPolicy
 
 
 @dataclass(frozen=True)
@@ -53,3 +54,11 @@ class Executor(Protocol):
         any other exception becomes a 500 and the worker keeps serving.
         """
         ...
+
+
+class LoadedExecutor(Executor, Protocol):
+    """An executor as the worker's loader returns it: with the batch policy resolved from the
+    worker's flags when it was loaded (the one place it is resolved), which the serve loop
+    groups by and `ready` reports. Tests' fakes are plain `Executor`s and get the defaults."""
+
+    policy: BatchPolicy

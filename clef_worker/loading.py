@@ -12,7 +12,7 @@ from pathlib import Path
 from clef_protocol.finetune import resolve_finetunes
 from clef_protocol.options import limits_from
 from clef_worker.errors import StartupError
-from clef_worker.executor import Executor
+from clef_worker.executor import LoadedExecutor
 
 
 def resolve_snapshot(model: str) -> tuple[Path, bool]:
@@ -27,7 +27,7 @@ def resolve_snapshot(model: str) -> tuple[Path, bool]:
     return path.resolve(), False
 
 
-def load_executor(args: argparse.Namespace) -> Executor:
+def load_executor(args: argparse.Namespace) -> LoadedExecutor:
     """Load the executor the flags ask for; StartupError names what is wrong."""
     snapshot, demo = resolve_snapshot(args.model)
     limits = limits_from(args)
@@ -43,7 +43,7 @@ def load_executor(args: argparse.Namespace) -> Executor:
 
         return ReleaseExecutor.load(
             snapshot, variant=args.variant, device=args.device, dtype=args.dtype,
-            gdn_prefill=args.gdn_prefill, limits=limits,
+            gdn_prefill=args.gdn_prefill, limits=limits, batch=args,
         )
     from clef_worker.assembly import ModelSettings, assemble
 

@@ -39,7 +39,7 @@ from clef_worker.batching import (
     frame_waiting,
 )
 from clef_worker.errors import ExecutorBroken, StartupError
-from clef_worker.executor import Executor
+from clef_worker.executor import Executor, LoadedExecutor
 from clef_worker.logs import configure as configure_logs
 from clef_worker.logs import enable_stack_dumps, request_context
 from clef_worker.policy import BatchPolicy
@@ -143,12 +143,15 @@ def serve(executor: Executor | BatchingExecutor, channel_in: BinaryIO, channel_o
           policy: BatchPolicy | None = None) -> int:
     """Read frames until EOF or `shutdown`; one reply frame per request, in order.
 
+    `policy` is the executor's (`executor.policy`, resolved once when it was loaded); tests'
+    fake executors, which have none, get `BatchPolicy()`'s defaults.
+
     One path for every executor: an executor that does not batch is adapted (`OneAtATime`).
     Every request frame already waiting after the first (up to `policy.window_ms` more) is
     prepared together and answered by as few forwards as the token budget allows; pings are
     answered while gathering and between forwards.
     """
-    policy = policy or executor_policy(executor)
+    policy = policy or BatchPolicy()  # the loaded executor's own; the dataclass's for fakes
     batcher = as_batching(executor)
     reader = FrameReader(channel_in, channel_out)
     helper = HostHelper()
@@ -204,21 +207,6 @@ def _fail_rest(ids: list[int], channel_out: BinaryIO) -> None:
         write_frame_blocking(channel_out, messages.error(frame_id, 500, INFERENCE_FAILED, 0.0))
 
 
-def executor_policy(executor: object, args: argparse.Namespace | None = None) -> BatchPolicy:
-    """The batch policy the executor resolved at load (the native executor builds its graph
-    shapes from it); for one that has none (it does not batch), the flags' for its device."""
-    policy = getattr(executor, "policy", None)
-    if isinstance(policy, BatchPolicy):
-        return policy
-    describe = getattr(executor, "describe", None)
-    device = describe().device if callable(describe) else "cpu"
-    if args is None:
-        return BatchPolicy.resolve(device)
-    return BatchPolicy.resolve(device, layout=args.batch_layout,
-                               max_batch_tokens=args.max_batch_tokens,
-                               max_sequences=args.max_batch, window_ms=args.batch_window_ms)
-
-
 def self_check(executor: Executor, mode: str) -> messages.SelfCheck | None:
     """The start-up self-check (clef_worker.self_check) of an executor that has serving layouts
     to check (the native one); None for one that has none (the release executor runs the
@@ -232,7 +220,7 @@ def self_check(executor: Executor, mode: str) -> messages.SelfCheck | None:
     return run_self_check(executor, mode)
 
 
-def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:
+def start(args: argparse.Namespace, channel_out: BinaryIO) -> LoadedExecutor | None:
     """Load and warm up; send `ready`, or `fatal` with a reason the operator can act on."""
     from clef_worker.fingerprint import start_fingerprint
     from clef_worker.loading import load_executor
@@ -256,7 +244,7 @@ def start(args: argparse.Namespace, channel_out: BinaryIO) -> Executor | None:
             **dataclasses.asdict(model),
             pid=os.getpid(), thread=threading.current_thread().name, warmup_ms=warmup_ms,
             pings=True,  # `serve` answers every ping between forwards
-            **executor_policy(executor, args).ready_fields(),  # type: ignore[arg-type]
+            **executor.policy.ready_fields(),  # type: ignore[arg-type]
             self_check=verdict,
         )
         log.info("ready in %.0f ms%s", warmup_ms, f" (kernel cache {ready.kernel_cache} at start)"
@@ -286,4 +274,4 @@ def main(argv: list[str] | None = None) -> int:
     executor = start(args, channel_out)
     if executor is None:
         return 1
-    return serve(executor, channel_in, channel_out, executor_policy(executor, args))
+    return serve(executor, channel_in, channel_out, executor.policy)

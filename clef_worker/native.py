@@ -90,7 +90,7 @@ class NativeExecutor:
         runner: ModelRunner,
         limits: RequestLimits,
         short_conv: str = TORCH_PATH,
-        policy: BatchPolicy | None = None,
+        policy: BatchPolicy,
         variants: Sequence[Variant] = (),
     ):
         self.snapshot = snapshot
@@ -101,8 +101,9 @@ class NativeExecutor:
         self.runner = runner
         self.limits = limits
         self.short_conv = short_conv
-        # The batch policy the runner's layout and graph shapes were built for.
-        self.policy = policy or BatchPolicy.resolve(str(runner.device), layout=runner.layout)
+        # The batch policy the runner's layout and graph shapes were built for (resolved once,
+        # by clef_worker.assembly); the serve loop and `ready` read it here.
+        self.policy = policy
         self.graph_failure = ""  # why capture failed at warm-up (the worker then runs eagerly)
         self.kernel_cache = ""  # warm / cold: the on-disk kernel cache at load (CUDA only)
         self.planned_shapes: list[list[int]] = []  # what capture should have built, if it failed

@@ -4,8 +4,9 @@ Why one owner: the layout, the token budget, the window and the most requests a 
 hold decide both how the serve loop groups requests (clef_worker.batching) and which graph
 shapes warm-up captures (clef_worker.gpu). Resolved in two places they drift: a `--max-batch 32`
 the graphs never heard of silently lost batched replays for groups of 17-32. So the worker
-resolves the policy here once (`BatchPolicy.resolve`), builds its shapes from it, and reports it
-in `ready`; the front's default in-flight cap is the worker's `max_sequences`.
+resolves the policy once, where the executor is loaded (`BatchPolicy.from_flags`), builds its
+shapes from it, keeps it on the executor (`executor.policy`), and the serve loop and `ready`
+read it there; the front reads the budget and the in-flight cap from `ready` only.
 
 The per-device defaults live in `clef_protocol.options` beside the flags that override them.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from clef_protocol.options import (
     BATCH_LAYOUTS,
@@ -78,6 +80,36 @@ def group_layout(layout: str, lengths: Sequence[int]) -> str:
     return PADDED if padding_waste(lengths) <= MAX_PADDED_WASTE else PACKED
 
 
+class BatchFlags(Protocol):
+    """The worker flags a policy is resolved from (the parsed arguments, or an executor's
+    settings that carry them under the same names)."""
+
+    @property
+    def batch_layout(self) -> str: ...
+
+    @property
+    def max_batch_tokens(self) -> int: ...
+
+    @property
+    def max_batch(self) -> int: ...
+
+    @property
+    def batch_window_ms(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class DefaultFlags:
+    """The flags' own defaults (`auto` / 0: by device), for a loader called without flags."""
+
+    batch_layout: str = "auto"
+    max_batch_tokens: int = 0
+    max_batch: int = 0
+    batch_window_ms: float = 0.0
+
+
+DEFAULT_FLAGS = DefaultFlags()
+
+
 @dataclass(frozen=True)
 class BatchPolicy:
     """How much the worker puts into one forward, how it lays it out, and how long it waits
@@ -108,6 +140,14 @@ class BatchPolicy:
             max_sequences=max_sequences or default_max_sequences(device),
             window_ms=window_ms,
         )
+
+    @classmethod
+    def from_flags(cls, device: str, flags: BatchFlags) -> BatchPolicy:
+        """The policy the worker's flags ask for on `device`: what each executor calls once,
+        at load, where it knows its device (clef_worker.assembly, clef_worker.release)."""
+        return cls.resolve(device, layout=flags.batch_layout,
+                           max_batch_tokens=flags.max_batch_tokens,
+                           max_sequences=flags.max_batch, window_ms=flags.batch_window_ms)
 
     @property
     def packed(self) -> bool:

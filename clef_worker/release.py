@@ -68,6 +68,7 @@ from clef_worker.model.backbone import (
 )
 from clef_worker.model.encoding import BUDGET, Encoder
 from clef_worker.model.snapshot import open_snapshot
+from clef_worker.policy import DEFAULT_FLAGS, BatchFlags, BatchPolicy
 from clef_worker.versions import package_versions
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class ReleaseExecutor:
     """The Executor protocol around the release's own `systemone` (see the module docstring)."""
 
     def __init__(self, *, module: ModuleType, model: Any, processor: Any, info: ModelInfo,
-                 limits: RequestLimits, device: torch.device,
+                 limits: RequestLimits, device: torch.device, policy: BatchPolicy,
                  warmup_request: dict[str, Any] | None = None) -> None:
         self.upstream_module = module  # the imported release module (for its other helpers)
         _, self._systemone = _interface(module, RELEASE_FILE)
@@ -108,6 +109,9 @@ class ReleaseExecutor:
         self.device = device
         self._info = info
         self._limits = limits
+        # It answers one request at a time (the serve loop adapts it), but the loop's window
+        # and the budget `ready` reports still come from the flags, resolved here once.
+        self.policy = policy
         self._warmup_request = warmup_request
 
     @classmethod
@@ -120,6 +124,7 @@ class ReleaseExecutor:
         dtype: str,
         gdn_prefill: str,
         limits: RequestLimits,
+        batch: BatchFlags = DEFAULT_FLAGS,
     ) -> ReleaseExecutor:
         """Import the snapshot's module, load the model through it, return a ready executor."""
         snapshot = Path(snapshot)
@@ -169,13 +174,14 @@ class ReleaseExecutor:
             snapshot=str(snapshot),
         )
         return cls(module=module, model=model, processor=processor, info=info, limits=limits,
-                   device=target, warmup_request=warmup_request)
+                   device=target, policy=BatchPolicy.from_flags(str(target), batch),
+                   warmup_request=warmup_request)
 
     def with_limits(self, limits: RequestLimits) -> ReleaseExecutor:
         """The same loaded release under other request limits (tests, comparisons)."""
         return type(self)(module=self.upstream_module, model=self.model,
                           processor=self.processor, info=self._info, limits=limits,
-                          device=self.device)
+                          device=self.device, policy=self.policy)
 
     def describe(self) -> ModelInfo:
         return self._info

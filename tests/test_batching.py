@@ -36,7 +36,7 @@ from clef_worker.batching import (
 )
 from clef_worker.errors import ExecutorBroken
 from clef_worker.executor import Answer
-from clef_worker.main import executor_policy, parse_args, serve
+from clef_worker.main import parse_args, serve
 from clef_worker.native import NativeExecutor, Prepared
 from clef_worker.policy import BatchPolicy
 from tests.answer_compare import assert_same_response
@@ -432,12 +432,12 @@ def test_random_requests_in_one_batch_answer_as_alone(executor: NativeExecutor,
 def test_the_token_budget_defaults_by_device() -> None:
     """On CPU eight ~500-token requests share a forward and a ninth waits for the next one (the
     measured optimum, docs/benchmarks.md); CUDA keeps the large budget; a given flag wins."""
-    cpu = executor_policy(object(), parse_args(["--model", "m", "--device", "cpu"]))
+    cpu = BatchPolicy.from_flags("cpu", parse_args(["--model", "m", "--device", "cpu"]))
     assert plan_groups([500] * 9, SAME, cpu.max_batch_tokens) == [list(range(8)), [8]]
     cuda = BatchPolicy.resolve("cuda:1")
     assert cuda.max_batch_tokens == DEFAULT_MAX_BATCH_TOKENS
     assert plan_groups([480, 500, 470], SAME, cuda.max_batch_tokens) == [[0, 1, 2]]
-    given = executor_policy(object(), parse_args(["--model", "m", "--max-batch-tokens", "7"]))
+    given = BatchPolicy.from_flags("cpu", parse_args(["--model", "m", "--max-batch-tokens", "7"]))
     assert given.max_batch_tokens == 7
 
 

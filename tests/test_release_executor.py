@@ -226,7 +226,8 @@ def _on_cuda(executor: ReleaseExecutor) -> ReleaseExecutor:
     executor's classification of errors reads the device."""
     return type(executor)(module=executor.upstream_module, model=executor.model,
                           processor=executor.processor, info=executor.describe(),
-                          limits=RequestLimits(), device=torch.device("cuda", 0))
+                          limits=RequestLimits(), device=torch.device("cuda", 0),
+                          policy=executor.policy)
 
 
 @pytest.mark.parametrize("error", [
