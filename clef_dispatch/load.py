@@ -29,7 +29,6 @@ import math
 from collections.abc import Callable, Iterable
 
 from clef_protocol.messages import ReadyInfo
-from clef_protocol.options import default_max_batch_tokens
 
 # The starting tokens-per-byte ratio, before any answer taught a better one.
 PRIOR_TOKENS_PER_BYTE = 0.25
@@ -60,11 +59,11 @@ class TokenEstimate:
         self.tokens_per_byte += LEARNING_WEIGHT * (ratio - self.tokens_per_byte)
 
 
-def token_budget(ready: Iterable[ReadyInfo]) -> int:
+def token_budget(ready: Iterable[ReadyInfo], max_length: int) -> int:
     """The tokens the ready workers hold in one forward each, as each reported it in `ready`
     (the worker resolved its batch policy once, clef_worker.policy); a worker that reports none
-    (one that does not batch) counts its device's default."""
-    return sum(info.max_batch_tokens or default_max_batch_tokens(info.device) for info in ready)
+    counts one request of `max_length` (ReadyInfo.tokens_per_forward)."""
+    return sum(info.tokens_per_forward(max_length) for info in ready)
 
 
 def utilisation(outstanding_tokens: int, budget: int) -> float:
@@ -76,8 +75,9 @@ def utilisation(outstanding_tokens: int, budget: int) -> float:
 
 
 def utilisation_gauge(outstanding_tokens: Callable[[], int],
-                      ready: Callable[[], Iterable[ReadyInfo]]) -> Callable[[], float]:
+                      ready: Callable[[], Iterable[ReadyInfo]],
+                      max_length: int) -> Callable[[], float]:
     """The gauge's read function, wired by the server from the dispatcher's state."""
     def read() -> float:
-        return utilisation(outstanding_tokens(), token_budget(ready()))
+        return utilisation(outstanding_tokens(), token_budget(ready(), max_length))
     return read

@@ -31,7 +31,7 @@ class WorkerSettings:
     `devices` empty: `workers_per_device` workers with `worker_argv` as given; else one per
     entry, each times `workers_per_device`. How many requests each worker holds at once is
     not here: the worker resolves its batch policy once (`--max-batch`, a model flag it
-    receives) and reports it in `ready` (supervisor.default_max_batch).
+    receives) and reports it in `ready` (ReadyInfo.requests_per_forward).
     `max_restarts` None: replace failed workers forever (the server); a number: after that
     many replacements the pool gives up (clef-batch, whose rerun resumes).
     """

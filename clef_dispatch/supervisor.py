@@ -40,7 +40,6 @@ from clef_dispatch.worker_errors import (
     failure_reason,
 )
 from clef_protocol.messages import ReadyInfo, Request, WorkerReply
-from clef_protocol.options import DEFAULT_MAX_BATCH_CPU, DEFAULT_MAX_BATCH_CUDA
 
 log = logging.getLogger("clef_dispatch.supervisor")
 
@@ -54,20 +53,6 @@ class WorkerState(StrEnum):
 
 class StartupFailed(Exception):
     """The first worker did not become ready; str() is the reason for the operator."""
-
-
-# Requests outstanding per worker: what the worker reports in `ready` (`max_sequences`, the
-# requests one of its forwards holds, `--max-batch` or its device's default: the worker owns the
-# batch policy, clef_worker.policy, and the front reads it from `ready` only); for a worker that
-# reports none (the release executor, which does not batch), the by-device default.
-
-
-def default_max_batch(device: str, reported: int = 0) -> int:
-    """The in-flight cap for a worker that reported `device` (and `reported` requests per
-    forward, 0 when it did not say) in its ready frame."""
-    if reported > 0:
-        return reported
-    return DEFAULT_MAX_BATCH_CUDA if device.startswith("cuda") else DEFAULT_MAX_BATCH_CPU
 
 
 @dataclass(frozen=True)
@@ -305,7 +290,10 @@ class Supervisor:
 
     def _adopt(self, channel: WorkerChannel, info: ReadyInfo) -> None:
         self._channel, self.info = channel, info
-        self.max_batch = default_max_batch(info.device, info.max_sequences)
+        # Requests outstanding on this worker: what it reported in `ready` (`max_sequences`,
+        # `--max-batch` or its device's default: the worker owns the batch policy,
+        # clef_worker.policy, and the front reads it from `ready` only).
+        self.max_batch = info.requests_per_forward
         self._ready_at = time.monotonic()
         self._served = 0
         self.state = WorkerState.READY

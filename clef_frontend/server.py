@@ -73,7 +73,7 @@ class FrontServer:
             worker_info=dispatch.ready_info,
             queued=lambda: dispatch.depth,
             token_usage=utilisation_gauge(lambda: dispatch.tokens_outstanding,
-                                          dispatch.ready_infos),
+                                          dispatch.ready_infos, config.limits.max_length),
             cache_bytes=lambda: self._cache.size_bytes,
         ), version=version(), separate_port=config.metrics_port is not None)
 

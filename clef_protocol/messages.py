@@ -161,9 +161,10 @@ class ReadyInfo(ModelInfo):
     pings: bool = False
     # The batch policy the worker resolved once from its flags (clef_worker.policy) and built
     # its graph shapes for: the layout (packed / padded / per-group), the tokens one forward may
-    # hold, the requests one forward may hold (the front's default in-flight cap for this
-    # worker), and how long it waits for company. Zero / empty from a worker that does not
-    # batch.
+    # hold, the requests one forward may hold (the front's in-flight cap for this worker), and
+    # how long it waits for company. Zero / empty from a worker that does not report them (a
+    # --worker-command of its own): the front then takes only what the protocol promises,
+    # `requests_per_forward` and `tokens_per_forward` below.
     batch_layout: str = ""
     max_batch_tokens: int = 0
     max_sequences: int = 0
@@ -171,6 +172,18 @@ class ReadyInfo(ModelInfo):
     # The start-up self-check's verdict; None when it was skipped (`--self-check off`, an
     # executor without layouts) or from a worker that predates it.
     self_check: SelfCheck | None = None
+
+    @property
+    def requests_per_forward(self) -> int:
+        """The requests the front keeps in flight on this worker: what it reported, else one
+        (a worker that says nothing about batching is only known to answer one at a time; the
+        front never guesses the worker's own defaults)."""
+        return self.max_sequences if self.max_sequences > 0 else 1
+
+    def tokens_per_forward(self, max_length: int) -> int:
+        """The tokens one of this worker's forwards holds: what it reported, else one
+        request's most (`--max-length`, which the front and the worker share)."""
+        return self.max_batch_tokens if self.max_batch_tokens > 0 else max_length
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> ReadyInfo:

@@ -45,13 +45,6 @@ DEFAULT_MAX_BATCH_CUDA = 16
 DEFAULT_MAX_BATCH_CPU = 8
 
 
-def default_max_batch_tokens(device: str) -> int:
-    """`--max-batch-tokens 0`: the budget for a worker on `device` (as its `ready` frame says
-    it), chosen by measurement (docs/benchmarks.md). Here, not in the worker, because the front
-    reads it too: its token-budget gauge divides by the budgets its workers hold."""
-    return DEFAULT_MAX_BATCH_TOKENS_CPU if device.startswith("cpu") else DEFAULT_MAX_BATCH_TOKENS
-
-
 @dataclass(frozen=True)
 class Device:
     """A parsed device: `auto`, `cpu`, `cuda` (the current CUDA device) or `cuda:N`."""

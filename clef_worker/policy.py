@@ -8,7 +8,8 @@ resolves the policy once, where the executor is loaded (`BatchPolicy.from_flags`
 shapes from it, keeps it on the executor (`executor.policy`), and the serve loop and `ready`
 read it there; the front reads the budget and the in-flight cap from `ready` only.
 
-The per-device defaults live in `clef_protocol.options` beside the flags that override them.
+The per-device default numbers live in `clef_protocol.options` beside the flags that override them
+(their help states them); applying them is the worker's alone (the functions below).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from clef_protocol.options import (
     DEFAULT_MAX_BATCH_CPU,
     DEFAULT_MAX_BATCH_CUDA,
     DEFAULT_MAX_BATCH_TOKENS,
-    default_max_batch_tokens,
+    DEFAULT_MAX_BATCH_TOKENS_CPU,
 )
 
 PACKED = "packed"
@@ -58,6 +59,12 @@ def _on_cuda(device: str) -> bool:
 def default_max_sequences(device: str) -> int:
     """`--max-batch 0` for a worker on `device`."""
     return DEFAULT_MAX_BATCH_CUDA if _on_cuda(device) else DEFAULT_MAX_BATCH_CPU
+
+
+def default_max_batch_tokens(device: str) -> int:
+    """`--max-batch-tokens 0` for a worker on `device` (chosen by measurement,
+    docs/benchmarks.md); the front never computes it: it reads the budget from `ready`."""
+    return DEFAULT_MAX_BATCH_TOKENS_CPU if device.startswith("cpu") else DEFAULT_MAX_BATCH_TOKENS
 
 
 def default_layout(device: str) -> str:

@@ -59,6 +59,7 @@ from clef_protocol.options import add_model_arguments  # noqa: E402
 from clef_worker.batching import frame_waiting  # noqa: E402
 from clef_worker.logs import configure as configure_logs  # noqa: E402
 from clef_worker.logs import enable_stack_dumps, request_context  # noqa: E402
+from clef_worker.policy import BatchPolicy  # noqa: E402
 
 logger = logging.getLogger("fake_worker")
 
@@ -79,6 +80,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ready-gate", default=None)
     parser.add_argument("--no-pings", action="store_true")
     parser.add_argument("--silent-forwards", action="store_true")
+    # A worker of its own (a --worker-command) whose `ready` says nothing about batching.
+    parser.add_argument("--no-batch-policy", action="store_true")
     return parser.parse_args()
 
 
@@ -186,6 +189,16 @@ def _take_once(marker: str) -> bool:
     return True
 
 
+def _policy_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The batch policy as the real worker reports it (its flags, resolved for its device), or
+    nothing with --no-batch-policy."""
+    if args.no_batch_policy:
+        return {}
+    policy = BatchPolicy.resolve("cpu", max_batch_tokens=args.max_batch_tokens or 0,
+                                 max_sequences=args.max_batch or 0)
+    return policy.ready_fields()
+
+
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logs()
@@ -218,8 +231,7 @@ def main() -> int:
         pid=os.getpid(), thread=threading.current_thread().name, model="fake",
         variant=args.variant, device="cpu", dtype="float32", gdn_path="none", warmup_ms=0.0,
         versions={"fake_worker": "1"}, demo=args.demo, snapshot="", pings=not args.no_pings,
-        # The batch policy as the real worker reports it: what its flags set (0: by device).
-        max_batch_tokens=args.max_batch_tokens or 0, max_sequences=args.max_batch or 0,
+        **_policy_fields(args),
     )))
     reader = Reader(inp, out, args.silent_forwards)
     while True:

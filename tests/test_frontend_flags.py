@@ -13,19 +13,18 @@ import re
 import pytest
 
 from benchlib.paths import FINETUNE_FIXTURES
-from clef_dispatch.supervisor import default_max_batch
 from clef_dispatch.worker_pool import plan_slots
 from clef_frontend.cli import build_parser, config_from
 from clef_protocol.arg_types import non_negative_float
 from clef_protocol.options import (
     Device,
     add_model_arguments,
-    default_max_batch_tokens,
     device_arg,
     parse_device,
     worker_argv,
 )
 from clef_worker.main import parse_args as worker_parse_args
+from clef_worker.policy import default_max_batch_tokens, default_max_sequences
 
 
 def model_actions() -> list[argparse.Action]:
@@ -89,7 +88,7 @@ def test_help_defaults_are_the_ones_the_code_uses() -> None:
     assert tokens == {"CUDA": default_max_batch_tokens("cuda"),
                       "CPU": default_max_batch_tokens("cpu")}
     batch = _numbers_by_device(_help_of("--max-batch"))
-    assert batch == {"CUDA": default_max_batch("cuda"), "CPU": default_max_batch("cpu")}
+    assert batch == {"CUDA": default_max_sequences("cuda"), "CPU": default_max_sequences("cpu")}
 
 
 @pytest.mark.parametrize(("text", "device"), [

@@ -16,10 +16,10 @@ import pytest
 
 from clef_dispatch import worker_pool
 from clef_dispatch.settings import WorkerSettings, workers_from
-from clef_dispatch.supervisor import DEFAULT_MAX_BATCH_CPU
 from clef_dispatch.worker_pool import plan_slots
 from clef_frontend.cli import build_parser
 from clef_frontend.config import ServerConfig
+from clef_protocol.options import DEFAULT_MAX_BATCH_CPU
 from tests.frontend_helpers import WAIT, Response, Serve, background, clef_body
 
 
@@ -234,9 +234,15 @@ def test_one_worker_failing_at_start_stops_the_start_unbound(tmp_path: Path) -> 
     assert "listening on http://" not in serve.stderr
 
 
-def test_max_batch_defaults_by_the_device_in_the_ready_frame() -> None:
-    """Without --max-batch, a CPU worker (the fake worker reports `cpu`) gets the CPU default,
-    chosen by measurement (docs/benchmarks.md)."""
+def test_the_in_flight_cap_is_what_ready_reports() -> None:
+    """The front keeps in flight on a worker what its `ready` says: without --max-batch the
+    fake worker, resolving its flags as the real one does, reports its device's default (CPU,
+    chosen by measurement, docs/benchmarks.md). A worker of its own that reports no batch
+    policy gets one request at a time, never a guess at the worker's defaults."""
     with Serve(max_batch=None) as serve:
         [worker] = serve.health().json()["workers"]
     assert worker["max_batch"] == DEFAULT_MAX_BATCH_CPU
+    with Serve("--no-batch-policy", max_batch=None) as serve:
+        [worker] = serve.health().json()["workers"]
+        assert worker["max_batch"] == 1
+        assert serve.post(clef_body()).status == 200

@@ -26,7 +26,7 @@ from clef_dispatch.worker_errors import WorkerExited
 from clef_frontend.exposition import render
 from clef_frontend.metrics import LiveState, Metrics
 from clef_protocol.messages import ReadyInfo
-from clef_protocol.options import DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_BATCH_TOKENS_CPU
+from clef_protocol.options import DEFAULT_MAX_BATCH_TOKENS_CPU
 from tests.doubles import Admission, reply_of
 from tests.frontend_helpers import Serve, clef_body
 from tests.test_frontend_units import FakeLane, FakeWorkers
@@ -64,11 +64,12 @@ def test_budget_is_the_ready_workers_forward_budgets() -> None:
         return ReadyInfo(model="m", variant="v", device=device, dtype="bfloat16",
                          gdn_path="fla", max_batch_tokens=max_batch_tokens)
 
-    # As each worker reports it in `ready`; a worker that reports none counts its device's.
-    assert token_budget([ready("cuda", 1000), ready("cpu", 1000)]) == 2000
-    assert token_budget([ready("cuda"), ready("cuda")]) == 2 * DEFAULT_MAX_BATCH_TOKENS
-    assert token_budget([ready("cpu")]) == DEFAULT_MAX_BATCH_TOKENS_CPU
-    assert token_budget([]) == 0
+    # As each worker reports it in `ready`, whatever its device; a worker that reports none
+    # counts one request of --max-length (the front never assumes the worker's own defaults).
+    assert token_budget([ready("cuda", 1000), ready("cpu", 3000)], 16384) == 4000
+    assert token_budget([ready("cuda"), ready("cpu", 1000)], 16384) == 16384 + 1000
+    assert token_budget([ready("cpu")], 512) == 512
+    assert token_budget([], 16384) == 0
 
 
 def test_utilisation_is_capped_and_full_without_a_ready_worker() -> None:
