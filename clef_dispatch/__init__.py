@@ -48,7 +48,7 @@ from clef_dispatch.outcomes import (
 from clef_dispatch.settings import WorkerSettings, add_worker_arguments, worker_settings_from
 from clef_dispatch.supervisor import StartupFailed
 from clef_dispatch.ticket import Ticket
-from clef_dispatch.urgency import BULK, CLASSES, INTERACTIVE
+from clef_dispatch.urgency import BULK, CLASSES, INTERACTIVE, earliest
 from clef_dispatch.worker_errors import RESTART_REASONS
 
 __all__ = [
@@ -70,6 +70,7 @@ __all__ = [
     "TokenEstimate",
     "WorkerSettings",
     "add_worker_arguments",
+    "earliest",
     "utilisation_gauge",
     "worker_settings_from",
 ]

@@ -21,7 +21,8 @@ and stopped by one policy, whoever drives:
 What a driver sees is this class and the outcome types (`outcomes.py`): `submit` gives a
 `Ticket` whose `outcome` resolves to an `Answer` or a `Refusal` (or the `Refusal` at once when
 the request cannot be queued), `abandon` drops a ticket whose caller left, `drain` lets what was
-admitted finish, and `snapshot` (for `/health`) and the gauge reads report the state; the pool,
+admitted finish, `at_worker` says whether a worker holds a ticket (answer sharing asks it), and
+`snapshot` (for `/health`) and the gauge reads report the state; the pool,
 the supervisors and the queue behind it are never reached into.
 
 The drivers differ only in what they ask while no worker is warm: the server answers new
@@ -149,6 +150,12 @@ class Dispatcher:
     def abandon(self, ticket: Ticket) -> None:
         """The caller has gone: a waiting ticket leaves the queue; one in flight finishes."""
         self._admission.abandon(ticket)
+
+    @staticmethod
+    def at_worker(ticket: Ticket) -> bool:
+        """Whether a worker holds the ticket's request now (sent, not yet answered, not back
+        in the queue after its worker was lost): what answer sharing asks of a flight."""
+        return ticket.started_at is not None and not ticket.outcome.done()
 
     @property
     def draining(self) -> bool:

@@ -50,7 +50,7 @@ from clef_dispatch import (
     Outcome,
     Refusal,
     RefusalKind,
-    Ticket,
+    earliest,
 )
 
 HIT, COALESCED, MISS = "hit", "coalesced", "miss"
@@ -90,13 +90,19 @@ class Flight:
     Its first request waits on its own ticket's outcome, as a request does with the cache off
     (so a miss costs no future and no callback of its own); each request that joins it later
     waits on a future of its own, so that one caller leaving, or one caller's deadline passing,
-    cancels nobody else's wait. `first_gone` says whether the first request's client has left;
-    `ticket` is the first request's place in the dispatcher (set once it is admitted);
-    `on_all_gone` gives the request up once nobody waits for it.
+    cancels nobody else's wait. The flight keeps its own record of what joining depends on,
+    never reading the dispatcher's ticket: `first_gone` says whether the first request's client
+    has left; `priority` and `deadline` are the first request's class and the deadline that
+    applies to it (its own or the queue timeout, `clef_dispatch.earliest`); once it is admitted,
+    `outcome` is the future its answer arrives on and `at_worker` says whether a worker holds
+    it now (the dispatcher's answer); `on_all_gone` gives the request up once nobody waits.
     """
 
     first_gone: Callable[[], bool]
-    ticket: Ticket | None = None
+    priority: str = INTERACTIVE
+    deadline: float | None = None
+    outcome: asyncio.Future[Outcome] | None = None
+    at_worker: Callable[[], bool] | None = None
     on_all_gone: Callable[[], None] | None = None
     joiners: list[asyncio.Future[Outcome]] | None = None
     first_left: bool = False
@@ -186,49 +192,47 @@ class AnswerCache:
         if answer is not None:
             self._answers.move_to_end(key)
             return Shared(HIT, _done(answer))
+        applies = earliest(deadline, time.monotonic(), self._queue_timeout)
         flight = self._flights.get(key)
         if flight is not None:
-            ticket = flight.ticket
-            if ticket is not None and ticket.outcome.done() and not ticket.outcome.cancelled():
-                outcome = ticket.outcome.result()
-                if isinstance(outcome, Answer) and outcome.ok:  # landing: as good as kept
-                    return Shared(COALESCED, _done(outcome))
-            elif self._may_join(flight, priority, deadline):
+            outcome = flight.outcome
+            if outcome is not None and outcome.done() and not outcome.cancelled():
+                result = outcome.result()
+                if isinstance(result, Answer) and result.ok:  # landing: as good as kept
+                    return Shared(COALESCED, _done(result))
+            elif self._may_join(flight, priority, applies):
                 return Shared(COALESCED, flight.join(), flight)
-        return Shared(MISS, flight=Flight(client_gone))
+        return Shared(MISS, flight=Flight(client_gone, priority=priority, deadline=applies))
 
-    def _may_join(self, flight: Flight, priority: str, deadline: float | None) -> bool:
+    @staticmethod
+    def _may_join(flight: Flight, priority: str, deadline: float | None) -> bool:
         """Whether the flight's request, not yet answered, will be answered no later and no
-        lower than this one would be on its own: it is at a worker, or it waits in a class no
-        lower with a deadline no earlier than this request's own."""
-        ticket = flight.ticket
-        if ticket is None or ticket.outcome.done():
+        lower than this one would be on its own (`deadline`: the one that applies to it): it is
+        at a worker, or it waits in a class no lower with a deadline no earlier."""
+        if flight.outcome is None or flight.at_worker is None or flight.outcome.done():
             return False  # not admitted yet, or given up
-        if ticket.started_at is not None:
+        if flight.at_worker():
             return True  # at a worker: its answer comes whatever happens
-        if ticket.priority != priority and priority == INTERACTIVE:
+        if flight.priority != priority and priority == INTERACTIVE:
             return False
-        if ticket.deadline is None:
+        if flight.deadline is None:
             return True
-        mine = deadline
-        if self._queue_timeout is not None:
-            mine = min(d for d in (mine, time.monotonic() + self._queue_timeout)
-                       if d is not None)
-        return mine is not None and mine <= ticket.deadline
+        return deadline is not None and deadline <= flight.deadline
 
     # -- the flight ----------------------------------------------------------------------------
 
-    def admitted(self, key: bytes, flight: Flight, ticket: Ticket,
-                 abandon: Callable[[Ticket], None]) -> None:
-        """The first of its kind was admitted: others join its flight until it lands (a later
-        first of its kind, admitted on its own, takes the table's place). Once nobody waits for
-        it, it leaves the table and `abandon` takes it out of the queue."""
-        flight.ticket = ticket
+    def admitted(self, key: bytes, flight: Flight, outcome: asyncio.Future[Outcome],
+                 at_worker: Callable[[], bool], abandon: Callable[[], None]) -> None:
+        """The first of its kind was admitted (its answer arrives on `outcome`; `at_worker`
+        asks the dispatcher whether a worker holds it): others join its flight until it lands
+        (a later first of its kind, admitted on its own, takes the table's place). Once nobody
+        waits for it, it leaves the table and `abandon` takes it out of the queue."""
+        flight.outcome, flight.at_worker = outcome, at_worker
         flight.generation = self._generation
 
         def give_up() -> None:
             self._forget(key, flight)
-            abandon(ticket)
+            abandon()
 
         flight.on_all_gone = give_up
         self._flights[key] = flight

@@ -74,7 +74,7 @@ class Dispatch(Protocol):
 
     def abandon(self, ticket: Ticket) -> None: ...
 
-
+    def at_worker(self, ticket: Ticket) -> bool: ...
 
 
 class Pipeline:
@@ -235,7 +235,10 @@ class Pipeline:
         ctx.answer = ticket.outcome  # the first of its kind waits on its own ticket
         if flight is not None:
             assert ctx.identity is not None
-            self.cache.admitted(ctx.identity, flight, ticket, self.dispatch.abandon)
+            dispatch = self.dispatch
+            self.cache.admitted(ctx.identity, flight, ticket.outcome,
+                                functools.partial(dispatch.at_worker, ticket),
+                                functools.partial(dispatch.abandon, ticket))
         return None
 
     async def await_answer(self, ctx: RequestContext) -> Reply | None:

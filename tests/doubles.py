@@ -14,6 +14,7 @@ from typing import Any
 from clef_api.responses import Reply, from_outcome
 from clef_dispatch import admission
 from clef_dispatch.admission import Ticket
+from clef_dispatch.dispatcher import Dispatcher
 from clef_dispatch.worker_errors import Deliver, WorkerFailure
 from clef_protocol.errors import BadRequestBody, RequestInvalid
 from clef_protocol.messages import ModelInfo, Request, WorkerReply
@@ -29,6 +30,9 @@ class Admission(admission.Admission):
         ticket = super().submit(*args, **kwargs)
         assert isinstance(ticket, Ticket), ticket
         return ticket
+
+    # What the pipeline asks of a Dispatcher beside submit and abandon.
+    at_worker = staticmethod(Dispatcher.at_worker)
 
 
 async def reply_of(ticket: Ticket) -> Reply:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from clef_dispatch import EXPIRED_DETAIL, INTERACTIVE, Answer, Refusal, RefusalKind, Ticket
+from clef_dispatch import BULK, EXPIRED_DETAIL, INTERACTIVE, Answer, Outcome, Refusal, RefusalKind
 from clef_frontend.answer_cache import COALESCED, HIT, MISS, AnswerCache, Shared, identity
 from clef_protocol.messages import WorkerReply
 from tests.frontend_helpers import Serve, background, clef_body, clef_request
@@ -130,13 +130,14 @@ def test_one_caller_leaving_does_not_cancel_the_others() -> None:
     async def scenario() -> None:
         cache = AnswerCache(4)
         loop = asyncio.get_running_loop()
-        ticket = Ticket(1, b"", loop.create_future(), started_at=time.monotonic())
+        outcome: asyncio.Future[Outcome] = loop.create_future()
         abandoned: list[str] = []
         key = identity("-", clef_request())
         miss = _share(cache, key)
         assert miss.how == MISS and miss.flight is not None
         flight = miss.flight
-        cache.admitted(key, flight, ticket, lambda _: abandoned.append("first"))
+        cache.admitted(key, flight, outcome, lambda: True,
+                       lambda: abandoned.append("first"))
         first, second = _share(cache, key), _share(cache, key)
         assert (first.how, second.how) == (COALESCED, COALESCED) and first.flight is flight
         assert first.answer is not None and second.answer is not None
@@ -144,16 +145,16 @@ def test_one_caller_leaving_does_not_cancel_the_others() -> None:
         assert first.answer.cancelled() and not abandoned  # the request still has callers
         assert flight.first_leaves()  # so did the first request's: it goes on for the joiner
         assert not abandoned and not flight.all_gone()  # the second joiner still waits
-        ticket.outcome.set_result(_answer(b'{"ok": 1}'))
-        cache.land(key, flight, ticket.outcome)
+        outcome.set_result(_answer(b'{"ok": 1}'))
+        cache.land(key, flight, outcome)
         assert await second.answer == _answer(b'{"ok": 1}')
         assert _share(cache, key).how == HIT  # kept for repeats
         gone = [False]
         other_key = identity("-", {})
         other = _share(cache, other_key, lambda: gone[0]).flight
         assert other is not None
-        cache.admitted(other_key, other, Ticket(2, b"", loop.create_future()),
-                       lambda _: abandoned.append("other"))
+        cache.admitted(other_key, other, loop.create_future(), lambda: False,
+                       lambda: abandoned.append("other"))
         mine = other.join()
         other.leave(mine)
         assert not abandoned  # the first request's client is still there
@@ -172,16 +173,15 @@ def test_an_outcome_still_due_lands_when_it_is_set() -> None:
     to the outcome itself: the joiners still get the answer and it is kept."""
     async def scenario() -> None:
         cache = AnswerCache(4)
-        ticket = Ticket(1, b"", asyncio.get_running_loop().create_future(),
-                        started_at=time.monotonic())
+        outcome: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         key = identity("-", clef_request())
         flight = _share(cache, key, lambda: True).flight
         assert flight is not None
-        cache.admitted(key, flight, ticket, lambda _: None)
+        cache.admitted(key, flight, outcome, lambda: True, lambda: None)
         joiner = flight.join()
-        cache.land(key, flight, ticket.outcome)
+        cache.land(key, flight, outcome)
         assert _share(cache, key).how == COALESCED  # still in flight: others may join
-        ticket.outcome.set_result(_answer(b'{"ok": 2}'))
+        outcome.set_result(_answer(b'{"ok": 2}'))
         assert await joiner == _answer(b'{"ok": 2}')
         assert _share(cache, key).how == HIT
 
@@ -252,12 +252,50 @@ def test_a_flight_already_answered_is_joined_only_with_a_200() -> None:
             key = identity("-", clef_request())
             flight = _share(cache, key).flight
             assert flight is not None
-            ticket = Ticket(1, b"", loop.create_future())
-            cache.admitted(key, flight, ticket, lambda _: None)
-            ticket.outcome.set_result(outcome)  # set; the first request has not landed it yet
+            answer: asyncio.Future[Outcome] = loop.create_future()
+            cache.admitted(key, flight, answer, lambda: False, lambda: None)
+            answer.set_result(outcome)  # set; the first request has not landed it yet
             late = _share(cache, key)
             assert late.how == how
             if how == COALESCED:
                 assert late.answer is not None and late.answer.result() == outcome
+
+    asyncio.run(scenario())
+
+
+def test_a_waiting_flight_is_joined_only_when_it_serves_the_joiner_no_worse() -> None:
+    """The join rule reads the flight's own record (the first request's class and deadline, and
+    the dispatcher's answer to whether a worker holds it), never the dispatcher's ticket: while
+    the first request waits, an interactive request does not join a bulk one, nor one whose
+    deadline comes before its own; once a worker holds it, anyone joins."""
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        cases = [  # (first's class, first's deadline, at a worker, joiner's class, deadline, how)
+            (BULK, None, False, INTERACTIVE, None, MISS),
+            (BULK, None, False, BULK, None, COALESCED),
+            (INTERACTIVE, None, False, BULK, None, COALESCED),
+            (INTERACTIVE, now + 5, False, INTERACTIVE, now + 60, MISS),
+            (INTERACTIVE, now + 60, False, INTERACTIVE, now + 5, COALESCED),
+            (INTERACTIVE, now + 5, False, INTERACTIVE, None, MISS),
+            (BULK, now + 5, True, INTERACTIVE, now + 60, COALESCED),
+        ]
+        for first_class, first_deadline, held, joiner_class, joiner_deadline, how in cases:
+            cache = AnswerCache(4)
+            key = identity("-", clef_request())
+            first = cache.share(key, priority=first_class, deadline=first_deadline,
+                                client_gone=lambda: False)
+            assert first.how == MISS and first.flight is not None
+            assert (first.flight.priority, first.flight.deadline) == (first_class,
+                                                                      first_deadline)
+            assert cache.share(key, priority=joiner_class, deadline=joiner_deadline,
+                               client_gone=lambda: False).how == MISS  # not admitted yet
+            answer: asyncio.Future[Outcome] = loop.create_future()
+            at_worker: Callable[[], bool] = (lambda: True) if held else (lambda: False)
+            cache.admitted(key, first.flight, answer, at_worker, lambda: None)
+            late = cache.share(key, priority=joiner_class, deadline=joiner_deadline,
+                               client_gone=lambda: False)
+            assert late.how == how, (first_class, first_deadline, held, joiner_class,
+                                     joiner_deadline)
 
     asyncio.run(scenario())
