@@ -4,21 +4,98 @@ Why: the front keeps answers for repeats, and an answer is a function of the req
 weights. The snapshot's path says nothing when its files are replaced in place (a rollout that
 rewrites the directory, an operator copying a new snapshot over the old one) and the worker
 restarts; the digest of what is there does. It covers every regular file under the snapshot
-(its path relative to the root, its size, its bytes), so any change of weights, config or
-tokenizer changes it.
+(its path relative to the root, its size, its bytes; not the bytecode a load may cache under
+`__pycache__`), so any change of weights, config or tokenizer changes it.
 
-It is computed on helper threads while the worker warms up (hashlib releases the GIL while it
-digests), so on a large snapshot it costs start-up time only where hashing outlasts warm-up.
+Three costs and one race shape how it is computed:
+
+- **Time.** Hashing page-cached files ran at 2 GiB/s on the 2-core development machine
+  (docs/benchmarks.md, "Weights fingerprint"): Clef-Flash's ~18 GB of bf16 weights would take
+  ~9 s there. So it runs on helper threads while the worker warms up (hashlib releases the GIL),
+  and costs start-up time only where hashing outlasts warm-up.
+- **Restarts.** A worker replaced after a crash or a stall would read every byte again. So each
+  file's digest is kept between starts (`DigestCache`, a small JSON file in the service's cache
+  directory) under the file's identity as `stat` gives it: device, inode, size, and the
+  modification and change times in nanoseconds. Any write changes the change time (which no
+  tool can set back, unlike the modification time `cp -p` or `touch -d` restore) and a
+  replacement is another inode, so a kept digest is used only for the bytes it was taken from.
+  Timestamps tick coarsely (a few milliseconds on Linux), so a file changed less than
+  `SETTLED_S` before it was hashed is not kept: a second write within the same tick could
+  leave its stat unchanged (git's "racily clean" entries, the same rule).
+- **The race.** Files replaced while the worker loads them would give a fingerprint of other
+  bytes than the loaded weights, and a later start with those files would keep serving the old
+  weights' answers. So the files' identities are taken before the executor reads anything
+  (`SnapshotWatch`) and again after hashing; if any differs, the start fails
+  (`SnapshotChanged`, a StartupError naming the files) and the front starts a fresh worker,
+  which loads and hashes the settled files. (What the stat cannot show is a second write
+  within the same clock tick as a write just before the watch began.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from clef_worker.errors import StartupError
+
+log = logging.getLogger("clef_worker.fingerprint")
+
 # Files hashed at once: reads of different files overlap, and each digest runs on its own core.
 HASH_THREADS = 4
+# A file changed less than this before it was hashed is hashed again next time (see above).
+SETTLED_S = 2.0
+# The kept digests' file in the service's cache directory, and the most files it remembers.
+DIGESTS_FILE = "snapshot-digests.json"
+MAX_KEPT_FILES = 4096
+_FORMAT = 1
+
+# A file's identity: st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns.
+Stat = tuple[int, int, int, int, int]
+
+
+class SnapshotChanged(StartupError):
+    """The snapshot's files changed between the executor's load and the end of hashing."""
+
+
+def _stat_of(path: Path) -> Stat:
+    st = path.stat()
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+# Derived files a load may write into the snapshot (importing the release's own module caches
+# its bytecode beside it): not weights, and written during the load the watch spans.
+DERIVED_DIRS = frozenset({"__pycache__"})
+
+
+def list_files(root: Path) -> dict[str, Stat]:
+    """Every regular file under `root` by its path relative to the root, with its identity
+    (none under a DERIVED_DIRS directory)."""
+    files = {}
+    for path in sorted(root.rglob("*")):
+        relative = path.relative_to(root)
+        if DERIVED_DIRS.isdisjoint(relative.parts[:-1]) and path.is_file():
+            files[relative.as_posix()] = _stat_of(path)
+    return files
+
+
+def _stat_from(values: list[object]) -> Stat:
+    if len(values) != 5 or not all(isinstance(value, int) for value in values):
+        raise ValueError(f"not a file identity: {values!r}")
+    dev, ino, size, mtime_ns, ctime_ns = (int(str(value)) for value in values)
+    return (dev, ino, size, mtime_ns, ctime_ns)
+
+
+def _changed_at(stat: Stat) -> float:
+    """When the file last changed (its modification or change time, the later), in seconds."""
+    return max(stat[3], stat[4]) / 1e9
 
 
 def _file_digest(path: Path) -> bytes:
@@ -26,29 +103,145 @@ def _file_digest(path: Path) -> bytes:
         return hashlib.file_digest(handle, "sha256").digest()
 
 
-def snapshot_fingerprint(root: Path) -> str:
-    """The hex digest of every regular file under `root` (names, sizes, contents), or "" when
-    `root` is not a directory (an executor with no snapshot on disk)."""
-    if not root.is_dir():
-        return ""
-    files = sorted(path for path in root.rglob("*") if path.is_file())
-    with ThreadPoolExecutor(HASH_THREADS) as pool:
-        digests = list(pool.map(_file_digest, files))
+def default_digests_path() -> Path:
+    """The kept digests' file, in the service's cache directory (clef_worker.demo.cache)."""
+    from clef_worker.demo.cache import default_cache_root
+
+    return default_cache_root() / DIGESTS_FILE
+
+
+class DigestCache:
+    """Per-file SHA-256 digests kept between worker starts, by absolute path and identity.
+
+    Losing it only costs a re-hash: an unreadable or malformed file reads as empty, and a save
+    that fails (a read-only home, a full disk) is logged and ignored. Two workers saving at once
+    each replace the file whole (written beside it, renamed over it); the last one wins.
+    """
+
+    def __init__(self, path: Path | None, clock: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self._clock = clock
+        self._kept: dict[str, tuple[Stat, str]] = self._read()
+        self.hits = 0
+
+    def _read(self) -> dict[str, tuple[Stat, str]]:
+        if self.path is None:
+            return {}
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+            if data.get("format") != _FORMAT:
+                return {}
+            return {str(name): (_stat_from(entry[:5]), str(entry[5]))
+                    for name, entry in data["files"].items()}
+        except (OSError, ValueError, AttributeError, KeyError, TypeError, IndexError):
+            return {}
+
+    def get(self, path: Path, stat: Stat) -> bytes | None:
+        entry = self._kept.get(str(path))
+        if entry is None or entry[0] != stat:
+            return None
+        try:
+            digest = bytes.fromhex(entry[1])
+        except ValueError:
+            return None
+        self.hits += 1
+        return digest
+
+    def put(self, path: Path, stat: Stat, digest: bytes) -> None:
+        """Keep a digest, unless the file changed too recently for its stat to be trusted."""
+        if self._clock() - _changed_at(stat) < SETTLED_S:
+            self._kept.pop(str(path), None)
+            return
+        self._kept[str(path)] = (stat, digest.hex())
+
+    def save(self) -> None:
+        """Write the kept digests of files that still exist (the most recently changed
+        MAX_KEPT_FILES of them)."""
+        if self.path is None:
+            return
+        names = [name for name in self._kept if os.path.exists(name)]
+        names.sort(key=lambda name: _changed_at(self._kept[name][0]), reverse=True)
+        kept = {name: [*self._kept[name][0], self._kept[name][1]]
+                for name in names[:MAX_KEPT_FILES]}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=".digests-")
+        except OSError as exc:
+            log.info("cannot keep the snapshot's file digests in %s (%s): the next start "
+                     "hashes every file again", self.path, exc)
+            return
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as out:
+                json.dump({"format": _FORMAT, "files": kept}, out)
+            os.replace(temporary, self.path)
+        except OSError as exc:
+            log.info("cannot keep the snapshot's file digests in %s (%s): the next start "
+                     "hashes every file again", self.path, exc)
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+
+
+def combine(files: Mapping[str, Stat], digests: Mapping[str, bytes]) -> str:
+    """The snapshot's fingerprint from its files' names, sizes and digests, in name order."""
     total = hashlib.sha256()
-    for path, digest in zip(files, digests, strict=True):
-        name = path.relative_to(root).as_posix().encode("utf-8", "surrogateescape")
-        total.update(len(name).to_bytes(4, "big") + name)
-        total.update(path.stat().st_size.to_bytes(8, "big") + digest)
+    for name in sorted(files):
+        encoded = name.encode("utf-8", "surrogateescape")
+        total.update(len(encoded).to_bytes(4, "big") + encoded)
+        total.update(files[name][2].to_bytes(8, "big") + digests[name])
     return total.hexdigest()
 
 
-def start_fingerprint(snapshot: str) -> Future[str]:
-    """`snapshot_fingerprint` of the snapshot at `snapshot`, computed on a thread of its own."""
-    runner = ThreadPoolExecutor(1, thread_name_prefix="fingerprint")
-    future = runner.submit(snapshot_fingerprint, Path(snapshot)) if snapshot else None
-    runner.shutdown(wait=False)
-    if future is None:
-        done: Future[str] = Future()
-        done.set_result("")
-        return done
-    return future
+class SnapshotWatch:
+    """The snapshot's files as they were before the executor read them; `fingerprint` hashes
+    them and trusts the result only if every file is still the one the watch saw."""
+
+    def __init__(self, root: Path | None, cache: DigestCache | None = None) -> None:
+        self.root = root if root is not None and root.is_dir() else None
+        self.before = list_files(self.root) if self.root is not None else {}
+        self.cache = cache if cache is not None else DigestCache(None)
+
+    def fingerprint(self) -> str:
+        """The hex digest of the snapshot's files, or "" without a snapshot directory; raises
+        SnapshotChanged when a file was added, removed or changed since the watch began."""
+        root = self.root
+        if root is None:
+            return ""
+        kept: dict[str, bytes] = {}
+        for name, stat in self.before.items():
+            digest = self.cache.get(root / name, stat)
+            if digest is not None:
+                kept[name] = digest
+        todo = [name for name in self.before if name not in kept]
+        try:
+            with ThreadPoolExecutor(HASH_THREADS) as pool:
+                fresh = dict(zip(todo, pool.map(lambda name: _file_digest(root / name), todo),
+                                 strict=True))
+        except FileNotFoundError:
+            fresh = {}  # removed since the watch began: reported below
+        after = list_files(root)
+        if after != self.before:
+            changed = sorted(name for name in {*after, *self.before}
+                             if after.get(name) != self.before.get(name))
+            raise SnapshotChanged(
+                f"the files at {root} changed while the worker loaded them "
+                f"({', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}); its weights "
+                "and its fingerprint could differ, so it stops and a fresh worker loads the "
+                "settled files")
+        for name, digest in fresh.items():
+            self.cache.put(root / name, self.before[name], digest)
+        if fresh:
+            self.cache.save()
+        digests = {**kept, **fresh}
+        return combine(self.before, digests)
+
+    def start(self) -> Future[str]:
+        """`fingerprint`, computed on a thread of its own while the worker warms up."""
+        runner = ThreadPoolExecutor(1, thread_name_prefix="fingerprint")
+        future = runner.submit(self.fingerprint)
+        runner.shutdown(wait=False)
+        return future
+
+
+def snapshot_fingerprint(root: Path) -> str:
+    """The fingerprint of the files under `root` now, with no kept digests (tools, tests)."""
+    return SnapshotWatch(root).fingerprint()

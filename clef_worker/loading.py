@@ -27,9 +27,9 @@ def resolve_snapshot(model: str) -> tuple[Path, bool]:
     return path.resolve(), False
 
 
-def load_executor(args: argparse.Namespace) -> LoadedExecutor:
-    """Load the executor the flags ask for; StartupError names what is wrong."""
-    snapshot, demo = resolve_snapshot(args.model)
+def load_executor(args: argparse.Namespace, snapshot: Path, demo: bool) -> LoadedExecutor:
+    """Load the executor the flags ask for from the snapshot `resolve_snapshot` found;
+    StartupError names what is wrong."""
     limits = limits_from(args)
     try:
         finetunes = tuple(resolve_finetunes(args.finetune))

@@ -222,13 +222,16 @@ def self_check(executor: Executor, mode: str) -> messages.SelfCheck | None:
 
 def start(args: argparse.Namespace, channel_out: BinaryIO) -> LoadedExecutor | None:
     """Load and warm up; send `ready`, or `fatal` with a reason the operator can act on."""
-    from clef_worker.fingerprint import start_fingerprint
-    from clef_worker.loading import load_executor
+    from clef_worker.fingerprint import DigestCache, SnapshotWatch, default_digests_path
+    from clef_worker.loading import load_executor, resolve_snapshot
 
     try:
-        executor = load_executor(args)
-        model = executor.describe()
-        fingerprint = start_fingerprint(model.snapshot)  # hashed while the worker warms up
+        snapshot, demo = resolve_snapshot(args.model)
+        # The files as they are before the executor reads any: the fingerprint is trusted only
+        # if they are the same once it is computed (clef_worker.fingerprint).
+        watch = SnapshotWatch(snapshot, DigestCache(default_digests_path()))
+        executor = load_executor(args, snapshot, demo)
+        fingerprint = watch.start()  # hashed while the worker warms up
         started = time.perf_counter()
         executor.warm_up()
         warmup_ms = _elapsed_ms(started)
