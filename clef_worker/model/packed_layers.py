@@ -33,8 +33,12 @@ only then can one graph per total-token bucket replay with new offsets
 (`clef_worker.model.packed.StaticPackedLayout`). The per-sequence paths read `cu_seqlens_host`
 and are for eager forwards (CPU).
 
-**The CUDA branch has not run on a GPU yet**: its argument building is tested on CPU with fakes
-standing in for fla and `varlen_attn` (`tests/test_packed_forward.py`).
+**The CUDA branch has not run on a GPU yet.** On CPU its argument building is tested with fakes
+standing in for fla and `varlen_attn` (`tests/test_packed_forward.py`), and its fla calls run
+fla's real kernels under Triton's interpreter against the per-sequence torch path
+(`tests/test_packed_fla_interpreter.py`); `varlen_attn` itself is CUDA-only and untested here.
+The worker's start-up self-check compares this path with the eager one on every device before
+it serves (`clef_worker/self_check.py`).
 """
 
 from __future__ import annotations
