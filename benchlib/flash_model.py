@@ -155,8 +155,9 @@ def install(model: InMemoryModel) -> None:
 
 
 def load_executor(model: InMemoryModel, args: argparse.Namespace, cuda_graphs: str) -> Any:
-    """The worker's own executor over the in-memory model (`add_shape_arguments`' flags), with
-    `--cuda-graphs cuda_graphs` and media off."""
+    """The worker's own executor over the in-memory model (`add_shape_arguments`' flags, and a
+    `max_batch_tokens` where the script sets one), with `--cuda-graphs cuda_graphs` and media
+    off."""
     from clef_protocol.options import RequestLimits
     from clef_worker.assembly import assemble_snapshot
     from clef_worker.demo import ensure_demo_snapshot
@@ -166,7 +167,7 @@ def load_executor(model: InMemoryModel, args: argparse.Namespace, cuda_graphs: s
         ensure_demo_snapshot(), variant="clef-flash", device=args.device, dtype=args.dtype,
         gdn_prefill=args.gdn_prefill, short_conv=args.short_conv,
         limits=RequestLimits(max_length=args.max_length), demo=True, media="off",
-        cuda_graphs=cuda_graphs)
+        cuda_graphs=cuda_graphs, max_batch_tokens=getattr(args, "max_batch_tokens", 0))
     if not model.parameters:
         raise RuntimeError("assemble_snapshot did not take its backbone from the in-memory "
                            "model (the loader moved?): refusing to time the demo snapshot")
