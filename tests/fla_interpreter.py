@@ -23,7 +23,7 @@ the harness, never in fla:
 What is driven, all from the project: `kernels_for` on the fla path (which also turns fla's
 index memo off: `disable_fla_memo`), fla's short convolution bound through the project's own
 adapter (`short_conv.load_fla_kernel`, `FlaShortConv`), `PackedLayout` (unaligned, its
-`chunk_indices` handed to fla) and `StaticPackedLayout` refilled in place for a second mix (the
+`chunk_indices` handed to fla) and `StaticPackedLayout` refilled in place for each later mix (the
 CUDA-graph layout: aligned sequences, a dummy tail, garbage in the pad slots). The reference is
 `LOOPED`, the per-sequence torch path (clef's chunked delta rule, transformers' convolution),
 on the real tokens only. Shapes are tiny (one key head serving two value heads, 16-wide heads)
@@ -43,8 +43,10 @@ from typing import Any
 # The fla modules whose kernels call `.to()` on a `range` loop's index.
 RANGE_MODULES = ("fla.ops.common.chunk_delta_h", "fla.ops.common.chunk_o")
 KEY_HEADS, VALUE_HEADS, HEAD_DIM, CONV_WIDTH = 1, 2, 16, 4
-# Two mixes: one built unaligned, one a static row refilled in place after the first.
-MIXES = ((70, 1, 57), (5, 100))
+# Three mixes: one built unaligned, then one static row refilled in place for each of the
+# other two (different counts and lengths, so a fill that did not reach the buffers, or a
+# kernel that memoised the first fill's indices, answers with the wrong offsets).
+MIXES = ((70, 1, 57), (5, 100), (40, 30, 64))
 STATIC_TOKENS, STATIC_SEQUENCES = 256, 3
 
 
@@ -160,7 +162,8 @@ def measure() -> dict[str, Any]:
                                "memo_off": getattr(fla_utils, packed_layers.FLA_MEMO_SWITCH),
                                "interpreter": os.environ.get("TRITON_INTERPRET"), "cases": []}
     for index, (lengths, values, expected) in enumerate(cases):
-        # The static row is refilled in place for the second mix after the first ran.
+        # The static row is refilled in place for each later mix, after the one before ran
+        # (the reference loop above left it holding the last mix's offsets).
         layout = PackedLayout.from_lengths(lengths, cpu) if index == 0 else static.fill(lengths)
         with torch.inference_mode():
             got = run(kernels, values, layout, weight, bias)

@@ -113,7 +113,8 @@ COLD = {"latency": {"370": {"p50_ms": 18.5, "p99_ms": 22.0, "n": 300},
                        "max_abs_diff": 1e-3, "fell_back_from": None},
         "answer_cache_hits": 0}
 # gpu_parity.py's result, as much of it as the summary reads
-PARITY = {"modes": {"off": {"max_abs_probability_diff": 2.5e-3, "argmax_mismatches": []},
+PARITY = {"dtype": "bfloat16",
+          "modes": {"off": {"max_abs_probability_diff": 2.5e-3, "argmax_mismatches": []},
                     "on": {"max_abs_probability_diff": 3.0e-3, "argmax_mismatches": ["c/q1"]}},
           "argmax_mismatches_vs_golden": 1, "packed_groups_argmax_equal": True,
           "graphs_vs_eager": {"max_abs_probability_diff": 1.5e-3, "argmax_equal": True},
@@ -149,6 +150,7 @@ def test_the_summary_has_exactly_the_fields_from_the_steps_that_succeeded() -> N
         "c1_rps": 50.1, "c16_rps": 85.0, "c32_rps": 95.5, "mixed_c16_rps": 70.0,
         "two_workers_c16_rps": None,  # its step failed: its number is not reported
         "graph_memory_bytes": 123456789,
+        "parity_dtype": "bfloat16",
         "bf16_eager_vs_fp32_max_prob_diff": 2.5e-3, "bf16_graphs_vs_fp32_max_prob_diff": 3.0e-3,
         "bf16_argmax_mismatches": 1, "bf16_graphs_vs_eager_max_prob_diff": 1.5e-3,
         "argmax_equal": True, "packed_graphs_vs_packed_eager_max_prob_diff": 0.0,
@@ -299,6 +301,45 @@ def test_later_graph_steps_are_skipped_once_capture_failed() -> None:
     assert calls == ["cold", "eager"]
     assert [o.status for o in outcomes] == ["failed", "ok", "skipped"]
     assert "capture failed in cold" in outcomes[2].reason
+
+
+def test_a_graphs_step_with_an_eager_command_runs_it_once_capture_failed() -> None:
+    clock = FakeClock()
+    argvs: list[tuple[str, ...]] = []
+
+    def run(step: Step, limit_s: float) -> Ran:
+        argvs.append(step.argv)
+        clock.now += 1
+        failed = {"capture_problems": ["length buckets never captured for one row: [64]"]}
+        return Ran(1, "", failed) if step.name == "cold" else Ran(0, "", {"dtype": "bfloat16"})
+
+    spec = [Step("cold", ("x",), 10, graphs=True),
+            Step("parity", ("p", "both"), 10, graphs=True, without_graphs=("p", "off")),
+            Step("cached", ("x",), 10, graphs=True)]
+    outcomes = run_steps(spec, 100, run, clock)
+    assert argvs == [("x",), ("p", "off")]
+    assert [o.status for o in outcomes] == ["failed", "ok", "skipped"]
+    assert "without graphs" in outcomes[1].reason and "cold" in outcomes[1].reason
+
+
+def test_kernel_figures_survive_a_failed_capture_in_the_real_plan() -> None:
+    """Telling kernels from capture is the point of the parity step and the packed CUDA tests:
+    neither is skipped when the first step's capture fails."""
+    planned = {step.name: step for step in plan(dry_run=False)}
+    assert not planned["packed_unit"].graphs
+    parity = planned["parity_bf16"]
+    assert parity.without_graphs is not None
+    eager = parity.without_graphs
+    assert eager[eager.index("--cuda-graphs") + 1] == "off"
+    assert eager[eager.index("--dtype") + 1] == "bfloat16"
+
+
+def test_the_summary_names_the_dtype_the_bf16_fields_were_measured_in() -> None:
+    outcomes = [Outcome("parity_bf16", "ok", result={
+        "dtype": "float32", "modes": {"off": {"max_abs_probability_diff": 1e-7}}})]
+    summary = summarise(outcomes, "2026-12-03", "abc")
+    assert summary["parity_dtype"] == "float32"
+    assert summary["bf16_eager_vs_fp32_max_prob_diff"] == 1e-7
 
 
 def test_the_commit_is_the_projects_own_never_an_enclosing_repositorys(tmp_path: Path) -> None:
