@@ -46,8 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from benchlib.bodies import mixed_length_bodies, uniform_length_bodies
-from benchlib.paths import TINY_SNAPSHOT
+from benchlib.paths import REPO, TINY_SNAPSHOT
+from benchlib.provenance import command_line, cpu_line
 from benchlib.worker_pipe import Worker, same_answer
+from clef_frontend.build_info import git_commit
 from clef_protocol import messages
 
 MIXES = ("mixed", "uniform")
@@ -97,7 +99,10 @@ def main() -> int:
     results = {mix: measure(plans, workers, bodies[mix], args.rounds) for mix in mixes}
     for worker in workers:
         worker.close()
-    report: dict[str, Any] = {"model": args.model, "device": args.device,
+    # What was measured: the command, the code (HEAD, +dirty) and the host beside the figures.
+    report: dict[str, Any] = {"command": command_line(__file__),
+                              "commit": git_commit(REPO) or "unknown", "host": cpu_line(),
+                              "model": args.model, "device": args.device,
                               "threads": args.threads, "mixes": {}}
     ok = True
     for mix, (rows, tokens) in results.items():
