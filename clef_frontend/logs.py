@@ -73,6 +73,7 @@ class BatchingHandler(logging.StreamHandler[TextIO]):
         super().__init__(stream)
         self._pending: list[str] = []
         self._scheduled = False
+        self.lost_writes = 0  # writes the stream refused: their lines are gone
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -95,13 +96,21 @@ class BatchingHandler(logging.StreamHandler[TextIO]):
             loop.call_soon(self.flush)
 
     def flush(self) -> None:
+        """Write the queued lines. A stream that can no longer be written (the reader of our
+        stderr pipe gone, a full disk) loses them, and nothing is raised: raised from the loop's
+        callback, asyncio would log the error through this same handler, which queues it and
+        fails again at the end of the next turn, one traceback formatted per turn, forever (a
+        server with a closed stderr once spun a core that way). The server serves on."""
         with self.lock:  # type: ignore[union-attr]
             self._scheduled = False
             if self._pending:
                 text = "".join(self._pending)
                 self._pending.clear()
-                self.stream.write(text)
-                self.stream.flush()
+                try:
+                    self.stream.write(text)
+                    self.stream.flush()
+                except (OSError, ValueError):  # ValueError: the stream was closed
+                    self.lost_writes += 1
 
 
 class RequestFilter(logging.Filter):
