@@ -46,7 +46,7 @@ def test_a_broken_stream_costs_one_write_per_turn_that_logs_and_raises_nothing(
     logs.configure("INFO", "text")
     handler = logging.getLogger(logs.LOGGERS[0]).handlers[0]
     assert isinstance(handler, logs.BatchingHandler)
-    handler.setStream(stream)  # type: ignore[arg-type]
+    handler.setStream(stream)
     reported: list[dict[str, object]] = []
 
     async def serve() -> None:
@@ -74,7 +74,8 @@ def test_the_default_exception_handler_does_not_feed_a_write_loop(
     stream = BrokenStream()
     logs.configure("INFO", "text")
     handler = logging.getLogger(logs.LOGGERS[0]).handlers[0]
-    handler.setStream(stream)  # type: ignore[arg-type]
+    assert isinstance(handler, logs.BatchingHandler)
+    handler.setStream(stream)
 
     async def serve() -> None:
         logging.getLogger("clef_frontend.test").warning("one line")
