@@ -27,7 +27,8 @@ names below (never its modules): submit a request, get its outcome.
 | `backoff.py` | how long to wait before a restart, and why (pure) |
 | `worker_channel.py` | the framed pipe to one worker: requests outstanding, replies matched by |
 |  | frame id, the request watchdog |
-| `worker_process.py` | the worker process outside its pipe: a stuck one's stack, the exit |
+| `worker_process.py` | the worker process outside its pipe: its start (own session, stdout |
+|  | wired to the channel), a stuck one's stack, the exit |
 | `liveness.py` | the rule that judges a worker's silence: suspect, wedged (pure) |
 | `liveness_timer.py` | the one timer per worker that pings it and applies the rule |
 | `worker_errors.py` | a sent request's `WorkerOutcome` and the one `Deliver` shape; |
