@@ -17,6 +17,8 @@ names below (never its modules): submit a request, get its outcome.
 |  | the hand-over to the next worker with room |
 | `resend.py` | requests lost with a worker sent again once, alone; a suspect's copies; what a |
 |  | worker's outcome means for a request (`judge`) |
+| `waiting.py` | where tickets wait (`TicketQueue`) and the counts the gauges read: plain ints, |
+|  | each ticket once, safe to read from the metrics thread |
 | `ticket.py` | `Ticket` (one admitted request), the workers as admission sees them, the round |
 |  | robin over them |
 | `deadline_heap.py` | the waiting tickets' deadlines, one timer for all |

@@ -221,7 +221,7 @@ class Dispatcher:
     @property
     def tokens_outstanding(self) -> int:
         """Estimated tokens waiting and in flight (the utilisation gauge's numerator)."""
-        return self._admission.tokens_waiting + self._admission.tokens_in_flight
+        return self._admission.tokens_outstanding
 
     @property
     def ready(self) -> bool:
