@@ -17,6 +17,8 @@ names below (never its modules): submit a request, get its outcome.
 |  | the hand-over to the next worker with room |
 | `resend.py` | requests lost with a worker sent again once, alone; a suspect's copies; what a |
 |  | worker's outcome means for a request (`judge`) |
+| `waiting.py` | where tickets wait (`TicketQueue`) and the counts the gauges read: plain ints, |
+|  | each ticket once, safe to read from the metrics thread |
 | `ticket.py` | `Ticket` (one admitted request), the workers as admission sees them, the round |
 |  | robin over them |
 | `deadline_heap.py` | the waiting tickets' deadlines, one timer for all |
@@ -27,7 +29,8 @@ names below (never its modules): submit a request, get its outcome.
 | `backoff.py` | how long to wait before a restart, and why (pure) |
 | `worker_channel.py` | the framed pipe to one worker: requests outstanding, replies matched by |
 |  | frame id, the request watchdog |
-| `worker_process.py` | the worker process outside its pipe: a stuck one's stack, the exit |
+| `worker_process.py` | the worker process outside its pipe: its start (own session, stdout |
+|  | wired to the channel), a stuck one's stack, the exit |
 | `liveness.py` | the rule that judges a worker's silence: suspect, wedged (pure) |
 | `liveness_timer.py` | the one timer per worker that pings it and applies the rule |
 | `worker_errors.py` | a sent request's `WorkerOutcome` and the one `Deliver` shape; |

@@ -28,8 +28,12 @@ Admission knows the workers only through the `Workers` and `Lane` protocols belo
 or the channel, so they can change shape behind it.
 
 Load in tokens (load.py): each ticket carries its estimated token cost, and admission keeps the
-sum waiting and the sum in flight (summed when read), the numerator of the utilisation gauge an
-endpoint picker reads; each answer teaches the estimate its real token count.
+sum waiting, the sum in flight and the sum of both, the last the numerator of the utilisation
+gauge an endpoint picker reads; each answer teaches the estimate its real token count.
+
+Gauges read from another thread (the metrics port's): every count they read, the depth and the
+token sums, is one plain int that the loop recounts once a change is complete (waiting.py: why,
+and what counts as waiting); each ticket counts once, a suspect's queued copy included.
 
 Everything here is driven by events and runs no task of its own: a ticket is sent the moment it
 is admitted if a worker has room, and each reply (a callback from the worker channel) answers
@@ -42,7 +46,6 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 
 from clef_dispatch.deadline_heap import DeadlineHeap
@@ -65,6 +68,7 @@ from clef_dispatch.ticket import (
     never_gone,
 )
 from clef_dispatch.urgency import BULK, CLASSES, INTERACTIVE, earliest
+from clef_dispatch.waiting import Counts, TicketQueue
 from clef_dispatch.worker_errors import (
     WorkerFailure,
     WorkerLost,
@@ -95,7 +99,8 @@ class Admission:
         self._workers = workers
         self._queue_timeout = queue_timeout
         self._events = events or AdmissionEvents()
-        self._waiting: dict[str, deque[Ticket]] = {name: deque() for name in CLASSES}
+        self._waiting: dict[str, TicketQueue] = {name: TicketQueue() for name in CLASSES}
+        self._counts = Counts()  # what the gauges read (waiting.py); settled by `_settle`
         self._resends = Resends(events=self._events, resend_timeout=resend_timeout,
                                 keep_deadline=self._keep_deadline)
         self._sent: dict[Ticket, list[Lane]] = {}  # in flight, oldest first; on which lanes
@@ -109,32 +114,35 @@ class Admission:
         self._estimate = estimate or TokenEstimate(RequestLimits().max_length)
 
     # The gauges' reads may run on the metrics port's thread while the loop changes the queues:
-    # each walks a `list(...)` copy, taken in one C call (never a live deque, set or dict), so a
-    # scrape never sees a container change under it. Each ticket counts once: a suspect's
-    # ticket whose copy waits is in flight, not waiting (clef_dispatch/liveness.py).
+    # each reads one int of `Counts` (never a container, nor two counts to combine), so a scrape
+    # sees the count of a state the loop really was in. Each ticket counts once: a suspect's
+    # ticket whose copy waits is in flight, not waiting (clef_dispatch/waiting.py).
 
     @property
     def tokens_waiting(self) -> int:
         """Estimated tokens of the tickets waiting (resent ones included)."""
-        queues = [list(queue) for queue in list(self._waiting.values())]
-        return (sum(t.tokens for queue in queues for t in queue
-                    if not self._resends.is_copy(t))
-                + self._resends.lost_tokens())
+        return self._counts.tokens_waiting
 
     @property
     def tokens_in_flight(self) -> int:
         """Estimated tokens of the tickets sent to a worker and not yet answered."""
-        return sum(t.tokens for t in list(self._sent))
+        return self._counts.tokens_in_flight
+
+    @property
+    def tokens_outstanding(self) -> int:
+        """Estimated tokens of the tickets waiting or in flight, each once, in one read (the
+        sum of the two above, read one after the other, could count a ticket sent between the
+        reads twice or not at all)."""
+        return self._counts.tokens_outstanding
 
     @property
     def depth(self) -> int:
         """Tickets waiting (not counting those in flight)."""
-        # map, not a generator: asked several times a request
-        return sum(map(len, list(self._waiting.values()))) + self._resends.depth_correction()
+        return self._counts.waiting
 
     def depth_of(self, priority: str) -> int:
         """Tickets of one class waiting (a resent ticket counts in its class)."""
-        return len(self._waiting[priority]) + self._resends.depth_correction(priority)
+        return self._counts.waiting_in[priority]
 
     @property
     def draining(self) -> bool:
@@ -192,6 +200,7 @@ class Admission:
     def abandon(self, ticket: Ticket) -> None:
         """The client has gone: drop the ticket if it still waits; if in flight, let it finish."""
         if self._unqueue(ticket):
+            self._settle(ticket)
             log.info("frame_id=%d request_id=%s dropped from the queue: client gone",
                      ticket.frame_id, ticket.request_id)
             self._update_idle()
@@ -203,17 +212,23 @@ class Admission:
 
         With `resent_too=False` (the last worker was lost and is being replaced) resent tickets
         keep waiting for the replacement: they were admitted while a worker was ready. A
-        suspect's queued copy is never refused: its ticket is in flight, and is answered there.
+        suspect's queued copy is never refused while its ticket is in flight (it is answered
+        there); once no worker holds the ticket its copy is its second send, kept or refused
+        with the resent tickets.
         """
+        def leaves(ticket: Ticket) -> bool:
+            if not self._resends.is_copy(ticket):
+                return True
+            return resent_too and ticket not in self._sent
+
         refused: list[Ticket] = []
         for queue in self._waiting.values():
-            copies = [ticket for ticket in queue if self._resends.is_copy(ticket)]
-            refused.extend(t for t in queue if not self._resends.is_copy(t))
-            queue.clear()
-            queue.extend(copies)
+            refused.extend(queue.take(leaves))
         if resent_too:
             refused.extend(self._resends.take_all_lost())
         for ticket in refused:
+            self._resends.leaving_queue(ticket)
+            self._settle(ticket)
             if not ticket.outcome.done():
                 ticket.outcome.set_result(self._unavailable(reason))
         self._update_idle()
@@ -239,6 +254,8 @@ class Admission:
         else:
             for ticket in self._resends.to_take_back(mine):
                 self._unqueue(ticket)
+        for ticket in mine:
+            self._settle(ticket)  # in flight all along: counted there, copy or not
         self.pump()
 
     def pump(self) -> None:
@@ -247,7 +264,8 @@ class Admission:
 
         Called after every reply and whenever a worker becomes ready.
         """
-        self._resends.drop_answered()
+        for ticket in self._resends.drop_answered():
+            self._settle(ticket)
         while self._resends.lost_waiting:
             lane = self._idle_lane()
             if lane is None:
@@ -255,6 +273,8 @@ class Admission:
             ticket = self._resends.pop_lost()
             if self._still_wanted(ticket):
                 self._send(ticket, lane, alone=True)
+            else:
+                self._settle(ticket)
         if not self._resends.lost_waiting:  # a lost ticket waiting for an idle worker holds
             while self._queued():               # the rest back
                 lane = self._lane_with_room()
@@ -264,6 +284,8 @@ class Admission:
                 self._resends.leaving_queue(ticket)
                 if self._still_wanted(ticket):
                     self._send(ticket, lane)
+                else:
+                    self._settle(ticket)
         self._update_idle()
 
     # -- internals ---------------------------------------------------------------------------
@@ -271,6 +293,7 @@ class Admission:
     def _wait(self, ticket: Ticket) -> None:
         """Queue a ticket (in its class) and keep its deadline."""
         self._waiting[ticket.priority].append(ticket)
+        self._settle(ticket)
         self._keep_deadline(ticket)
 
     def _keep_deadline(self, ticket: Ticket) -> None:
@@ -280,6 +303,7 @@ class Admission:
         """A deadline passed: 504 for the ticket if it still waits (not if a copy runs)."""
         if self._unqueue(ticket) and ticket not in self._sent:
             self._expire(ticket)
+        self._settle(ticket)
 
     def _expire(self, ticket: Ticket) -> None:
         log.info("frame_id=%d request_id=%s class=%s: deadline passed after %.0f ms waiting, "
@@ -290,13 +314,12 @@ class Admission:
             ticket.outcome.set_result(Refusal(RefusalKind.EXPIRED, EXPIRED_DETAIL))
 
     def _unqueue(self, ticket: Ticket) -> bool:
-        """Take a waiting ticket (or a queued copy) out of its queue; False if none waited."""
+        """Take a waiting ticket (or a queued copy) out of its queue; False if none waited.
+
+        The caller settles the ticket's count once its change is complete (`_settle`)."""
         self._resends.leaving_queue(ticket)
-        queue = self._waiting[ticket.priority]
-        if ticket in queue:
-            queue.remove(ticket)
-            return True
-        return self._resends.unqueue_lost(ticket)
+        return (self._waiting[ticket.priority].remove(ticket)
+                or self._resends.unqueue_lost(ticket))
 
     def _queued(self) -> bool:
         """Whether a ticket or a copy waits in a class queue."""
@@ -336,6 +359,7 @@ class Admission:
     def _send(self, ticket: Ticket, lane: Lane, *, alone: bool = False) -> None:
         ticket.sent(time.monotonic())
         self._sent.setdefault(ticket, []).append(lane)
+        self._settle(ticket)  # from its queue to the worker in one step
         if alone:
             self._resends.running_alone(lane, ticket)
         try:
@@ -343,6 +367,7 @@ class Admission:
                         lambda outcome: self._done(ticket, lane, outcome))
         except WorkerUnavailable as exc:  # has_room said yes; nothing was sent
             self._forget_copy(ticket, lane)
+            self._settle(ticket)
             if not ticket.outcome.done() and ticket not in self._sent:
                 ticket.outcome.set_result(self._unavailable(str(exc)))
 
@@ -379,6 +404,9 @@ class Admission:
                 self._estimate.learn(len(ticket.body),
                                      outcome.input_tokens + outcome.truncated_tokens)
             ticket.outcome.set_result(Answer(outcome))
+        if ticket.outcome.done() and self._resends.is_copy(ticket):
+            self._unqueue(ticket)  # answered: its queued copy waits for nothing now
+        self._settle(ticket)
         self.pump()
 
     def _forget_copy(self, ticket: Ticket, lane: Lane) -> None:
@@ -389,6 +417,11 @@ class Admission:
             if not lanes:
                 del self._sent[ticket]
         self._resends.finished_on(lane, ticket)
+
+    def _settle(self, ticket: Ticket) -> None:
+        """Recount `ticket` where it now is (waiting.Counts: the gauges' ints), once the change
+        that moved it is complete, so no read sees it in two places or in none."""
+        self._counts.settle(ticket, in_flight=ticket in self._sent)
 
     def _unavailable(self, reason: str) -> Refusal:
         return Refusal(RefusalKind.UNAVAILABLE, reason, self._retry_after)

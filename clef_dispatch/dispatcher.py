@@ -5,15 +5,19 @@ Both drivers hold a `Dispatcher`: `clef-serve`'s pipeline submits each validated
 and stopped by one policy, whoever drives:
 
 - admission (`admission.py`): a request goes to the next worker with room, or waits;
-- liveness (`worker_channel.py`): a worker silent for `--stall-timeout` while the front waits on
-  it, or that leaves a request unanswered for `--request-timeout`, is stuck: its stack is
-  logged, then it is killed;
+- liveness (`liveness_timer.py` applies `liveness.py`'s rule; `worker_channel.py` keeps the
+  request deadlines): a worker silent for `--stall-timeout` while the front waits on it, or
+  that leaves a request unanswered for `--request-timeout`, is stuck: its stack is logged
+  (`worker_process.py`), then it is killed;
 - restart (`supervisor.py`, `backoff.py`): a lost worker is replaced, after a back-off only in a
   crash loop;
-- suspicion (`liveness.py`): a worker whose pong or reply is overdue by a short margin drawn
-  from its recent forwards is suspect: no new work for it, and what it holds is sent again at
-  once by the resend-alone rule (the first answer wins); it is healthy again when it answers;
-- resend-alone (`admission.py`): the requests a lost worker held are sent again, once, each
+- suspicion (`liveness.py`, `resend.py`): a worker whose pong or reply is overdue by a short
+  margin drawn from its recent forwards is suspect: no new work for it, and each request it
+  holds gets one copy, queued at the head of its class and sent by the ordinary rule beside new
+  traffic while its own copy stays in flight (the first answer wins; a request lost with both
+  workers is then sent again alone, so a second loss still isolates it); it is healthy again
+  when it answers, and takes back the copies still queued;
+- resend-alone (`resend.py`): the requests a lost worker held are sent again, once, each
   alone, so a poison request costs only its own answer (500);
 - give-up (`settings.WorkerSettings.max_restarts`): never for the server; clef-batch stops after
   that many replacements, and its rerun resumes.
@@ -221,7 +225,7 @@ class Dispatcher:
     @property
     def tokens_outstanding(self) -> int:
         """Estimated tokens waiting and in flight (the utilisation gauge's numerator)."""
-        return self._admission.tokens_waiting + self._admission.tokens_in_flight
+        return self._admission.tokens_outstanding
 
     @property
     def ready(self) -> bool:

@@ -11,11 +11,11 @@ Resent tickets also wait through a restart of the last worker (bounded by their 
 A suspect worker (clef_dispatch/liveness.py: its pong or reply is overdue) is not lost yet, and
 nothing stalls for it: each ticket it holds gets one copy, queued at the head of its class and
 sent by admission's ordinary rule to the next worker with room, beside new traffic, while its own
-copy stays in flight (counted once: in flight). The first answer wins and the other is dropped,
-so every client gets exactly one answer; a copy that fails while another is in flight or queued
-is forgotten, and a ticket lost with both workers is sent again alone, as any lost ticket (a
-poison request is still isolated). A suspect that answers again takes back the copies still
-queued.
+copy stays in flight (the ticket counts once, in flight: clef_dispatch/waiting.py). The first
+answer wins and the other is dropped, so every client gets exactly one answer; a copy that fails
+while another is in flight or queued is forgotten, and a ticket lost with both workers is sent
+again alone, as any lost ticket (a poison request is still isolated). A suspect that answers
+again takes back the copies still queued.
 
 `Resends` owns the state of those rules (the lost tickets waiting, the copies queued, the lanes
 running a ticket alone) and `judge` says what a worker's outcome means for a ticket; admission
@@ -27,10 +27,10 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 
 from clef_dispatch.ticket import AdmissionEvents, Lane, Ticket
+from clef_dispatch.waiting import TicketQueue
 from clef_dispatch.worker_errors import WorkerFailure, WorkerLost, WorkerOutcome
 
 log = logging.getLogger("clef_dispatch.resend")
@@ -74,7 +74,7 @@ class Resends:
     """The lost tickets waiting to go again, the suspects' queued copies, the lanes alone.
 
     `keep_deadline` is admission's: a resent ticket waits under the same deadline timer as
-    any other.
+    any other. Admission recounts (waiting.Counts) every ticket these methods move.
     """
 
     def __init__(self, *, events: AdmissionEvents, resend_timeout: float,
@@ -82,13 +82,13 @@ class Resends:
         self._events = events
         self._resend_timeout = resend_timeout
         self._keep_deadline = keep_deadline
-        self._lost: deque[Ticket] = deque()  # lost with their worker: next, each alone
+        self._lost = TicketQueue()  # lost with their worker: next, each alone
         # Copies of a suspect worker's tickets, queued at the head of their class while the
         # original is still in flight (counted there, not as waiting).
         self._copies: set[Ticket] = set()
         self._alone: dict[Lane, Ticket] = {}  # lanes running a resent ticket, and which
 
-    # Reads for the gauges may run on the metrics thread: each walks a `list(...)` copy.
+    # Loop-side only: the gauges read admission's counts (waiting.Counts), never these.
 
     @property
     def lanes_alone(self) -> Mapping[Lane, Ticket]:
@@ -100,19 +100,6 @@ class Resends:
         """Whether a lost ticket waits to be sent again (admission sends nothing new then)."""
         return bool(self._lost)
 
-    def lost_tokens(self) -> int:
-        """Estimated tokens of the lost tickets waiting."""
-        return sum(t.tokens for t in list(self._lost))
-
-    def depth_correction(self, priority: str | None = None) -> int:
-        """What the class queues' lengths miss (lost tickets waiting) less what they hold too
-        many (queued copies, whose tickets count in flight); for one class, or all (None)."""
-        lost, copies = list(self._lost), list(self._copies)
-        if priority is None:
-            return len(lost) - len(copies)
-        return (sum(t.priority == priority for t in lost)
-                - sum(t.priority == priority for t in copies))
-
     def is_copy(self, ticket: Ticket) -> bool:
         """Whether `ticket` is in a class queue as a suspect's copy."""
         return ticket in self._copies
@@ -120,7 +107,7 @@ class Resends:
     def is_lost_waiting(self, ticket: Ticket) -> bool:
         return ticket in self._lost
 
-    def copy(self, held: Iterable[Ticket], waiting: Mapping[str, deque[Ticket]]) -> None:
+    def copy(self, held: Iterable[Ticket], waiting: Mapping[str, TicketQueue]) -> None:
         """A worker became suspect holding `held` (oldest first): each gets one copy, queued at
         the head of its class in `waiting` (the oldest first in line)."""
         for ticket in reversed(list(held)):
@@ -148,10 +135,7 @@ class Resends:
 
     def unqueue_lost(self, ticket: Ticket) -> bool:
         """Take `ticket` out of the lost tickets waiting; False if it was not there."""
-        if ticket in self._lost:
-            self._lost.remove(ticket)
-            return True
-        return False
+        return self._lost.remove(ticket)
 
     def lose(self, ticket: Ticket, failure: WorkerLost) -> None:
         """Queue a ticket lost with its worker to be sent again, alone, before anything else:
@@ -171,16 +155,14 @@ class Resends:
         """The oldest lost ticket waiting, taken out to be sent alone (`lost_waiting` first)."""
         return self._lost.popleft()
 
-    def drop_answered(self) -> None:
-        """Forget lost tickets already answered by another copy."""
-        if any(ticket.outcome.done() for ticket in self._lost):
-            self._lost = deque(t for t in self._lost if not t.outcome.done())
+    def drop_answered(self) -> list[Ticket]:
+        """Forget lost tickets already settled (answered elsewhere, or their client left);
+        return those dropped."""
+        return self._lost.take(_answered)
 
     def take_all_lost(self) -> list[Ticket]:
         """Every lost ticket waiting, taken out (to be refused)."""
-        lost = list(self._lost)
-        self._lost.clear()
-        return lost
+        return self._lost.take(_every)
 
     def running_alone(self, lane: Lane, ticket: Ticket) -> None:
         self._alone[lane] = ticket
@@ -189,3 +171,11 @@ class Resends:
         """`ticket`'s copy on `lane` is answered, failed or never sent: the lane is free."""
         if self._alone.get(lane) is ticket:
             del self._alone[lane]
+
+
+def _answered(ticket: Ticket) -> bool:
+    return ticket.outcome.done()
+
+
+def _every(_: Ticket) -> bool:
+    return True

@@ -72,6 +72,7 @@ class Ticket:
     resent: bool = False  # sent again alone after its worker was lost (never a second time)
     copied: bool = False  # a copy was queued while a suspect worker held it (liveness.py)
     tokens: int = 0  # its estimated token cost (load.TokenEstimate), for the utilisation gauge
+    queued: bool = False  # has an entry in a queue (waiting.TicketQueue sets it)
     # Queue time is counted per send: the time waiting before each, never the time spent on
     # a worker that was then lost or suspect.
     waiting: bool = True

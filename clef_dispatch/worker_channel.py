@@ -1,4 +1,4 @@
-"""One worker process and the framed pipe to it: spawn, wait for `ready`, submit, stop.
+"""The framed pipe to one worker process: wait for `ready`, submit, stop.
 
 Several requests may be outstanding at once (the worker micro-batches what is waiting on its
 pipe); each reply is matched to its request by id, and each request has its own deadline. The
@@ -23,15 +23,16 @@ request fails at once with `WorkerFailure` (exactly those, nothing else) and `br
 resolves, so the supervisor can replace the process. A broken channel is never reused, because
 after one bad frame nothing later on the pipe can be trusted either.
 
-A worker killed as hung or stalled first dumps its stack (worker_process.py); the failures a
-channel reports, and the one word each is counted under, are worker_errors.py's.
+The process itself is worker_process.py's: `spawn` starts it there (its stdout wired to this
+channel's callbacks) and builds the channel over it; a worker killed as hung or stalled first
+dumps its stack, and every exit is reaped, there too. The failures a channel reports, and the
+one word each is counted under, are worker_errors.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,7 @@ from clef_dispatch.worker_errors import (
     WorkerProtocolError,
     WorkerStalled,
 )
-from clef_dispatch.worker_process import dump_stack, exit_code
+from clef_dispatch.worker_process import dump_stack, exit_code, start_worker
 from clef_protocol import messages
 from clef_protocol.errors import ProtocolError
 from clef_protocol.frames import MAX_FRAME_BYTES, FrameBuffer, encode_frame
@@ -76,32 +77,8 @@ class _Outstanding:
     timeout: float
 
 
-class _Pipes(asyncio.subprocess.SubprocessStreamProtocol):
-    """The worker's pipes: stdin stays a StreamWriter; stdout goes straight to the channel.
-
-    Decoding replies in the pipe's own callback, instead of in a task reading a StreamReader,
-    saves an event-loop turn per reply: the reply reaches its request the moment it arrives.
-    """
-
-    def __init__(self, channel: WorkerChannel, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(limit=2**16, loop=loop)
-        self._channel = channel
-
-    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
-        if fd == 1:
-            assert isinstance(data, bytes)
-            self._channel._on_output(data)
-        else:
-            super().pipe_data_received(fd, data)
-
-    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
-        super().pipe_connection_lost(fd, exc)
-        if fd == 1:
-            self._channel._on_output_end()
-
-
 class WorkerChannel:
-    """A started worker process; use `spawn`, then `wait_ready`, then `submit`."""
+    """The pipe to one started worker; use `spawn`, then `wait_ready`, then `submit`."""
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -123,30 +100,12 @@ class WorkerChannel:
     async def spawn(
         cls, argv: tuple[str, ...], env: Mapping[str, str] | None = None
     ) -> WorkerChannel:
-        """Start the worker; stderr is inherited so its log lines reach ours and never fill.
-
-        `env` adds to (or overrides in) the front's environment, e.g. the worker's
-        `CUDA_VISIBLE_DEVICES`.
-
-        The worker gets its own session: signals aimed at the front's process group (Ctrl-C,
-        timeout(1), job control) reach only the front, which drains and then stops the worker
-        with a `shutdown` frame, instead of killing the request in flight.
-        """
+        """Start the worker (worker_process.start_worker: its own session, stderr inherited,
+        `env` added to the front's) and the channel over it; its stdout feeds this channel
+        from the start."""
         channel = cls()
-        loop = channel._loop
-        try:
-            transport, protocol = await loop.subprocess_exec(
-                lambda: _Pipes(channel, loop),
-                *argv,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=None,
-                start_new_session=True,
-                env=None if not env else {**os.environ, **env},
-            )
-        except OSError as exc:
-            raise WorkerFailure(f"cannot run worker command {argv[0]!r}: {exc}") from None
-        channel._process = asyncio.subprocess.Process(transport, protocol, loop)
+        channel._process = await start_worker(argv, env, on_output=channel._on_output,
+                                              on_output_end=channel._on_output_end)
         return channel
 
     @property

@@ -1,11 +1,18 @@
-"""A worker process's life outside its pipe: the stack of a stuck one, and its exit.
+"""A worker process's life outside its pipe: its start, the stack of a stuck one, its exit.
 
 Apart from the channel (worker_channel.py: frames, replies, the request watchdog and the
-liveness timer), because these act on the process whatever its pipe says: a worker killed as
-hung or stalled is first sent `STACK_DUMP_SIGNAL` (and SIGCONT, should it be stopped): it writes
-every thread's stack to the log and exits, so the log says where it was stuck; one still there
-`STACK_DUMP_SECONDS` later is SIGKILLed (gunicorn's SIGABRT-then-SIGKILL, without the core
-file). Every process is reaped, so no zombie is left behind.
+liveness timer), because these act on the process whatever its pipe says.
+
+Start (`start_worker`): the worker runs in its own session with stdin and stdout piped and
+stderr inherited; the bytes on its stdout go straight to the channel's callbacks.
+The channel exists before the process, not after: output may arrive as soon as the pipes are
+connected, before the start returns, and must already have somewhere to go.
+
+Stack and exit: a worker killed as hung or stalled is first sent `STACK_DUMP_SIGNAL` (and
+SIGCONT, should it be stopped): it writes every thread's stack to the log and exits, so the log
+says where it was stuck; one still there `STACK_DUMP_SECONDS` later is SIGKILLed (gunicorn's
+SIGABRT-then-SIGKILL, without the core file). Every process is reaped, so no zombie is left
+behind.
 """
 
 from __future__ import annotations
@@ -13,11 +20,70 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+from collections.abc import Callable, Mapping
 
+from clef_dispatch.worker_errors import WorkerFailure
 from clef_protocol import messages
 
 log = logging.getLogger("clef_dispatch.worker_process")
+
+
+class _Pipes(asyncio.subprocess.SubprocessStreamProtocol):
+    """The worker's pipes: stdin stays a StreamWriter; stdout goes straight to the channel.
+
+    Decoding replies in the pipe's own callback, instead of in a task reading a StreamReader,
+    saves an event-loop turn per reply: the reply reaches its request the moment it arrives.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_output: Callable[[bytes], None],
+                 on_output_end: Callable[[], None]) -> None:
+        super().__init__(limit=2**16, loop=loop)
+        self._on_output = on_output
+        self._on_output_end = on_output_end
+
+    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
+        if fd == 1:
+            assert isinstance(data, bytes)
+            self._on_output(data)
+        else:
+            super().pipe_data_received(fd, data)
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        super().pipe_connection_lost(fd, exc)
+        if fd == 1:
+            self._on_output_end()
+
+
+async def start_worker(argv: tuple[str, ...], env: Mapping[str, str] | None, *,
+                       on_output: Callable[[bytes], None],
+                       on_output_end: Callable[[], None]) -> asyncio.subprocess.Process:
+    """Start the worker: each chunk of its stdout goes to `on_output` (in the pipe's callback),
+    then `on_output_end` once it closes; stderr is inherited so its log lines reach ours and
+    never fill a pipe.
+
+    `env` adds to (or overrides in) the front's environment, e.g. the worker's
+    `CUDA_VISIBLE_DEVICES`.
+
+    The worker gets its own session: signals aimed at the front's process group (Ctrl-C,
+    timeout(1), job control) reach only the front, which drains and then stops the worker
+    with a `shutdown` frame, instead of killing the request in flight.
+    """
+    loop = asyncio.get_running_loop()
+    try:
+        transport, protocol = await loop.subprocess_exec(
+            lambda: _Pipes(loop, on_output, on_output_end),
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=None,
+            start_new_session=True,
+            env=None if not env else {**os.environ, **env},
+        )
+    except OSError as exc:
+        raise WorkerFailure(f"cannot run worker command {argv[0]!r}: {exc}") from None
+    return asyncio.subprocess.Process(transport, protocol, loop)
 
 
 async def dump_stack(process: asyncio.subprocess.Process) -> None:

@@ -1,14 +1,15 @@
 """The resend rules on their own (clef_dispatch/resend.py): what a worker's outcome means for a
-ticket, and how lost tickets and suspects' copies count in the queue depth."""
+ticket, and where lost tickets and suspects' copies wait (how admission counts them is
+tests/test_waiting_counts.py's)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 
 from clef_dispatch.resend import Resends, Verdict, judge
 from clef_dispatch.ticket import AdmissionEvents, Ticket
 from clef_dispatch.urgency import BULK, CLASSES, INTERACTIVE
+from clef_dispatch.waiting import TicketQueue
 from clef_dispatch.worker_errors import WorkerFailure, WorkerLost
 from clef_protocol.messages import WorkerReply
 
@@ -38,14 +39,14 @@ def test_judge_names_each_case() -> None:
         loop.close()
 
 
-def test_lost_tickets_and_copies_correct_the_depth_and_keep_their_deadline() -> None:
+def test_lost_tickets_and_copies_wait_apart_and_keep_their_deadline() -> None:
     loop = asyncio.new_event_loop()
     try:
         kept: list[Ticket] = []
         resent: list[str] = []
         resends = Resends(events=AdmissionEvents(resent=resent.append), resend_timeout=30.0,
                           keep_deadline=kept.append)
-        waiting: dict[str, deque[Ticket]] = {name: deque() for name in CLASSES}
+        waiting = {name: TicketQueue() for name in CLASSES}
         lost, held_a, held_b = _ticket(loop, 1, BULK), _ticket(loop, 2), _ticket(loop, 3)
         for ticket in (lost, held_a, held_b):
             ticket.sent(0.0)
@@ -55,12 +56,12 @@ def test_lost_tickets_and_copies_correct_the_depth_and_keep_their_deadline() -> 
         resends.copy([held_a], waiting)  # one copy per ticket, ever
         assert list(waiting[INTERACTIVE]) == [held_a, held_b]  # oldest first at the head
         assert resent == ["crash", "suspect", "suspect"]
-        # copies count in flight, not waiting; the lost ticket waits in its class
-        assert resends.depth_correction() == 1 - 2
-        assert resends.depth_correction(BULK) == 1
-        assert resends.depth_correction(INTERACTIVE) == -2
+        # the copies wait in their class queue, the lost ticket apart from it (each queued once)
+        assert [resends.is_copy(t) for t in (lost, held_a, held_b)] == [False, True, True]
+        assert resends.is_lost_waiting(lost) and not waiting[BULK]
+        assert all(t.queued for t in (lost, held_a, held_b))
         assert resends.to_take_back([held_b]) == [held_b] and not held_b.copied
         assert resends.lost_waiting and resends.pop_lost() is lost
-        assert not resends.lost_waiting
+        assert not resends.lost_waiting and not lost.queued
     finally:
         loop.close()
