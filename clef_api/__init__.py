@@ -8,8 +8,9 @@ files), so neither restates them and `clef_tools` imports nothing of the front:
 | module | job |
 |---|---|
 | `routes.py` | the route table (404, 405) |
-| `checks.py` | the request checks, in contract order: one function from route, headers and body |
-|  | to a checked request or its refusal |
+| `checks.py` | the request checks, in contract order: `RequestRules`, one function from route, |
+|  | headers and body to a checked request or its refusal (`check`), made of the stages the |
+|  | front runs one by one as the request streams in (target, head, body) |
 | `framing.py` | the framing headers a request declared (Content-Length, Transfer-Encoding) |
 | `workers_ai.py` | the Workers-AI route: its path, the model check and the envelope |
 | `catalogue.py` | the model names served (`/v1/models`, the Workers-AI model check) and the |

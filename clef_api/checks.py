@@ -1,13 +1,16 @@
-"""The checks of a scoring request, in the order of docs/http-contract.md, as pure functions.
+"""The checks of a scoring request, in the order of docs/http-contract.md: `RequestRules`.
 
-Both drivers run them: `clef-serve`'s pipeline one stage at a time (its own steps, the key and
-the quota, come between them, and the body is read between the head's checks and the body's),
-`clef-batch` all at once for each input line (`RequestRules.check`). One module, one order: a
-refusal added here reaches both, with the same status and `detail`. Each check returns the value
-the next stage needs or the `Reply` that ends the request (the first failure wins).
+Both drivers run them through `RequestRules`' stage methods, and only through them: `clef-serve`'s
+pipeline one stage at a time (its own steps, the key and the quota, come between the target and
+the head, and the body is read between the head and the body, so a refused head costs no
+upload), `clef-batch` all at once for each input line (`RequestRules.check`, which calls the same
+stages in the same order). One class, one order: a refusal added to a stage reaches both, with
+the same status and `detail`. Each stage returns the value the next one needs or the `Reply`
+that ends the request (the first failure wins).
 
-    target (Workers-AI model, 404) -> head (rows 1-5: 411, 400, 413, 415) -> body (rows 8-12:
-    400 malformed JSON, 422 invalid request)
+    check_target (Workers-AI model, 404) -> check_head (rows 1-5: 411, 400, 413, 415)
+    -> check_body (rows 8-12: 400 malformed JSON, 422 invalid request; with variants served,
+    the body's model: 404, 422)
 """
 
 from __future__ import annotations
@@ -31,35 +34,6 @@ JSON_MEDIA_TYPE = "application/json"
 _DECIMAL = re.compile(rb"[0-9]+")
 
 
-def check_target(target: bytes, catalogue: Catalogue) -> Reply | None:
-    """The Workers-AI route's model name: None if the path names a model served (or is not a
-    Workers-AI path), else its 404."""
-    run = workers_ai.run_target(target)
-    return workers_ai.check_model(run, catalogue) if run is not None else None
-
-
-def check_head(
-    framing: FramingHeaders, content_type: bytes | None, body_limit: int
-) -> int | Reply:
-    """Rows 1-5: the body length to read, or the refusal (the body is then never read)."""
-    if framing.transfer_encodings:
-        return responses.error(
-            411, "Content-Length is required; chunked requests are unsupported", close=True
-        )
-    if len(framing.content_lengths) != 1:
-        return responses.error(411, "one Content-Length is required", close=True)
-    raw = framing.content_lengths[0]
-    if not _DECIMAL.fullmatch(raw):
-        return responses.error(400, "invalid Content-Length", close=True)
-    # Compare digit counts first: int() of a huge digit string is slow or refused outright.
-    digits = raw.lstrip(b"0") or b"0"
-    if len(digits) > len(str(body_limit)) or int(digits) > body_limit:
-        return responses.error(413, "request exceeds body limit", close=True)
-    if media_type(content_type) != JSON_MEDIA_TYPE:
-        return responses.error(415, "Content-Type must be application/json", close=True)
-    return int(digits)
-
-
 def media_type(content_type: bytes | None) -> str | None:
     """`Application/JSON; charset=utf-8` -> `application/json`; None when absent."""
     if content_type is None:
@@ -67,41 +41,66 @@ def media_type(content_type: bytes | None) -> str | None:
     return content_type.split(b";", 1)[0].strip(b" \t").decode("latin-1").lower()
 
 
-def check_body(body: bytes, limits: RequestLimits) -> Reply | dict[str, Any]:
-    """Rows 8-12: the parsed request when it may join the queue, else its 400 or 422 (the
-    parsed request is kept, so nothing after validation parses the body again)."""
-    try:
-        request = parse_body(body)
-    except BadRequestBody as exc:
-        return responses.error(400, str(exc))
-    try:
-        validate_request(request, limits)
-    except RequestInvalid as exc:
-        return responses.error(422, str(exc))
-    return request
-
-
 @dataclass(frozen=True)
 class RequestRules:
-    """What the checks consult: the request limits, the names served and the body limit."""
+    """What the checks consult (the request limits, the names served, the body limit) and the
+    checks themselves, as stages; built once per server or run, not per request."""
 
     limits: RequestLimits
     catalogue: Catalogue
     body_limit: int = DEFAULT_BODY_LIMIT
 
+    def check_target(self, target: bytes) -> Reply | None:
+        """The Workers-AI route's model name: None if the path names a model served (or is not
+        a Workers-AI path), else its 404."""
+        run = workers_ai.run_target(target)
+        return workers_ai.check_model(run, self.catalogue) if run is not None else None
+
+    def check_head(self, framing: FramingHeaders, content_type: bytes | None) -> int | Reply:
+        """Rows 1-5: the body length to read, or the refusal (the body is then never read)."""
+        if framing.transfer_encodings:
+            return responses.error(
+                411, "Content-Length is required; chunked requests are unsupported", close=True
+            )
+        if len(framing.content_lengths) != 1:
+            return responses.error(411, "one Content-Length is required", close=True)
+        raw = framing.content_lengths[0]
+        if not _DECIMAL.fullmatch(raw):
+            return responses.error(400, "invalid Content-Length", close=True)
+        # Compare digit counts first: int() of a huge digit string is slow or refused outright.
+        digits = raw.lstrip(b"0") or b"0"
+        if len(digits) > len(str(self.body_limit)) or int(digits) > self.body_limit:
+            return responses.error(413, "request exceeds body limit", close=True)
+        if media_type(content_type) != JSON_MEDIA_TYPE:
+            return responses.error(415, "Content-Type must be application/json", close=True)
+        return int(digits)
+
+    def check_body(self, target: bytes, body: bytes) -> dict[str, Any] | Reply:
+        """Rows 8-12, then the body's `model` against the variants served: the parsed request
+        when it may join the queue, else its 400, 404 or 422 (the parsed request is kept, so
+        nothing after validation parses the body again)."""
+        try:
+            request = parse_body(body)
+        except BadRequestBody as exc:
+            return responses.error(400, str(exc))
+        try:
+            validate_request(request, self.limits)
+        except RequestInvalid as exc:
+            return responses.error(422, str(exc))
+        if not self.catalogue.variants:  # any name is accepted: skip the path's parse
+            return request
+        # With fine-tuned variants served, the body's model must be one this server serves.
+        return self.catalogue.check_body_model(request.get("model"),
+                                               workers_ai.path_model(target)) or request
+
     def check(self, target: bytes, framing: FramingHeaders, content_type: bytes | None,
               body: bytes) -> dict[str, Any] | Reply:
-        """Every check of a scoring request at once, in contract order: the parsed, valid
-        request, or the first refusal."""
-        refused = check_target(target, self.catalogue)
+        """Every stage at once, in contract order: the parsed, valid request, or the first
+        refusal (what `clef-batch` asks of each line)."""
+        refused = self.check_target(target)
         if refused is not None:
             return refused
-        length = check_head(framing, content_type, self.body_limit)
+        length = self.check_head(framing, content_type)
         if isinstance(length, Reply):
             return length
-        checked = check_body(body, self.limits)
-        if isinstance(checked, Reply):
-            return checked
-        # With fine-tuned variants served, the body's model must be one this server serves.
-        return self.catalogue.check_body_model(checked.get("model"),
-                                               workers_ai.path_model(target)) or checked
+        return self.check_body(target, body)

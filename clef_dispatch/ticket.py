@@ -78,6 +78,7 @@ class Ticket:
     waiting: bool = True
     waiting_since: float = 0.0
     queued_s: float = 0.0
+    last_wait_s: float = 0.0  # the wait that ended at the latest send (`started_at`)
 
     def __post_init__(self) -> None:
         self.waiting_since = self.enqueued_at
@@ -93,9 +94,21 @@ class Ticket:
         if not self.waiting:
             self.waiting, self.waiting_since = True, time.monotonic()
 
+    @property
+    def last_wait(self) -> tuple[float, float | None]:
+        """The latest wait for a worker, per send as `queue_ms` counts it: (began, ended at
+        the latest send), or (began, None) when no send has ended it (still waiting, or
+        refused or given up unsent since it was queued). A suspect's copy that never went
+        leaves the wait before the send that answered."""
+        started = self.started_at
+        if started is not None:
+            return started - self.last_wait_s, started
+        return self.waiting_since, None
+
     def sent(self, now: float) -> None:
         if self.waiting:
-            self.queued_s += now - self.waiting_since
+            self.last_wait_s = now - self.waiting_since
+            self.queued_s += self.last_wait_s
             self.waiting = False
         self.started_at = now
 

@@ -1,9 +1,11 @@
-"""The client-facing surface around the contract's routes: keys, model names, envelope.
+"""The client-facing surface around the contract's routes: keys, model list, envelope.
 
 One object the connection consults at two points, so the connection's loop stays the contract's
 loop:
-- `decide_from_head`, right after routing and before any body byte is read: the API key (401),
-  the Workers-AI model name (404), and `GET /v1/models`, answered from memory;
+- `decide_from_head`, right after routing and before any body byte is read: the API key (401)
+  and `GET /v1/models`, answered from memory (the Workers-AI model name, 404, is the request
+  checks' first stage, `clef_api.checks.RequestRules.check_target`, which the pipeline runs
+  next);
 - `finish`, on every reply about to be sent: a Workers-AI target gets Cloudflare's envelope,
   whatever stage produced the reply.
 `/health` stays open for probes and is never enveloped.
@@ -15,7 +17,6 @@ from dataclasses import dataclass, field
 
 from clef_api import workers_ai
 from clef_api.catalogue import Catalogue
-from clef_api.checks import check_target
 from clef_api.responses import Reply
 from clef_api.routes import Route
 from clef_frontend.auth import ApiKeys
@@ -28,10 +29,8 @@ class ApiSurface:
     keys: ApiKeys = field(default_factory=ApiKeys)
     catalogue: Catalogue = field(default_factory=lambda: Catalogue(("clef-flash",)))
 
-    def decide_from_head(
-        self, found: Route, target: bytes, authorization: bytes | None
-    ) -> Reply | None:
-        """The reply the head alone decides for a key-protected route, or None to go on."""
+    def decide_from_head(self, found: Route, authorization: bytes | None) -> Reply | None:
+        """The reply the key and the route alone decide, or None to go on."""
         if found is Route.HEALTH:
             return None
         denied = self.keys.check(authorization)
@@ -39,15 +38,7 @@ class ApiSurface:
             return denied
         if found is Route.MODELS:
             return self.catalogue.reply()
-        if found is Route.WORKERS_AI:
-            return check_target(target, self.catalogue)
         return None
-
-    def check_body_model(self, target: bytes, request: dict[str, object]) -> Reply | None:
-        """Once the body is valid: its `model` against the variants served
-        (`Catalogue.check_body_model`; the Workers-AI path's model beside it)."""
-        return self.catalogue.check_body_model(request.get("model"),
-                                               workers_ai.path_model(target))
 
     def finish(self, target: bytes | None, reply: Reply) -> Reply:
         """The reply as the route's clients expect it: enveloped on the Workers-AI route."""

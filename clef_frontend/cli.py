@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     queue.add_argument("--answer-cache-bytes", type=positive_int, default=d.answer_cache_bytes,
                        metavar="BYTES",
                        help="the most the kept answers may hold together (their bodies and "
-                            "keys; default 64 MiB): the least recently used go first")
+                            f"keys; default {d.answer_cache_bytes // 2**20} MiB): the least "
+                            "recently used go first")
     queue.add_argument("--objective-class", type=_objective_class, action="append", default=[],
                        metavar="NAME=CLASS",
                        help="behind the inference gateway: requests whose "

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from clef_api.checks import DEFAULT_BODY_LIMIT
 from clef_dispatch import WorkerSettings
+from clef_frontend.answer_cache import DEFAULT_CACHE_BYTES
 from clef_frontend.body_rate import BodyRateRule
 from clef_frontend.priority import check_objective_classes
 from clef_protocol.frames import MAX_FRAME_BYTES
@@ -54,8 +55,8 @@ class ServerConfig:
     # not for whole eval sweeps.
     answer_cache: int = 1024
     # ...and the bytes they may hold together (bodies and keys): answers with many options run
-    # to tens of KB, so a count alone does not bound the memory.
-    answer_cache_bytes: int = 64 * 1024 * 1024
+    # to tens of KB, so a count alone does not bound the memory (the cache owns the default).
+    answer_cache_bytes: int = DEFAULT_CACHE_BYTES
     # Behind the inference gateway: InferenceObjective names mapped to priority classes
     # (--objective-class NAME=CLASS; priority.py owns the rule). Empty: objectives are ignored.
     objective_classes: tuple[tuple[str, str], ...] = ()

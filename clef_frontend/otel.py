@@ -95,8 +95,10 @@ class Finished:
 
     status: int
     route: str
-    enqueued_at: float | None = None  # None: it never reached the queue
-    sent_at: float | None = None  # handed to a worker (None: it never left the queue)
+    # Its last wait for a worker (`Ticket.last_wait`): queue time per send, as the access line,
+    # Server-Timing and the histogram count it, never time on a worker lost or suspect.
+    queued_at: float | None = None  # that wait began (None: it never reached the queue)
+    sent_at: float | None = None  # ...and ended, handed to a worker (None: no send ended it)
     answered_at: float | None = None  # the worker's reply arrived
     worker_ms: float | None = None
     stages: Mapping[str, float] | None = None
@@ -142,15 +144,15 @@ class RequestSpan:
             span.set_attribute("clef.cache", done.cache)
         tracer = self._tracing.tracer
         inside = set_span_in_context(span)
-        if done.cache is not None and done.enqueued_at is None and done.shared_at is not None:
+        if done.cache is not None and done.queued_at is None and done.shared_at is not None:
             cache_end = self._ns(done.answered_at) if done.answered_at is not None else end_ns
             tracer.start_span("cache", context=inside, start_time=self._ns(done.shared_at),
                               attributes={"clef.cache": done.cache}).end(cache_end)
-        if done.enqueued_at is not None:
+        if done.queued_at is not None:
             queue_end = done.sent_at if done.sent_at is not None else done.answered_at
             queue_end_ns = self._ns(queue_end) if queue_end is not None else end_ns
             tracer.start_span("queue", context=inside,
-                              start_time=self._ns(done.enqueued_at)).end(queue_end_ns)
+                              start_time=self._ns(done.queued_at)).end(queue_end_ns)
         if done.answered_at is not None:
             attributes: dict[str, Any] = {}
             if done.batch_size is not None:
@@ -309,10 +311,9 @@ def end(span: RequestSpan | None, *, status: int, route: str, ticket: Ticket | N
     if span is None:
         return
     reply = ticket.worker_reply if ticket is not None else None
+    queued_at, sent_at = ticket.last_wait if ticket is not None else (None, None)
     span.finish(Finished(
-        status=status, route=route,
-        enqueued_at=ticket.enqueued_at if ticket is not None else None,
-        sent_at=ticket.started_at if ticket is not None else None,
+        status=status, route=route, queued_at=queued_at, sent_at=sent_at,
         answered_at=answered_at if reply is not None or ticket is None else None,
         cache=cache, shared_at=shared_at,
         worker_ms=ticket.worker_ms if ticket is not None else None,

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from clef_api import responses, workers_ai
-from clef_api.checks import check_body, check_head
+from clef_api.checks import RequestRules
 from clef_api.responses import Reply
 from clef_api.routes import Route, route
 from clef_dispatch import Refusal, Ticket
@@ -51,7 +51,6 @@ from clef_frontend.request_context import (
     Step,
 )
 from clef_frontend.traffic import TrafficSteps
-from clef_protocol.options import RequestLimits
 
 __all__ = ["ClientGone", "HealthReply", "Pipeline", "RequestContext", "RequestIO", "Step"]
 
@@ -98,6 +97,8 @@ class Pipeline:
         self.health = health
         self.metrics = metrics
         self.api = api or ApiSurface()
+        # The request checks' stages, in the one order clef_api owns (clef-batch runs the same).
+        self.rules = RequestRules(config.limits, self.api.catalogue, config.body_limit)
         self.cache = cache if cache is not None else AnswerCache(
             config.answer_cache, config.answer_cache_bytes, config.queue_timeout)
         self.traffic = TrafficSteps(self.api.keys, metrics, self.cache,
@@ -166,18 +167,21 @@ class Pipeline:
         return None
 
     async def decide_from_head(self, ctx: RequestContext) -> Reply | None:
-        """API key (401), Workers-AI model name (404), `/v1/models`: before any body byte."""
-        assert ctx.route is not None
-        decided = self.api.decide_from_head(ctx.route, ctx.target, ctx.header(b"authorization"))
+        """API key (401), `/v1/models`, then the checks' target stage (Workers-AI model name,
+        404): before any body byte."""
+        found = ctx.route
+        assert found is not None
+        decided = self.api.decide_from_head(found, ctx.header(b"authorization"))
+        if decided is None and found is Route.WORKERS_AI:
+            decided = self.rules.check_target(ctx.target)
         if decided is not None:
             ctx.io.skip_body()
         return decided
 
     async def check_post_head(self, ctx: RequestContext) -> Reply | None:
-        """Rows 1-5, from the head alone: the body's length, or the refusal."""
+        """Rows 1-5, the checks' head stage: the body's length, or the refusal."""
         assert ctx.head is not None
-        length = check_head(ctx.head.framing, ctx.header(b"content-type"),
-                                 self.config.body_limit)
+        length = self.rules.check_head(ctx.head.framing, ctx.header(b"content-type"))
         if isinstance(length, Reply):
             return length
         ctx.body_length = length
@@ -193,21 +197,20 @@ class Pipeline:
         return None
 
     async def validate(self, ctx: RequestContext) -> Reply | None:
-        """Rows 8-12: parse and validate before admission, so a bad request never waits; the
-        request's identity for the answer cache is taken from the parsed body here, once."""
-        assert ctx.body is not None
+        """Rows 8-12 and the body's model, the checks' body stage: before admission, so a bad
+        request never waits; the request's identity for the answer cache is taken from the
+        parsed body here, once."""
+        body = ctx.body
+        assert body is not None
         key_name = (ctx.key or NO_KEY) if self.cache.enabled else None
-        if len(ctx.body) > INLINE_CHECK_BYTES:
-            checked = await asyncio.to_thread(_check, ctx.body, self.config.limits, key_name)
+        if len(body) > INLINE_CHECK_BYTES:
+            checked = await asyncio.to_thread(_check, self.rules, ctx.target, body, key_name)
         else:
-            checked = _check(ctx.body, self.config.limits, key_name)
+            checked = _check(self.rules, ctx.target, body, key_name)
         if isinstance(checked, Reply):
             return checked
         ctx.request, ctx.identity = checked
-        if self.api.catalogue.variants:
-            refused = self.api.check_body_model(ctx.target, ctx.request)
-            if refused is not None:
-                return refused
+        if self.api.catalogue.variants:  # the model chosen (checked), for its metrics
             ctx.model = ctx.request.get("model")
         return None
 
@@ -327,11 +330,12 @@ class Pipeline:
         logs.unbind_request()
 
 
-def _check(body: bytes, limits: RequestLimits,
+def _check(rules: RequestRules, target: bytes, body: bytes,
            key_name: str | None) -> Reply | tuple[dict[str, Any], bytes | None]:
-    """The parsed and validated body and its identity (None: no cache), or the refusal; run
-    in a thread for large bodies, so neither the parse nor the hash stalls the event loop."""
-    checked = check_body(body, limits)
+    """The checked body (the rules' body stage) and its identity (None: no cache), or the
+    refusal; run in a thread for large bodies, so neither the parse nor the hash stalls the
+    event loop."""
+    checked = rules.check_body(target, body)
     if isinstance(checked, Reply):
         return checked
     return checked, identity(key_name, checked) if key_name is not None else None

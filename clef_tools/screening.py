@@ -1,9 +1,10 @@
 """The API's checks on a job before the worker sees it, and the route's reply shape.
 
 `clef-batch` must refuse exactly what the HTTP API refuses, with the same status and `detail`,
-so it runs the API's own checks (`clef_api.checks.RequestRules.check`, the order both drivers
-share) rather than restating any rule; only a line whose body cannot be a JSON body at all is
-refused here first (400), since the API never sees one.
+so it runs the API's own checks (`clef_api.checks.RequestRules.check`: the stages, in the order,
+the front's pipeline runs one by one) rather than restating any rule; only a line whose body
+cannot be a JSON body at all is refused here, after the target stage (400), since the API never
+sees one.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from clef_api import responses, workers_ai
-from clef_api.checks import JSON_MEDIA_TYPE, RequestRules, check_target
+from clef_api.checks import JSON_MEDIA_TYPE, RequestRules
 from clef_api.framing import FramingHeaders
 from clef_api.responses import Reply
 from clef_tools.batch_input import Job
@@ -28,8 +29,7 @@ class Screen:
     def refuse(self, job: Job) -> Reply | None:
         """The reply the API gives this job before forwarding it, or None to forward."""
         if job.body_error is not None:  # the model check still comes first, as on the server
-            return (check_target(job.target, self.rules.catalogue)
-                    or responses.error(400, job.body_error))
+            return self.rules.check_target(job.target) or responses.error(400, job.body_error)
         length = str(len(job.body)).encode("ascii")
         checked = self.rules.check(job.target, FramingHeaders((), (length,)), _JSON, job.body)
         return checked if isinstance(checked, Reply) else None

@@ -11,9 +11,29 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from clef_dispatch import BULK, EXPIRED_DETAIL, INTERACTIVE, Answer, Outcome, Refusal, RefusalKind
-from clef_frontend.answer_cache import COALESCED, HIT, MISS, AnswerCache, Shared, identity
-from clef_protocol.messages import WorkerReply
+import pytest
+
+from clef_api.responses import from_outcome
+from clef_dispatch import (
+    BULK,
+    EXPIRED_DETAIL,
+    INTERACTIVE,
+    SHARED_EXPIRED_DETAIL,
+    Answer,
+    Outcome,
+    Refusal,
+    RefusalKind,
+)
+from clef_frontend.answer_cache import (
+    COALESCED,
+    HIT,
+    MISS,
+    NOT_SHARED,
+    AnswerCache,
+    Shared,
+    identity,
+)
+from clef_protocol.messages import INFERENCE_FAILED, WorkerReply
 from tests.frontend_helpers import Serve, background, clef_body, clef_request
 from tests.traffic_helpers import metric, wait_until
 
@@ -124,6 +144,20 @@ def _share(cache: AnswerCache, key: bytes, gone: Callable[[], bool] = lambda: Fa
 
 def _answer(body: bytes) -> Answer:
     return Answer(WorkerReply(200, body, None, 1.0))
+
+
+# What the first request of a flight may come to, its HTTP status, and what a joiner that was
+# already waiting is handed: a refusal of the queue (503) or of the deadline (504) is the first
+# request's own, so the joiner is told to go on alone; a worker's answer (200, its 422) and the
+# 500 of a request whose worker was lost twice are the request's, and are handed over.
+LANDINGS = [
+    (Refusal(RefusalKind.UNAVAILABLE, "worker is restarting", 1), 503, NOT_SHARED),
+    (Refusal(RefusalKind.EXPIRED, EXPIRED_DETAIL), 504, NOT_SHARED),
+    (Refusal(RefusalKind.EXPIRED, SHARED_EXPIRED_DETAIL), 504, NOT_SHARED),
+    (_answer(b'{"ok": 4}'), 200, None),
+    (Answer(WorkerReply(422, None, "questions: at least one is required", 1.0)), 422, None),
+    (Refusal(RefusalKind.FAILED, INFERENCE_FAILED), 500, None),
+]
 
 
 def test_one_caller_leaving_does_not_cancel_the_others() -> None:
@@ -297,5 +331,39 @@ def test_a_waiting_flight_is_joined_only_when_it_serves_the_joiner_no_worse() ->
                                client_gone=lambda: False)
             assert late.how == how, (first_class, first_deadline, held, joiner_class,
                                      joiner_deadline)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("outcome", "status", "handed"), LANDINGS,
+                         ids=[str(status) for _, status, _ in LANDINGS])
+def test_a_waiting_joiner_gets_the_shared_answer_but_never_a_503_or_504(
+        outcome: Outcome, status: int, handed: Refusal | None) -> None:
+    """A joiner already waiting when the first request lands: it is handed a 200, a worker's
+    422 and a FAILED 500 as they are, but for a 503 or a 504 it is told `NOT_SHARED` (never
+    shown to a client) and, asking again, is a miss: it is admitted on its own. Only the 200
+    is kept."""
+    assert from_outcome(outcome).status == status
+
+    async def scenario() -> None:
+        cache = AnswerCache(4)
+        first: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        key = identity("-", clef_request())
+        flight = _share(cache, key).flight
+        assert flight is not None
+        cache.admitted(key, flight, first, lambda: True, lambda: None)
+        joiner = _share(cache, key)
+        assert joiner.how == COALESCED and joiner.answer is not None
+        assert not joiner.answer.done()  # waiting before the first request's outcome is set
+        first.set_result(outcome)
+        cache.land(key, flight, first)
+        received = await joiner.answer
+        if handed is NOT_SHARED:
+            assert received is NOT_SHARED and received != outcome
+            again = _share(cache, key)
+            assert again.how == MISS and again.flight is not flight  # admitted on its own
+        else:
+            assert received is outcome
+            assert _share(cache, key).how == (HIT if status == 200 else MISS)
 
     asyncio.run(scenario())

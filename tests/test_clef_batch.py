@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from benchlib.golden import answered, assert_response_matches, refused
-from clef_api.checks import RequestRules, check_body
+from clef_api.checks import RequestRules
 from clef_api.responses import Reply
 from clef_protocol.options import RequestLimits
 from clef_tools.batch_input import BadLine, Job, parse_line, read_input
@@ -384,7 +384,8 @@ def test_read_input_skips_blank_lines_and_numbers_the_rest(tmp_path: Path) -> No
 def test_screening_refuses_as_the_front_does() -> None:
     from clef_api.catalogue import Catalogue
 
-    screen = Screen(RequestRules(RequestLimits(), Catalogue(("clef-flash",)), body_limit=100))
+    rules = RequestRules(RequestLimits(), Catalogue(("clef-flash",)), body_limit=100)
+    screen = Screen(rules)
     body = json.dumps(clef_request()).encode()
     assert screen.refuse(Job(1, "a", b"/v1/systemone", body)) is None
     too_big = Job(1, "a", b"/v1/systemone", body + b" " * 100)
@@ -392,7 +393,7 @@ def test_screening_refuses_as_the_front_does() -> None:
     assert refused_big is not None and refused_big.status == 413
     invalid = json.dumps({"model": "m", "state": "s", "questions": {}}).encode()
     refusal = screen.refuse(Job(1, "a", b"/v1/systemone", invalid))
-    front = check_body(invalid, RequestLimits())
+    front = rules.check_body(b"/v1/systemone", invalid)  # the stage the front's pipeline runs
     assert refusal is not None and isinstance(front, Reply)
     assert (refusal.status, refusal.body) == (front.status, front.body) == (
         422, b'{"detail": "at least one question is required"}')

@@ -14,6 +14,8 @@ from collections.abc import Callable
 import pytest
 
 from clef_api import responses, workers_ai
+from clef_api.catalogue import Catalogue
+from clef_api.checks import RequestRules
 from clef_api.responses import Reply
 from clef_api.routes import Route
 from clef_dispatch import Outcome, WorkerSettings
@@ -23,6 +25,9 @@ from clef_frontend.http1 import BODY_END, Http1Session, Need, RefusedHead, Reque
 from clef_frontend.metrics import LiveState, Metrics
 from clef_frontend.pipeline import ClientGone, Pipeline, RequestContext
 from clef_protocol.messages import Request, WorkerReply
+from clef_protocol.options import RequestLimits
+from clef_tools.batch_input import Job
+from clef_tools.screening import Screen, finish
 from tests.doubles import Admission, FakeLane, FakeWorkers
 
 BODY = json.dumps({"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}).encode()
@@ -191,6 +196,36 @@ def test_a_bad_body_is_refused_before_admission(body: bytes, status: int) -> Non
         assert rig.lane.sent == [] and rig.admission.depth == 0
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("stage", "reads_body"), [
+    ("check_target", False), ("check_head", False), ("check_body", True)])
+def test_a_refusal_added_to_a_stage_reaches_both_drivers(
+    monkeypatch: pytest.MonkeyPatch, stage: str, reads_body: bool
+) -> None:
+    """Both drivers run `RequestRules`' stages and nothing else: a refusal added to one stage is
+    given, byte for byte, by the front's pipeline and by clef-batch's screening, and the front
+    still reads no body byte for a refusal decided before the body stage."""
+    job = Job(1, "a", RUN.encode(), BODY)
+    screen = Screen(RequestRules(RequestLimits(), Catalogue(("clef-flash",))))
+    assert screen.refuse(job) is None  # without the new rule, both would forward it
+    added = responses.error(451, f"refused by a rule added to {stage}")
+    monkeypatch.setattr(RequestRules, stage, lambda self, *args: added)
+
+    async def front() -> tuple[Reply | None, FakeIO]:
+        rig = Rig()
+        io = FakeIO(BODY)
+        # Bounded: a stage the front skipped would send the request on to the held lane.
+        reply = await asyncio.wait_for(rig.serve(rig.context("POST", RUN, BODY, io=io)), 10)
+        assert rig.lane.sent == [] and rig.admission.depth == 0
+        return reply, io
+
+    reply, io = asyncio.run(front())
+    batch = screen.refuse(job)
+    assert batch is added
+    assert reply is not None and (reply.status, reply.body) == (451, finish(job, batch).body)
+    assert b"refused by a rule added to " + stage.encode() in reply.body
+    assert io.body_reads == ([len(BODY)] if reads_body else [])
 
 
 def test_a_body_that_fails_to_arrive_ends_the_request_before_validation() -> None:

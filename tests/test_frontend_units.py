@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from clef_api import responses
-from clef_api.checks import check_head as check_post_head
-from clef_api.checks import media_type
+from clef_api.catalogue import Catalogue
+from clef_api.checks import RequestRules, media_type
 from clef_api.framing import _scan_lines, reparse_without_framing, scan_framing
 from clef_api.responses import Reply
 from clef_api.routes import Route, route
@@ -24,9 +24,11 @@ from clef_frontend.config import ServerConfig
 from clef_protocol import messages
 from clef_protocol.errors import ProtocolError
 from clef_protocol.messages import WorkerReply
+from clef_protocol.options import RequestLimits
 from tests.doubles import Admission, FakeLane, FakeWorkers, reply_of
 
 LIMIT = 8 * 1024 * 1024
+RULES = RequestRules(RequestLimits(), Catalogue(("clef-flash",)), LIMIT)
 
 
 def head(*lines: str) -> bytes:
@@ -62,7 +64,7 @@ def test_scan_framing_fast_path_agrees_with_the_line_by_line_scan(
 @given(st.text(alphabet="0123456789+-abc ,.", max_size=12))
 def test_content_length_rule_matches_the_contract(value: str) -> None:
     framing = scan_framing(head("Content-Length: " + value))
-    outcome = check_post_head(framing, b"application/json", LIMIT)
+    outcome = RULES.check_head(framing, b"application/json")
     stripped = value.strip(" ")
     if not re.fullmatch(r"[0-9]+", stripped):
         assert isinstance(outcome, Reply) and outcome.status == 400
@@ -74,7 +76,7 @@ def test_content_length_rule_matches_the_contract(value: str) -> None:
 
 def test_checks_run_in_contract_order() -> None:
     def status(*lines: str, content_type: bytes | None = b"application/json") -> int:
-        outcome = check_post_head(scan_framing(head(*lines)), content_type, LIMIT)
+        outcome = RULES.check_head(scan_framing(head(*lines)), content_type)
         return outcome.status if isinstance(outcome, Reply) else 0
 
     assert status("Transfer-Encoding: chunked", content_type=None) == 411
@@ -178,7 +180,7 @@ def test_every_head_rescued_from_bad_framing_is_refused_by_rows_1_to_4(
         return  # h11 accepted the framing: nothing to rescue
     rescued = reparse_without_framing(raw)
     assert rescued is not None
-    outcome = check_post_head(scan_framing(raw), b"application/json", LIMIT)
+    outcome = RULES.check_head(scan_framing(raw), b"application/json")
     assert isinstance(outcome, Reply) and outcome.status in (400, 411)
 
 

@@ -7,22 +7,31 @@ opentelemetry-proto. Waiting is a bounded condition on the collector, never a sl
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from clef_dispatch.resend import Resends
+from clef_dispatch.ticket import AdmissionEvents, Ticket
+from clef_dispatch.urgency import CLASSES
+from clef_dispatch.worker_errors import WorkerLost
 from clef_frontend import otel
 from clef_frontend.tracing import (
     NO_TRACE,
     TRACESTATE_MAX_CHARS,
+    TraceContext,
     TraceParent,
     parse_traceparent,
     trace_context_of,
 )
+from clef_protocol.messages import WorkerReply
 from tests.frontend_helpers import REPO, WAIT, Serve, clef_body, free_port
 from tests.otlp_collector import Collector, ExportedSpan, grpc_collector, http_collector
 
@@ -136,6 +145,100 @@ def test_tracing_off_imports_no_sdk() -> None:
                           text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+# -- the queue span, per send ----------------------------------------------------------------
+
+FIRST_WAIT, LAST_WAIT = 0.5, 0.25  # seconds: before the first send, before the resend
+ON_LOST_WORKER = 60.0  # the first send's minute on a worker that was then lost
+
+
+def _queue_span(ticket: Ticket, answered_at: float | None) -> tuple[float, float]:
+    """The queue span `otel.end` gives a request on `ticket`: (start, end) in seconds, on the
+    ticket's monotonic clock (an in-memory exporter, the span anchored as the server's are)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing = otel.Tracing(provider, provider.get_tracer("test"))
+    span = tracing.begin(TraceContext(), b"POST", b"/v1/systemone", "q-1", ticket.enqueued_at)
+    anchor_ns, anchor = time.time_ns(), time.monotonic()
+    otel.end(span, status=200 if answered_at is not None else 503, route="/v1/systemone",
+             ticket=ticket, answered_at=answered_at)
+    [queue] = [s for s in exporter.get_finished_spans() if s.name == "queue"]
+    assert queue.start_time is not None and queue.end_time is not None
+
+    def seconds(ns: int) -> float:
+        return anchor + (ns - anchor_ns) / 1e9
+
+    return seconds(queue.start_time), seconds(queue.end_time)
+
+
+def _lost_and_queued_again() -> tuple[Ticket, float]:
+    """A ticket sent after FIRST_WAIT, lost with its worker a minute later and queued again by
+    the dispatcher's own resend rule; the time it was queued again."""
+    loop = asyncio.new_event_loop()
+    ticket = Ticket(1, b"{}", loop.create_future(),
+                    enqueued_at=time.monotonic() - FIRST_WAIT - ON_LOST_WORKER)
+    loop.close()
+    ticket.sent(ticket.enqueued_at + FIRST_WAIT)
+    Resends(events=AdmissionEvents(), resend_timeout=30.0,
+            keep_deadline=lambda _: None).lose(ticket, WorkerLost("died"))
+    return ticket, ticket.waiting_since
+
+
+def test_a_resent_requests_queue_span_is_its_last_sends_wait() -> None:
+    """The queue span of a request resent after its worker was lost covers the wait before the
+    resend only, never the minute on the lost worker: queue time per send, as the access line,
+    Server-Timing and the histogram count it (their `queue_ms` is both sends' waits)."""
+    ticket, requeued = _lost_and_queued_again()
+    ticket.sent(requeued + LAST_WAIT)
+    ticket.worker_reply, ticket.worker_ms = WorkerReply(200, b"{}", None, 1.0), 1.0
+    start, end = _queue_span(ticket, answered_at=requeued + LAST_WAIT + 0.01)
+    assert abs(start - requeued) < 1e-3 and abs(end - (requeued + LAST_WAIT)) < 1e-3
+    assert end - start < FIRST_WAIT + LAST_WAIT < ON_LOST_WORKER
+    assert abs(ticket.queue_ms - (FIRST_WAIT + LAST_WAIT) * 1000.0) < 1.0
+
+
+def test_a_queue_span_without_a_resend_runs_from_the_queue_to_the_send() -> None:
+    loop = asyncio.new_event_loop()
+    ticket = Ticket(1, b"{}", loop.create_future(), enqueued_at=time.monotonic() - 1.0)
+    loop.close()
+    ticket.sent(ticket.enqueued_at + FIRST_WAIT)
+    ticket.worker_reply, ticket.worker_ms = WorkerReply(200, b"{}", None, 1.0), 1.0
+    start, end = _queue_span(ticket, answered_at=ticket.enqueued_at + 0.9)
+    assert abs(start - ticket.enqueued_at) < 1e-3
+    assert abs(end - (ticket.enqueued_at + FIRST_WAIT)) < 1e-3
+
+
+def test_a_suspects_copy_that_never_went_leaves_the_answered_sends_wait() -> None:
+    """A copy queued while a suspect worker held the ticket, which the suspect then answered:
+    the span is the wait before that send, not the copy's wait."""
+    loop = asyncio.new_event_loop()
+    ticket = Ticket(1, b"{}", loop.create_future(), enqueued_at=time.monotonic() - 1.0)
+    loop.close()
+    ticket.sent(ticket.enqueued_at + FIRST_WAIT)
+    waiting: dict[str, deque[Ticket]] = {name: deque() for name in CLASSES}
+    Resends(events=AdmissionEvents(), resend_timeout=30.0,
+            keep_deadline=lambda _: None).copy([ticket], waiting)
+    assert ticket.copied and ticket.waiting  # the copy waits
+    ticket.worker_reply, ticket.worker_ms = WorkerReply(200, b"{}", None, 1.0), 1.0
+    start, end = _queue_span(ticket, answered_at=time.monotonic())
+    assert abs(start - ticket.enqueued_at) < 1e-3
+    assert abs(end - (ticket.enqueued_at + FIRST_WAIT)) < 1e-3
+
+
+def test_a_request_refused_while_queued_again_has_its_last_wait_to_the_end() -> None:
+    """Lost with its worker, then refused before a resend (503): the span is its wait since it
+    was queued again, ending with the request."""
+    ticket, requeued = _lost_and_queued_again()
+    before_end = time.monotonic()
+    start, end = _queue_span(ticket, answered_at=None)
+    assert abs(start - requeued) < 1e-3
+    assert end >= before_end
 
 
 # -- spans through the running server -------------------------------------------------------
