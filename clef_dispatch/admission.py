@@ -254,6 +254,7 @@ class Admission:
         else:
             for ticket in self._resends.to_take_back(mine):
                 self._unqueue(ticket)
+                ticket.copy_withdrawn()
         for ticket in mine:
             self._settle(ticket)  # in flight all along: counted there, copy or not
         self.pump()
@@ -406,6 +407,7 @@ class Admission:
             ticket.outcome.set_result(Answer(outcome))
         if ticket.outcome.done() and self._resends.is_copy(ticket):
             self._unqueue(ticket)  # answered: its queued copy waits for nothing now
+            ticket.copy_withdrawn()
         self._settle(ticket)
         self.pump()
 

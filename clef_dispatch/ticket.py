@@ -94,6 +94,12 @@ class Ticket:
         if not self.waiting:
             self.waiting, self.waiting_since = True, time.monotonic()
 
+    def copy_withdrawn(self) -> None:
+        """A suspect's copy left its queue unsent (the suspect answered again, or the ticket was
+        answered): the ticket was on a worker all that time, so the copy's wait is no queue
+        time and is dropped, not counted."""
+        self.waiting = False
+
     @property
     def last_wait(self) -> tuple[float, float | None]:
         """The latest wait for a worker, per send as `queue_ms` counts it: (began, ended at

@@ -113,6 +113,31 @@ def test_queue_time_is_counted_per_send() -> None:
     asyncio.run(scenario())
 
 
+def test_a_copy_that_never_went_adds_no_queue_time() -> None:
+    """A suspect's copy waits for room, then the suspect answers (taken back) or the ticket is
+    answered by the suspect: the ticket was on a worker all along, so its queue time is its
+    first wait alone, not the copy's time in the queue until the answer is logged."""
+    async def scenario(answer_first: bool) -> None:
+        suspect, busy = FakeLane(room=1), FakeLane(room=1)
+        admission = Admission(capacity=4, retry_after=1, workers=FakeWorkers(suspect, busy))
+        ticket, _other = admission.submit(b"a"), admission.submit(b"b")
+        first_wait = ticket.queue_ms
+        suspect.room = 0
+        admission.lane_suspect(suspect, True)  # a copy of "a" waits: "busy" has no room
+        if not answer_first:
+            suspect.room = 1
+            admission.lane_suspect(suspect, False)  # answered again: the copy is taken back
+        suspect.answer_oldest()
+        assert (await reply_of(ticket)).status == 200
+        # A minute passes before the answer is logged: every recorded instant moves back.
+        ticket.waiting_since -= 60.0
+        assert ticket.queue_ms < first_wait + 1000.0
+        assert busy.sent == [b"b"]  # the copy never went
+
+    asyncio.run(scenario(answer_first=True))
+    asyncio.run(scenario(answer_first=False))
+
+
 def test_a_queued_copy_is_never_refused_and_becomes_the_resend_when_the_suspect_is_lost(
 ) -> None:
     """The suspect's copy waits (no room elsewhere): refusing the queue (the last worker lost,
