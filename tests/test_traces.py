@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -21,6 +20,7 @@ import pytest
 from clef_dispatch.resend import Resends
 from clef_dispatch.ticket import AdmissionEvents, Ticket
 from clef_dispatch.urgency import CLASSES
+from clef_dispatch.waiting import TicketQueue
 from clef_dispatch.worker_errors import WorkerLost
 from clef_frontend import otel
 from clef_frontend.tracing import (
@@ -221,7 +221,7 @@ def test_a_suspects_copy_that_never_went_leaves_the_answered_sends_wait() -> Non
     ticket = Ticket(1, b"{}", loop.create_future(), enqueued_at=time.monotonic() - 1.0)
     loop.close()
     ticket.sent(ticket.enqueued_at + FIRST_WAIT)
-    waiting: dict[str, deque[Ticket]] = {name: deque() for name in CLASSES}
+    waiting = {name: TicketQueue() for name in CLASSES}
     Resends(events=AdmissionEvents(), resend_timeout=30.0,
             keep_deadline=lambda _: None).copy([ticket], waiting)
     assert ticket.copied and ticket.waiting  # the copy waits
