@@ -33,6 +33,8 @@ Every answer is compared with the C1 answer of the same request within the golde
     python bench/bench_packed_vs_padded.py                # tiny fixture, CPU, both mixes
     python bench/bench_packed_vs_padded.py --threads 1    # on a shared host
     python bench/bench_packed_vs_padded.py --mix uniform  # one mix
+    # rounds of ~3 s instead of ~0.7 s: the uniform ratio (1.0 by construction) within a few %
+    python bench/bench_packed_vs_padded.py --threads 1 --mix uniform --requests 192
     python bench/bench_packed_vs_padded.py --quick        # CI smoke run
 """
 
