@@ -123,6 +123,13 @@ class RequestFilter(logging.Filter):
         return True
 
 
+def lost_writes() -> int:
+    """Writes of log lines the stream refused since start-up (`clef_log_writes_lost_total`):
+    with stderr gone, the metric is where an operator can still see it."""
+    return sum(getattr(handler, "lost_writes", 0)
+               for handler in logging.getLogger(LOGGERS[0]).handlers)
+
+
 def flush() -> None:
     """Write the lines queued in this event-loop turn now: before something else writes to the
     same stream meanwhile (a stuck worker's stack, written by the worker itself)."""

@@ -29,13 +29,14 @@ from prometheus_client import (
     Counter,
     Gauge,
 )
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from clef_api import responses
 from clef_api.responses import Reply
 from clef_dispatch import RESTART_REASONS
 from clef_frontend import exposition
+from clef_frontend.logs import lost_writes
 from clef_frontend.loop_metrics import CounterChild, LoopCounter, LoopHistogram
 from clef_frontend.priority import CLASSES, INTERACTIVE
 from clef_protocol.messages import ReadyInfo, WorkerReply
@@ -149,6 +150,7 @@ class Metrics:
             self.load_registry.register(gauge)
         r.register(_InfoCollector(version, live.worker_info))
         r.register(_SelfCheckCollector(live.worker_info))
+        r.register(_LostLogCollector())
         self._shared_traffic_metrics()
         Gauge("clef_answer_cache_bytes", "Bytes the answer cache's kept answers hold (bodies "
               "and keys), bounded by --answer-cache-bytes.",
@@ -314,6 +316,16 @@ class _InfoCollector(Collector):
             labels[f"version_{_LABEL_UNSAFE.sub('_', package)}"] = version
         yield InfoMetricFamily("clef_model", "The warm worker's model and how it runs.",
                                value=labels)
+
+
+class _LostLogCollector(Collector):
+    """`clef_log_writes_lost_total`: log writes stderr refused (logs.BatchingHandler.flush),
+    read at scrape time from the handler that counts them."""
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "clef_log_writes_lost", "Writes of log lines that stderr refused (its reader gone, "
+            "a full disk): those lines are lost; the server serves on.", value=lost_writes())
 
 
 class _SelfCheckCollector(Collector):
