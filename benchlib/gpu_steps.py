@@ -93,6 +93,11 @@ SUMMARY_FIELDS = (
 )
 # Fields the script computes itself, not read from one step's result.
 OWN_FIELDS = ("date", "commit", "error", "graph_shapes_planned", "answer_cache_hits")
+# Fields a dry run leaves null by design: its quick HTTP steps time 370 tokens only, and
+# `error` is null whenever the sitting could run. Every other field must come back filled from a
+# step that ran (`unfilled`), so a bench whose result keys drift fails the dry run in CI, not
+# the one GPU sitting.
+DRY_RUN_NULL_FIELDS = ("error", "p50_ms_1000tok", "p50_ms_7000tok", "padded_p50_ms_1000tok")
 # The steps whose servers' answer-cache hits are summed (every step that times HTTP).
 HTTP_STEPS = ("http_graphs_cold", "http_padded", "warmup_cached", "http_eager", "two_workers")
 
@@ -267,6 +272,15 @@ def summarise(outcomes: Sequence[Outcome], date: str, commit: str,
         value = _dig(results.get(step), path)
         summary[name] = convert(value) if (convert and value is not None) else value
     return {name: summary[name] for name in SUMMARY_FIELDS}
+
+
+def unfilled(summary: Mapping[str, Any], outcomes: Sequence[Outcome],
+             allowed: Sequence[str] = DRY_RUN_NULL_FIELDS) -> list[str]:
+    """The summary's null fields whose step ran to the end (`ok`) and that may not be null:
+    the step's result lacks the key the summary reads."""
+    ran = {o.name for o in outcomes if o.status == "ok"}
+    return [name for name, (step, _, _) in SOURCES.items()
+            if summary.get(name) is None and step in ran and name not in allowed]
 
 
 def summary_name(date: str) -> str:
@@ -562,11 +576,15 @@ def main(argv: list[str] | None = None) -> int:
     _trim(log, LOG_TAIL_BYTES)
     print(json.dumps(summary, indent=1))
     failed = failing_steps(outcomes, steps, dry_run=args.dry_run)
+    # On the GPU a null field is reported as it is; a dry run checks the wiring behind each.
+    empty = unfilled(summary, outcomes) if args.dry_run else []
+    if empty:
+        print(f"=== the dry run left fields null that its steps should fill: {empty}")
     skipped = [o.name for o in outcomes if o.status == "skipped"]
     print(f"=== {len(outcomes) - len(failed) - len(skipped)} ok, {len(failed)} failed "
           f"{failed}, {len(skipped)} skipped {skipped}; {tuned} autotune results in "
           f"{args.out / AUTOTUNE_ARCHIVE} (copy it to .gpu/ to seed the next sitting)")
-    return 1 if failed or not fits or args.error else 0
+    return 1 if failed or empty or not fits or args.error else 0
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from benchlib.gpu_steps import (
     run_steps,
     seed_autotune,
     summarise,
+    unfilled,
 )
 
 
@@ -332,6 +333,20 @@ def test_kernel_figures_survive_a_failed_capture_in_the_real_plan() -> None:
     eager = parity.without_graphs
     assert eager[eager.index("--cuda-graphs") + 1] == "off"
     assert eager[eager.index("--dtype") + 1] == "bfloat16"
+
+
+def test_a_dry_run_names_the_fields_its_finished_steps_left_null() -> None:
+    """A bench whose result lost a key the summary reads: the dry run names the field (and
+    fails); fields of steps that did not finish, and those quick mode never measures, do not
+    count."""
+    drifted = {key: value for key, value in COLD.items() if key != "throughput"}
+    outcomes = [canned("http_graphs_cold", "ok", drifted),
+                canned("parity_bf16", "timed_out", {}),
+                canned("warmup_cached", "ok", {"warmup_ms": 9000.0, "answer_cache_hits": 0})]
+    summary = summarise(outcomes, "2026-12-03", "abc")
+    assert unfilled(summary, outcomes) == ["c1_rps", "c16_rps", "c32_rps"]
+    complete = [canned("http_graphs_cold", "ok", COLD), *outcomes[1:]]
+    assert unfilled(summarise(complete, "2026-12-03", "abc"), complete) == []
 
 
 def test_the_summary_names_the_dtype_the_bf16_fields_were_measured_in() -> None:
