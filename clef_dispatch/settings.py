@@ -140,11 +140,16 @@ def workers_from(args: argparse.Namespace) -> tuple[tuple[str, ...], int]:
 
 def worker_command(args: argparse.Namespace) -> tuple[str, ...]:
     """The worker's command line: `--worker-command` (or `python -m clef_worker`), then the
-    model flags; ValueError for an empty command."""
+    model flags (and, with `--finetune`, the served names); ValueError for an empty command."""
     command = (shlex.split(args.worker_command) if args.worker_command is not None
                else [sys.executable, "-m", "clef_worker"])
     if not command:
         raise ValueError("--worker-command is empty")
+    served = getattr(args, "served_model_name", None)
+    if args.finetune and served:
+        # With variants the worker scores the base only under the names it was given as the
+        # base's (clef_worker.loading.base_names), so it must know the served names.
+        return (*command, *worker_argv(args), "--served-model-name", *served)
     return (*command, *worker_argv(args))
 
 

@@ -18,6 +18,12 @@ class RequestInvalid(ValueError):
     """The request is well-formed JSON but cannot be answered; str(exc) is the 422 detail."""
 
 
+class UnknownModel(ValueError):
+    """The request's `model` names no model this worker serves (a fine-tuned variant it does not
+    have, say after its checkpoint was removed): refused with 404 `unknown model`, never scored
+    by another model; str(exc) is the detail."""
+
+
 class ProtocolError(ValueError):
     """A frame that breaks the contract: not a frame (`frames.FrameError`), an unknown kind, or
     a field missing or of the wrong type (`messages`); str(exc) says which, for the log."""

@@ -105,6 +105,19 @@ class ModelInfo:
     # The fine-tuned variants served over this model (`--finetune`), each with its `name`,
     # LoRA `rank` and `scale`, `head` file, `checkpoint`, `adapted_modules` and `parameters`.
     finetunes: list[dict[str, Any]] = field(default_factory=list)
+    # Every model this worker serves, by the name clients give it, with its content
+    # fingerprint (hex): the base under its served name (`fingerprint` above), each variant
+    # under its own name, its fingerprint covering the base's and the variant's adapter and
+    # head files. The front serves a kept answer only while a ready worker serves the answer's
+    # model with the answer's fingerprint, and sends a request only to a worker listing its
+    # model. Empty from a worker that predates it (the front then knows the base only).
+    models: dict[str, str] = field(default_factory=dict)
+
+    def variant_fingerprints(self) -> dict[str, str]:
+        """The fine-tuned variants this worker serves, by name, with their fingerprints (a
+        variant listed in `finetunes` without one in `models` maps to "")."""
+        return {str(item.get("name")): self.models.get(str(item.get("name")), "")
+                for item in self.finetunes}
 
 
 def _shapes(value: Any) -> list[list[int]]:
@@ -208,6 +221,8 @@ class ReadyInfo(ModelInfo):
                 captured_shapes=_shapes(message.get("captured_shapes")),
                 kernel_cache=str(message.get("kernel_cache", "")),
                 finetunes=[dict(item) for item in message.get("finetunes") or ()],
+                models={str(name): str(digest)
+                        for name, digest in (message.get("models") or {}).items()},
                 pid=int(message["pid"]),
                 thread=str(message["thread"]),
                 warmup_ms=float(message["warmup_ms"]),
@@ -261,6 +276,9 @@ class WorkerReply:
     # trace spans' only source (clef_frontend.otel), so a malformed one is dropped, not fatal.
     stages: dict[str, float] | None = None
     id: int = 0
+    # The content fingerprint of the model that scored it (`ReadyInfo.models`; responses only,
+    # "" from a worker that predates it): the kept answer is bound to it.
+    weights: str = ""
 
 
 @dataclass(frozen=True)
@@ -326,7 +344,8 @@ def _reply(message: dict[str, Any]) -> WorkerReply:
                            input_tokens=_int(message, "input_tokens", absent=0),
                            truncated_tokens=_int(message, "truncated_tokens", absent=0),
                            batch_size=_int(message, "batch_size", absent=1, least=1),
-                           stages=_stages(message.get("stages")), id=frame_id)
+                           stages=_stages(message.get("stages")), id=frame_id,
+                           weights=_text(message, "weights"))
     detail = message.get("detail")
     if not isinstance(status, int) or not 400 <= status < 600 or not isinstance(detail, str):
         raise ProtocolError(f"malformed error frame (status {status!r})")
@@ -397,6 +416,7 @@ def response(
     truncated_tokens: int = 0,
     batch_size: int = 1,
     stages: dict[str, float] | None = None,
+    weights: str = "",
 ) -> dict[str, Any]:
     """A successful answer: `body` is the final JSON, forwarded to the client unchanged.
 
@@ -411,12 +431,18 @@ def response(
     `stages` (optional, absent when not given) is the worker's part for tracing spans:
     `encode_ms` (this request's parse, validation and encoding), `forward_ms` and `head_ms`
     (the forward that answered it, shared by every request in it).
+
+    `weights` (absent when empty) is the fingerprint of the model that scored it, as `ready`'s
+    `models` lists it: the front binds the answer it keeps to those weights and names them in
+    the response's `Clef-Weights` header.
     """
     frame = {"kind": RESPONSE, "id": request_id, "status": status, "body": body,
              "worker_ms": worker_ms, "input_tokens": input_tokens,
              "truncated_tokens": truncated_tokens, "batch_size": batch_size}
     if stages:
         frame["stages"] = dict(stages)
+    if weights:
+        frame["weights"] = weights
     return frame
 
 

@@ -26,6 +26,10 @@ class Answer:
     that forward's own times (`forward_ms`, `head_ms`): both describe what actually ran, so a
     request the runner answered alone says 1 even when it arrived with others. An executor that
     does not time its stages leaves `stages` empty.
+
+    `model` names the fine-tuned variant that scored it ("" for the base model): the serve loop
+    puts that model's fingerprint in the `response` frame (`weights`), so the front can bind the
+    answer to the weights that made it.
     """
 
     body: bytes
@@ -33,6 +37,7 @@ class Answer:
     truncated_tokens: int = 0
     batch_size: int = 1
     stages: dict[str, float] = field(default_factory=dict)
+    model: str = ""
 
 
 class Executor(Protocol):

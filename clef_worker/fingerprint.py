@@ -193,12 +193,24 @@ def combine(files: Mapping[str, Stat], digests: Mapping[str, bytes]) -> str:
 
 class SnapshotWatch:
     """The snapshot's files as they were before the executor read them; `fingerprint` hashes
-    them and trusts the result only if every file is still the one the watch saw."""
+    them and trusts the result only if every file is still the one the watch saw.
 
-    def __init__(self, root: Path | None, cache: DigestCache | None = None) -> None:
+    `only` restricts the watch to those files (paths relative to the root): a fine-tuned
+    variant's checkpoint is its adapter and head files, not the optimizer state beside them."""
+
+    def __init__(self, root: Path | None, cache: DigestCache | None = None,
+                 only: frozenset[str] | None = None) -> None:
         self.root = root if root is not None and root.is_dir() else None
-        self.before = list_files(self.root) if self.root is not None else {}
+        self.only = only
+        self.before = self._files() if self.root is not None else {}
         self.cache = cache if cache is not None else DigestCache(None)
+
+    def _files(self) -> dict[str, Stat]:
+        assert self.root is not None
+        files = list_files(self.root)
+        if self.only is None:
+            return files
+        return {name: stat for name, stat in files.items() if name in self.only}
 
     def fingerprint(self) -> str:
         """The hex digest of the snapshot's files, or "" without a snapshot directory; raises
@@ -218,7 +230,7 @@ class SnapshotWatch:
                                  strict=True))
         except FileNotFoundError:
             fresh = {}  # removed since the watch began: reported below
-        after = list_files(root)
+        after = self._files()
         if after != self.before:
             changed = sorted(name for name in {*after, *self.before}
                              if after.get(name) != self.before.get(name))
@@ -240,6 +252,18 @@ class SnapshotWatch:
         future = runner.submit(self.fingerprint)
         runner.shutdown(wait=False)
         return future
+
+
+# What a fine-tuned variant's weights are, inside its checkpoint (clef_worker.variants reads
+# these and nothing else: the optimizer's state beside them is never opened).
+VARIANT_FILES = frozenset({"adapter/adapter_config.json", "adapter/adapter_model.safetensors",
+                           "joint_head.safetensors"})
+
+
+def variant_fingerprint(base: str, files: str) -> str:
+    """A variant's fingerprint: its answers depend on the base's weights and on its own adapter
+    and head files, so it changes when either does."""
+    return hashlib.sha256(f"variant\0{base}\0{files}".encode()).hexdigest()
 
 
 def snapshot_fingerprint(root: Path) -> str:

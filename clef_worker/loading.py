@@ -54,3 +54,10 @@ def load_executor(args: argparse.Namespace, snapshot: Path, demo: bool) -> Loade
         batch_layout=args.batch_layout, max_batch_tokens=args.max_batch_tokens,
         max_batch=args.max_batch, batch_window_ms=args.batch_window_ms, finetunes=finetunes,
     ))
+
+
+def base_names(args: argparse.Namespace) -> tuple[str, ...]:
+    """The names the base model answers to: the front's served names and aliases
+    (`--served-model-name`, which the front passes to a worker serving variants), and the
+    `--variant`, the served name when none is given."""
+    return (*(getattr(args, "served_model_name", None) or ()), args.variant)

@@ -15,12 +15,13 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import BinaryIO
 
 from clef_protocol import messages
-from clef_protocol.errors import BadRequestBody, ProtocolError, RequestInvalid
+from clef_protocol.errors import BadRequestBody, ProtocolError, RequestInvalid, UnknownModel
+from clef_protocol.finetune import Finetune, resolve_finetunes
 from clef_protocol.frames import (
     encode_frame,
     read_frame_blocking,
@@ -53,6 +54,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="clef-serve worker: speaks length-prefixed msgpack frames on stdin/stdout.",
     )
     add_model_arguments(parser)
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="with --finetune: the names the base model answers to besides "
+                             "--variant (the front passes its own); any other name that is not "
+                             "a variant is refused (404 unknown model)")
     return parser.parse_args(argv)
 
 
@@ -60,8 +65,12 @@ def _elapsed_ms(start: float) -> float:
     return round((time.perf_counter() - start) * 1000.0, 3)
 
 
-def reply_for(frame_id: int, outcome: Outcome, worker_ms: float) -> tuple[dict, bool]:
-    """The reply frame for one answered or failed request, and whether the executor broke."""
+def reply_for(frame_id: int, outcome: Outcome, worker_ms: float,
+              weights: Mapping[str, str] | None = None) -> tuple[dict, bool]:
+    """The reply frame for one answered or failed request, and whether the executor broke.
+
+    `weights` maps the model that scored an answer (`Answer.model`: "" for the base) to its
+    fingerprint, which the response frame carries."""
     exc = outcome.error
     if exc is None:
         answer = outcome.value
@@ -69,8 +78,11 @@ def reply_for(frame_id: int, outcome: Outcome, worker_ms: float) -> tuple[dict, 
         reply = messages.response(frame_id, answer.body, worker_ms,
                                   input_tokens=answer.input_tokens,
                                   truncated_tokens=answer.truncated_tokens,
-                                  batch_size=answer.batch_size, stages=outcome.stages())
+                                  batch_size=answer.batch_size, stages=outcome.stages(),
+                                  weights=(weights or {}).get(answer.model, ""))
         return reply, False
+    if isinstance(exc, UnknownModel):
+        return messages.error(frame_id, 404, str(exc), worker_ms), False
     if isinstance(exc, RequestInvalid):
         return messages.error(frame_id, 422, str(exc), worker_ms), False
     if isinstance(exc, BadRequestBody):
@@ -140,7 +152,7 @@ class FrameReader:
 
 
 def serve(executor: Executor | BatchingExecutor, channel_in: BinaryIO, channel_out: BinaryIO,
-          policy: BatchPolicy | None = None) -> int:
+          policy: BatchPolicy | None = None, *, weights: Mapping[str, str] | None = None) -> int:
     """Read frames until EOF or `shutdown`; one reply frame per request, in order.
 
     `policy` is the executor's (`executor.policy`, resolved once when it was loaded); tests'
@@ -149,7 +161,8 @@ def serve(executor: Executor | BatchingExecutor, channel_in: BinaryIO, channel_o
     One path for every executor: an executor that does not batch is adapted (`OneAtATime`).
     Every request frame already waiting after the first (up to `policy.window_ms` more) is
     prepared together and answered by as few forwards as the token budget allows; pings are
-    answered while gathering and between forwards.
+    answered while gathering and between forwards. `weights` (`answer_weights`) gives each
+    response the fingerprint of the model that scored it.
     """
     policy = policy or BatchPolicy()  # the loaded executor's own; the dataclass's for fakes
     batcher = as_batching(executor)
@@ -158,7 +171,7 @@ def serve(executor: Executor | BatchingExecutor, channel_in: BinaryIO, channel_o
     try:
         while True:
             requests = reader.next_requests(policy.window_ms)
-            if requests and _answer_all(batcher, requests, reader, policy, helper):
+            if requests and _answer_all(batcher, requests, reader, policy, helper, weights):
                 log.error("the executor cannot go on; exiting so the front starts a fresh "
                           "worker")
                 return messages.EXIT_EXECUTOR_BROKEN
@@ -169,18 +182,20 @@ def serve(executor: Executor | BatchingExecutor, channel_in: BinaryIO, channel_o
 
 
 def _answer_all(batcher: BatchingExecutor, requests: list[Received], reader: FrameReader,
-                policy: BatchPolicy, helper: HostHelper | None = None) -> bool:
+                policy: BatchPolicy, helper: HostHelper | None = None,
+                weights: Mapping[str, str] | None = None) -> bool:
     """Write one reply per request, in order; True when the executor broke (the requests
     not yet run then fail with 500 without touching the device)."""
     ids = [request.frame.id for request in requests]
     bodies: list[object] = [request.frame.body for request in requests]
     # Closed explicitly when a broken device ends the read early: the helper stops at once.
     with contextlib.closing(answer_groups(batcher, bodies, policy, helper)) as groups:
-        return _write_groups(groups, requests, reader, ids)
+        return _write_groups(groups, requests, reader, ids, weights)
 
 
 def _write_groups(groups: Iterator[list[tuple[int, Outcome]]], requests: list[Received],
-                  reader: FrameReader, ids: list[int]) -> bool:
+                  reader: FrameReader, ids: list[int],
+                  weights: Mapping[str, str] | None = None) -> bool:
     """Write each group's replies as it is answered; True when the executor broke."""
     channel_out = reader.channel_out
     for group in groups:
@@ -189,7 +204,7 @@ def _write_groups(groups: Iterator[list[tuple[int, Outcome]]], requests: list[Re
             frame = requests[position].frame
             with request_context(frame.request_id, frame.trace_id):
                 reply, broken = reply_for(ids[position], outcome,
-                                          _elapsed_ms(requests[position].read_at))
+                                          _elapsed_ms(requests[position].read_at), weights)
             frames.append(encode_frame(reply))
             if broken:
                 write_frames(channel_out, frames)
@@ -222,21 +237,47 @@ def self_check(executor: Executor, mode: str) -> messages.SelfCheck | None:
 
 def start(args: argparse.Namespace, channel_out: BinaryIO) -> LoadedExecutor | None:
     """Load and warm up; send `ready`, or `fatal` with a reason the operator can act on."""
-    from clef_worker.fingerprint import DigestCache, SnapshotWatch, default_digests_path
-    from clef_worker.loading import load_executor, resolve_snapshot
+    started = start_ready(args, channel_out)
+    return started[0] if started is not None else None
+
+
+def start_ready(args: argparse.Namespace,
+                channel_out: BinaryIO) -> tuple[LoadedExecutor, messages.ReadyInfo] | None:
+    """`start`, also returning the `ready` frame sent (the serve loop reads its fingerprints)."""
+    from clef_worker.fingerprint import (
+        VARIANT_FILES,
+        DigestCache,
+        SnapshotWatch,
+        default_digests_path,
+        variant_fingerprint,
+    )
+    from clef_worker.loading import base_names, load_executor, resolve_snapshot
 
     try:
         snapshot, demo = resolve_snapshot(args.model)
         # The files as they are before the executor reads any: the fingerprint is trusted only
-        # if they are the same once it is computed (clef_worker.fingerprint).
-        watch = SnapshotWatch(snapshot, DigestCache(default_digests_path()))
+        # if they are the same once it is computed (clef_worker.fingerprint). A variant's
+        # checkpoint files are watched the same way.
+        digests = DigestCache(default_digests_path())
+        watch = SnapshotWatch(snapshot, digests)
+        variant_watches = {finetune.name: SnapshotWatch(finetune.checkpoint, digests,
+                                                        only=VARIANT_FILES)
+                           for finetune in _finetunes(args)}
         executor = load_executor(args, snapshot, demo)
         fingerprint = watch.start()  # hashed while the worker warms up
+        variant_files = {name: variant.start() for name, variant in variant_watches.items()}
         started = time.perf_counter()
         executor.warm_up()
         warmup_ms = _elapsed_ms(started)
         verdict = self_check(executor, args.self_check)  # may drop graphs: describe after it
-        model = dataclasses.replace(executor.describe(), fingerprint=fingerprint.result())
+        if args.finetune:
+            _answer_only_to_served_names(executor, base_names(args))
+        base = fingerprint.result()
+        described = executor.describe()
+        models = {base_names(args)[0]: base}
+        models.update({name: variant_fingerprint(base, files.result())
+                       for name, files in variant_files.items()})
+        model = dataclasses.replace(described, fingerprint=base, models=models)
     except StartupError as exc:
         reason = str(exc)
     except Exception as exc:
@@ -253,10 +294,36 @@ def start(args: argparse.Namespace, channel_out: BinaryIO) -> LoadedExecutor | N
         log.info("ready in %.0f ms%s", warmup_ms, f" (kernel cache {ready.kernel_cache} at start)"
                  if ready.kernel_cache else "")
         write_frame_blocking(channel_out, messages.ready(ready))
-        return executor
+        return executor, ready
     log.error("cannot start: %s", reason)
     write_frame_blocking(channel_out, messages.fatal(reason))
     return None
+
+
+def _answer_only_to_served_names(executor: Executor, names: tuple[str, ...]) -> None:
+    """With variants a body's `model` chooses what scores it: from now on (warm-up and the
+    self-check use names of their own) the base answers only to its served names, so a variant
+    this worker does not have (its checkpoint removed since the front listed it) is refused,
+    never scored by the base."""
+    from clef_worker.native import NativeExecutor
+
+    if isinstance(executor, NativeExecutor):
+        executor.serve_base_as(names)
+
+
+def _finetunes(args: argparse.Namespace) -> list[Finetune]:
+    """The variants the flags name (the loader checks their contents); StartupError for a
+    value that names none."""
+    try:
+        return resolve_finetunes(args.finetune)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+
+
+def answer_weights(ready: messages.ReadyInfo) -> dict[str, str]:
+    """What each answer's `weights` is, by `Answer.model`: "" (the base) to the base's
+    fingerprint, each variant's name to its own."""
+    return {**ready.variant_fingerprints(), "": ready.fingerprint}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logs(log_format=args.log_format)
     enable_stack_dumps()
     keep_freed_memory()
-    executor = start(args, channel_out)
-    if executor is None:
+    started = start_ready(args, channel_out)
+    if started is None:
         return 1
-    return serve(executor, channel_in, channel_out, executor.policy)
+    executor, ready = started
+    return serve(executor, channel_in, channel_out, executor.policy,
+                 weights=answer_weights(ready))

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from clef_protocol.body import parse_body
-from clef_protocol.errors import RequestInvalid
+from clef_protocol.errors import RequestInvalid, UnknownModel
 from clef_protocol.media import decode_media, has_media
 from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
@@ -94,9 +94,14 @@ class NativeExecutor:
         variants: Sequence[Variant] = (),
     ):
         self.snapshot = snapshot
-        # Fine-tuned variants by model name: a request whose `model` names one is scored by it
-        # (the front has refused names that are neither served nor a variant).
+        # Fine-tuned variants by model name: a request whose `model` names one is scored by it.
         self.variants = {variant.name: variant for variant in variants}
+        self._names = {variant.slot: variant.name for variant in variants}
+        # The names the base model answers to: None, any name (no `--finetune`: the body's
+        # model is echoed, as the reference does); with `--finetune`, only these
+        # (`serve_base_as`), so a variant this worker does not have is refused, never scored
+        # by the base.
+        self.base_names: frozenset[str] | None = None
         self.encoder = encoder
         self.runner = runner
         self.limits = limits
@@ -211,10 +216,21 @@ class NativeExecutor:
         return Scored(request=request, encoding=encoding, logits=row.logits,
                       probabilities=row.probabilities, timings_ms=timings, media=media)
 
+    def serve_base_as(self, names: Sequence[str]) -> None:
+        """Score only these names (and the variants) with the base; refuse any other name."""
+        self.base_names = frozenset(names)
+
     def slot_of(self, request: dict[str, Any]) -> int:
-        """The slot of the variant the request's `model` names; the base for any other name."""
-        variant = self.variants.get(request.get("model"))  # type: ignore[arg-type]
-        return variant.slot if variant is not None else BASE_SLOT
+        """The slot of the model the request's `model` names: a variant's, the base's for one of
+        `base_names` (any name while that is None); UnknownModel (404) for any other name."""
+        name = request.get("model")
+        variant = self.variants.get(name)  # type: ignore[arg-type]
+        if variant is not None:
+            return variant.slot
+        if self.base_names is None or name in self.base_names:
+            return BASE_SLOT
+        served = sorted(self.base_names) + list(self.variants)
+        raise UnknownModel(f"unknown model {name!r}; this worker serves {', '.join(served)}")
 
     # -- Batching (clef_worker.batching) -------------------------------------------------
 
@@ -253,7 +269,8 @@ class NativeExecutor:
                                                     row.probabilities)),
                            input_tokens=item.encoding.length,
                            truncated_tokens=item.encoding.truncated_tokens,
-                           batch_size=row.batch_size, stages=output.stages)
+                           batch_size=row.batch_size, stages=output.stages,
+                           model=self._names.get(item.slot, ""))
                     for item, row in zip(batch, output.rows, strict=True)]
 
     def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:
