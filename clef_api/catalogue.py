@@ -8,12 +8,20 @@ published Clef clients put in their URLs (`@cf/cloudflare/<name>`).
 (`object`, `data` with `id`, `created`, `owned_by`), which OpenAI-style SDKs read before their
 first call, and the Clef shape (`models` with `name`, `description`, `release_date`), which the
 typesafe Clef SDK and jevcompat read. Each reads its own keys and ignores the other's.
+
+With fine-tuned variants the catalogue follows the workers (`live`): a variant is listed and
+admitted while a ready worker serves it; one that a worker served at its last start but no
+ready worker serves now (they are restarting) is answered 503 with `Retry-After`; one that no
+worker serves at all (its checkpoint was removed and every worker restarted) is 404 `unknown
+model`, like any name never served. The `--finetune` names resolved at start only say that
+variants are served at all (a body's `model` then chooses the model).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -44,6 +52,10 @@ class Catalogue:
     names: tuple[str, ...]
     created: int = field(default_factory=lambda: int(time.time()))
     variants: tuple[str, ...] = ()
+    # The variants as the workers serve them now: (served by a ready worker, served by any
+    # worker at its last start); None: the configured `variants` are all served (clef-batch).
+    live: Callable[[], tuple[tuple[str, ...], tuple[str, ...]]] | None = None
+    retry_after: int = 1  # the Retry-After of a 503 for a variant no ready worker serves
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -53,17 +65,32 @@ class Catalogue:
     def served(self) -> str:
         return self.names[0]
 
+    def _variants(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(variants served now, variants known), from the workers when `live` is set."""
+        if self.live is None:
+            return self.variants, self.variants
+        return self.live()
+
+    def serving(self) -> tuple[str, ...]:
+        """The variants served now, in the workers' order."""
+        return self._variants()[0]
+
     def knows(self, name: str) -> bool:
-        return name in self.names or name in self.variants
+        return name in self.names or name in self._variants()[1]
 
     @property
     def every_name(self) -> tuple[str, ...]:
-        return self.names + self.variants
+        return self.names + self.serving()
+
+    def model_of(self, name: object) -> str:
+        """The model a body's `model` asks for: a variant's name, or "" for the base (any
+        other name, which the checks have refused with variants served)."""
+        return name if isinstance(name, str) and name in self._variants()[1] else ""
 
     def description(self, name: str) -> str:
         if name == self.served:
             return "Clef decision model: scores a state against typed questions (/v1/systemone)"
-        if name in self.variants:
+        if name in self.serving():
             return f"fine-tuned variant of {self.served} (clef-finetune LoRA and head)"
         return f"alias of {self.served}"
 
@@ -71,15 +98,21 @@ class Catalogue:
         """With variants served, a body's `model` chooses what scores it, so it must be a name
         this server serves (404 `unknown model`, naming it as sent); on the Workers-AI route,
         where the path names the model, a variant named on one side must be named on the other
-        (422), since the worker scores by the body's `model`. Without variants any name is
+        (422), since the worker scores by the body's `model`. A variant known to the workers but
+        served by no ready worker now is 503 with Retry-After. Without variants any name is
         accepted and echoed, as the reference does."""
         if not self.variants or not isinstance(model, str):
             return None
-        if not self.knows(model):
+        serving, known = self._variants()
+        if model not in self.names and model not in serving:
+            if model in known:
+                return responses.unavailable(
+                    f"model {model!r}: no ready worker serves it now (its workers are "
+                    "restarting)", self.retry_after)
             return error(404, f"unknown model {model!r}; this server runs "
-                              f"{', '.join(self.every_name)}")
+                              f"{', '.join(self.names + serving)}")
         if path_model is not None and path_model != model and (
-                model in self.variants or path_model in self.variants):
+                model in known or path_model in known):
             return error(422, f"model: the body names {model!r} but the path runs "
                               f"{path_model!r}; a fine-tuned variant is chosen by both")
         return None

@@ -17,6 +17,17 @@ from clef_dispatch import Answer, Outcome, RefusalKind
 from clef_protocol.messages import INFERENCE_FAILED, WorkerReply
 
 JSON = "application/json"
+# Every scored answer names the weights that made it, as OpenAI's `system_fingerprint` lets
+# clients notice a model change: the first WEIGHTS_DIGITS hex digits of the fingerprint of the
+# model that scored it (clef_protocol.messages.ReadyInfo.models), also for an answer served
+# from memory or shared with an identical request (the kept answer's own weights).
+WEIGHTS_HEADER = "Clef-Weights"
+WEIGHTS_DIGITS = 16
+
+
+def short_weights(fingerprint: str) -> str:
+    """The short digest of a weights fingerprint (the header's value and the access log's)."""
+    return fingerprint[:WEIGHTS_DIGITS]
 
 log = logging.getLogger("clef_api.responses")
 
@@ -84,8 +95,9 @@ def from_worker(answer: WorkerReply) -> Reply:
     detail is `inference failed`.
     """
     if answer.body is not None:
+        weights = ((WEIGHTS_HEADER, short_weights(answer.weights)),) if answer.weights else ()
         return Reply(answer.status, answer.body,
-                     extra_headers=truncation_headers(answer.truncated_tokens))
+                     extra_headers=truncation_headers(answer.truncated_tokens) + weights)
     detail = answer.detail or ""
     if answer.status >= 500:
         if detail != INFERENCE_FAILED:

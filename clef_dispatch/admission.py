@@ -66,6 +66,7 @@ from clef_dispatch.ticket import (
     has_room,
     is_idle,
     never_gone,
+    serving,
 )
 from clef_dispatch.urgency import BULK, CLASSES, INTERACTIVE, earliest
 from clef_dispatch.waiting import Counts, TicketQueue
@@ -166,18 +167,21 @@ class Admission:
 
     def submit(self, body: bytes, request_id: str = "", *, trace_id: str = "",
                priority: str = INTERACTIVE, deadline: float | None = None,
-               gone: Callable[[], bool] = never_gone) -> Ticket | Refusal:
+               gone: Callable[[], bool] = never_gone, model: str = "") -> Ticket | Refusal:
         """Admit a checked body (sent at once if a worker has room), or refuse it
-        (UNAVAILABLE: draining, no ready worker, or the queue is full).
+        (UNAVAILABLE: draining, no ready worker, no ready worker serving its `model`, or the
+        queue is full).
 
         A ticket whose deadline has already passed is answered 504 at once.
         """
         reason = "server is draining" if self._draining else self._workers.unavailable_reason()
         if reason is not None and self._wait_for_workers and not self._draining:
             reason = None
+        if reason is None and model and not self._workers.serving(model):
+            reason = _not_served(model)
         lane = None
         if reason is None and not self._queued() and not self._resends.lost_waiting:
-            lane = self._lane_with_room()
+            lane = self._lane_with_room(model)
         if reason is None and lane is None and self.depth >= self._capacity:
             reason = "queue is full"
         if reason is not None:
@@ -186,7 +190,7 @@ class Admission:
         ticket = Ticket(next(self._ids), body, asyncio.get_running_loop().create_future(),
                         request_id, trace_id, priority,
                         earliest(deadline, now, self._queue_timeout), gone,
-                        enqueued_at=now, tokens=self._estimate.cost(len(body)))
+                        enqueued_at=now, tokens=self._estimate.cost(len(body)), model=model)
         if ticket.deadline is not None and ticket.deadline <= now:
             self._expire(ticket)
             return ticket
@@ -268,7 +272,7 @@ class Admission:
         for ticket in self._resends.drop_answered():
             self._settle(ticket)
         while self._resends.lost_waiting:
-            lane = self._idle_lane()
+            lane = self._idle_lane(self._resends.next_lost_model())
             if lane is None:
                 break
             ticket = self._resends.pop_lost()
@@ -278,12 +282,15 @@ class Admission:
                 self._settle(ticket)
         if not self._resends.lost_waiting:  # a lost ticket waiting for an idle worker holds
             while self._queued():               # the rest back
-                lane = self._lane_with_room()
-                if lane is None:
+                model = self._peek_waiting().model
+                lane = self._lane_with_room(model)
+                if lane is None and not self._no_worker_serves(model):
                     break
                 ticket = self._next_waiting()
                 self._resends.leaving_queue(ticket)
-                if self._still_wanted(ticket):
+                if lane is None:
+                    self._refuse_unserved(ticket)
+                elif self._still_wanted(ticket):
                     self._send(ticket, lane)
                 else:
                     self._settle(ticket)
@@ -334,6 +341,33 @@ class Admission:
             return (bulk if self._turn % BULK_EVERY == 0 else interactive).popleft()
         return (interactive or bulk).popleft()
 
+    def _peek_waiting(self) -> Ticket:
+        """The ticket `_next_waiting` would take now, left in its queue."""
+        interactive, bulk = self._waiting[INTERACTIVE], self._waiting[BULK]
+        if interactive and bulk:
+            queue = bulk if (self._turn + 1) % BULK_EVERY == 0 else interactive
+        else:
+            queue = interactive or bulk
+        return next(iter(queue))
+
+    def _no_worker_serves(self, model: str) -> bool:
+        """A variant no ready worker serves (all restarted without it, or the ones that have it
+        are restarting), while a worker has room: its tickets are refused rather than hold the
+        queue (a variant served but busy is waited for, in order)."""
+        return (bool(model) and not self._workers.serving(model)
+                and self._lane_with_room() is not None)
+
+    def _refuse_unserved(self, ticket: Ticket) -> None:
+        """Answer a waiting ticket whose model no ready worker serves: 503 with Retry-After
+        (a suspect's copy is only dropped: its original is answered where it runs)."""
+        if ticket in self._sent:
+            ticket.copy_withdrawn()
+        elif not ticket.outcome.done():
+            log.info("frame_id=%d request_id=%s: no ready worker serves model %r, not sent",
+                     ticket.frame_id, ticket.request_id, ticket.model)
+            ticket.outcome.set_result(self._unavailable(_not_served(ticket.model)))
+        self._settle(ticket)
+
     def _still_wanted(self, ticket: Ticket) -> bool:
         """Right before the frame: a ticket whose client left or whose deadline passed is
         answered here instead of being sent."""
@@ -349,13 +383,14 @@ class Admission:
             return False
         return True
 
-    def _lane_with_room(self) -> Lane | None:
-        """The next worker with room."""
-        return self._ring.pick(has_room, self._resends.lanes_alone)
+    def _lane_with_room(self, model: str = "") -> Lane | None:
+        """The next worker with room (among those serving `model`, when one is named)."""
+        return self._ring.pick(serving(model, has_room), self._resends.lanes_alone)
 
-    def _idle_lane(self) -> Lane | None:
-        """A ready worker with nothing in flight, for a resent ticket to run alone on."""
-        return self._ring.pick(is_idle, self._resends.lanes_alone)
+    def _idle_lane(self, model: str = "") -> Lane | None:
+        """A ready worker with nothing in flight (serving `model`), for a resent ticket to run
+        alone on."""
+        return self._ring.pick(serving(model, is_idle), self._resends.lanes_alone)
 
     def _send(self, ticket: Ticket, lane: Lane, *, alone: bool = False) -> None:
         ticket.sent(time.monotonic())
@@ -434,3 +469,8 @@ class Admission:
         else:
             self._idle.clear()
 
+
+
+def _not_served(model: str) -> str:
+    """The 503 detail for a variant no ready worker serves now."""
+    return f"no ready worker serves model {model!r} now"

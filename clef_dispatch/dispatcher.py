@@ -145,11 +145,12 @@ class Dispatcher:
 
     def submit(self, body: bytes, request_id: str = "", *, trace_id: str = "",
                priority: str = INTERACTIVE, deadline: float | None = None,
-               gone: Callable[[], bool] = _never_gone) -> Ticket | Refusal:
+               gone: Callable[[], bool] = _never_gone, model: str = "") -> Ticket | Refusal:
         """Queue a checked body: a `Ticket` whose `outcome` resolves to its Answer or Refusal,
-        or the Refusal (UNAVAILABLE) at once when it cannot be queued."""
+        or the Refusal (UNAVAILABLE) at once when it cannot be queued. `model` names the
+        fine-tuned variant the body asks for ("": the base): only a worker serving it gets it."""
         return self._admission.submit(body, request_id, trace_id=trace_id, priority=priority,
-                                      deadline=deadline, gone=gone)
+                                      deadline=deadline, gone=gone, model=model)
 
     def abandon(self, ticket: Ticket) -> None:
         """The caller has gone: a waiting ticket leaves the queue; one in flight finishes."""
@@ -243,9 +244,19 @@ class Dispatcher:
         return self._pool.restarts
 
     def fingerprints(self) -> tuple[str, ...]:
-        """Each worker's weights fingerprint from its last `ready` ("" before its first): a
-        change means the answers of the old weights no longer hold."""
+        """Each worker's weights fingerprint from its last `ready` ("" before its first)."""
         return tuple(lane.info.fingerprint if lane.info else "" for lane in self._pool.lanes)
+
+    def serves_weights(self, model: str, weights: str) -> bool:
+        """Whether a ready worker serves `model` ("": the base) with the fingerprint `weights`
+        now: an answer kept for repeats is served only while one does."""
+        return self._pool.serves_weights(model, weights)
+
+    def variant_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The fine-tuned variants ready workers serve, and every variant a worker served at
+        its last `ready` (the catalogue: listed and admitted, or 503 while none serving it is
+        ready, or unknown)."""
+        return self._pool.variant_names()
 
     # -- the pool's events -----------------------------------------------------------------
 

@@ -151,6 +151,11 @@ class Resends:
         self._lost.append(ticket)
         self._keep_deadline(ticket)
 
+    def next_lost_model(self) -> str:
+        """The model of the lost ticket `pop_lost` takes next (it goes only to a worker that
+        serves it)."""
+        return next(iter(self._lost)).model if self._lost else ""
+
     def pop_lost(self) -> Ticket:
         """The oldest lost ticket waiting, taken out to be sent alone (`lost_waiting` first)."""
         return self._lost.popleft()

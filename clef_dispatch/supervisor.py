@@ -102,6 +102,9 @@ class Supervisor:
         self._served = 0  # successful answers of the current worker (see backoff.py)
         self.state = WorkerState.STARTING
         self.info: ReadyInfo | None = None
+        # The fine-tuned variants its worker serves, by name, with their fingerprints (from its
+        # last `ready`; kept while it restarts, so the front still knows the names).
+        self.variants: dict[str, str] = {}
         self.restarts = 0
 
     async def start(self) -> ReadyInfo:
@@ -131,6 +134,17 @@ class Supervisor:
         return (self.state is WorkerState.READY and channel is not None
                 and not channel.is_broken and channel.suspect is None
                 and channel.in_flight < self.max_batch)
+
+    def serves(self, model: str) -> bool:
+        """Whether its worker serves `model` (a variant's name; "" is the base, which every
+        worker serves): a request is sent only to a worker that serves its model."""
+        return not model or model in self.variants
+
+    def weights_of(self, model: str) -> str | None:
+        """The fingerprint its worker serves `model` with (None: it does not serve it)."""
+        if not model:
+            return self.info.fingerprint if self.info is not None else None
+        return self.variants.get(model)
 
     @property
     def suspect(self) -> Judgement | None:
@@ -290,6 +304,7 @@ class Supervisor:
 
     def _adopt(self, channel: WorkerChannel, info: ReadyInfo) -> None:
         self._channel, self.info = channel, info
+        self.variants = info.variant_fingerprints()
         # Requests outstanding on this worker: what it reported in `ready` (`max_sequences`,
         # `--max-batch` or its device's default: the worker owns the batch policy,
         # clef_worker.policy, and the front reads it from `ready` only).

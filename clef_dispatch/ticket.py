@@ -31,6 +31,8 @@ class Lane(Protocol):
 
     def submit(self, request: Request, deliver: Deliver) -> None: ...
 
+    def serves(self, model: str) -> bool: ...
+
 
 class Workers(Protocol):
     """All workers (a WorkerPool)."""
@@ -39,6 +41,8 @@ class Workers(Protocol):
     def lanes(self) -> Sequence[Lane]: ...
 
     def unavailable_reason(self) -> str | None: ...
+
+    def serving(self, model: str) -> bool: ...
 
 
 def never_gone() -> bool:
@@ -72,6 +76,9 @@ class Ticket:
     resent: bool = False  # sent again alone after its worker was lost (never a second time)
     copied: bool = False  # a copy was queued while a suspect worker held it (liveness.py)
     tokens: int = 0  # its estimated token cost (load.TokenEstimate), for the utilisation gauge
+    # The model it names: a fine-tuned variant's name, or "" for the base. Only a worker that
+    # serves it is sent the request (`serving`), so no other model ever scores it.
+    model: str = ""
     queued: bool = False  # has an entry in a queue (waiting.TicketQueue sets it)
     # Queue time is counted per send: the time waiting before each, never the time spent on
     # a worker that was then lost or suspect.
@@ -150,6 +157,13 @@ class LaneRing:
 
 def has_room(lane: Lane) -> bool:
     return lane.has_room()
+
+
+def serving(model: str, fits: Callable[[Lane], bool]) -> Callable[[Lane], bool]:
+    """`fits`, among the workers that serve `model` only ("": the base, which all serve)."""
+    if not model:
+        return fits
+    return lambda lane: lane.serves(model) and fits(lane)
 
 
 def is_idle(lane: Lane) -> bool:

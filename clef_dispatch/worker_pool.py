@@ -146,6 +146,26 @@ class WorkerPool:
     def ready_lanes(self) -> list[Supervisor]:
         return [lane for lane in self.lanes if lane.unavailable_reason() is None]
 
+    def serving(self, model: str) -> bool:
+        """Whether some ready worker serves `model` ("": the base)."""
+        return any(lane.serves(model) for lane in self.ready_lanes())
+
+    def serves_weights(self, model: str, weights: str) -> bool:
+        """Whether some ready worker serves `model` with the fingerprint `weights`: what an
+        answer kept for repeats must still be, to be served."""
+        return any(lane.weights_of(model) == weights for lane in self.ready_lanes())
+
+    def variant_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The variants some ready worker serves, and those any worker served at its last
+        `ready` (ready or not now), each in the order the workers list them."""
+        ready: dict[str, None] = {}
+        known: dict[str, None] = {}
+        for lane in self.lanes:
+            known.update(dict.fromkeys(lane.variants))
+            if lane.unavailable_reason() is None:
+                ready.update(dict.fromkeys(lane.variants))
+        return tuple(ready), tuple(known)
+
     def ready_info(self) -> ReadyInfo | None:
         """The first ready worker's ready frame (the single-worker view of /health, metrics)."""
         ready = self.ready_lanes()
@@ -187,6 +207,9 @@ class WorkerPool:
                 "in_flight": lane.in_flight,
                 "max_batch": lane.max_batch,
                 "restarts": lane.restarts,
+                # The weights it serves, by model (the base under its served name): each
+                # response names its own in `Clef-Weights`.
+                "models": dict(lane.info.models) if ready and lane.info else {},
                 "suspect": None if judgement is None else {
                     "reason": judgement.reason,
                     "for_s": round(lane.suspect_for, 3),

@@ -6,11 +6,14 @@ its own order (`identity`); the body names the model, so two models' answers nev
 part of a request: the questions' order is the prompt's order and the answer's order, and so are
 the criteria's and the levels'; so the body is serialised as parsed, keys never sorted, and only
 what parsing forgets (spacing, escapes) is ignored. An answer is a pure function of the request
-and the weights, which is what makes sharing it correct; so the kept answers are flushed
-whenever the weights may have changed: a reload, or a worker ready with another weights
-fingerprint (the digest of the snapshot's files it reports in `ready`, which changes when the
-files at `--model` are replaced in place). Answers are never shared across keys, because a fast
-answer would tell one tenant what another asked.
+and the weights, which is what makes sharing it correct; so each kept answer records the model that
+scored it (a fine-tuned variant's name, "" for the base) and the fingerprint of that model's
+weights (the worker's `response` frame says it, from the fingerprints it reports in `ready`),
+and is served only while a ready worker serves that model with those weights (`serving`, asked
+at every hit). Whatever order workers restart in after weights are replaced in place, an answer
+of weights no ready worker serves is never returned from memory (it is dropped when found), and
+the answers of weights still served survive a rolling restart. Answers are never shared across
+keys, because a fast answer would tell one tenant what another asked.
 
 `AnswerCache` owns the whole of sharing: the decision (`share`: a kept answer is a `hit`, an
 identical request in flight is joined, `coalesced`, else this request is the first of its kind,
@@ -96,9 +99,11 @@ class Flight:
     applies to it (its own or the queue timeout, `clef_dispatch.earliest`); once it is admitted,
     `outcome` is the future its answer arrives on and `at_worker` says whether a worker holds
     it now (the dispatcher's answer); `on_all_gone` gives the request up once nobody waits.
+    `model` is the model the request names ("": the base), which its kept answer records.
     """
 
     first_gone: Callable[[], bool]
+    model: str = ""
     priority: str = INTERACTIVE
     deadline: float | None = None
     outcome: asyncio.Future[Outcome] | None = None
@@ -146,6 +151,23 @@ class Flight:
 
 
 @dataclass(frozen=True, slots=True)
+class Kept:
+    """A kept answer and the model that scored it (its weights are `answer.reply.weights`)."""
+
+    answer: Answer
+    model: str
+
+    @property
+    def weights(self) -> str:
+        return self.answer.reply.weights
+
+
+def _always(model: str, weights: str) -> bool:
+    """The default `serving`: every answer's weights are served (tests without workers)."""
+    return True
+
+
+@dataclass(frozen=True, slots=True)
 class Shared:
     """How one request gets its answer: `how` (HIT, COALESCED or MISS), the future it awaits
     (a hit's, already set; a joiner's own) and the flight it joins or starts (a miss's: the
@@ -160,11 +182,15 @@ class AnswerCache:
     """The LRU of answers and the table of requests in flight, both by `identity`."""
 
     def __init__(self, entries: int, max_bytes: int = DEFAULT_CACHE_BYTES,
-                 queue_timeout: float | None = None) -> None:
+                 queue_timeout: float | None = None,
+                 serving: Callable[[str, str], bool] = _always) -> None:
         self.entries = entries
         self.max_bytes = max_bytes
         self._queue_timeout = queue_timeout
-        self._answers: OrderedDict[bytes, Answer] = OrderedDict()
+        # Whether a ready worker serves a model ("": the base) with a fingerprint now: a kept
+        # answer may be served only then (the dispatcher's `serves_weights`).
+        self.serving = serving
+        self._answers: OrderedDict[bytes, Kept] = OrderedDict()
         self._bytes = 0
         self._flights: dict[bytes, Flight] = {}
         self._generation = 0  # bumped by `flush`: an answer begun before it is not kept
@@ -185,24 +211,34 @@ class AnswerCache:
     # -- the decision ------------------------------------------------------------------------
 
     def share(self, key: bytes, *, priority: str, deadline: float | None,
-              client_gone: Callable[[], bool]) -> Shared:
+              client_gone: Callable[[], bool], model: str = "") -> Shared:
         """A kept answer (HIT), an identical request in flight to join (COALESCED), or a new
-        flight for this request, the first of its kind (MISS)."""
-        answer = self._answers.get(key)
-        if answer is not None:
-            self._answers.move_to_end(key)
-            return Shared(HIT, _done(answer))
+        flight for this request, the first of its kind (MISS). `model` is the model the
+        request names ("": the base): the model its kept answer records."""
+        kept = self._answers.get(key)
+        if kept is not None:
+            if self.may_serve(kept.model, kept.weights):
+                self._answers.move_to_end(key)
+                return Shared(HIT, _done(kept.answer))
+            self._drop(key)  # weights no ready worker serves for that model
         applies = earliest(deadline, time.monotonic(), self._queue_timeout)
         flight = self._flights.get(key)
         if flight is not None:
             outcome = flight.outcome
             if outcome is not None and outcome.done() and not outcome.cancelled():
                 result = outcome.result()
-                if isinstance(result, Answer) and result.ok:  # landing: as good as kept
+                if (isinstance(result, Answer) and result.ok  # landing: as good as kept
+                        and self.may_serve(flight.model, result.reply.weights)):
                     return Shared(COALESCED, _done(result))
             elif self._may_join(flight, priority, applies):
                 return Shared(COALESCED, flight.join(), flight)
-        return Shared(MISS, flight=Flight(client_gone, priority=priority, deadline=applies))
+        return Shared(MISS, flight=Flight(client_gone, model=model, priority=priority,
+                                          deadline=applies))
+
+    def may_serve(self, model: str, weights: str) -> bool:
+        """The one rule for a kept answer: served only while a ready worker serves the model
+        that scored it with the weights that scored it."""
+        return self.serving(model, weights)
 
     @staticmethod
     def _may_join(flight: Flight, priority: str, deadline: float | None) -> bool:
@@ -276,14 +312,24 @@ class AnswerCache:
             if not joiner.done():
                 joiner.set_result(shared)
         if isinstance(result, Answer) and result.ok and flight.generation == self._generation:
-            self._keep(key, result)
+            self._keep(key, Kept(result, flight.model))
 
     def flush(self) -> None:
-        """Forget every kept answer (the workers may have other weights); answers now on
-        their way are handed to their callers but not kept."""
+        """Forget every kept answer; answers now on their way are handed to their callers but
+        not kept."""
         self._answers.clear()
         self._bytes = 0
         self._generation += 1
+
+    def prune(self) -> int:
+        """Forget the kept answers no ready worker's weights made (called when a worker
+        becomes ready: weights replaced in place, a variant removed); how many went. A hit
+        asks `may_serve` anyway: this only frees their memory sooner."""
+        stale = [key for key, kept in self._answers.items()
+                 if not self.may_serve(kept.model, kept.weights)]
+        for key in stale:
+            self._drop(key)
+        return len(stale)
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -292,20 +338,23 @@ class AnswerCache:
         if self._flights.get(key) is flight:
             del self._flights[key]
 
-    def _keep(self, key: bytes, answer: Answer) -> None:
+    def _keep(self, key: bytes, kept: Kept) -> None:
         """Keep an answer, then evict the least recently used past either bound (an answer
         larger than the byte bound alone is not kept)."""
-        size = _size(answer)
+        size = _size(kept.answer)
         if size > self.max_bytes:
             return
-        old = self._answers.pop(key, None)
-        if old is not None:
-            self._bytes -= _size(old)
-        self._answers[key] = answer
+        self._drop(key)
+        self._answers[key] = kept
         self._bytes += size
         while len(self._answers) > self.entries or self._bytes > self.max_bytes:
             _, evicted = self._answers.popitem(last=False)
-            self._bytes -= _size(evicted)
+            self._bytes -= _size(evicted.answer)
+
+    def _drop(self, key: bytes) -> None:
+        old = self._answers.pop(key, None)
+        if old is not None:
+            self._bytes -= _size(old.answer)
 
 
 def _done(outcome: Outcome) -> asyncio.Future[Outcome]:

@@ -4,7 +4,8 @@ Probes must learn the truth even while the workers are busy with long requests, 
 only in-memory state: each worker's state and ready info, the queue counters, and the drain
 flag (held by admission, which is what refuses requests while draining). With several workers
 the server is ready while at least one is: `workers` lists every one (name, device, status, pid,
-in_flight, max_batch, restarts, suspect), `ready_workers` names those that serve, and `worker`
+in_flight, max_batch, restarts, models: the fingerprint of each model it serves, suspect),
+`ready_workers` names those that serve, and `worker`
 is the first ready one's ready info (the single-worker shape). A suspect worker (its pong or
 reply overdue, clef_dispatch/liveness.py) is still ready but gets no new work:
 `suspect_workers` names them, and when every ready worker is suspect `waiting_for` says why
@@ -38,7 +39,7 @@ class Health:
         worker = None
         if now.worker is not None:
             worker = {k: v for k, v in asdict(now.worker).items()
-                      if k not in ("versions", "snapshot", "fingerprint")}
+                      if k not in ("versions", "snapshot", "fingerprint", "models")}
         return {
             "status": now.state,
             "worker": worker,

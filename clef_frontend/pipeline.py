@@ -35,7 +35,7 @@ from clef_api import responses, workers_ai
 from clef_api.checks import RequestRules
 from clef_api.responses import Reply
 from clef_api.routes import Route, route
-from clef_dispatch import Refusal, Ticket
+from clef_dispatch import Answer, Refusal, Ticket
 from clef_frontend import gateway, logs, otel
 from clef_frontend.answer_cache import NOT_SHARED, AnswerCache, Flight, identity
 from clef_frontend.api import ApiSurface
@@ -69,7 +69,7 @@ class Dispatch(Protocol):
 
     def submit(self, body: bytes, request_id: str = "", *, trace_id: str = "",
                priority: str = ..., deadline: float | None = None,
-               gone: Callable[[], bool] = ...) -> Ticket | Refusal: ...
+               gone: Callable[[], bool] = ..., model: str = ...) -> Ticket | Refusal: ...
 
     def abandon(self, ticket: Ticket) -> None: ...
 
@@ -210,8 +210,10 @@ class Pipeline:
         if isinstance(checked, Reply):
             return checked
         ctx.request, ctx.identity = checked
-        if self.api.catalogue.variants:  # the model chosen (checked), for its metrics
+        catalogue = self.api.catalogue
+        if catalogue.variants:  # the model chosen (checked), for its metrics and its workers
             ctx.model = ctx.request.get("model")
+            ctx.variant = catalogue.model_of(ctx.model)
         return None
 
     async def admit(self, ctx: RequestContext) -> Reply | None:
@@ -231,7 +233,7 @@ class Pipeline:
         ticket = self.dispatch.submit(
             ctx.body, ctx.request_id, trace_id=ctx.trace_id, priority=ctx.priority,
             deadline=ctx.deadline,
-            gone=flight.all_gone if flight is not None else ctx.io.client_gone)
+            gone=flight.all_gone if flight is not None else ctx.io.client_gone, model=ctx.variant)
         if isinstance(ticket, Refusal):
             return responses.from_outcome(ticket)
         ctx.ticket = ticket
@@ -276,6 +278,8 @@ class Pipeline:
             refused = await self.admit(ctx)
             return refused if refused is not None else await self.await_answer(ctx)
         ctx.answered_at = time.monotonic()
+        if isinstance(outcome, Answer):
+            ctx.weights = outcome.reply.weights
         return responses.from_outcome(outcome)
 
     @staticmethod
@@ -323,6 +327,7 @@ class Pipeline:
             bytes_in=ctx.bytes_in, bytes_out=bytes_out, client=client,
             request_id=ctx.request_id, batch=_batch_of(ticket), trace_id=ctx.trace_id,
             key=ctx.key or NO_KEY, cache=ctx.cache, tenant=tenant, model=ctx.model,
+            weights=responses.short_weights(ctx.weights) if ctx.weights else None,
         )
         otel.end(ctx.span, status=status, route=ctx.route_label, ticket=ticket,
                  answered_at=ctx.answered_at, cache=ctx.cache, shared_at=ctx.shared_at,

@@ -84,8 +84,14 @@ class RequestContext:
     # when that was decided; `answer` is the future this request awaits, whichever way.
     identity: bytes | None = None
     cache: str | None = None
-    # The body's `model` once validated, with fine-tuned variants served (metrics, access log).
+    # The body's `model` once validated, with fine-tuned variants served (metrics, access log),
+    # and the model it asks for: the variant's name, or "" for the base (where it may be sent,
+    # what its kept answer records).
     model: str | None = None
+    variant: str = ""
+    # The fingerprint of the weights that made the answer ("": no answer, or a worker that does
+    # not say), for the access log.
+    weights: str = ""
     flight: Flight | None = None
     shared_at: float | None = None
     answer: asyncio.Future[Outcome] | None = None

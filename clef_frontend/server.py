@@ -7,8 +7,9 @@ Order matters and is the point of this module:
    (bounded by the drain timeout; a second signal cuts it short) while existing connections
    are answered with `Connection: close` (`/health` says `draining`, new POSTs get 503), then
    ask the worker to shut down, reap it, close idle connections, and exit 0.
-3. SIGHUP has one job: roll the workers onto the snapshot now at --model (and flush the answer
-   cache, whose answers came from the old one); it calls every callback registered with
+3. SIGHUP has one job: roll the workers, one at a time, onto the snapshot now at --model and the
+   checkpoints now in the --finetune directories (kept answers are bound to the weights that
+   made them, so none is flushed); it calls every callback registered with
    `on_reload`, so parts that need the roll hear of it. API keys need no signal: their file is
    watched and re-read when it changes (auth.py), without touching a worker.
 """
@@ -62,9 +63,10 @@ class FrontServer:
             estimate=TokenEstimate(config.limits.max_length))
         dispatch = self._dispatch
         self._health = Health(dispatch.snapshot, config.retry_after)
-        self._api = api_surface(config)
+        self._api = api_surface(config, live=dispatch.variant_names)
+        # A kept answer is served only while a ready worker serves its model with its weights.
         self._cache = AnswerCache(config.answer_cache, config.answer_cache_bytes,
-                                  config.queue_timeout)
+                                  config.queue_timeout, serving=dispatch.serves_weights)
         self._metrics = Metrics(LiveState(
             queue_depth=dispatch.depth_of,
             in_flight=lambda: dispatch.in_flight,
@@ -79,7 +81,6 @@ class FrontServer:
 
         self._pipeline = Pipeline(config=config, dispatch=dispatch, health=self._health,
                                   metrics=self._metrics, api=self._api, cache=self._cache)
-        self._fingerprints: tuple[str, ...] | None = None  # the workers' weights, last seen
         self._address = ""
         self._systemd = ServiceNotifier(
             Notifier.from_environment(), status=self._service_status, healthy=self._healthy)
@@ -222,22 +223,19 @@ class FrontServer:
 
     def _worker_ready(self) -> None:
         """A worker became ready (first start, restart, reload), before it takes waiting
-        tickets: it loaded whatever snapshot is at --model now, so if the workers' snapshots
-        changed, the kept answers may be another model's, and they go.
-        """
-        fingerprints = self._dispatch.fingerprints()
-        if self._fingerprints is not None and fingerprints != self._fingerprints:
-            self._cache.flush()
-        self._fingerprints = fingerprints
+        tickets: it loaded whatever is at --model and in the --finetune directories now, and
+        the worker it replaced no longer serves; kept answers of weights no ready worker
+        serves now go (a hit checks the weights anyway: this frees their memory)."""
+        dropped = self._cache.prune()
+        if dropped:
+            log.info("answer cache: %d kept answer(s) of weights no ready worker serves "
+                     "dropped", dropped)
 
     async def _roll_workers(self) -> None:
-        """SIGHUP's job: every worker onto the snapshot at --model; the answers kept from the
-        old one are flushed before and after the roll (old workers answer during it)."""
-        self._cache.flush()
-        try:
-            await self._dispatch.reload()
-        finally:
-            self._cache.flush()
+        """SIGHUP's job: every worker, one at a time, onto what is at --model and in the
+        --finetune directories now (variants added or removed); kept answers follow the
+        weights each worker reports, so nothing is flushed."""
+        await self._dispatch.reload()
 
     def reload(self) -> None:
         """What SIGHUP does: run every reload callback; one failing does not stop the others."""
@@ -281,15 +279,19 @@ class FrontServer:
             self._stop_requested.set()
 
 
-def api_surface(config: ServerConfig) -> ApiSurface:
-    """Keys and served names from the config; KeyFileError if the key file is unusable."""
+def api_surface(config: ServerConfig,
+                live: Callable[[], tuple[tuple[str, ...], tuple[str, ...]]] | None = None,
+                ) -> ApiSurface:
+    """Keys and served names from the config, the variants as the workers serve them (`live`);
+    KeyFileError if the key file is unusable."""
     key_file = Path(config.api_key_file) if config.api_key_file is not None else None
     keys = ApiKeys(key_file, config.api_key)
     if keys.enabled:
         log.info("API keys required: %d key(s) in force%s", keys.count,
                  f", watching {key_file} for changes" if key_file is not None else "")
-    return ApiSurface(keys=keys, catalogue=Catalogue(config.served_model_names,
-                                                     variants=config.finetune_names))
+    return ApiSurface(keys=keys, catalogue=Catalogue(
+        config.served_model_names, variants=config.finetune_names,
+        live=live if config.finetune_names else None, retry_after=config.retry_after))
 
 
 async def serve(config: ServerConfig) -> int:

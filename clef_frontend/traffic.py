@@ -93,7 +93,7 @@ class TrafficSteps:
             return None
         assert ctx.identity is not None  # resolved once, by validation
         shared = self.cache.share(ctx.identity, priority=ctx.priority, deadline=ctx.deadline,
-                                  client_gone=ctx.io.client_gone)
+                                  client_gone=ctx.io.client_gone, model=ctx.variant)
         ctx.cache = shared.how
         ctx.answer = shared.answer
         ctx.flight = shared.flight

@@ -43,14 +43,18 @@ async def reply_of(ticket: Ticket) -> Reply:
 class FakeLane:
     """A worker as admission sees it: holds up to `room` requests until the test answers."""
 
-    def __init__(self, room: int) -> None:
+    def __init__(self, room: int, variants: tuple[str, ...] = ()) -> None:
         self.room = room
         self.ready = True
+        self.variants = set(variants)  # the fine-tuned variants its worker serves
         self.held: list[tuple[Request, Deliver]] = []
         self.sent: list[bytes] = []
 
     def has_room(self) -> bool:
         return self.ready and len(self.held) < self.room
+
+    def serves(self, model: str) -> bool:
+        return not model or model in self.variants
 
     @property
     def in_flight(self) -> int:
@@ -78,6 +82,9 @@ class FakeWorkers:
 
     def unavailable_reason(self) -> str | None:
         return None if any(lane.ready for lane in self.lanes) else "worker is restarting"
+
+    def serving(self, model: str) -> bool:
+        return any(lane.ready and lane.serves(model) for lane in self.lanes)
 
 
 class ScriptedExecutor:

@@ -30,6 +30,9 @@ the request body (the front validates first, so bodies are valid Clef requests p
   "stages": {...}   send this as the response frame's `stages` (encode_ms, forward_ms, head_ms)
 --log-format json logs as the real worker does with it.
 --log-file PATH appends each received request's `tag` (one per line) before answering.
+--weights-file PATH: the base's weights fingerprint is PATH's text as it was at start (`ready`'s
+`fingerprint` and `models`, and every response's `weights`): a test "replaces the weights" by
+rewriting the file and restarting workers.
 """
 
 import os
@@ -80,6 +83,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ready-gate", default=None)
     parser.add_argument("--no-pings", action="store_true")
     parser.add_argument("--silent-forwards", action="store_true")
+    parser.add_argument("--weights-file", default=None)
     # A worker of its own (a --worker-command) whose `ready` says nothing about batching.
     parser.add_argument("--no-batch-policy", action="store_true")
     return parser.parse_args()
@@ -164,7 +168,7 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any],
     frame = messages.response(
         request_id, payload, worker_ms, input_tokens=len(message["body"]),
         truncated_tokens=int(request.get("truncated_tokens", 0)),
-        batch_size=int(request.get("batch_size", 1)))
+        batch_size=int(request.get("batch_size", 1)), weights=args.weights)
     if "stages" in request:
         frame["stages"] = request["stages"]
     write_frame_blocking(out, frame)
@@ -206,6 +210,8 @@ def main() -> int:
     configure_logs(log_format=args.log_format)
     enable_stack_dumps()  # as the real worker: a hung one says where it was stuck
     out, inp = _CHANNEL_OUT, _CHANNEL_IN
+    args.weights = (Path(args.weights_file).read_text(encoding="utf-8").strip()
+                    if args.weights_file else "")
     time.sleep(args.ready_delay)
     while args.ready_gate and not os.path.exists(args.ready_gate):
         time.sleep(0.01)  # held before `ready` until the test opens the gate
@@ -231,6 +237,7 @@ def main() -> int:
         pid=os.getpid(), thread=threading.current_thread().name, model="fake",
         variant=args.variant, device="cpu", dtype="float32", gdn_path="none", warmup_ms=0.0,
         versions={"fake_worker": "1"}, demo=args.demo, snapshot="", pings=not args.no_pings,
+        fingerprint=args.weights, models={args.variant: args.weights} if args.weights else {},
         **_policy_fields(args),
     )))
     reader = Reader(inp, out, args.silent_forwards)

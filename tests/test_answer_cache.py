@@ -1,6 +1,6 @@
 """Duplicates answered once: identical concurrent requests share one forward, a repeat costs
-none, a request in another order or for another key never shares, a reload flushes (fake
-worker's request log). Servers run the default configuration: the cache is on."""
+none, a request in another order or for another key never shares, a reload onto the same weights
+keeps what was kept (fake worker's request log). Servers run the default configuration: the cache is on."""
 
 from __future__ import annotations
 
@@ -86,18 +86,23 @@ def test_another_key_never_shares_an_answer(tmp_path: Path) -> None:
         assert metric(serve, "clef_answer_cache_total", result="hit") == 1
 
 
-def test_a_reload_flushes_the_cache_and_zero_turns_it_off(tmp_path: Path) -> None:
-    log = tmp_path / "requests.log"
+def test_a_reload_keeps_the_answers_of_weights_still_served_and_zero_turns_it_off(
+        tmp_path: Path) -> None:
+    """A reload onto the same weights keeps what was kept (answers are bound to the weights
+    that made them, not flushed by a roll); test_weights_binding.py covers other weights."""
+    log, weights = tmp_path / "requests.log", tmp_path / "weights"
+    weights.write_text("a" * 64)
     body = clef_body(tag="x")
-    with Serve("--log-file", str(log)) as serve:
+    with Serve("--log-file", str(log), "--weights-file", str(weights)) as serve:
         assert serve.post(body).status == 200
         assert serve.post(body).status == 200
         assert log.read_text().split() == ["x"]
         serve.process.send_signal(signal.SIGHUP)
         serve.wait_for(r"reload finished: 1 of 1 worker\(s\) replaced")
-        fresh = serve.post(body)
-        assert fresh.status == 200 and fresh.json()["pid"] == serve.health().json()["worker"]["pid"]
-        assert log.read_text().split() == ["x", "x"]
+        kept = serve.post(body)
+        assert kept.status == 200 and kept.header("clef-weights") == "a" * 16
+        assert log.read_text().split() == ["x"]  # the same weights: still a hit
+        assert metric(serve, "clef_answer_cache_total", result="hit") == 2
     log.unlink()
     body = clef_body(tag="y")
     # The one server here run without the cache: this test is about turning it off.
