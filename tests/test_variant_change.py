@@ -1,0 +1,141 @@
+"""Fine-tuned variants changing under a running server, through the real front and real workers
+in the configuration operators run (answer cache on, the worker's CPU defaults), with
+`--finetune` naming a copy of the fixture directory that the tests change:
+
+- a checkpoint removed, then the workers restarted one after the other: while one worker still
+  has it, requests naming it go to that worker only (each answered by the variant itself); once
+  none has it, it is 404 `unknown model` and gone from `/v1/models`, never a 200 from the base,
+  kept answers included;
+- a checkpoint's files replaced in place, then the worker restarted: the same request gets the
+  new weights' answer, never the kept one, and `Clef-Weights` names the new weights;
+- SIGHUP rolls the workers onto a checkpoint added to the directory: it is listed and served.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+from benchlib.golden import assert_response_matches
+from benchlib.paths import FINETUNE_FIXTURES, FINETUNE_REFERENCE
+from clef_protocol.options import RequestLimits
+from tests.conftest import TINY_SNAPSHOT
+from tests.frontend_helpers import Serve
+from tests.traffic_helpers import metric, wait_until
+
+MAX_LENGTH = RequestLimits().max_length
+REFERENCE = [json.loads(line) for line in FINETUNE_REFERENCE.read_text().splitlines() if line]
+ROWS = {(row["variant"], row["name"]): row for row in REFERENCE
+        if row["max_length"] == MAX_LENGTH}
+VARIANT_FILES = ("adapter/adapter_config.json", "adapter/adapter_model.safetensors",
+                 "joint_head.safetensors")
+
+
+def _checkpoints(tmp_path: Path) -> Path:
+    directory = tmp_path / "finetune"
+    for name in ("tiny-alpha", "tiny-beta"):
+        shutil.copytree(FINETUNE_FIXTURES / name, directory / name)
+    return directory
+
+
+def _serve(directory: Path, workers: int) -> Serve:
+    return Serve(real_worker=True, startup_wait=240, max_batch=None,
+                 front_args=("--model", str(TINY_SNAPSHOT), "--device", "cpu",
+                             "--finetune", str(directory), "--workers", str(workers)))
+
+
+def _post(serve: Serve, request: dict[str, Any]) -> Any:
+    return serve.post(json.dumps(request, ensure_ascii=False).encode())
+
+
+def _workers(serve: Serve) -> list[dict[str, Any]]:
+    workers: list[dict[str, Any]] = serve.health().json()["workers"]
+    return workers
+
+
+def _restart(serve: Serve, index: int) -> None:
+    """Kill worker `index` (a crash, a stall kill) and wait until its replacement is ready."""
+    pid = _workers(serve)[index]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: _workers(serve)[index]["status"] == "ready"
+               and _workers(serve)[index]["pid"] not in (None, pid),
+               f"worker {index}'s replacement", timeout=240)
+
+
+def _listed(serve: Serve) -> list[str]:
+    return [entry["id"] for entry in serve.request("GET", "/v1/models").json()["data"]]
+
+
+def test_a_removed_variant_is_refused_once_no_worker_has_it(tmp_path: Path) -> None:
+    directory = _checkpoints(tmp_path)
+    names = ["invoice", "object_state", "array_state", "choice_sort_order", "empty_state",
+             "unicode_ids"]
+    with _serve(directory, workers=2) as serve:
+        kept = ROWS[("tiny-beta", "invoice")]
+        assert _post(serve, kept["request"]).status == 200  # kept for repeats
+        shutil.rmtree(directory / "tiny-beta")
+        _restart(serve, 0)
+        assert [sorted(w["models"]) for w in _workers(serve)] == [
+            ["clef-flash", "tiny-alpha"], ["clef-flash", "tiny-alpha", "tiny-beta"]]
+        assert _listed(serve) == ["clef-flash", "tiny-alpha", "tiny-beta"]
+        # Only worker 1 still has it: every request naming it goes there and is the variant's
+        # own answer (worker 0 would refuse the name, the base would answer otherwise).
+        for name in names:
+            row = ROWS[("tiny-beta", name)]
+            response = _post(serve, row["request"])
+            assert response.status == 200, (name, response.body)
+            assert_response_matches(response.json(), row["response"])
+        _restart(serve, 1)
+        assert _listed(serve) == ["clef-flash", "tiny-alpha"]
+        for row in (kept, ROWS[("tiny-beta", "object_state")]):
+            response = _post(serve, row["request"])
+            assert response.status == 404, response.body
+            assert response.detail == ("unknown model 'tiny-beta'; this server runs "
+                                       "clef-flash, tiny-alpha")
+        alpha = ROWS[("tiny-alpha", "invoice")]
+        response = _post(serve, alpha["request"])
+        assert response.status == 200
+        assert_response_matches(response.json(), alpha["response"])
+
+
+def test_a_variants_files_replaced_in_place_answer_with_the_new_weights(tmp_path: Path) -> None:
+    directory = _checkpoints(tmp_path)
+    row = ROWS[("tiny-alpha", "invoice")]
+    with _serve(directory, workers=1) as serve:
+        before = _post(serve, row["request"])
+        assert before.status == 200
+        assert_response_matches(before.json(), row["response"])
+        old_weights = before.header("Clef-Weights")
+        assert old_weights == _workers(serve)[0]["models"]["tiny-alpha"][:16]
+        assert _post(serve, row["request"]).body == before.body  # kept: a hit
+        hits = metric(serve, "clef_answer_cache_total", result="hit")
+        for name in VARIANT_FILES:  # tiny-beta's adapter and head copied over tiny-alpha's
+            shutil.copyfile(directory / "tiny-beta" / name, directory / "tiny-alpha" / name)
+        _restart(serve, 0)
+        after = _post(serve, row["request"])
+        assert after.status == 200
+        beta = ROWS[("tiny-beta", "invoice")]["response"]
+        assert_response_matches(after.json(), dict(beta, model="tiny-alpha"))
+        assert after.body != before.body
+        new_weights = after.header("Clef-Weights")
+        assert new_weights == _workers(serve)[0]["models"]["tiny-alpha"][:16] != old_weights
+        assert metric(serve, "clef_answer_cache_total", result="hit") == hits  # not from memory
+
+
+def test_sighup_picks_up_a_checkpoint_added_to_the_directory(tmp_path: Path) -> None:
+    directory = _checkpoints(tmp_path)
+    request = dict(ROWS[("tiny-alpha", "invoice")]["request"], model="tiny-gamma")
+    with _serve(directory, workers=1) as serve:
+        assert _post(serve, request).status == 404
+        shutil.copytree(directory / "tiny-alpha", directory / "tiny-gamma")
+        serve.process.send_signal(signal.SIGHUP)
+        serve.wait_for(r"reload finished: 1 of 1 worker\(s\) replaced", timeout=240)
+        assert _listed(serve) == ["clef-flash", "tiny-alpha", "tiny-beta", "tiny-gamma"]
+        response = _post(serve, request)
+        assert response.status == 200, response.body
+        expected = ROWS[("tiny-alpha", "invoice")]["response"]
+        assert_response_matches(response.json(), dict(expected, model="tiny-gamma"))
