@@ -31,7 +31,7 @@ def _perturbed_copy(source: Path, target: Path) -> None:
     save_file(moved, str(target / HEAD))
 
 
-def test_replacing_the_weights_in_place_flushes_the_kept_answers(tmp_path: Path) -> None:
+def test_replacing_the_weights_in_place_retires_the_kept_answers(tmp_path: Path) -> None:
     served, other = tmp_path / "model", tmp_path / "b"
     shutil.copytree(TINY_SNAPSHOT, served)
     _perturbed_copy(TINY_SNAPSHOT, other)
