@@ -1,6 +1,7 @@
 """Duplicates answered once: identical concurrent requests share one forward, a repeat costs
 none, a request in another order or for another key never shares, a reload onto the same weights
-keeps what was kept (fake worker's request log). Servers run the default configuration: the cache is on."""
+keeps what was kept (fake worker's request log). Servers run the default configuration: the
+cache is on."""
 
 from __future__ import annotations
 
