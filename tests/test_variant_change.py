@@ -8,7 +8,8 @@ in the configuration operators run (answer cache on, the worker's CPU defaults),
   kept answers included;
 - a checkpoint's files replaced in place, then the worker restarted: the same request gets the
   new weights' answer, never the kept one, and `Clef-Weights` names the new weights;
-- SIGHUP rolls the workers onto a checkpoint added to the directory: it is listed and served.
+- SIGHUP rolls the workers onto a checkpoint added to the directory: it is listed and served;
+- a worker alone scores only the names it was given, refusing any other (404).
 """
 
 from __future__ import annotations
@@ -17,13 +18,17 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 from benchlib.golden import assert_response_matches
 from benchlib.paths import FINETUNE_FIXTURES, FINETUNE_REFERENCE
+from clef_protocol import messages
+from clef_protocol.frames import read_frame_blocking, write_frame_blocking
 from clef_protocol.options import RequestLimits
-from tests.conftest import TINY_SNAPSHOT
+from tests.conftest import REPO, TINY_SNAPSHOT
 from tests.frontend_helpers import Serve
 from tests.traffic_helpers import metric, wait_until
 
@@ -139,3 +144,39 @@ def test_sighup_picks_up_a_checkpoint_added_to_the_directory(tmp_path: Path) -> 
         assert response.status == 200, response.body
         expected = ROWS[("tiny-alpha", "invoice")]["response"]
         assert_response_matches(response.json(), dict(expected, model="tiny-gamma"))
+
+
+def test_the_worker_scores_only_the_names_it_was_given() -> None:
+    """The worker on its own (its frames, no front): with variants it scores the base under the
+    served names it was given and each variant under its name, names each answer's weights as
+    its `ready` lists them, and refuses any other name 404 rather than score it as the base."""
+    command = [sys.executable, "-m", "clef_worker", "--model", str(TINY_SNAPSHOT),
+               "--device", "cpu", "--finetune", str(FINETUNE_FIXTURES),
+               "--served-model-name", "clef-flash", "clef-alias"]
+    worker = subprocess.Popen(command, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert worker.stdin is not None and worker.stdout is not None
+    try:
+        ready = messages.from_worker(read_frame_blocking(worker.stdout) or {})
+        assert isinstance(ready, messages.ReadyInfo)
+        assert sorted(ready.models) == ["clef-flash", "tiny-alpha", "tiny-beta"]
+        assert ready.models["clef-flash"] == ready.fingerprint
+        assert len(set(ready.models.values())) == 3
+        request = ROWS[("tiny-alpha", "invoice")]["request"]
+        for frame_id, model in enumerate(("clef-alias", "tiny-alpha", "tiny-gone"), start=1):
+            body = json.dumps(dict(request, model=model)).encode()
+            write_frame_blocking(worker.stdin, messages.request(frame_id, body))
+            reply = messages.from_worker(read_frame_blocking(worker.stdout) or {})
+            assert isinstance(reply, messages.WorkerReply) and reply.id == frame_id
+            if model == "tiny-gone":
+                assert (reply.status, reply.detail) == (404, (
+                    "unknown model 'tiny-gone'; this worker serves clef-alias, clef-flash, "
+                    "tiny-alpha, tiny-beta"))
+            else:
+                expected = "clef-flash" if model == "clef-alias" else model
+                assert reply.status == 200 and reply.weights == ready.models[expected]
+        write_frame_blocking(worker.stdin, messages.shutdown())
+        assert worker.wait(60) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
