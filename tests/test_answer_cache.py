@@ -11,6 +11,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -371,5 +372,42 @@ def test_a_waiting_joiner_gets_the_shared_answer_but_never_a_503_or_504(
         else:
             assert received is outcome
             assert _share(cache, key).how == (HIT if status == 200 else MISS)
+
+    asyncio.run(scenario())
+
+
+def test_a_kept_answer_is_served_only_while_its_model_is_served_with_its_weights() -> None:
+    """The one rule: a kept answer records the model and weights that made it, and is a hit
+    only while a ready worker serves that model with those weights (`serving`, here a set the
+    test changes as workers would); one found stale is dropped, and `prune` drops them all."""
+    async def scenario() -> None:
+        served = {("tiny-alpha", "w1"), ("", "b1")}
+        cache = AnswerCache(8, serving=lambda model, weights: (model, weights) in served)
+        loop = asyncio.get_running_loop()
+
+        def keep(request: dict[str, Any], model: str, weights: str) -> bytes:
+            key = identity("-", request)
+            flight = cache.share(key, priority=INTERACTIVE, deadline=None,
+                                 client_gone=lambda: False, model=model).flight
+            assert flight is not None
+            outcome: asyncio.Future[Outcome] = loop.create_future()
+            cache.admitted(key, flight, outcome, lambda: True, lambda: None)
+            outcome.set_result(Answer(WorkerReply(200, b"{}", None, 1.0, weights=weights)))
+            cache.land(key, flight, outcome)
+            return key
+
+        variant = keep(clef_request(model="tiny-alpha"), "tiny-alpha", "w1")
+        base = keep(clef_request(tag="base"), "", "b1")
+        other = keep(clef_request(tag="other"), "", "b1")
+        assert [_share(cache, key).how for key in (variant, base, other)] == [HIT] * 3
+        # The same weights under another model's name are not that model's.
+        served.discard(("tiny-alpha", "w1"))
+        served.add(("tiny-beta", "w1"))
+        assert _share(cache, variant).how == MISS
+        assert len(cache) == 2  # found stale: dropped
+        served.discard(("", "b1"))  # every worker now runs other base weights
+        served.add(("", "b2"))
+        assert cache.prune() == 2 and len(cache) == 0 and cache.size_bytes == 0
+        assert _share(cache, base).how == MISS
 
     asyncio.run(scenario())
