@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from benchlib.golden import assert_response_matches
 from benchlib.paths import FINETUNE_FIXTURES, FINETUNE_REFERENCE
@@ -155,8 +155,9 @@ def test_the_worker_scores_only_the_names_it_was_given() -> None:
                "--served-model-name", "clef-flash", "clef-alias"]
     worker = subprocess.Popen(command, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert worker.stdin is not None and worker.stdout is not None
+    to_worker, from_worker = cast(BinaryIO, worker.stdin), cast(BinaryIO, worker.stdout)
     try:
-        ready = messages.from_worker(read_frame_blocking(worker.stdout) or {})
+        ready = messages.from_worker(read_frame_blocking(from_worker) or {})
         assert isinstance(ready, messages.ReadyInfo)
         assert sorted(ready.models) == ["clef-flash", "tiny-alpha", "tiny-beta"]
         assert ready.models["clef-flash"] == ready.fingerprint
@@ -164,8 +165,8 @@ def test_the_worker_scores_only_the_names_it_was_given() -> None:
         request = ROWS[("tiny-alpha", "invoice")]["request"]
         for frame_id, model in enumerate(("clef-alias", "tiny-alpha", "tiny-gone"), start=1):
             body = json.dumps(dict(request, model=model)).encode()
-            write_frame_blocking(worker.stdin, messages.request(frame_id, body))
-            reply = messages.from_worker(read_frame_blocking(worker.stdout) or {})
+            write_frame_blocking(to_worker, messages.request(frame_id, body))
+            reply = messages.from_worker(read_frame_blocking(from_worker) or {})
             assert isinstance(reply, messages.WorkerReply) and reply.id == frame_id
             if model == "tiny-gone":
                 assert (reply.status, reply.detail) == (404, (
@@ -174,7 +175,7 @@ def test_the_worker_scores_only_the_names_it_was_given() -> None:
             else:
                 expected = "clef-flash" if model == "clef-alias" else model
                 assert reply.status == 200 and reply.weights == ready.models[expected]
-        write_frame_blocking(worker.stdin, messages.shutdown())
+        write_frame_blocking(to_worker, messages.shutdown())
         assert worker.wait(60) == 0
     finally:
         if worker.poll() is None:
