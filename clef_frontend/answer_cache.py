@@ -12,7 +12,9 @@ weights (the worker's `response` frame says it, from the fingerprints it reports
 and is served only while a ready worker serves that model with those weights (`serving`, asked
 at every hit). Whatever order workers restart in after weights are replaced in place, an answer
 of weights no ready worker serves is never returned from memory (it is dropped when found), and
-the answers of weights still served survive a rolling restart. Answers are never shared across
+the answers of weights still served survive a rolling restart. (A request that joins an
+identical one already sent gets that forward's answer, as it would have had it been sent
+itself then; the rule governs what is served from memory.) Answers are never shared across
 keys, because a fast answer would tell one tenant what another asked.
 
 `AnswerCache` owns the whole of sharing: the decision (`share`: a kept answer is a `hit`, an
