@@ -470,7 +470,6 @@ class Admission:
             self._idle.clear()
 
 
-
 def _not_served(model: str) -> str:
     """The 503 detail for a variant no ready worker serves now."""
     return f"no ready worker serves model {model!r} now"
