@@ -266,6 +266,30 @@ def variant_fingerprint(base: str, files: str) -> str:
     return hashlib.sha256(f"variant\0{base}\0{files}".encode()).hexdigest()
 
 
+class ModelsWatch:
+    """The base snapshot's watch and each fine-tuned variant's (its adapter and head files):
+    every served model's fingerprint, computed one watch after the other on one helper thread
+    (they share one `DigestCache`, which is not safe to use from two threads at once)."""
+
+    def __init__(self, base: SnapshotWatch, variants: Mapping[str, SnapshotWatch]) -> None:
+        self.base = base
+        self.variants = dict(variants)
+
+    def fingerprints(self) -> tuple[str, dict[str, str]]:
+        """The base's fingerprint, and each variant's by name (`variant_fingerprint`); raises
+        SnapshotChanged as `SnapshotWatch.fingerprint` does."""
+        base = self.base.fingerprint()
+        return base, {name: variant_fingerprint(base, watch.fingerprint())
+                      for name, watch in self.variants.items()}
+
+    def start(self) -> Future[tuple[str, dict[str, str]]]:
+        """`fingerprints`, computed on a thread of its own while the worker warms up."""
+        runner = ThreadPoolExecutor(1, thread_name_prefix="fingerprint")
+        future = runner.submit(self.fingerprints)
+        runner.shutdown(wait=False)
+        return future
+
+
 def snapshot_fingerprint(root: Path) -> str:
     """The fingerprint of the files under `root` now, with no kept digests (tools, tests)."""
     return SnapshotWatch(root).fingerprint()

@@ -247,37 +247,33 @@ def start_ready(args: argparse.Namespace,
     from clef_worker.fingerprint import (
         VARIANT_FILES,
         DigestCache,
+        ModelsWatch,
         SnapshotWatch,
         default_digests_path,
-        variant_fingerprint,
     )
     from clef_worker.loading import base_names, load_executor, resolve_snapshot
 
     try:
         snapshot, demo = resolve_snapshot(args.model)
-        # The files as they are before the executor reads any: the fingerprint is trusted only
-        # if they are the same once it is computed (clef_worker.fingerprint). A variant's
-        # checkpoint files are watched the same way.
+        # The files as they are before the executor reads any: the fingerprints are trusted only
+        # if they are the same once computed (clef_worker.fingerprint); a variant's adapter and
+        # head files are watched the same way.
         digests = DigestCache(default_digests_path())
-        watch = SnapshotWatch(snapshot, digests)
-        variant_watches = {finetune.name: SnapshotWatch(finetune.checkpoint, digests,
-                                                        only=VARIANT_FILES)
-                           for finetune in _finetunes(args)}
+        watch = ModelsWatch(
+            SnapshotWatch(snapshot, digests),
+            {finetune.name: SnapshotWatch(finetune.checkpoint, digests, only=VARIANT_FILES)
+             for finetune in _finetunes(args)})
         executor = load_executor(args, snapshot, demo)
-        fingerprint = watch.start()  # hashed while the worker warms up
-        variant_files = {name: variant.start() for name, variant in variant_watches.items()}
+        fingerprints = watch.start()  # hashed while the worker warms up
         started = time.perf_counter()
         executor.warm_up()
         warmup_ms = _elapsed_ms(started)
         verdict = self_check(executor, args.self_check)  # may drop graphs: describe after it
         if args.finetune:
             _answer_only_to_served_names(executor, base_names(args))
-        base = fingerprint.result()
-        described = executor.describe()
-        models = {base_names(args)[0]: base}
-        models.update({name: variant_fingerprint(base, files.result())
-                       for name, files in variant_files.items()})
-        model = dataclasses.replace(described, fingerprint=base, models=models)
+        base, variants = fingerprints.result()
+        models = {base_names(args)[0]: base, **variants}
+        model = dataclasses.replace(executor.describe(), fingerprint=base, models=models)
     except StartupError as exc:
         reason = str(exc)
     except Exception as exc:

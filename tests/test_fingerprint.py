@@ -1,5 +1,6 @@
-"""The weights fingerprint (clef_worker.fingerprint): what it covers, the digests it keeps
-between starts and when it refuses to use them, and the files changing under a load."""
+"""The weights fingerprint (clef_worker.fingerprint): what it covers (a variant's included), the
+digests it keeps between starts and when it refuses to use them, and the files changing under a
+load."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 
 from clef_worker import fingerprint
 from clef_worker.fingerprint import (
+    VARIANT_FILES,
     DigestCache,
+    ModelsWatch,
     SnapshotChanged,
     SnapshotWatch,
     snapshot_fingerprint,
@@ -145,3 +148,40 @@ def test_a_lost_or_unwritable_digest_file_costs_only_a_rehash(
     counting = CountingDigests(monkeypatch)
     assert SnapshotWatch(root, DigestCache(blocker / "digests.json")).fingerprint() == expected
     assert len(counting.read) == 3
+
+
+def _checkpoint(root: Path) -> Path:
+    (root / "adapter").mkdir(parents=True)
+    (root / "adapter" / "adapter_config.json").write_text('{"r": 4}')
+    (root / "adapter" / "adapter_model.safetensors").write_bytes(b"\x02" * 512)
+    (root / "joint_head.safetensors").write_bytes(b"\x03" * 256)
+    (root / "training_state.pt").write_bytes(b"optimizer")
+    return root
+
+
+def _models(base: Path, checkpoint: Path) -> tuple[str, dict[str, str]]:
+    cache = DigestCache(None)
+    return ModelsWatch(SnapshotWatch(base, cache), {"tuned": SnapshotWatch(
+        checkpoint, cache, only=VARIANT_FILES)}).fingerprints()
+
+
+def test_a_variants_fingerprint_covers_the_base_and_its_adapter_and_head(tmp_path: Path) -> None:
+    base, checkpoint = _snapshot(tmp_path / "base"), _checkpoint(tmp_path / "tuned")
+    base_print, variants = _models(base, checkpoint)
+    assert base_print == snapshot_fingerprint(base)
+    first = variants["tuned"]
+    assert first != base_print
+    # The optimizer state beside the weights is not part of them.
+    (checkpoint / "training_state.pt").write_bytes(b"another optimizer")
+    assert _models(base, checkpoint)[1]["tuned"] == first
+    for name in VARIANT_FILES:  # each of its weight files is
+        path = checkpoint / name
+        kept = path.read_bytes()
+        path.write_bytes(kept + b"\x00")
+        assert _models(base, checkpoint)[1]["tuned"] != first, name
+        path.write_bytes(kept)
+    assert _models(base, checkpoint)[1]["tuned"] == first
+    # And so are the base's weights: the same adapter over other weights answers otherwise.
+    (base / "model.safetensors").write_bytes(b"\x04" * 4096)
+    moved_base, moved = _models(base, checkpoint)
+    assert moved_base != base_print and moved["tuned"] != first
