@@ -9,6 +9,7 @@ in the configuration operators run (answer cache on, the worker's CPU defaults),
 - a checkpoint's files replaced in place, then the worker restarted: the same request gets the
   new weights' answer, never the kept one, and `Clef-Weights` names the new weights;
 - SIGHUP rolls the workers onto a checkpoint added to the directory: it is listed and served;
+  and off one removed, one worker at a time under traffic, never answering it with another model;
 - a worker alone scores only the names it was given, refusing any other (404).
 """
 
@@ -20,6 +21,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
@@ -181,3 +184,39 @@ def test_the_worker_scores_only_the_names_it_was_given() -> None:
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+def test_sighup_drops_a_removed_checkpoint_one_worker_at_a_time(tmp_path: Path) -> None:
+    """Under traffic: while the roll replaces one worker after the other, the base never fails
+    and a request naming the removed variant gets that variant's answer (from a worker that
+    still has it), 503 or 404, never another model's answer; after the roll it is 404."""
+    directory = _checkpoints(tmp_path)
+    beta = ROWS[("tiny-beta", "object_state")]
+    base = dict(ROWS[("tiny-beta", "object_state")]["request"], model="clef-flash")
+    seen: list[tuple[str, int, str | None]] = []
+    stop = threading.Event()
+
+    def client(serve: Serve) -> None:
+        tag = 0
+        while not stop.is_set():
+            tag += 1  # distinct bodies: each is a forward, not a kept answer
+            for name, request in (("beta", beta["request"]), ("base", base)):
+                response = _post(serve, dict(request, state=f"{request['state']} #{tag}"))
+                seen.append((name, response.status, response.header("Clef-Weights")))
+
+    with _serve(directory, workers=2) as serve:
+        models = _workers(serve)[0]["models"]
+        weights = {"beta": models["tiny-beta"][:16], "base": models["clef-flash"][:16]}
+        shutil.rmtree(directory / "tiny-beta")
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(client, serve)
+            serve.process.send_signal(signal.SIGHUP)
+            serve.wait_for(r"reload finished: 2 of 2 worker\(s\) replaced", timeout=480)
+            stop.set()
+            running.result()
+        assert {status for name, status, _ in seen if name == "base"} == {200}
+        for name, status, named in seen:  # each answer by the weights of the model it names
+            assert status in ((200,) if name == "base" else (200, 503, 404))
+            assert named == (weights[name] if status == 200 else None)
+        assert _listed(serve) == ["clef-flash", "tiny-alpha"]
+        assert _post(serve, beta["request"]).status == 404
