@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from clef_dispatch.admission import Admission, AdmissionEvents, Ticket
@@ -98,7 +98,6 @@ class DispatchSnapshot:
     in_flight: int
     queue_capacity: int
     restarts: int
-    fingerprints: tuple[str, ...] = field(default=())
 
 
 class Dispatcher:
@@ -203,7 +202,6 @@ class Dispatcher:
             in_flight=admission.in_flight,
             queue_capacity=admission.capacity,
             restarts=pool.restarts,
-            fingerprints=self.fingerprints(),
         )
 
     # The gauges' reads (a scrape may run them on the metrics port's thread; each is safe to).
@@ -242,10 +240,6 @@ class Dispatcher:
     @property
     def restarts(self) -> int:
         return self._pool.restarts
-
-    def fingerprints(self) -> tuple[str, ...]:
-        """Each worker's weights fingerprint from its last `ready` ("" before its first)."""
-        return tuple(lane.info.fingerprint if lane.info else "" for lane in self._pool.lanes)
 
     def serves_weights(self, model: str, weights: str) -> bool:
         """Whether a ready worker serves `model` ("": the base) with the fingerprint `weights`
