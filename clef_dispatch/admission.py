@@ -187,8 +187,7 @@ class Admission:
                         request_id, trace_id, priority,
                         earliest(deadline, now, self._queue_timeout), gone,
                         enqueued_at=now, tokens=self._estimate.cost(len(body)))
-        if ticket.deadline is not None and ticket.deadline <= now:
-            self._expire(ticket)
+        if self._past_deadline(ticket):  # already passed: answered 504 at once
             return ticket
         self._idle.clear()
         if lane is not None:
@@ -250,7 +249,10 @@ class Admission:
         """
         mine = [ticket for ticket, lanes in self._sent.items() if lane in lanes]
         if suspect:
-            self._resends.copy(mine, self._waiting)
+            # Past its deadline a ticket gets no copy (the deadline rule): the suspect's own
+            # answer is awaited, never thrown away for a 504.
+            self._resends.copy([ticket for ticket in mine if not self._past_deadline(ticket)],
+                               self._waiting)
         else:
             for ticket in self._resends.to_take_back(mine):
                 self._unqueue(ticket)
@@ -271,22 +273,23 @@ class Admission:
             lane = self._idle_lane()
             if lane is None:
                 break
-            ticket = self._resends.pop_lost()
-            if self._still_wanted(ticket):
-                self._send(ticket, lane, alone=True)
-            else:
+            ticket, why = self._resends.pop_lost()
+            if not self._still_wanted(ticket):
                 self._settle(ticket)
+            elif self._send(ticket, lane, alone=True):
+                self._resends.sent_again(why)
         if not self._resends.lost_waiting:  # a lost ticket waiting for an idle worker holds
             while self._queued():               # the rest back
                 lane = self._lane_with_room()
                 if lane is None:
                     break
                 ticket = self._next_waiting()
+                copy = self._resends.is_copy(ticket)
                 self._resends.leaving_queue(ticket)
-                if self._still_wanted(ticket):
-                    self._send(ticket, lane)
-                else:
+                if not self._still_wanted(ticket):
                     self._settle(ticket)
+                elif self._send(ticket, lane) and copy:
+                    self._resends.sent_again("suspect")
         self._update_idle()
 
     # -- internals ---------------------------------------------------------------------------
@@ -301,10 +304,34 @@ class Admission:
         self._deadlines.add(ticket, self.depth)
 
     def _deadline_passed(self, ticket: Ticket) -> None:
-        """A deadline passed: 504 for the ticket if it still waits (not if a copy runs)."""
-        if self._unqueue(ticket) and ticket not in self._sent:
-            self._expire(ticket)
+        """The timer: a kept deadline passed. The ticket may have left the queue meanwhile
+        (sent, answered, given up): only one still queued, or a queued copy, is judged."""
+        if ticket.queued and not ticket.outcome.done():
+            self._past_deadline(ticket)
         self._settle(ticket)
+
+    def _past_deadline(self, ticket: Ticket) -> bool:
+        """The one deadline rule, applied by the timer, the pump (right before a frame) and the
+        resend path (a suspect's copy, a lost ticket): whether `ticket`'s deadline has passed,
+        and if so what that does to it.
+
+        A ticket a worker holds is never expired: its answer is computed, and is delivered
+        however late (docs/api.md: a request on a worker is answered). So past the deadline a
+        suspect's queued copy is withdrawn unsent and the original's answer awaited, and a
+        ticket held by a worker that turns suspect gets no copy. A ticket no worker holds
+        (waiting, or lost with its worker) is taken out of its queue and answered 504. The
+        caller settles the ticket's count (`_settle`)."""
+        if ticket.deadline is None or ticket.deadline > time.monotonic():
+            return False
+        if ticket in self._sent:  # on a worker: never expired
+            if self._unqueue(ticket) or ticket.copied:
+                ticket.copy_withdrawn()
+            log.info("frame_id=%d request_id=%s: deadline passed while a worker holds it: no "
+                     "copy sent, its answer is awaited", ticket.frame_id, ticket.request_id)
+            return True
+        self._unqueue(ticket)
+        self._expire(ticket)
+        return True
 
     def _expire(self, ticket: Ticket) -> None:
         log.info("frame_id=%d request_id=%s class=%s: deadline passed after %.0f ms waiting, "
@@ -335,8 +362,8 @@ class Admission:
         return (interactive or bulk).popleft()
 
     def _still_wanted(self, ticket: Ticket) -> bool:
-        """Right before the frame: a ticket whose client left or whose deadline passed is
-        answered here instead of being sent."""
+        """Right before the frame: a ticket whose client left is dropped, and one whose deadline
+        passed is judged by the deadline rule (`_past_deadline`), instead of being sent."""
         if ticket.outcome.done():
             return False
         if ticket.gone():
@@ -344,10 +371,7 @@ class Admission:
                      ticket.request_id)
             ticket.outcome.cancel()
             return False
-        if ticket.deadline is not None and ticket.deadline <= time.monotonic():
-            self._expire(ticket)
-            return False
-        return True
+        return not self._past_deadline(ticket)
 
     def _lane_with_room(self) -> Lane | None:
         """The next worker with room."""
@@ -357,7 +381,8 @@ class Admission:
         """A ready worker with nothing in flight, for a resent ticket to run alone on."""
         return self._ring.pick(is_idle, self._resends.lanes_alone)
 
-    def _send(self, ticket: Ticket, lane: Lane, *, alone: bool = False) -> None:
+    def _send(self, ticket: Ticket, lane: Lane, *, alone: bool = False) -> bool:
+        """Send `ticket` to `lane`; False if the worker refused it (nothing was sent)."""
         ticket.sent(time.monotonic())
         self._sent.setdefault(ticket, []).append(lane)
         self._settle(ticket)  # from its queue to the worker in one step
@@ -371,6 +396,8 @@ class Admission:
             self._settle(ticket)
             if not ticket.outcome.done() and ticket not in self._sent:
                 ticket.outcome.set_result(self._unavailable(str(exc)))
+            return False
+        return True
 
     def _done(self, ticket: Ticket, lane: Lane, outcome: WorkerOutcome) -> None:
         """A worker answered the ticket (or failed with it in flight): reply, send the next.

@@ -48,13 +48,14 @@ class DeadlineHeap:
             self._drop_stale()
 
     def _drop_stale(self) -> None:
-        """Forget the deadlines of tickets no longer waiting (sent, answered, given up).
+        """Forget the deadlines of tickets no longer queued (sent, answered, given up; a
+        suspect's queued copy is kept: the deadline rule withdraws it).
 
         Without this, `--queue-timeout` seconds of every ticket, bodies included, would stay
         referenced here. Rebuilt once stale entries outnumber live ones, so each entry is
         copied at most once on average."""
         self._heap = [entry for entry in self._heap
-                      if entry[2].started_at is None and not entry[2].outcome.done()]
+                      if entry[2].queued and not entry[2].outcome.done()]
         heapq.heapify(self._heap)
         self._arm()
 

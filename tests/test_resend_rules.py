@@ -55,13 +55,16 @@ def test_lost_tickets_and_copies_wait_apart_and_keep_their_deadline() -> None:
         resends.copy([held_a, held_b], waiting)
         resends.copy([held_a], waiting)  # one copy per ticket, ever
         assert list(waiting[INTERACTIVE]) == [held_a, held_b]  # oldest first at the head
-        assert resent == ["crash", "suspect", "suspect"]
+        # Neither a lost ticket queued nor a queued copy is a resend yet (admission counts each
+        # once sent: `sent_again`); a copy's deadline is kept like any waiting ticket's.
+        assert resent == []  # nothing is counted until really sent again
+        assert kept == [lost, held_b, held_a]
         # the copies wait in their class queue, the lost ticket apart from it (each queued once)
         assert [resends.is_copy(t) for t in (lost, held_a, held_b)] == [False, True, True]
         assert resends.is_lost_waiting(lost) and not waiting[BULK]
         assert all(t.queued for t in (lost, held_a, held_b))
         assert resends.to_take_back([held_b]) == [held_b] and not held_b.copied
-        assert resends.lost_waiting and resends.pop_lost() is lost
+        assert resends.lost_waiting and resends.pop_lost() == (lost, "crash")
         assert not resends.lost_waiting and not lost.queued
     finally:
         loop.close()
