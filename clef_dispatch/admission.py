@@ -14,7 +14,8 @@ Shared traffic (priority.py names the classes): waiting `interactive` tickets go
 `bulk` ones, FIFO within a class, except that one admission in every `BULK_EVERY` goes to bulk
 while both wait, so bulk never starves. A ticket may carry a deadline (`X-Clef-Deadline-Ms`,
 `--queue-timeout`): one timer, aimed at the earliest, answers a ticket still waiting at its
-deadline with 504, and it never reaches a worker.
+deadline with 504, and it never reaches a worker; one rule (deadline_heap.past_deadline) judges
+a passed deadline wherever it is found: a ticket a worker holds is never expired.
 
 Lost and suspect workers (clef_dispatch/resend.py owns those rules): a ticket in flight on a
 worker that is lost is sent again, once, before anything else, alone on an idle worker; while it
@@ -27,13 +28,9 @@ Admission knows the workers only through the `Workers` and `Lane` protocols belo
 503 from a 500 by the exceptions of `worker_errors`; it never imports the supervisor, the pool
 or the channel, so they can change shape behind it.
 
-Load in tokens (load.py): each ticket carries its estimated token cost, and admission keeps the
-sum waiting, the sum in flight and the sum of both, the last the numerator of the utilisation
-gauge an endpoint picker reads; each answer teaches the estimate its real token count.
-
-Gauges read from another thread (the metrics port's): every count they read, the depth and the
-token sums, is one plain int that the loop recounts once a change is complete (waiting.py: why,
-and what counts as waiting); each ticket counts once, a suspect's queued copy included.
+Load in tokens (load.py: each answer teaches the estimate its real token count) and the counts
+the gauges read from the metrics thread (waiting.py: plain ints, each ticket counted once, a
+suspect's queued copy included) are kept as tickets move.
 
 Everything here is driven by events and runs no task of its own: a ticket is sent the moment it
 is admitted if a worker has room, and each reply (a callback from the worker channel) answers
@@ -48,7 +45,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from clef_dispatch.deadline_heap import DeadlineHeap
+from clef_dispatch.deadline_heap import DeadlineHeap, Past, past_deadline
 from clef_dispatch.load import TokenEstimate
 from clef_dispatch.outcomes import (
     EXPIRED_DETAIL,
@@ -249,8 +246,7 @@ class Admission:
         """
         mine = [ticket for ticket, lanes in self._sent.items() if lane in lanes]
         if suspect:
-            # Past its deadline a ticket gets no copy (the deadline rule): the suspect's own
-            # answer is awaited, never thrown away for a 504.
+            # Past its deadline a ticket gets no copy: the suspect's own answer is awaited.
             self._resends.copy([ticket for ticket in mine if not self._past_deadline(ticket)],
                                self._waiting)
         else:
@@ -304,42 +300,29 @@ class Admission:
         self._deadlines.add(ticket, self.depth)
 
     def _deadline_passed(self, ticket: Ticket) -> None:
-        """The timer: a kept deadline passed. The ticket may have left the queue meanwhile
-        (sent, answered, given up): only one still queued, or a queued copy, is judged."""
+        """The timer: a kept deadline passed; judged if the ticket (or its copy) still waits."""
         if ticket.queued and not ticket.outcome.done():
             self._past_deadline(ticket)
         self._settle(ticket)
 
     def _past_deadline(self, ticket: Ticket) -> bool:
-        """The one deadline rule, applied by the timer, the pump (right before a frame) and the
-        resend path (a suspect's copy, a lost ticket): whether `ticket`'s deadline has passed,
-        and if so what that does to it.
-
-        A ticket a worker holds is never expired: its answer is computed, and is delivered
-        however late (docs/api.md: a request on a worker is answered). So past the deadline a
-        suspect's queued copy is withdrawn unsent and the original's answer awaited, and a
-        ticket held by a worker that turns suspect gets no copy. A ticket no worker holds
-        (waiting, or lost with its worker) is taken out of its queue and answered 504. The
-        caller settles the ticket's count (`_settle`)."""
-        if ticket.deadline is None or ticket.deadline > time.monotonic():
-            return False
-        if ticket in self._sent:  # on a worker: never expired
+        """Whether `ticket`'s deadline has passed, applying the one deadline rule
+        (deadline_heap.past_deadline) if so; the caller settles the ticket's count."""
+        past = past_deadline(ticket, held=ticket in self._sent, now=time.monotonic())
+        if past is Past.HELD:  # on a worker: never expired
             if self._unqueue(ticket) or ticket.copied:
                 ticket.copy_withdrawn()
             log.info("frame_id=%d request_id=%s: deadline passed while a worker holds it: no "
                      "copy sent, its answer is awaited", ticket.frame_id, ticket.request_id)
-            return True
-        self._unqueue(ticket)
-        self._expire(ticket)
-        return True
-
-    def _expire(self, ticket: Ticket) -> None:
-        log.info("frame_id=%d request_id=%s class=%s: deadline passed after %.0f ms waiting, "
-                 "not sent", ticket.frame_id, ticket.request_id, ticket.priority,
-                 ticket.queue_ms)
-        self._events.expired(ticket.priority)
-        if not ticket.outcome.done():
-            ticket.outcome.set_result(Refusal(RefusalKind.EXPIRED, EXPIRED_DETAIL))
+        elif past is Past.EXPIRED:
+            self._unqueue(ticket)
+            log.info("frame_id=%d request_id=%s class=%s: deadline passed after %.0f ms "
+                     "waiting, not sent", ticket.frame_id, ticket.request_id, ticket.priority,
+                     ticket.queue_ms)
+            self._events.expired(ticket.priority)
+            if not ticket.outcome.done():
+                ticket.outcome.set_result(Refusal(RefusalKind.EXPIRED, EXPIRED_DETAIL))
+        return past is not Past.NOT_YET
 
     def _unqueue(self, ticket: Ticket) -> bool:
         """Take a waiting ticket (or a queued copy) out of its queue; False if none waited.

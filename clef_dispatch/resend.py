@@ -15,7 +15,10 @@ copy stays in flight (the ticket counts once, in flight: clef_dispatch/waiting.p
 answer wins and the other is dropped, so every client gets exactly one answer; a copy that fails
 while another is in flight or queued is forgotten, and a ticket lost with both workers is sent
 again alone, as any lost ticket (a poison request is still isolated). A suspect that answers
-again takes back the copies still queued.
+again takes back the copies still queued. A ticket past its deadline gets no copy, and a copy
+whose deadline passes while it waits is withdrawn (admission's deadline rule: a ticket a worker
+holds is never expired). A resend is counted when it is really sent (`sent_again`), never when
+merely queued.
 
 `Resends` owns the state of those rules (the lost tickets waiting, the copies queued, the lanes
 running a ticket alone) and `judge` says what a worker's outcome means for a ticket; admission
