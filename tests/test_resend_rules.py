@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from clef_dispatch.deadline_heap import Past, past_deadline
 from clef_dispatch.resend import Resends, Verdict, judge
 from clef_dispatch.ticket import AdmissionEvents, Ticket
 from clef_dispatch.urgency import BULK, CLASSES, INTERACTIVE
@@ -66,5 +67,20 @@ def test_lost_tickets_and_copies_wait_apart_and_keep_their_deadline() -> None:
         assert resends.to_take_back([held_b]) == [held_b] and not held_b.copied
         assert resends.lost_waiting and resends.pop_lost() == (lost, "crash")
         assert not resends.lost_waiting and not lost.queued
+    finally:
+        loop.close()
+
+
+def test_the_deadline_rule_never_expires_a_ticket_a_worker_holds() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        now = 100.0
+        ticket = _ticket(loop, 1)
+        assert past_deadline(ticket, held=False, now=now) is Past.NOT_YET  # no deadline
+        ticket.deadline = now + 1.0
+        assert past_deadline(ticket, held=False, now=now) is Past.NOT_YET
+        ticket.deadline = now  # passed (at its very instant)
+        assert past_deadline(ticket, held=True, now=now) is Past.HELD  # answered, not 504
+        assert past_deadline(ticket, held=False, now=now) is Past.EXPIRED
     finally:
         loop.close()
