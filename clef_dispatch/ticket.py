@@ -147,6 +147,10 @@ class TicketView:
         return ticket.started_at is not None and not ticket.outcome.done()
 
     @property
+    def request_id(self) -> str:
+        return self._ticket.request_id
+
+    @property
     def waiting(self) -> bool:
         """Whether no send of it is under way: queued, never sent, or back in the queue after
         its worker was lost (clef-batch withdraws these when it stops)."""

@@ -437,7 +437,8 @@ def _watch_deadline(mine: asyncio.Future[Outcome], flight: Flight, deadline: flo
 def _first_left(flight: Flight) -> None:
     """The client of a request others share left: given up if nobody else waits."""
     if flight.first_leaves():
-        log.info("client gone; its forward goes on for the identical requests that share it")
+        log.info("request_id=%s: client gone; its forward goes on for the identical requests "
+                 "that share it", flight.ticket.request_id if flight.ticket else "-")
 
 
 def _nothing() -> None:

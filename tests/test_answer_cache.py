@@ -287,7 +287,7 @@ def test_the_first_client_leaving_does_not_cut_the_forward_its_joiners_share(
             serve.wait_health(lambda h: h["in_flight"] == 1)
             joiner = background(lambda: serve.post(body))
             wait_until(lambda: metric(serve, "clef_answer_cache_joiners") == 1, "the joiner")
-        serve.wait_for(r"client gone; its forward goes on")
+        serve.wait_for(r"request_id=[^-\s]\S*: client gone; its forward goes on")
         gate.touch()
         assert_one_forward_answered_and_kept(serve, log, joiner, body)
         serve.wait_for(r"status=499 .*cache=miss")
