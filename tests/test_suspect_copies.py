@@ -90,20 +90,24 @@ def test_a_ticket_lost_with_both_workers_is_sent_again_alone() -> None:
     that ran its copy, it goes once more, alone, and a third loss is its 500."""
     async def scenario() -> None:
         suspect, other, spare = FakeLane(room=2), FakeLane(room=2), FakeLane(room=2)
+        resent: list[str] = []
         admission = Admission(capacity=16, retry_after=1,
-                              workers=FakeWorkers(suspect, other, spare))
+                              workers=FakeWorkers(suspect, other, spare),
+                              events=AdmissionEvents(resent=resent.append))
         ticket = admission.submit(b"poison")
         suspect.room = 0
         admission.lane_suspect(suspect, True)
-        assert other.sent == [b"poison"]
+        assert other.sent == [b"poison"] and resent == ["suspect"]  # the copy went
         suspect.crash()  # one copy lost: the other is still due
         assert not ticket.outcome.done()
         other.ready = False
         held = other.held.pop(0)[1]
         held(WorkerExited("worker closed its output"))  # lost again: sent alone
         assert spare.sent == [b"poison"] and len(spare.held) == 1
+        assert resent == ["suspect", "crash"]  # counted as it was sent again
         spare.held.pop(0)[1](WorkerExited("worker closed its output"))
         assert (await reply_of(ticket)).status == 500
+        assert resent == ["suspect", "crash"]  # never a third send
 
     asyncio.run(scenario())
 
