@@ -116,6 +116,25 @@ def test_a_request_on_a_suspect_worker_whose_deadline_passes_gets_its_own_answer
         serve.wait_health(lambda h: not h["suspect_workers"] and h["in_flight"] == 0)
 
 
+def test_a_long_silent_forward_past_the_queue_timeout_is_answered_not_expired(
+        tmp_path: Path) -> None:
+    """`--queue-timeout 0.2` (this test's setting) counts from admission, so a 2 s forward, silent
+    as the real worker's are, is past it when its worker turns suspect: it is not expired and
+    sent nowhere else, and its own answer is the client's 200."""
+    log = tmp_path / "requests.log"
+    with Serve("--silent-forwards", "--log-file", str(log),
+               front_args=("--workers", "2", "--queue-timeout", "0.2")) as serve:
+        warm(serve)
+        pid0 = serve.health().json()["workers"][0]["pid"]
+        slow = serve.post(clef_body(tag="slow", sleep=2.0))  # worker 0: round robin
+        assert slow.status == 200 and slow.json()["pid"] == pid0
+        assert metric(serve, "clef_worker_suspects_total") >= 1
+        serve.wait_for(r"deadline passed while a worker holds it: no copy sent")
+        assert log.read_text().split().count("slow") == 1
+        assert metric(serve, "clef_requests_resent_total", reason="suspect") == 0
+        assert metric(serve, "clef_deadline_expired_total", **{"class": "interactive"}) == 0
+
+
 def test_a_slow_but_live_forward_may_be_suspect_but_is_never_killed() -> None:
     """The fake worker, silent during its forwards as the real one is, takes 2 s where its
     recent forwards took milliseconds: suspect, its request sent to the other worker (just as
