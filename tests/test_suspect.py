@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import TINY_SNAPSHOT
 from tests.frontend_helpers import WAIT, Serve, background, clef_body
-from tests.traffic_helpers import metric
+from tests.traffic_helpers import metric, wait_until
 
 STALL = 30.0  # the front's default --stall-timeout: these tests never wait for it
 
@@ -96,7 +96,8 @@ def test_a_request_on_a_suspect_worker_whose_deadline_passes_gets_its_own_answer
         tmp_path: Path, front_args: tuple[str, ...], headers: list[tuple[str, str]]) -> None:
     """A request held by worker 0 outlives its deadline, then worker 0 turns suspect: the
     deadline rule sends no copy and expires nothing (a request on a worker is answered), so
-    the client gets worker 0's own 200 once it goes on; nothing ran twice."""
+    the client gets worker 0's own 200 once it goes on, and so does an identical request that
+    joined it; nothing ran twice."""
     gate, log = tmp_path / "gate", tmp_path / "requests.log"
     with Serve("--log-file", str(log), front_args=("--workers", "2", *front_args)) as serve:
         warm(serve)
@@ -104,13 +105,17 @@ def test_a_request_on_a_suspect_worker_whose_deadline_passes_gets_its_own_answer
         body = clef_body(tag="held", hold_until=str(gate))
         held = background(lambda: serve.post(body, headers=headers))  # worker 0: round robin
         serve.wait_health(lambda h: h["workers"][0]["in_flight"] == 1)
+        joiner = background(lambda: serve.post(body))
+        wait_until(lambda: metric(serve, "clef_answer_cache_joiners") == 1, "the joiner")
         with stopped(pid0):
             serve.wait_health(lambda h: h["suspect_workers"] == ["0"])
             serve.wait_for(r"deadline passed while a worker holds it: no copy sent")
             gate.touch()
-        answer = held.result()
+        answer, joined = held.result(), joiner.result()
         assert answer.status == 200 and answer.json()["pid"] == pid0
-        assert log.read_text().split().count("held") == 1  # never sent to worker 1
+        assert joined.status == 200 and joined.body == answer.body
+        assert log.read_text().split().count("held") == 1  # never sent again, nor re-admitted
+        assert metric(serve, "clef_answer_cache_total", result="coalesced") == 1
         assert metric(serve, "clef_requests_resent_total", reason="suspect") == 0
         assert metric(serve, "clef_deadline_expired_total", **{"class": "interactive"}) == 0
         serve.wait_health(lambda h: not h["suspect_workers"] and h["in_flight"] == 0)
