@@ -14,7 +14,8 @@ Shared traffic (priority.py names the classes): waiting `interactive` tickets go
 `bulk` ones, FIFO within a class, except that one admission in every `BULK_EVERY` goes to bulk
 while both wait, so bulk never starves. A ticket may carry a deadline (`X-Clef-Deadline-Ms`,
 `--queue-timeout`): one timer, aimed at the earliest, answers a ticket still waiting at its
-deadline with 504, and it never reaches a worker.
+deadline with 504, and it never reaches a worker; one rule (deadline_heap.past_deadline) judges
+a passed deadline wherever it is found: a ticket a worker holds is never expired.
 
 Lost and suspect workers (clef_dispatch/resend.py owns those rules): a ticket in flight on a
 worker that is lost is sent again, once, before anything else, alone on an idle worker; while it
@@ -27,13 +28,9 @@ Admission knows the workers only through the `Workers` and `Lane` protocols belo
 503 from a 500 by the exceptions of `worker_errors`; it never imports the supervisor, the pool
 or the channel, so they can change shape behind it.
 
-Load in tokens (load.py): each ticket carries its estimated token cost, and admission keeps the
-sum waiting, the sum in flight and the sum of both, the last the numerator of the utilisation
-gauge an endpoint picker reads; each answer teaches the estimate its real token count.
-
-Gauges read from another thread (the metrics port's): every count they read, the depth and the
-token sums, is one plain int that the loop recounts once a change is complete (waiting.py: why,
-and what counts as waiting); each ticket counts once, a suspect's queued copy included.
+Load in tokens (load.py: each answer teaches the estimate its real token count) and the counts
+the gauges read from the metrics thread (waiting.py: plain ints, each ticket counted once, a
+suspect's queued copy included) are kept as tickets move.
 
 Everything here is driven by events and runs no task of its own: a ticket is sent the moment it
 is admitted if a worker has room, and each reply (a callback from the worker channel) answers
@@ -48,15 +45,11 @@ import logging
 import time
 from collections.abc import Callable
 
-from clef_dispatch.deadline_heap import DeadlineHeap
+from clef_dispatch.deadline_heap import DeadlineHeap, Past, past_deadline
 from clef_dispatch.load import TokenEstimate
-from clef_dispatch.outcomes import (
-    EXPIRED_DETAIL,
-    Answer,
-    Refusal,
-    RefusalKind,
-)
+from clef_dispatch.outcomes import EXPIRED_DETAIL, Answer, Refusal, RefusalKind
 from clef_dispatch.resend import Resends, Verdict, judge
+from clef_dispatch.routing import not_served, refuse, serving, unserved
 from clef_dispatch.ticket import (
     AdmissionEvents,
     Lane,
@@ -66,16 +59,10 @@ from clef_dispatch.ticket import (
     has_room,
     is_idle,
     never_gone,
-    serving,
 )
 from clef_dispatch.urgency import BULK, CLASSES, INTERACTIVE, earliest
 from clef_dispatch.waiting import Counts, TicketQueue
-from clef_dispatch.worker_errors import (
-    WorkerFailure,
-    WorkerLost,
-    WorkerOutcome,
-    WorkerUnavailable,
-)
+from clef_dispatch.worker_errors import WorkerFailure, WorkerLost, WorkerOutcome, WorkerUnavailable
 from clef_protocol.messages import INFERENCE_FAILED, Request
 from clef_protocol.options import RequestLimits
 
@@ -169,16 +156,15 @@ class Admission:
                priority: str = INTERACTIVE, deadline: float | None = None,
                gone: Callable[[], bool] = never_gone, model: str = "") -> Ticket | Refusal:
         """Admit a checked body (sent at once if a worker has room), or refuse it
-        (UNAVAILABLE: draining, no ready worker, no ready worker serving its `model`, or the
-        queue is full).
+        (UNAVAILABLE: draining, no ready worker (serving its `model`), or the queue is full).
 
         A ticket whose deadline has already passed is answered 504 at once.
         """
         reason = "server is draining" if self._draining else self._workers.unavailable_reason()
         if reason is not None and self._wait_for_workers and not self._draining:
             reason = None
-        if reason is None and model and not self._workers.serving(model):
-            reason = _not_served(model)
+        if reason is None and unserved(model, self._workers):
+            reason = not_served(model)
         lane = None
         if reason is None and not self._queued() and not self._resends.lost_waiting:
             lane = self._lane_with_room(model)
@@ -191,8 +177,7 @@ class Admission:
                         request_id, trace_id, priority,
                         earliest(deadline, now, self._queue_timeout), gone,
                         enqueued_at=now, tokens=self._estimate.cost(len(body)), model=model)
-        if ticket.deadline is not None and ticket.deadline <= now:
-            self._expire(ticket)
+        if self._past_deadline(ticket):  # already passed: answered 504 at once
             return ticket
         self._idle.clear()
         if lane is not None:
@@ -254,7 +239,9 @@ class Admission:
         """
         mine = [ticket for ticket, lanes in self._sent.items() if lane in lanes]
         if suspect:
-            self._resends.copy(mine, self._waiting)
+            # Past its deadline a ticket gets no copy: the suspect's own answer is awaited.
+            self._resends.copy([ticket for ticket in mine if not self._past_deadline(ticket)],
+                               self._waiting)
         else:
             for ticket in self._resends.to_take_back(mine):
                 self._unqueue(ticket)
@@ -275,25 +262,27 @@ class Admission:
             lane = self._idle_lane(self._resends.next_lost_model())
             if lane is None:
                 break
-            ticket = self._resends.pop_lost()
-            if self._still_wanted(ticket):
-                self._send(ticket, lane, alone=True)
-            else:
+            ticket, why = self._resends.pop_lost()
+            if not self._still_wanted(ticket):
                 self._settle(ticket)
+            elif self._send(ticket, lane, alone=True):
+                self._resends.sent_again(why)
         if not self._resends.lost_waiting:  # a lost ticket waiting for an idle worker holds
             while self._queued():               # the rest back
-                model = self._peek_waiting().model
-                lane = self._lane_with_room(model)
-                if lane is None and not self._no_worker_serves(model):
+                model = self._next_waiting(take=False).model  # only to workers serving it:
+                lane = self._lane_with_room(model)  # one no ready worker serves is refused
+                if lane is None and not (unserved(model, self._workers)
+                                         and self._lane_with_room() is not None):
                     break
                 ticket = self._next_waiting()
+                copy = self._resends.is_copy(ticket)
                 self._resends.leaving_queue(ticket)
                 if lane is None:
-                    self._refuse_unserved(ticket)
-                elif self._still_wanted(ticket):
-                    self._send(ticket, lane)
-                else:
+                    refuse(ticket, ticket in self._sent, self._unavailable(not_served(model)))
+                if lane is None or not self._still_wanted(ticket):
                     self._settle(ticket)
+                elif self._send(ticket, lane) and copy:
+                    self._resends.sent_again("suspect")
         self._update_idle()
 
     # -- internals ---------------------------------------------------------------------------
@@ -308,18 +297,29 @@ class Admission:
         self._deadlines.add(ticket, self.depth)
 
     def _deadline_passed(self, ticket: Ticket) -> None:
-        """A deadline passed: 504 for the ticket if it still waits (not if a copy runs)."""
-        if self._unqueue(ticket) and ticket not in self._sent:
-            self._expire(ticket)
+        """The timer: a kept deadline passed; judged if the ticket (or its copy) still waits."""
+        if ticket.queued and not ticket.outcome.done():
+            self._past_deadline(ticket)
         self._settle(ticket)
 
-    def _expire(self, ticket: Ticket) -> None:
-        log.info("frame_id=%d request_id=%s class=%s: deadline passed after %.0f ms waiting, "
-                 "not sent", ticket.frame_id, ticket.request_id, ticket.priority,
-                 ticket.queue_ms)
-        self._events.expired(ticket.priority)
-        if not ticket.outcome.done():
-            ticket.outcome.set_result(Refusal(RefusalKind.EXPIRED, EXPIRED_DETAIL))
+    def _past_deadline(self, ticket: Ticket) -> bool:
+        """Whether `ticket`'s deadline has passed, applying the one deadline rule
+        (deadline_heap.past_deadline) if so; the caller settles the ticket's count."""
+        past = past_deadline(ticket, held=ticket in self._sent, now=time.monotonic())
+        if past is Past.HELD:  # on a worker: never expired
+            if self._unqueue(ticket) or ticket.copied:
+                ticket.copy_withdrawn()
+            log.info("frame_id=%d request_id=%s: deadline passed while a worker holds it: no "
+                     "copy sent, its answer is awaited", ticket.frame_id, ticket.request_id)
+        elif past is Past.EXPIRED:
+            self._unqueue(ticket)
+            log.info("frame_id=%d request_id=%s class=%s: deadline passed after %.0f ms "
+                     "waiting, not sent", ticket.frame_id, ticket.request_id, ticket.priority,
+                     ticket.queue_ms)
+            self._events.expired(ticket.priority)
+            if not ticket.outcome.done():
+                ticket.outcome.set_result(Refusal(RefusalKind.EXPIRED, EXPIRED_DETAIL))
+        return past is not Past.NOT_YET
 
     def _unqueue(self, ticket: Ticket) -> bool:
         """Take a waiting ticket (or a queued copy) out of its queue; False if none waited.
@@ -333,44 +333,20 @@ class Admission:
         """Whether a ticket or a copy waits in a class queue."""
         return any(self._waiting.values())
 
-    def _next_waiting(self) -> Ticket:
-        """The next ticket to send: interactive first, one in BULK_EVERY bulk while both wait."""
+    def _next_waiting(self, take: bool = True) -> Ticket:
+        """The next ticket to send: interactive first, one in BULK_EVERY bulk while both wait
+        (with `take` False: the one that would be taken, left in its queue)."""
         interactive, bulk = self._waiting[INTERACTIVE], self._waiting[BULK]
+        queue = interactive or bulk
         if interactive and bulk:
-            self._turn += 1
-            return (bulk if self._turn % BULK_EVERY == 0 else interactive).popleft()
-        return (interactive or bulk).popleft()
-
-    def _peek_waiting(self) -> Ticket:
-        """The ticket `_next_waiting` would take now, left in its queue."""
-        interactive, bulk = self._waiting[INTERACTIVE], self._waiting[BULK]
-        if interactive and bulk:
-            queue = bulk if (self._turn + 1) % BULK_EVERY == 0 else interactive
-        else:
-            queue = interactive or bulk
-        return next(iter(queue))
-
-    def _no_worker_serves(self, model: str) -> bool:
-        """A variant no ready worker serves (all restarted without it, or the ones that have it
-        are restarting), while a worker has room: its tickets are refused rather than hold the
-        queue (a variant served but busy is waited for, in order)."""
-        return (bool(model) and not self._workers.serving(model)
-                and self._lane_with_room() is not None)
-
-    def _refuse_unserved(self, ticket: Ticket) -> None:
-        """Answer a waiting ticket whose model no ready worker serves: 503 with Retry-After
-        (a suspect's copy is only dropped: its original is answered where it runs)."""
-        if ticket in self._sent:
-            ticket.copy_withdrawn()
-        elif not ticket.outcome.done():
-            log.info("frame_id=%d request_id=%s: no ready worker serves model %r, not sent",
-                     ticket.frame_id, ticket.request_id, ticket.model)
-            ticket.outcome.set_result(self._unavailable(_not_served(ticket.model)))
-        self._settle(ticket)
+            turn = self._turn + 1
+            self._turn = turn if take else self._turn
+            queue = bulk if turn % BULK_EVERY == 0 else interactive
+        return queue.popleft() if take else next(iter(queue))
 
     def _still_wanted(self, ticket: Ticket) -> bool:
-        """Right before the frame: a ticket whose client left or whose deadline passed is
-        answered here instead of being sent."""
+        """Right before the frame: a ticket whose client left is dropped, and one whose deadline
+        passed is judged by the deadline rule (`_past_deadline`), instead of being sent."""
         if ticket.outcome.done():
             return False
         if ticket.gone():
@@ -378,21 +354,18 @@ class Admission:
                      ticket.request_id)
             ticket.outcome.cancel()
             return False
-        if ticket.deadline is not None and ticket.deadline <= time.monotonic():
-            self._expire(ticket)
-            return False
-        return True
+        return not self._past_deadline(ticket)
 
     def _lane_with_room(self, model: str = "") -> Lane | None:
         """The next worker with room (among those serving `model`, when one is named)."""
         return self._ring.pick(serving(model, has_room), self._resends.lanes_alone)
 
     def _idle_lane(self, model: str = "") -> Lane | None:
-        """A ready worker with nothing in flight (serving `model`), for a resent ticket to run
-        alone on."""
+        """A ready worker serving `model` with nothing in flight, for a resent ticket alone."""
         return self._ring.pick(serving(model, is_idle), self._resends.lanes_alone)
 
-    def _send(self, ticket: Ticket, lane: Lane, *, alone: bool = False) -> None:
+    def _send(self, ticket: Ticket, lane: Lane, *, alone: bool = False) -> bool:
+        """Send `ticket` to `lane`; False if the worker refused it (nothing was sent)."""
         ticket.sent(time.monotonic())
         self._sent.setdefault(ticket, []).append(lane)
         self._settle(ticket)  # from its queue to the worker in one step
@@ -406,6 +379,8 @@ class Admission:
             self._settle(ticket)
             if not ticket.outcome.done() and ticket not in self._sent:
                 ticket.outcome.set_result(self._unavailable(str(exc)))
+            return False
+        return True
 
     def _done(self, ticket: Ticket, lane: Lane, outcome: WorkerOutcome) -> None:
         """A worker answered the ticket (or failed with it in flight): reply, send the next.
@@ -468,8 +443,3 @@ class Admission:
             self._idle.set()
         else:
             self._idle.clear()
-
-
-def _not_served(model: str) -> str:
-    """The 503 detail for a variant no ready worker serves now."""
-    return f"no ready worker serves model {model!r} now"
