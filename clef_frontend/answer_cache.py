@@ -36,7 +36,7 @@ answered. Rules:
   says how each request's answer came (the pipeline counts it once the answer has come).
 - The kept answers are bounded twice: by count (`--answer-cache`) and by bytes
   (`--answer-cache-bytes`), each entry counted at what it costs in memory (`entry_bytes`,
-  measured: about 750 bytes beyond the body), so one large answer cannot hold the memory of
+  measured: about 880 bytes beyond the body), so one large answer cannot hold the memory of
   thousands and many cannot outgrow the bytes; the least recently used go first.
 
 The first request waits on its ticket's outcome; each joiner waits on its own future, so one
@@ -106,19 +106,21 @@ def identity(key_name: str, request: dict[str, Any]) -> bytes:
 
 def entry_bytes(key: bytes, kept: Kept) -> int:
     """What keeping `kept` under `key` costs in memory: `sys.getsizeof` over every object the
-    entry holds (the key, the entry, the answer, the reply, its body, its numbers and its stage
-    timings), plus what getsizeof cannot see (the table's slot, the reply's field values).
-    About 750 bytes beyond the body for a worker's reply with its three stage timings (500
-    without). Objects shared by every entry (None, small ints, the stage names, which the frame
-    decoder interns) cost an entry nothing and are not counted."""
+    entry holds (the key, the entry, the answer, the reply, its body, its numbers, its stage
+    timings and its weights fingerprint), plus what getsizeof cannot see (the table's slot, the
+    reply's field values). About 880 bytes beyond the body for a worker's reply with its three
+    stage timings and its fingerprint (770 without the fingerprint). Objects shared by every
+    entry (None, small ints, the empty string, the stage names, which the frame decoder
+    interns) cost an entry nothing and are not counted."""
     return _TABLE_SLOT_BYTES + sys.getsizeof(key) + _footprint(kept)
 
 
 def _footprint(obj: object) -> int:
     """getsizeof over `obj` and what it holds (dataclass fields, a dict's values, a sequence's
     items); a dict's keys are names shared across entries and cost nothing here."""
-    if obj is None or isinstance(obj, bool) or (isinstance(obj, int) and -5 <= obj <= 256):
-        return 0  # shared by the interpreter
+    if (obj is None or isinstance(obj, bool) or (isinstance(obj, int) and -5 <= obj <= 256)
+            or obj == ""):
+        return 0  # shared by the interpreter (the empty string too: a base answer's model)
     size = sys.getsizeof(obj)
     if isinstance(obj, dict):
         return size + sum(_footprint(value) for value in obj.values())

@@ -1,7 +1,7 @@
 """The answer cache's byte count is what its entries really cost: `clef_answer_cache_bytes`
 (`AnswerCache.size_bytes`) against the memory tracemalloc sees the same entries take, for
-replies decoded from real worker frames (as the front keeps them), with and without stage
-timings, small and large bodies."""
+replies decoded from real worker frames (as the front keeps them: naming the weights that made
+them), with and without stage timings, small and large bodies."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from clef_protocol import messages
 from clef_protocol.frames import decode_payload, encode_frame
 
 ENTRIES = 2000
+WEIGHTS = "3b1e8bcad6e94633302812022b86004a2838afb14a93647ce9d7cca291e74fc0"  # as workers send
 FRAME_HEAD = 4  # the length prefix `encode_frame` puts before the msgpack payload
 
 
@@ -30,7 +31,8 @@ def _payloads(body_bytes: int, stages: bool) -> list[bytes]:
         frame = messages.response(
             100_000 + number, body, 12.5 + number, input_tokens=400 + number, batch_size=3,
             stages={"encode_ms": 1.5 + number, "forward_ms": 9.25 + number,
-                    "head_ms": 0.5 + number} if stages else None)
+                    "head_ms": 0.5 + number} if stages else None,
+            weights=WEIGHTS)
         payloads.append(encode_frame(frame)[FRAME_HEAD:])
     return payloads
 
@@ -72,10 +74,11 @@ def test_kept_bytes_are_what_the_entries_cost_in_memory(body_bytes: int, stages:
 
 
 def test_an_entry_costs_far_more_than_its_body_and_key() -> None:
-    """The figure the docs state: a worker's reply with its stage timings costs about 750
-    bytes beyond its body (the old count, body + 32, missed most of it)."""
+    """The figure the docs state: a worker's reply with its stage timings and its weights
+    fingerprint costs about 880 bytes beyond its body (the old count, body + 32, missed most of
+    it)."""
     payload = _payloads(64, stages=True)[0]
     reply = messages.from_worker(decode_payload(payload))
     assert isinstance(reply, messages.WorkerReply) and reply.body is not None
     overhead = entry_bytes(b"k" * 32, Kept(Answer(reply))) - len(reply.body)
-    assert 600 <= overhead <= 800, overhead
+    assert 750 <= overhead <= 950, overhead
