@@ -29,12 +29,20 @@ from clef_protocol.finetune import Finetune, resolve_finetunes
 from clef_protocol.options import RequestLimits, add_model_arguments, worker_argv
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.errors import StartupError
-from clef_worker.model.lora import STACKED, merge_segments, token_slots
+from clef_worker.gpu.graphs import GraphRunner
+from clef_worker.model.lora import (
+    STACKED,
+    AdaptedLinear,
+    AdapterSelection,
+    LoraWeights,
+    merge_segments,
+    token_slots,
+)
 from clef_worker.native import NativeExecutor
 from clef_worker.variants import KEY_PREFIX, load_variants
 from tests.answer_compare import assert_same_response
 
-# The golden bound for a variant (issue 35): fp32 on CPU, unmerged against merged.
+# The golden bound for a variant: fp32 on CPU, unmerged against merged.
 VARIANT_LOGIT_TOLERANCE = 1.5e-4
 VARIANTS = ("tiny-alpha", "tiny-beta")
 REFERENCE = [json.loads(line) for line in FINETUNE_REFERENCE.read_text().splitlines() if line]
@@ -143,6 +151,74 @@ def test_padded_mixed_groups_equal_each_request_alone(tiny_snapshot: Path) -> No
     grouped = padded.answer_prepared([padded.prepare(body) for body in bodies])
     for got, want in zip(grouped, alone, strict=True):
         assert_same_response(got.body, want)
+
+
+@pytest.fixture(scope="module")
+def padded_buckets(tiny_snapshot: Path) -> NativeExecutor:
+    """The padded layout's `[rows, bucket]` shapes with both variants, built at warm-up as
+    `--cuda-graphs on` builds them on CPU: eagerly, through the code a CUDA capture records
+    (the stacked path over each shape's static slot buffer)."""
+    padded = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32", cuda_graphs="on",
+                               batch_layout="padded", max_batch_tokens=4096,
+                               graph_max_length=512, finetunes=_finetunes())
+    padded.warm_up()
+    return padded
+
+
+def _mixed_group(size: int) -> list[bytes]:
+    """`size` requests of different lengths, the base and both variants in turn."""
+    cases = [c for c in answered() if c["max_length"] == RequestLimits().max_length][:size]
+    assert len(cases) == size
+    models = ("clef-flash", *VARIANTS)
+    return [json.dumps(dict(case["request"], model=models[i % 3])).encode()
+            for i, case in enumerate(cases)]
+
+
+@pytest.mark.parametrize("size", [3, 5, 7])
+def test_mixed_groups_on_padded_buckets_take_one_forward(
+        executor: NativeExecutor, padded_buckets: NativeExecutor, size: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixed group of 3, 5 or 7 pads to a shape of 4 or 8 rows: its slot index covers the
+    pad rows too, the whole group is one replay (no forward per request, no eager fallback),
+    and every answer equals the request alone on the unpadded, graph-free executor."""
+    graphs = padded_buckets.runner.graphs
+    assert isinstance(graphs, GraphRunner) and graphs.selection is not None
+    # A launch-bound device (what graphs are for): every replay costs the same, so the planner
+    # batches; on CPU the measured costs may favour one replay per request.
+    monkeypatch.setattr(graphs, "costs_ms", dict.fromkeys(graphs.static, 1.0))
+    bodies = _mixed_group(size)
+    prepared = [padded_buckets.prepare(body) for body in bodies]
+    [step] = padded_buckets.runner.plan([len(p.encoding.input_ids) for p in prepared])
+    assert step.shape is not None and step.shape[0] > size  # pad rows in the forward
+    replays, fallbacks = sum(graphs.stats.replays.values()), graphs.stats.eager_fallbacks
+    grouped = padded_buckets.answer_prepared(prepared)
+    assert sum(graphs.stats.replays.values()) == replays + 1
+    assert graphs.stats.replays[step.shape] >= 1
+    assert graphs.stats.eager_fallbacks == fallbacks
+    assert [answer.batch_size for answer in grouped] == [size] * size
+    for got, want in zip(grouped, _alone(executor, bodies), strict=True):
+        assert_same_response(got.body, want)
+    # The same shape next holds the base alone: its slot buffer is rewritten to the base's.
+    base_only = [json.dumps(dict(json.loads(body), model="clef-flash")).encode()
+                 for body in bodies]
+    for got, want in zip(padded_buckets.answer_prepared(
+            [padded_buckets.prepare(body) for body in base_only]),
+            _alone(executor, base_only), strict=True):
+        assert_same_response(got.body, want)
+
+
+def test_the_stacked_index_covers_every_token_of_the_forward() -> None:
+    """A padded forward's tokens beyond the last request (its pad rows) are the base's, and an
+    index of another size than the forward is refused, never sliced or broadcast."""
+    selection = AdapterSelection(STACKED)
+    with selection.using([1, 2], [(0, 3), (3, 6)], torch.device("cpu"), tokens=12):
+        assert selection.token_slots is not None
+        assert selection.token_slots.tolist() == [1] * 3 + [2] * 3 + [0] * 6
+    adapted = AdaptedLinear(torch.nn.Linear(4, 4), selection)
+    adapted.add(1, LoraWeights(torch.ones(2, 4), torch.ones(4, 2)))
+    with selection.using([1], [(0, 3)], torch.device("cpu")), \
+            pytest.raises(ValueError, match="3 token slots for a forward of 6 tokens"):
+        adapted(torch.zeros(2, 3, 4))
 
 
 def test_segments_and_token_slots() -> None:
