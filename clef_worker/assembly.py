@@ -121,7 +121,8 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
     head = load_head(snapshot, target, head_dtype)
     vision = load_media(snapshot, encoder, backbone, settings.media)
     selection = AdapterSelection(STACKED if target.type == "cuda" else SEGMENTS)
-    variants = load_variants(list(settings.finetunes), backbone, head, selection)
+    variants = load_variants(list(settings.finetunes), backbone, head, selection,
+                             (settings.variant,), snapshot.root)
     pad_id = pad_token_id(encoder.tokenizer.token_to_id("<|endoftext|>"), snapshot.text_config)
     if policy.packed and capture:
         policy = packed_or_padded(backbone, policy, explicit=settings.batch_layout == PACKED)

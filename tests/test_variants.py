@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import logging
 import pickle
 import shutil
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from benchlib.golden import Drift, answered, assert_response_matches
 from benchlib.paths import FINETUNE_FIXTURES, FINETUNE_REFERENCE, TINY_SNAPSHOT
 from clef_protocol.finetune import Finetune, resolve_finetunes
 from clef_protocol.options import RequestLimits, add_model_arguments, worker_argv
+from clef_worker.adapter_config import read_lora_config
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.errors import StartupError
 from clef_worker.gpu.graphs import GraphRunner
@@ -39,7 +41,7 @@ from clef_worker.model.lora import (
     token_slots,
 )
 from clef_worker.native import NativeExecutor
-from clef_worker.variants import KEY_PREFIX, load_variants
+from clef_worker.variants import KEY_PREFIX, linear_layers, load_variants, read_adapter
 from tests.answer_compare import assert_same_response
 
 # The golden bound for a variant: fp32 on CPU, unmerged against merged.
@@ -234,6 +236,63 @@ def test_describe_lists_each_variant(executor: NativeExecutor) -> None:
     assert (described["tiny-alpha"]["rank"], described["tiny-alpha"]["scale"]) == (4, 2.0)
     assert (described["tiny-beta"]["rank"], described["tiny-beta"]["scale"]) == (2, 0.5)
     assert described["tiny-beta"]["head"].endswith("tiny-beta/joint_head.safetensors")
+    assert described["tiny-alpha"]["base_model_name_or_path"] == "tests/fixtures/clef-tiny"
+
+
+def test_rslora_and_a_foreign_base_are_served_as_peft_runs_them(
+        executor: NativeExecutor, tiny_snapshot: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """tiny-alpha's factors with rsLoRA at alpha 4 (scale 4 / sqrt(4) = 2, tiny-alpha's own
+    scale): every answer equals tiny-alpha's. Its config names another base: served, shown in
+    /health, and a WARNING says so; the fixtures' own base raises none."""
+    finetune = _broken(tmp_path, lambda c: _config(c, use_rslora=True, lora_alpha=4,
+                                                   base_model_name_or_path="Qwen/Qwen3.5-9B"))
+    caplog.set_level(logging.WARNING, logger="clef_worker.variants")
+    rs = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
+                           finetunes=(*_finetunes(), finetune))
+    [described] = [item for item in rs.describe().finetunes if item["name"] == "broken"]
+    assert (described["scale"], described["base_model_name_or_path"]) == (2.0, "Qwen/Qwen3.5-9B")
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "clef_worker.variants"]
+    assert warning.startswith("variant broken: its adapter was trained over "
+                              "base_model_name_or_path 'Qwen/Qwen3.5-9B', and this worker "
+                              "serves clef-flash")
+    bodies = _mixed_group(3)
+    for body in bodies:
+        mine = json.dumps(dict(json.loads(body), model="broken")).encode()
+        alpha = json.dumps(dict(json.loads(body), model="tiny-alpha")).encode()
+        got = json.loads(rs.answer(mine).body)
+        assert got["model"] == "broken"
+        got["model"] = "tiny-alpha"
+        assert_same_response(json.dumps(got).encode(), executor.answer(alpha).body)
+
+
+@pytest.mark.parametrize("change", [
+    {"target_modules": "all-linear"},
+    {"target_modules": ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj",
+                        "gate_proj", "up_proj", "down_proj", "q_proj", "k_proj", "v_proj",
+                        "o_proj"]},
+    {"target_modules": r"model\.language_model\.layers\.\d+\.(linear_attn|self_attn|mlp)\..*"},
+    {"init_lora_weights": "gaussian", "fan_in_fan_out": True, "lora_dropout": 0.05},
+], ids=["all-linear", "a list of names", "a pattern", "init, fan_in_fan_out, dropout"])
+def test_configs_peft_runs_as_plain_lora_read_every_tensor(
+        executor: NativeExecutor, tmp_path: Path, change: dict[str, Any]) -> None:
+    checkpoint = _broken(tmp_path, lambda c: _config(c, **change)).checkpoint / "adapter"
+    config = read_lora_config(checkpoint / "adapter_config.json")
+    tensors = read_adapter(checkpoint / "adapter_model.safetensors", config,
+                           linear_layers(executor.backbone.model))
+    assert len(tensors) == 31 and config.scale == 2.0
+
+
+def test_a_targeted_module_without_tensors_is_the_base_with_zero_init(
+        executor: NativeExecutor, tmp_path: Path) -> None:
+    """With `init_lora_weights` true (B starts at zero), PEFT leaves a targeted module the file
+    has no tensors for as the base: so does this server (the same file with `false` is refused:
+    REFUSALS)."""
+    checkpoint = _broken(tmp_path, _drop_up_proj).checkpoint / "adapter"
+    config = read_lora_config(checkpoint / "adapter_config.json")
+    tensors = read_adapter(checkpoint / "adapter_model.safetensors", config,
+                           linear_layers(executor.backbone.model))
+    assert "layers.0.mlp.up_proj" not in tensors and len(tensors) == 30
 
 
 # -- the flag ---------------------------------------------------------------------------------
@@ -278,17 +337,39 @@ def _rewrite(path: Path, edit: Callable[[dict[str, torch.Tensor]], object]) -> N
     save_file(tensors, str(path))
 
 
-def _config(checkpoint: Path, **changes: Any) -> None:
+def _config(checkpoint: Path, **changes: Any) -> bool:
     path = checkpoint / "adapter" / "adapter_config.json"
     path.write_text(json.dumps(dict(json.loads(path.read_text()), **changes)))
+    return True
+
+
+def _drop_up_proj(checkpoint: Path) -> bool:
+    """Layer 0's up_proj left out of the adapter file (target_modules still names it)."""
+    _rewrite(checkpoint / "adapter" / "adapter_model.safetensors",
+             lambda t: [t.pop(KEY_PREFIX + f"layers.0.mlp.up_proj.lora_{x}.weight")
+                        for x in "AB"])
+    return True
 
 
 QKV_A = KEY_PREFIX + "layers.0.linear_attn.in_proj_qkv.lora_A.weight"
 REFUSALS: dict[str, tuple[Callable[[Path], object], str]] = {
     "no adapter config": (lambda c: (c / "adapter" / "adapter_config.json").unlink(),
                           r"adapter_config\.json: missing"),
-    "dora": (lambda c: _config(c, use_dora=True), r"adapter_config\.json: use_dora is set"),
-    "rslora": (lambda c: _config(c, use_rslora=True), r"use_rslora is set"),
+    "dora": (lambda c: _config(c, use_dora=True),
+             r"adapter_config\.json: use_dora is true: DoRA"),
+    "outside target_modules": (
+        lambda c: _config(c, target_modules=r"model\.language_model\.layers\.0\..*"),
+        r"tensor base_model\.model\.model\.language_model\.layers\.1\.\S+ adapts "
+        r"model\.language_model\.layers\.1\.\S+, which target_modules does not name"),
+    "a pattern found inside names, not matching them whole": (
+        lambda c: _config(c, target_modules="mlp"), r"which target_modules does not name"),
+    "a list entry no name ends in after a dot": (
+        lambda c: _config(c, target_modules=["proj", "linear_attn", "self_attn", "mlp"]),
+        r"which target_modules does not name"),
+    "random init, a targeted module without tensors": (
+        lambda c: (_config(c, init_lora_weights=False), _drop_up_proj(c)),
+        r"model\.language_model\.layers\.0\.mlp\.up_proj is named by target_modules but has "
+        r"no tensors: with this init_lora_weights PEFT would give it random factors"),
     "rank": (lambda c: _config(c, r=8),
              r"adapter_model\.safetensors: tensor .*lora_A\.weight has shape \[4, 64\], expected "
              r"\[8, 64\]"),
