@@ -113,3 +113,19 @@ def test_strict_refuses_a_variant_scored_with_the_wrong_adapter(
     assert executor is None and frame["kind"] == messages.FATAL
     assert "self-check failed (--self-check strict): the per-group path differs" \
         in frame["reason"]
+
+
+def test_padded_graph_shapes_with_variants_pass(tiny_snapshot: Path) -> None:
+    """`--cuda-graphs on --batch-layout padded` (the shapes built on CPU through the code a
+    capture records): the probe's mixed groups replay the padded shapes' static slot buffers,
+    pad rows included, and agree with the eager answers. A small token budget and bucket
+    table (the setting this test is about is the layout) keep the shapes built on CPU few."""
+    executor, frame = start_worker(tiny_snapshot, "--cuda-graphs", "on", "--batch-layout",
+                                   "padded", "--graph-max-length", "512",
+                                   "--max-batch-tokens", "2048", "--max-batch", "4")
+    assert executor is not None and frame["kind"] == messages.READY
+    verdict = frame["self_check"]
+    assert verdict["layout"] == "padded-graphs" and verdict["passed"] is True
+    assert verdict["fell_back_from"] == [] and verdict["max_abs_diff"] <= FP32_BOUND
+    graphs = executor.runner.graphs
+    assert graphs is not None and graphs.selection is not None
