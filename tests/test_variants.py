@@ -176,11 +176,11 @@ def _mixed_group(size: int) -> list[bytes]:
             for i, case in enumerate(cases)]
 
 
-@pytest.mark.parametrize("size", [3, 5, 7])
+@pytest.mark.parametrize("size", [3, 5, 6, 7])
 def test_mixed_groups_on_padded_buckets_take_one_forward(
         executor: NativeExecutor, padded_buckets: NativeExecutor, size: int,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A mixed group of 3, 5 or 7 pads to a shape of 4 or 8 rows: its slot index covers the
+    """A mixed group of 3, 5, 6 or 7 pads to a shape of 4 or 8 rows: its slot index covers the
     pad rows too, the whole group is one replay (no forward per request, no eager fallback),
     and every answer equals the request alone on the unpadded, graph-free executor."""
     graphs = padded_buckets.runner.graphs
