@@ -389,13 +389,8 @@ class GraphRunner:
         """The per-token slot index of a `[rows, tokens]` forward whose row i is a request of
         variant `slots[i]` (its pad tokens included; the pad rows after them the base's)."""
         index = torch.zeros((rows, tokens), dtype=torch.long)
-        for row, slot in enumerate(slots):
-            index[row] = slot
+        index[:len(slots)] = torch.tensor(list(slots), dtype=torch.long)[:, None]
         return index.reshape(-1)
-
-    def replays(self, shape: Shape | None) -> bool:
-        """Whether a forward planned at `shape` replays a built shape (else it runs eagerly)."""
-        return shape is not None and shape in self.static
 
     def run(self, ids: Tensor, shape: Shape | None, slots: Tensor | None = None) -> Tensor:
         """Last hidden state of `ids` ([rows, tokens], on the device, right-padded): replayed
