@@ -27,3 +27,13 @@ def tiny_snapshot() -> Path:
         pytest.fail(f"test fixture missing: {TINY_SNAPSHOT} (tests/fixtures/clef-tiny is part of "
                     "the repository; CLEF_FIXTURES, when set, must name a directory holding it)")
     return TINY_SNAPSHOT
+
+
+@pytest.fixture(autouse=True)
+def _own_self_check_verdicts(tmp_path_factory: pytest.TempPathFactory,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test keeps its own start-up self-check verdicts (clef_worker.verdict_store), the
+    workers it starts in subprocesses too: a verdict kept by one test's passing worker would
+    otherwise let another test's worker, with a fault injected into its serving path, skip the
+    check that must catch the fault."""
+    monkeypatch.setenv("CLEF_SELF_CHECK_DIR", str(tmp_path_factory.mktemp("self-check")))

@@ -196,7 +196,7 @@ def test_clef_serve_and_clef_batch_pass_the_mode_to_their_workers() -> None:
 
     for parser, required in ((serve_parser(), []),
                              (batch_parser(), ["--input", "i", "--output", "o"])):
-        for mode in ("on", "strict", "off"):
+        for mode in ("on", "strict", "report", "off"):
             argv = worker_argv(parser.parse_args([*required, "--self-check", mode]))
             assert parse_args(argv).self_check == mode
         assert parse_args(worker_argv(parser.parse_args(required))).self_check == "on"
