@@ -270,11 +270,20 @@ def _fixed_length(target: WarmTarget, schema: dict[str, Any]) -> int:
     return target.encoder.encode({**schema, "state": "x"}, target.limits.max_length).length
 
 
+# The first word of each probe request's state: distinct initials, so even requests cut to a
+# one-token state (the shortest pair) differ from each other.
+FIRST_WORDS = ("Alpha", "Bravo", "Charlie", "Delta", "Echo", "Foxtrot", "Golf", "Hotel",
+               "India", "Juliett", "Kilo", "Lima", "Mike", "November", "Oscar", "Papa",
+               "Quebec", "Romeo", "Sierra", "Tango", "Uniform", "Victor", "Whiskey", "Xray",
+               "Yankee", "Zulu")
+
+
 def _encoding(target: WarmTarget, schema: dict[str, Any], number: int, tokens: int) -> Encoding:
     """Request `number` of the probe: the schema with a state of its own, cut to `tokens`."""
     sentences = tokens // 4 + 8  # every sentence is several tokens: more than enough to cut
-    state = "".join(f"Probe {number}-{k}: invoice #{number * 97 + k} was paid twice. "
-                    for k in range(sentences))
+    state = FIRST_WORDS[number % len(FIRST_WORDS)] + " " + "".join(
+        f"Probe {number}-{k}: invoice #{number * 97 + k} was paid twice. "
+        for k in range(sentences))
     return target.encoder.encode({**schema, "state": state}, tokens)
 
 
