@@ -436,7 +436,7 @@ def test_a_probe_plugs_in_and_its_remedy_runs(tiny_snapshot: Path) -> None:
     verdict = self_check.run_self_check(executor, "on", probes)
     assert verdict is not None and remedied == ["extra"]
     assert verdict.passed and verdict.layout == "per-group" and verdict.fell_back_from == []
-    extra = [probe for probe in verdict.probes if probe["name"] == "extra"][0]
+    [extra] = [probe for probe in verdict.probes if probe["name"] == "extra"]
     assert extra["passed"] is False and extra["remedy"] == "turned the cache off"
     assert extra["what"] == "a cache"
     with pytest.raises(StartupError, match="the extra probe differs"):
