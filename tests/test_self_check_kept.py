@@ -97,6 +97,9 @@ def test_the_oldest_verdicts_go_first(tmp_path: Path, monkeypatch: pytest.Monkey
 
 def test_the_directory_follows_the_operator(tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.conftest import VERDICTS_ENV
+
+    assert VERDICTS_ENV == verdict_store.DIRECTORY_ENV  # the tests isolate the real variable
     monkeypatch.setenv(verdict_store.DIRECTORY_ENV, str(tmp_path / "mine"))
     assert verdict_store.default_directory() == tmp_path / "mine"
     monkeypatch.delenv(verdict_store.DIRECTORY_ENV)
@@ -213,6 +216,8 @@ def test_a_restarted_worker_keeps_the_verdict_until_its_files_change(
         assert verdict["reused"] is True and verdict["passed"] is True
         assert verdict["layout"] == first["self_check"]["layout"]
         assert verdict["probes"] == first["self_check"]["probes"]
+        metrics = server.request("GET", "/metrics").body.decode()
+        assert f'clef_worker_self_check_reused{{layout="{verdict["layout"]}"}} 1.0' in metrics
         _perturb_weights(snapshot)
         os.kill(second["pid"], signal.SIGKILL)
         third = _ready_worker(server, not_pid=second["pid"])
