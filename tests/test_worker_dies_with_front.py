@@ -65,14 +65,14 @@ def wait_until(condition: object, timeout: float) -> bool:
 
 def test_sigkill_of_the_front_leaves_no_worker(tiny_snapshot: Path) -> None:
     """Two real workers (production defaults but the model and their count), the front
-    SIGKILLed once both have loaded the model and are warming up and checking themselves: every
-    worker is gone, and none got as far as `ready` (without the kernel's help each would run
-    until its `ready` frame met the closed pipe)."""
+    SIGKILLed as soon as one has loaded the model and is warming up and checking itself (the
+    other is at most as far): every worker is gone, and none got as far as `ready` (without the
+    kernel's help each would run until its `ready` frame met the closed pipe)."""
     with Serve(real_worker=True, wait_listening=False,
                front_args=("--model", str(tiny_snapshot), "--device", "cpu",
                            "--workers-per-device", "2")) as server:
         front = server.process.pid
-        assert wait_until(lambda: len(LOADED.findall(server.stderr)) >= 2, 240), server.stderr
+        assert wait_until(lambda: LOADED.search(server.stderr) is not None, 240), server.stderr
         workers = children(front)
         assert len(workers) == 2, (workers, server.stderr)
         try:
