@@ -447,7 +447,7 @@ class Context:
                         [group[m] for m in members],
                         slots=() if slots is None else [slots[g][m] for m in members],
                         keep_hidden=True)
-                    rows += [rows_m for rows_m in output.rows]
+                    rows += output.rows
                     hidden = max(hidden, self._hidden_diff(
                         output.hidden, [references[_flat(groups, g, m)] for m in members]),
                         key=lambda value: math.inf if math.isnan(value) else value)
