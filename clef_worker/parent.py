@@ -49,7 +49,10 @@ def die_with_parent(environ: Mapping[str, str] | None = None) -> bool | None:
     if not sys.platform.startswith("linux"):
         return False
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+    # prctl is variadic: each argument passed as the unsigned long the kernel reads.
+    zero = ctypes.c_ulong(0)
+    if libc.prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(int(signal.SIGKILL)), zero,
+                  zero, zero) != 0:
         log.warning("cannot ask to die with the front (prctl: %s): a front killed while this "
                     "worker starts leaves it running", os.strerror(ctypes.get_errno()))
         return False
