@@ -71,6 +71,9 @@ class RunOutput:
 
     rows: list[RowResult]
     stages: dict[str, float] = field(default_factory=dict)
+    # The real tokens' last hidden states end to end [sum T, H], on the device: only when asked
+    # (`keep_hidden`, the start-up self-check compares them token by token).
+    hidden: Tensor | None = None
 
 
 class StageClock:
@@ -224,11 +227,13 @@ class ModelRunner:
         return self.graphs.plan(lengths)
 
     def run(self, encodings: Sequence[Encoding],
-            medias: Sequence[PreparedMedia | None] = (), slots: Sequence[int] = ()) -> RunOutput:
+            medias: Sequence[PreparedMedia | None] = (), slots: Sequence[int] = (),
+            keep_hidden: bool = False) -> RunOutput:
         """Backbone and head over the group: per request, per-option logits and probabilities
         (question order, then encode order), each by its variant's slot (none given: the base).
-        A media request must be alone in its group."""
-        return self.run_staged(self.stage(encodings, medias, slots))
+        A media request must be alone in its group. `keep_hidden`: the output also holds the
+        last hidden states."""
+        return self.run_staged(self.stage(encodings, medias, slots), keep_hidden)
 
     # -- host half ---------------------------------------------------------------------------
 
@@ -306,7 +311,7 @@ class ModelRunner:
 
     # -- device half -------------------------------------------------------------------------
 
-    def run_staged(self, staged: Staged) -> RunOutput:
+    def run_staged(self, staged: Staged, keep_hidden: bool = False) -> RunOutput:
         """One copy to the device, the forwards, the head; on the main thread."""
         clock = StageClock(self.device)
         clock.mark()
@@ -338,7 +343,8 @@ class ModelRunner:
         results = [RowResult(logits.tolist(), probabilities.tolist(), size)
                    for (logits, probabilities), size in zip(
                        values.split(list(batch.option_counts), dim=1), sizes, strict=True)]
-        return RunOutput(results, {"forward_ms": forward_ms, "head_ms": head_ms})
+        return RunOutput(results, {"forward_ms": forward_ms, "head_ms": head_ms},
+                         hidden if keep_hidden else None)
 
     def _variant_heads(self, heads: VariantHeads, hidden: Tensor, real_ids: Tensor
                        ) -> list[HeadOutput]:
