@@ -5,6 +5,7 @@ turning the cache off when it disagrees."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 from pathlib import Path
@@ -366,3 +367,57 @@ def test_strict_refuses_to_start_on_a_disagreeing_probe(
     _broken_suffix_positions(monkeypatch)
     with pytest.raises(StartupError, match="prefix cache check failed"):
         prefix_check.check_prefix_cache(executor, strict=True)
+
+
+# -- the worker process's frames -------------------------------------------------------------
+
+
+def _worker_frames(snapshot: Path, flags: list[str], bodies: list[bytes]) -> list[dict]:
+    """A CPU worker started in this process with these flags: its `ready` frame, then its
+    replies to `bodies`, sent one at a time."""
+    from clef_protocol import messages
+    from clef_protocol.frames import encode_frame, read_frame_blocking
+    from clef_worker.main import parse_args, serve, start
+
+    out = io.BytesIO()
+    executor = start(parse_args(["--model", str(snapshot), "--device", "cpu", *flags]), out)
+    assert executor is not None
+    frames = []
+    for number, body in enumerate(bodies, 1):
+        serve(executor, io.BytesIO(encode_frame(messages.request(number, body))), out,
+              executor.policy)
+    out.seek(0)
+    while (frame := read_frame_blocking(out)) is not None:
+        frames.append(frame)
+    return frames
+
+
+def test_ready_and_responses_report_the_cache(tiny_snapshot: Path) -> None:
+    """Production defaults: `ready` says the cache is on (the probe passed) with its bound and
+    block; the second request about the same state says how many tokens it reused."""
+    from clef_protocol import messages
+
+    body = _request(_events(16), QUESTIONS)
+    ready, first, second = _worker_frames(tiny_snapshot, [], [body, body])
+    info = messages.ReadyInfo.from_message(ready).prefix_cache
+    assert info == messages.PrefixCacheInfo(True, 1 << 30, 256, "")
+    replies = [messages.from_worker(frame) for frame in (first, second)]
+    assert all(isinstance(r, messages.WorkerReply) and r.prefix is not None for r in replies)
+    stats = [r.prefix for r in replies if isinstance(r, messages.WorkerReply)]
+    assert stats[0] is not None and stats[1] is not None
+    assert stats[0].reused_tokens == 0 and stats[0].lookups == 1  # the probe's were dropped
+    assert stats[1].reused_tokens > 0 and stats[1].hits == 1
+    assert stats[1].entries > 0 and stats[1].bytes > 0
+
+
+def test_prefix_cache_off_is_reported_and_reuses_nothing(tiny_snapshot: Path) -> None:
+    from clef_protocol import messages
+
+    body = _request(_events(16), QUESTIONS)
+    ready, _, second = _worker_frames(
+        tiny_snapshot, ["--prefix-cache", "off", "--prefix-cache-bytes", "4096"], [body, body])
+    info = messages.ReadyInfo.from_message(ready).prefix_cache
+    assert info == messages.PrefixCacheInfo(False, 4096, 256, "--prefix-cache off")
+    reply = messages.from_worker(second)
+    assert isinstance(reply, messages.WorkerReply) and reply.prefix is not None
+    assert (reply.prefix.reused_tokens, reply.prefix.lookups, reply.prefix.entries) == (0, 0, 0)
