@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
+
 from benchlib.docs_writer import DOC, add_write_docs_flag, replace_section
 from benchlib.paths import TINY_SNAPSHOT
 from benchlib.provenance import command_line, cpu_line

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
+
 from benchlib.docs_writer import add_write_docs_flag, replace_section
 from benchlib.http_client import Client, clef_body
 from benchlib.http_load import LoadResult, run_load
