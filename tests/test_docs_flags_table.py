@@ -54,7 +54,7 @@ def test_every_flag_has_a_row_and_every_row_a_flag() -> None:
 
 def _pairs() -> list[tuple[str, str]]:
     """(flag, its default as the row states it), where a row states one per flag."""
-    pairs = []
+    pairs: list[tuple[str, str]] = []
     for flags, cell in flag_rows():
         parts = [cell] if len(flags) == 1 else re.split(r",\s*|\s+/\s+", cell)
         if len(parts) == len(flags):

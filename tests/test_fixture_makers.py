@@ -100,7 +100,7 @@ def test_the_fine_tune_comparison_accepts_the_fixtures_and_finds_a_change(tmp_pa
 
     sys.path.insert(0, str(FINETUNE_FIXTURES))
     try:
-        import make_variants  # type: ignore[import-not-found]
+        import make_variants
     finally:
         sys.path.remove(str(FINETUNE_FIXTURES))
     copy = tmp_path / "copy"
