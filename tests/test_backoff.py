@@ -25,7 +25,8 @@ def test_failed_starts_count_as_a_crash_loop() -> None:
 
 
 def test_workers_that_served_never_grow_the_delay() -> None:
-    # The scenario: each replacement answers ~100 requests and is killed again.
+    # A poison request that kills each replacement after it has answered ~100 others: the workers
+    # were healthy, so no crash-loop delay may build up.
     rule = backoff()
     decisions = [rule.worker_died(uptime=5.0, served=100) for _ in range(6)]
     assert [d.delay for d in decisions] == [0.5] * 6
