@@ -52,7 +52,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
 
 from benchlib.flash_model import BUILT, SHAPES, RequestSizer, make_request
 from benchlib.gpu_checks import cache_hits, capture_problems, capture_report
