@@ -58,6 +58,11 @@ def is_trace_id(value: object) -> bool:
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 STACK_DUMP_SECONDS = 2.0
 
+# The front's pid, in every worker's environment: the worker asks the kernel to kill it when its
+# parent dies (clef_worker.parent) and, where its parent is not this pid, checks the front is
+# still alive, so a front killed before the worker made that request leaves no orphan behind.
+FRONT_PID_ENV = "CLEF_FRONT_PID"
+
 
 # The `detail` of every 5xx a client sees for a request the worker could not answer (the
 # contract's text, sent by the worker in its `error` frames and by the front when it loses the
@@ -133,6 +138,16 @@ class SelfCheck:
     (`packed-graphs`, `packed`, `per-group`, `padded-graphs`, `padded`, `one-at-a-time`);
     `checked`: requests compared; `max_abs_diff`: the largest probability difference seen on
     that layout; `fell_back_from`: the layouts that disagreed before it, in the order tried.
+
+    Optional (absent from a worker that predates them, then the defaults): `mode` (the
+    `--self-check` mode it ran under); `bound` (the probability bound it held to);
+    `max_hidden_diff` (the largest per-token relative difference of the last hidden state,
+    recorded beside the probabilities, not bounded); `ms` (what the check cost this start, or
+    reading the kept verdict); `reused` (true: a passing verdict kept from an earlier start on
+    the same weights, code, device, dtype and layout stands, nothing was run again); `probes`
+    (each probe's own result: `name`, `passed`, `checked`, `max_abs_diff`, `max_hidden_diff`,
+    `argmax_mismatches`, `groups` (the largest difference per forward), `error`, and any
+    fields of its own).
     """
 
     passed: bool
@@ -140,25 +155,119 @@ class SelfCheck:
     checked: int
     max_abs_diff: float
     fell_back_from: list[str] = field(default_factory=list)
+    mode: str = ""
+    bound: float = 0.0
+    max_hidden_diff: float = 0.0
+    ms: float = 0.0
+    reused: bool = False
+    probes: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_message(cls, value: Any) -> SelfCheck:
         """Check and convert the `self_check` map of a `ready` frame (every field, its type)."""
-        if not isinstance(value, dict) or set(value) != _SELF_CHECK_FIELDS:
-            raise ValueError(f"self_check: expected a map of {sorted(_SELF_CHECK_FIELDS)}, "
-                             f"got {value!r}")
+        if (not isinstance(value, dict) or not set(value) >= _SELF_CHECK_FIELDS
+                or not set(value) <= _SELF_CHECK_FIELDS | _SELF_CHECK_OPTIONAL):
+            raise ValueError(f"self_check: expected a map of {sorted(_SELF_CHECK_FIELDS)} "
+                             f"(and optionally {sorted(_SELF_CHECK_OPTIONAL)}), got {value!r}")
         passed, layout, checked = value["passed"], value["layout"], value["checked"]
         diff, fell_back = value["max_abs_diff"], value["fell_back_from"]
+        optional = {**_SELF_CHECK_DEFAULTS, **{k: value[k] for k in _SELF_CHECK_OPTIONAL
+                                                  if k in value}}
         if not (isinstance(passed, bool) and isinstance(layout, str)
                 and isinstance(checked, int) and not isinstance(checked, bool) and checked >= 0
-                and isinstance(diff, (int, float)) and not isinstance(diff, bool)
-                and diff >= 0 and isinstance(fell_back, list)
-                and all(isinstance(name, str) for name in fell_back)):
+                and _non_negative(diff) and isinstance(fell_back, list)
+                and all(isinstance(name, str) for name in fell_back)
+                and isinstance(optional["mode"], str) and isinstance(optional["reused"], bool)
+                and all(_non_negative(optional[k]) for k in ("bound", "max_hidden_diff", "ms"))
+                and isinstance(optional["probes"], list)
+                and all(isinstance(probe, dict) for probe in optional["probes"])):
             raise ValueError(f"self_check: a field has the wrong type or range: {value!r}")
-        return cls(passed, layout, checked, float(diff), list(fell_back))
+        return cls(passed, layout, checked, float(diff), list(fell_back),
+                   mode=optional["mode"], bound=float(optional["bound"]),
+                   max_hidden_diff=float(optional["max_hidden_diff"]),
+                   ms=float(optional["ms"]), reused=optional["reused"],
+                   probes=[dict(probe) for probe in optional["probes"]])
+
+
+def _non_negative(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
 
 
 _SELF_CHECK_FIELDS = frozenset(("passed", "layout", "checked", "max_abs_diff", "fell_back_from"))
+_SELF_CHECK_DEFAULTS: dict[str, Any] = {"mode": "", "bound": 0.0, "max_hidden_diff": 0.0,
+                                        "ms": 0.0, "reused": False, "probes": []}
+_SELF_CHECK_OPTIONAL = frozenset(_SELF_CHECK_DEFAULTS)
+
+
+def _count(value: object) -> bool:
+    """Whether `value` is a whole number of at least zero (a bool is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+@dataclass(frozen=True)
+class PrefixCacheInfo:
+    """The worker's prefix cache as it starts serving (the `prefix_cache` map of `ready`).
+
+    `enabled`: requests may run only their uncached suffix; `capacity_bytes`: the cache's bound
+    (`--prefix-cache-bytes` as resolved for the device); `block_tokens`: the tokens between two
+    cached points; `disabled_reason`: why a worker that has a cache serves without it (`off` by
+    flag, or the self-check's prefixed probe disagreed), empty while enabled.
+    """
+
+    enabled: bool
+    capacity_bytes: int
+    block_tokens: int
+    disabled_reason: str = ""
+
+    @classmethod
+    def from_message(cls, value: Any) -> PrefixCacheInfo:
+        """Check and convert the `prefix_cache` map of a `ready` frame (every field, its type)."""
+        if not isinstance(value, dict) or set(value) != _PREFIX_CACHE_FIELDS:
+            raise ValueError(f"prefix_cache: expected a map of {sorted(_PREFIX_CACHE_FIELDS)}, "
+                             f"got {value!r}")
+        enabled, capacity = value["enabled"], value["capacity_bytes"]
+        block, reason = value["block_tokens"], value["disabled_reason"]
+        if not (isinstance(enabled, bool) and _count(capacity) and _count(block)
+                and isinstance(reason, str)):
+            raise ValueError(f"prefix_cache: a field has the wrong type or range: {value!r}")
+        return cls(enabled, capacity, block, reason)
+
+
+_PREFIX_CACHE_FIELDS = frozenset(("enabled", "capacity_bytes", "block_tokens",
+                                  "disabled_reason"))
+
+
+@dataclass(frozen=True)
+class PrefixStats:
+    """The prefix cache's part in one `response` (its `prefix` map).
+
+    `reused_tokens`: the leading tokens of this request read from the cache instead of computed;
+    the rest are the worker's cache as the reply left it, cumulative since start: `bytes` and
+    `entries` held, `hits` (lookups that reused at least one block), `lookups` and
+    `tokens_reused`. The front shows the request's figure (Server-Timing) and the worker's
+    (/health, metrics) without asking the worker.
+    """
+
+    reused_tokens: int
+    bytes: int
+    entries: int
+    hits: int
+    lookups: int
+    tokens_reused: int
+
+    @classmethod
+    def from_message(cls, value: Any) -> PrefixStats:
+        """Check and convert a response's `prefix` map: exactly its fields, each a count."""
+        if not isinstance(value, dict) or set(value) != _PREFIX_STATS_FIELDS:
+            raise ValueError(f"prefix: expected a map of {sorted(_PREFIX_STATS_FIELDS)}, "
+                             f"got {value!r}")
+        if not all(_count(value[name]) for name in _PREFIX_STATS_FIELDS):
+            raise ValueError(f"prefix: every field must be a count >= 0: {value!r}")
+        return cls(**value)
+
+
+_PREFIX_STATS_FIELDS = frozenset(("reused_tokens", "bytes", "entries", "hits", "lookups",
+                                  "tokens_reused"))
 
 
 @dataclass(frozen=True)
@@ -185,6 +294,9 @@ class ReadyInfo(ModelInfo):
     # The start-up self-check's verdict; None when it was skipped (`--self-check off`, an
     # executor without layouts) or from a worker that predates it.
     self_check: SelfCheck | None = None
+    # The prefix cache (clef_worker.prefix_cache); None from a worker without one (the release
+    # executor, a --worker-command of its own, a worker that predates it).
+    prefix_cache: PrefixCacheInfo | None = None
 
     @property
     def requests_per_forward(self) -> int:
@@ -233,6 +345,8 @@ class ReadyInfo(ModelInfo):
                 batch_window_ms=float(message.get("batch_window_ms", 0.0)),
                 self_check=(None if message.get("self_check") is None
                             else SelfCheck.from_message(message["self_check"])),
+                prefix_cache=(None if message.get("prefix_cache") is None
+                              else PrefixCacheInfo.from_message(message["prefix_cache"])),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"malformed ready frame: {exc!r}") from None
@@ -276,6 +390,9 @@ class WorkerReply:
     # trace spans' only source (clef_frontend.otel), so a malformed one is dropped, not fatal.
     stages: dict[str, float] | None = None
     id: int = 0
+    # The prefix cache's part (responses only): None from a worker without a cache, or when it
+    # sent none.
+    prefix: PrefixStats | None = None
     # The content fingerprint of the model that scored it (`ReadyInfo.models`; responses only,
     # "" from a worker that predates it): the kept answer is bound to it.
     weights: str = ""
@@ -327,6 +444,18 @@ def _stages(value: object) -> dict[str, float] | None:
     return stages or None
 
 
+def _prefix(message: dict[str, Any]) -> PrefixStats | None:
+    """A response's `prefix` map, or None when absent; a malformed one breaks the contract (its
+    counts feed /health and the metrics, which must never show a guessed figure)."""
+    value = message.get("prefix")
+    if value is None:
+        return None
+    try:
+        return PrefixStats.from_message(value)
+    except ValueError as exc:
+        raise ProtocolError(f"malformed response frame ({exc})") from None
+
+
 def _reply(message: dict[str, Any]) -> WorkerReply:
     """A `response` or `error` frame; a missing status is malformed too: guessing 200 for it
     would forward whatever body came with a broken frame as a success."""
@@ -345,6 +474,7 @@ def _reply(message: dict[str, Any]) -> WorkerReply:
                            truncated_tokens=_int(message, "truncated_tokens", absent=0),
                            batch_size=_int(message, "batch_size", absent=1, least=1),
                            stages=_stages(message.get("stages")), id=frame_id,
+                           prefix=_prefix(message),
                            weights=_text(message, "weights"))
     detail = message.get("detail")
     if not isinstance(status, int) or not 400 <= status < 600 or not isinstance(detail, str):
@@ -416,6 +546,7 @@ def response(
     truncated_tokens: int = 0,
     batch_size: int = 1,
     stages: dict[str, float] | None = None,
+    prefix: PrefixStats | None = None,
     weights: str = "",
 ) -> dict[str, Any]:
     """A successful answer: `body` is the final JSON, forwarded to the client unchanged.
@@ -432,15 +563,20 @@ def response(
     `encode_ms` (this request's parse, validation and encoding), `forward_ms` and `head_ms`
     (the forward that answered it, shared by every request in it).
 
+    `prefix` (optional, absent when not given) is the prefix cache's part: the tokens this
+    request reused and the worker's cache figures (`PrefixStats`).
+
     `weights` (absent when empty) is the fingerprint of the model that scored it, as `ready`'s
     `models` lists it: the front binds the answer it keeps to those weights and names them in
     the response's `Clef-Weights` header.
     """
-    frame = {"kind": RESPONSE, "id": request_id, "status": status, "body": body,
+    frame: dict[str, Any] = {"kind": RESPONSE, "id": request_id, "status": status, "body": body,
              "worker_ms": worker_ms, "input_tokens": input_tokens,
              "truncated_tokens": truncated_tokens, "batch_size": batch_size}
     if stages:
         frame["stages"] = dict(stages)
+    if prefix is not None:
+        frame["prefix"] = asdict(prefix)
     if weights:
         frame["weights"] = weights
     return frame

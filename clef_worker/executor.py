@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from clef_protocol.messages import ModelInfo
+from clef_protocol.messages import ModelInfo, PrefixStats
 from clef_worker.policy import BatchPolicy
 
 
@@ -27,6 +27,9 @@ class Answer:
     request the runner answered alone says 1 even when it arrived with others. An executor that
     does not time its stages leaves `stages` empty.
 
+    `prefix` is the prefix cache's part (the tokens this request reused, the worker's cache
+    figures); None from an executor without a prefix cache.
+
     `model` names the fine-tuned variant that scored it ("" for the base model): the serve loop
     puts that model's fingerprint in the `response` frame (`weights`), so the front can bind the
     answer to the weights that made it.
@@ -37,6 +40,7 @@ class Answer:
     truncated_tokens: int = 0
     batch_size: int = 1
     stages: dict[str, float] = field(default_factory=dict)
+    prefix: PrefixStats | None = None
     model: str = ""
 
 

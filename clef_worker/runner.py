@@ -20,8 +20,17 @@ Layouts (the batch policy's, clef_worker.policy):
 - **per-group** (CPU's `auto`, eager only): each group padded when its lengths are uniform
   enough, else packed (`clef_worker.policy.group_layout`, the one place that decides).
 
-Media requests run alone, eagerly, through the vision tower. It knows nothing about request
-bodies, limits or replies: that is the executor's job (clef_worker.native).
+**Prefix cache** (clef_worker.prefix_cache, when the runner has one; clef_worker.prefix_run
+runs it): at run time each request of the group is looked up by its token ids; when any
+member reuses a cached prefix or has states to store (a state span of at least 256 tokens),
+the group runs through the prefixed forward instead (clef_worker.model.prefix_forward: only
+the new tokens, end to end, each from its cached states, eagerly), the head reads the cached
+hidden states joined before the new ones, and the blocks each member captured are stored. A
+group where no member does either runs as above (graphs included).
+
+Media requests run alone, eagerly, through the vision tower, and never use the prefix cache.
+It knows nothing about request bodies, limits or replies: that is the executor's job
+(clef_worker.native).
 
 Stage times: the forward and the head are timed for every group (`RunOutput.stages`, which
 travels in response frames for tracing). On CUDA they are CUDA events, read after the head's
@@ -38,6 +47,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -51,6 +61,8 @@ from clef_worker.model.head import HeadBatch, HeadOutput, JointSchemaHead, Recor
 from clef_worker.model.lora import BASE_SLOT, AdapterSelection
 from clef_worker.model.packed import PackedLayout
 from clef_worker.policy import PACKED, PADDED, group_layout
+from clef_worker.prefix_cache import CacheKey, PrefixCache, ids_array
+from clef_worker.prefix_run import plan_group, run_group
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +74,7 @@ class RowResult:
     logits: list[float]
     probabilities: list[float]
     batch_size: int
+    reused_tokens: int = 0  # leading tokens read from the prefix cache instead of computed
 
 
 @dataclass(frozen=True)
@@ -71,6 +84,9 @@ class RunOutput:
 
     rows: list[RowResult]
     stages: dict[str, float] = field(default_factory=dict)
+    # The real tokens' last hidden states end to end [sum T, H], on the device: only when asked
+    # (`keep_hidden`, the start-up self-check compares them token by token).
+    hidden: Tensor | None = None
 
 
 class StageClock:
@@ -120,6 +136,10 @@ class Staged:
     heads: VariantHeads | None = None
     bucket_slots: bool = False  # a packed bucket's per-position slots follow its ids
     step_slots: bool = False  # padded: each step's per-token slots follow its ids
+    # The prefix cache (clef_worker.prefix_cache): each request's key (None: not cacheable)
+    # and its ids as the keys hash them; empty without a cache.
+    cache_keys: list[CacheKey | None] = field(default_factory=list)
+    host_ids: list[np.ndarray] = field(default_factory=list)
 
     @property
     def forward_tensors(self) -> int:
@@ -178,7 +198,8 @@ class ModelRunner:
                  vision: VisionTower | None = None,
                  graphs: GraphRunner | PackedGraphRunner | None = None,
                  layout: str = PADDED, variant_heads: Sequence[JointSchemaHead] = (),
-                 selection: AdapterSelection | None = None):
+                 selection: AdapterSelection | None = None,
+                 prefix_cache: PrefixCache | None = None):
         self.backbone = backbone
         self.head = head
         # Slot 0 is the base head; slot i the i-th fine-tuned variant's (clef_worker.variants),
@@ -189,6 +210,7 @@ class ModelRunner:
         self.vision = vision
         self.graphs = graphs
         self.layout = layout
+        self.prefix_cache = prefix_cache
         if graphs is not None and (layout not in (PACKED, PADDED) or isinstance(
                 graphs, PackedGraphRunner) != (layout == PACKED)):
             raise ValueError(f"a {layout} runner cannot use {type(graphs).__name__}")
@@ -224,16 +246,21 @@ class ModelRunner:
         return self.graphs.plan(lengths)
 
     def run(self, encodings: Sequence[Encoding],
-            medias: Sequence[PreparedMedia | None] = (), slots: Sequence[int] = ()) -> RunOutput:
+            medias: Sequence[PreparedMedia | None] = (), slots: Sequence[int] = (),
+            keep_hidden: bool = False,
+            cache_keys: Sequence[CacheKey | None] = ()) -> RunOutput:
         """Backbone and head over the group: per request, per-option logits and probabilities
         (question order, then encode order), each by its variant's slot (none given: the base).
-        A media request must be alone in its group."""
-        return self.run_staged(self.stage(encodings, medias, slots))
+        A media request must be alone in its group. `keep_hidden`: the output also holds the
+        last hidden states. `cache_keys`: each request's prefix-cache key (none given: the
+        cache is not used)."""
+        return self.run_staged(self.stage(encodings, medias, slots, cache_keys), keep_hidden)
 
     # -- host half ---------------------------------------------------------------------------
 
     def stage(self, encodings: Sequence[Encoding],
-              medias: Sequence[PreparedMedia | None] = (), slots: Sequence[int] = ()) -> Staged:
+              medias: Sequence[PreparedMedia | None] = (), slots: Sequence[int] = (),
+              cache_keys: Sequence[CacheKey | None] = ()) -> Staged:
         """The group's host tensors in one flat buffer (pinned on CUDA); no device work."""
         slots = list(slots) or [BASE_SLOT] * len(encodings)
         if any(slot >= len(self.heads) or slot < 0 for slot in slots):
@@ -289,9 +316,12 @@ class ModelRunner:
         tensors += batch.tensors()
         if heads is not None:
             tensors += heads.tensors()
+        keys: list[CacheKey | None] = []
+        if self.prefix_cache is not None and self.prefix_cache.enabled and media is None:
+            keys = list(cache_keys)
         return Staged(lengths, steps, bucket, stage_host(tensors, self.device),
                       [t.shape for t in tensors], batch, media, slots, heads, bucket_slots,
-                      step_slots)
+                      step_slots, keys, [ids_array(tokens) for tokens in ids] if keys else [])
 
     def _padded_ids(self, ids: Sequence[Sequence[int]], lengths: list[int],
                     step: Step) -> Tensor:
@@ -306,7 +336,7 @@ class ModelRunner:
 
     # -- device half -------------------------------------------------------------------------
 
-    def run_staged(self, staged: Staged) -> RunOutput:
+    def run_staged(self, staged: Staged, keep_hidden: bool = False) -> RunOutput:
         """One copy to the device, the forwards, the head; on the main thread."""
         clock = StageClock(self.device)
         clock.mark()
@@ -315,7 +345,16 @@ class ModelRunner:
             count = staged.forward_tensors
             width = len(staged.batch.tensors())
             batch = staged.batch.with_tensors(moved[count:count + width])
-            if staged.packed:
+            reused = [0] * len(staged.lengths)
+            plans = plan_group(self.prefix_cache, staged.cache_keys, staged.host_ids)
+            if plans is not None:
+                assert self.prefix_cache is not None
+                real_ids = self._real_ids(staged, moved[:count])
+                hidden = run_group(self.backbone, self.prefix_cache, plans, staged.lengths,
+                                   real_ids, staged.cache_keys, staged.host_ids,
+                                   lambda spans: self._selected(staged, spans))
+                reused = plans.reused
+            elif staged.packed:
                 hidden, real_ids = self._packed_hidden(staged, moved[:count])
             else:
                 hidden, real_ids = self._padded_hidden(staged, moved[:count])
@@ -331,14 +370,16 @@ class ModelRunner:
                                dim=1).cpu()
             clock.mark()
         sizes = [len(staged.lengths)] * len(staged.lengths)
-        for step in staged.steps:
+        for step in staged.steps if plans is None else ():  # the prefixed forward held them all
             for member in step.members:
                 sizes[member] = len(step.members)
         forward_ms, head_ms = clock.spans_ms()
-        results = [RowResult(logits.tolist(), probabilities.tolist(), size)
-                   for (logits, probabilities), size in zip(
-                       values.split(list(batch.option_counts), dim=1), sizes, strict=True)]
-        return RunOutput(results, {"forward_ms": forward_ms, "head_ms": head_ms})
+        results = [RowResult(logits.tolist(), probabilities.tolist(), size, tokens)
+                   for (logits, probabilities), size, tokens in zip(
+                       values.split(list(batch.option_counts), dim=1), sizes, reused,
+                       strict=True)]
+        return RunOutput(results, {"forward_ms": forward_ms, "head_ms": head_ms},
+                         hidden if keep_hidden else None)
 
     def _variant_heads(self, heads: VariantHeads, hidden: Tensor, real_ids: Tensor
                        ) -> list[HeadOutput]:
@@ -362,6 +403,13 @@ class ModelRunner:
         slots = staged.slots or [BASE_SLOT] * len(staged.lengths)
         chosen = [slots[m] for m in (members if members is not None else range(len(slots)))]
         return self.selection.using(chosen, spans, self.device, tokens)
+
+    def _real_ids(self, staged: Staged, moved: list[Tensor]) -> Tensor:
+        """The group's real token ids end to end, on the device, whatever the layout staged."""
+        if staged.bucket is not None:
+            row, real_rows = moved[0], moved[1]
+            return row.index_select(0, real_rows)
+        return moved[0] if staged.packed else moved[-1]
 
     def _packed_hidden(self, staged: Staged, moved: list[Tensor]) -> tuple[Tensor, Tensor]:
         """The real tokens' hidden states [sum T, H] end to end, and their ids."""
