@@ -48,6 +48,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from clef_dispatch.affinity import preferred_lane
 from clef_dispatch.deadline_heap import DeadlineHeap
 from clef_dispatch.load import TokenEstimate
 from clef_dispatch.outcomes import (
@@ -166,18 +167,21 @@ class Admission:
 
     def submit(self, body: bytes, request_id: str = "", *, trace_id: str = "",
                priority: str = INTERACTIVE, deadline: float | None = None,
-               gone: Callable[[], bool] = never_gone) -> Ticket | Refusal:
+               gone: Callable[[], bool] = never_gone,
+               affinity: bytes | None = None) -> Ticket | Refusal:
         """Admit a checked body (sent at once if a worker has room), or refuse it
         (UNAVAILABLE: draining, no ready worker, or the queue is full).
 
-        A ticket whose deadline has already passed is answered 504 at once.
+        A ticket whose deadline has already passed is answered 504 at once. `affinity` is the
+        request's prefix key (affinity.prefix_key): the worker whose cache may hold its state
+        is preferred while it has room.
         """
         reason = "server is draining" if self._draining else self._workers.unavailable_reason()
         if reason is not None and self._wait_for_workers and not self._draining:
             reason = None
         lane = None
         if reason is None and not self._queued() and not self._resends.lost_waiting:
-            lane = self._lane_with_room()
+            lane = self._lane_for(affinity)
         if reason is None and lane is None and self.depth >= self._capacity:
             reason = "queue is full"
         if reason is not None:
@@ -186,7 +190,8 @@ class Admission:
         ticket = Ticket(next(self._ids), body, asyncio.get_running_loop().create_future(),
                         request_id, trace_id, priority,
                         earliest(deadline, now, self._queue_timeout), gone,
-                        enqueued_at=now, tokens=self._estimate.cost(len(body)))
+                        enqueued_at=now, tokens=self._estimate.cost(len(body)),
+                        affinity=affinity)
         if ticket.deadline is not None and ticket.deadline <= now:
             self._expire(ticket)
             return ticket
@@ -277,11 +282,10 @@ class Admission:
             else:
                 self._settle(ticket)
         if not self._resends.lost_waiting:  # a lost ticket waiting for an idle worker holds
-            while self._queued():               # the rest back
-                lane = self._lane_with_room()
-                if lane is None:
-                    break
+            while self._queued() and self._room_somewhere():  # the rest back
                 ticket = self._next_waiting()
+                lane = self._lane_for(ticket.affinity)
+                assert lane is not None  # some worker has room
                 self._resends.leaving_queue(ticket)
                 if self._still_wanted(ticket):
                     self._send(ticket, lane)
@@ -349,9 +353,20 @@ class Admission:
             return False
         return True
 
-    def _lane_with_room(self) -> Lane | None:
-        """The next worker with room."""
-        return self._ring.pick(has_room, self._resends.lanes_alone)
+    def _lane_for(self, affinity: bytes | None) -> Lane | None:
+        """The worker a ticket goes to, in two steps: the prefix affinity rule (affinity.py:
+        the worker whose prefix cache may hold the state, when it has room), then the next
+        worker with room, round robin."""
+        busy_alone = self._resends.lanes_alone
+        preferred = preferred_lane(affinity, self._workers.lanes, busy_alone)
+        if preferred is not None:
+            return preferred
+        return self._ring.pick(has_room, busy_alone)
+
+    def _room_somewhere(self) -> bool:
+        """Whether some worker (not running a resent ticket alone) has room."""
+        busy_alone = self._resends.lanes_alone
+        return any(lane not in busy_alone and has_room(lane) for lane in self._workers.lanes)
 
     def _idle_lane(self) -> Lane | None:
         """A ready worker with nothing in flight, for a resent ticket to run alone on."""

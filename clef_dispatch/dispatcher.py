@@ -145,11 +145,13 @@ class Dispatcher:
 
     def submit(self, body: bytes, request_id: str = "", *, trace_id: str = "",
                priority: str = INTERACTIVE, deadline: float | None = None,
-               gone: Callable[[], bool] = _never_gone) -> Ticket | Refusal:
+               gone: Callable[[], bool] = _never_gone,
+               affinity: bytes | None = None) -> Ticket | Refusal:
         """Queue a checked body: a `Ticket` whose `outcome` resolves to its Answer or Refusal,
-        or the Refusal (UNAVAILABLE) at once when it cannot be queued."""
+        or the Refusal (UNAVAILABLE) at once when it cannot be queued. `affinity`: its prefix
+        key (`prefix_key`), so a state's requests go to the worker whose cache may hold it."""
         return self._admission.submit(body, request_id, trace_id=trace_id, priority=priority,
-                                      deadline=deadline, gone=gone)
+                                      deadline=deadline, gone=gone, affinity=affinity)
 
     def abandon(self, ticket: Ticket) -> None:
         """The caller has gone: a waiting ticket leaves the queue; one in flight finishes."""

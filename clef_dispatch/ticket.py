@@ -31,6 +31,12 @@ class Lane(Protocol):
 
     def submit(self, request: Request, deliver: Deliver) -> None: ...
 
+    @property
+    def prefix_slot(self) -> str | None:
+        """Its name for the prefix affinity rule while its worker keeps a prefix cache, else
+        None (affinity.py)."""
+        ...
+
 
 class Workers(Protocol):
     """All workers (a WorkerPool)."""
@@ -72,6 +78,7 @@ class Ticket:
     resent: bool = False  # sent again alone after its worker was lost (never a second time)
     copied: bool = False  # a copy was queued while a suspect worker held it (liveness.py)
     tokens: int = 0  # its estimated token cost (load.TokenEstimate), for the utilisation gauge
+    affinity: bytes | None = None  # its prefix key (affinity.prefix_key); None: no preference
     queued: bool = False  # has an entry in a queue (waiting.TicketQueue sets it)
     # Queue time is counted per send: the time waiting before each, never the time spent on
     # a worker that was then lost or suspect.

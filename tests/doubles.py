@@ -43,8 +43,9 @@ async def reply_of(ticket: Ticket) -> Reply:
 class FakeLane:
     """A worker as admission sees it: holds up to `room` requests until the test answers."""
 
-    def __init__(self, room: int) -> None:
+    def __init__(self, room: int, prefix_slot: str | None = None) -> None:
         self.room = room
+        self.prefix_slot = prefix_slot  # its name for the prefix affinity rule (None: no cache)
         self.ready = True
         self.held: list[tuple[Request, Deliver]] = []
         self.sent: list[bytes] = []
