@@ -148,6 +148,77 @@ class SelfCheck:
 _SELF_CHECK_FIELDS = frozenset(("passed", "layout", "checked", "max_abs_diff", "fell_back_from"))
 
 
+def _count(value: object) -> bool:
+    """Whether `value` is a whole number of at least zero (a bool is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+@dataclass(frozen=True)
+class PrefixCacheInfo:
+    """The worker's prefix cache as it starts serving (the `prefix_cache` map of `ready`).
+
+    `enabled`: requests may run only their uncached suffix; `capacity_bytes`: the cache's bound
+    (`--prefix-cache-bytes` as resolved for the device); `block_tokens`: the tokens between two
+    cached points; `disabled_reason`: why a worker that has a cache serves without it (`off` by
+    flag, or the self-check's prefixed probe disagreed), empty while enabled.
+    """
+
+    enabled: bool
+    capacity_bytes: int
+    block_tokens: int
+    disabled_reason: str = ""
+
+    @classmethod
+    def from_message(cls, value: Any) -> PrefixCacheInfo:
+        """Check and convert the `prefix_cache` map of a `ready` frame (every field, its type)."""
+        if not isinstance(value, dict) or set(value) != _PREFIX_CACHE_FIELDS:
+            raise ValueError(f"prefix_cache: expected a map of {sorted(_PREFIX_CACHE_FIELDS)}, "
+                             f"got {value!r}")
+        enabled, capacity = value["enabled"], value["capacity_bytes"]
+        block, reason = value["block_tokens"], value["disabled_reason"]
+        if not (isinstance(enabled, bool) and _count(capacity) and _count(block)
+                and isinstance(reason, str)):
+            raise ValueError(f"prefix_cache: a field has the wrong type or range: {value!r}")
+        return cls(enabled, capacity, block, reason)
+
+
+_PREFIX_CACHE_FIELDS = frozenset(("enabled", "capacity_bytes", "block_tokens",
+                                  "disabled_reason"))
+
+
+@dataclass(frozen=True)
+class PrefixStats:
+    """The prefix cache's part in one `response` (its `prefix` map).
+
+    `reused_tokens`: the leading tokens of this request read from the cache instead of computed;
+    the rest are the worker's cache as the reply left it, cumulative since start: `bytes` and
+    `entries` held, `hits` (lookups that reused at least one block), `lookups` and
+    `tokens_reused`. The front shows the request's figure (Server-Timing) and the worker's
+    (/health, metrics) without asking the worker.
+    """
+
+    reused_tokens: int
+    bytes: int
+    entries: int
+    hits: int
+    lookups: int
+    tokens_reused: int
+
+    @classmethod
+    def from_message(cls, value: Any) -> PrefixStats:
+        """Check and convert a response's `prefix` map: exactly its fields, each a count."""
+        if not isinstance(value, dict) or set(value) != _PREFIX_STATS_FIELDS:
+            raise ValueError(f"prefix: expected a map of {sorted(_PREFIX_STATS_FIELDS)}, "
+                             f"got {value!r}")
+        if not all(_count(value[name]) for name in _PREFIX_STATS_FIELDS):
+            raise ValueError(f"prefix: every field must be a count >= 0: {value!r}")
+        return cls(**value)
+
+
+_PREFIX_STATS_FIELDS = frozenset(("reused_tokens", "bytes", "entries", "hits", "lookups",
+                                  "tokens_reused"))
+
+
 @dataclass(frozen=True)
 class ReadyInfo(ModelInfo):
     """The whole `ready` frame: the model, plus the process that serves it."""
@@ -172,6 +243,9 @@ class ReadyInfo(ModelInfo):
     # The start-up self-check's verdict; None when it was skipped (`--self-check off`, an
     # executor without layouts) or from a worker that predates it.
     self_check: SelfCheck | None = None
+    # The prefix cache (clef_worker.prefix_cache); None from a worker without one (the release
+    # executor, a --worker-command of its own, a worker that predates it).
+    prefix_cache: PrefixCacheInfo | None = None
 
     @property
     def requests_per_forward(self) -> int:
@@ -218,6 +292,8 @@ class ReadyInfo(ModelInfo):
                 batch_window_ms=float(message.get("batch_window_ms", 0.0)),
                 self_check=(None if message.get("self_check") is None
                             else SelfCheck.from_message(message["self_check"])),
+                prefix_cache=(None if message.get("prefix_cache") is None
+                              else PrefixCacheInfo.from_message(message["prefix_cache"])),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"malformed ready frame: {exc!r}") from None
@@ -261,6 +337,9 @@ class WorkerReply:
     # trace spans' only source (clef_frontend.otel), so a malformed one is dropped, not fatal.
     stages: dict[str, float] | None = None
     id: int = 0
+    # The prefix cache's part (responses only): None from a worker without a cache, or when it
+    # sent none.
+    prefix: PrefixStats | None = None
 
 
 @dataclass(frozen=True)
@@ -309,6 +388,18 @@ def _stages(value: object) -> dict[str, float] | None:
     return stages or None
 
 
+def _prefix(message: dict[str, Any]) -> PrefixStats | None:
+    """A response's `prefix` map, or None when absent; a malformed one breaks the contract (its
+    counts feed /health and the metrics, which must never show a guessed figure)."""
+    value = message.get("prefix")
+    if value is None:
+        return None
+    try:
+        return PrefixStats.from_message(value)
+    except ValueError as exc:
+        raise ProtocolError(f"malformed response frame ({exc})") from None
+
+
 def _reply(message: dict[str, Any]) -> WorkerReply:
     """A `response` or `error` frame; a missing status is malformed too: guessing 200 for it
     would forward whatever body came with a broken frame as a success."""
@@ -326,7 +417,8 @@ def _reply(message: dict[str, Any]) -> WorkerReply:
                            input_tokens=_int(message, "input_tokens", absent=0),
                            truncated_tokens=_int(message, "truncated_tokens", absent=0),
                            batch_size=_int(message, "batch_size", absent=1, least=1),
-                           stages=_stages(message.get("stages")), id=frame_id)
+                           stages=_stages(message.get("stages")), id=frame_id,
+                           prefix=_prefix(message))
     detail = message.get("detail")
     if not isinstance(status, int) or not 400 <= status < 600 or not isinstance(detail, str):
         raise ProtocolError(f"malformed error frame (status {status!r})")
@@ -397,6 +489,7 @@ def response(
     truncated_tokens: int = 0,
     batch_size: int = 1,
     stages: dict[str, float] | None = None,
+    prefix: PrefixStats | None = None,
 ) -> dict[str, Any]:
     """A successful answer: `body` is the final JSON, forwarded to the client unchanged.
 
@@ -411,12 +504,17 @@ def response(
     `stages` (optional, absent when not given) is the worker's part for tracing spans:
     `encode_ms` (this request's parse, validation and encoding), `forward_ms` and `head_ms`
     (the forward that answered it, shared by every request in it).
+
+    `prefix` (optional, absent when not given) is the prefix cache's part: the tokens this
+    request reused and the worker's cache figures (`PrefixStats`).
     """
-    frame = {"kind": RESPONSE, "id": request_id, "status": status, "body": body,
+    frame: dict[str, Any] = {"kind": RESPONSE, "id": request_id, "status": status, "body": body,
              "worker_ms": worker_ms, "input_tokens": input_tokens,
              "truncated_tokens": truncated_tokens, "batch_size": batch_size}
     if stages:
         frame["stages"] = dict(stages)
+    if prefix is not None:
+        frame["prefix"] = asdict(prefix)
     return frame
 
 

@@ -31,6 +31,9 @@ BATCH_LAYOUTS = ("auto", "packed", "padded")
 # The worker's start-up self-check (clef_worker.self_check): `on` falls back to a slower layout
 # that agrees with the eager answers, `strict` refuses to start instead, `off` skips it.
 SELF_CHECK_MODES = ("on", "strict", "off")
+# The worker's prefix cache (clef_worker.prefix_cache): a request whose leading tokens were read
+# before runs only the rest.
+PREFIX_CACHE_MODES = ("on", "off")
 
 
 # `--max-batch-tokens 0`: tokens per batched forward by device (real tokens when packed, rows x
@@ -43,6 +46,11 @@ DEFAULT_MAX_BATCH_TOKENS_CPU = 4096
 # worker (it reads the worker's figure from `ready`). The worker builds its graph shapes for it.
 DEFAULT_MAX_BATCH_CUDA = 16
 DEFAULT_MAX_BATCH_CPU = 8
+# `--prefix-cache-bytes 0`: the prefix cache's bound by device. On CUDA it is device memory beside
+# the weights and graphs (Clef-Flash keeps about 40 KiB per cached token plus about 49 MiB of
+# Gated DeltaNet state per cached block: docs/operations.md); on CPU, host memory.
+DEFAULT_PREFIX_CACHE_BYTES_CUDA = 16 * 1024**3
+DEFAULT_PREFIX_CACHE_BYTES_CPU = 1024**3
 
 
 @dataclass(frozen=True)
@@ -146,6 +154,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                             "layout and one by one eagerly, and compare: on (on a mismatch, log "
                             "an ERROR and fall back to a slower layout that agrees), strict "
                             "(refuse to start instead) or off (skip)")
+    group.add_argument("--prefix-cache", choices=PREFIX_CACHE_MODES, default="on",
+                       help="keep each request's per-layer states at every block of its leading "
+                            "tokens, so a later request that begins with the same tokens (same "
+                            "variant, same media) runs only the rest: on or off")
+    group.add_argument("--prefix-cache-bytes", type=non_negative_int, default=0,
+                       help="the prefix cache's bound in bytes, least recently used out first "
+                            f"(0: by device, {DEFAULT_PREFIX_CACHE_BYTES_CUDA // 1024**3} GiB of "
+                            f"device memory on CUDA, {DEFAULT_PREFIX_CACHE_BYTES_CPU // 1024**3} "
+                            "GiB on CPU)")
     limits = parser.add_argument_group("request limits")
     limits.add_argument("--max-length", type=positive_int, default=RequestLimits.max_length,
                         help="token budget per request (state is cut to fit)")

@@ -231,3 +231,46 @@ def test_ready_frame_without_a_field_is_a_value_error() -> None:
     del frame["pid"]
     with pytest.raises(ValueError, match="malformed ready frame"):
         messages.ReadyInfo.from_message(frame)
+
+
+def test_prefix_cache_fields_round_trip() -> None:
+    """`ready.prefix_cache` and `response.prefix` come back as the typed values they were built
+    from; absent, they are None (a worker without a cache)."""
+    cache = messages.PrefixCacheInfo(enabled=False, capacity_bytes=1 << 30, block_tokens=256,
+                                     disabled_reason="self-check: prefixed probe disagreed")
+    info = messages.ReadyInfo(model="m", variant="clef-flash", device="cpu", dtype="float32",
+                              gdn_path="torch", pid=1, thread="MainThread", warmup_ms=1.0,
+                              prefix_cache=cache)
+    frame = read_frame_blocking(io.BytesIO(encode_frame(messages.ready(info))))
+    assert frame is not None
+    assert messages.ReadyInfo.from_message(frame).prefix_cache == cache
+    stats = messages.PrefixStats(reused_tokens=512, bytes=4096, entries=3, hits=2, lookups=5,
+                                 tokens_reused=1024)
+    reply = messages.from_worker(messages.response(5, b"{}", 2.0, prefix=stats))
+    assert isinstance(reply, messages.WorkerReply) and reply.prefix == stats
+    plain = messages.from_worker(messages.response(5, b"{}", 2.0))
+    assert isinstance(plain, messages.WorkerReply) and plain.prefix is None
+    assert "prefix" not in messages.response(5, b"{}", 2.0)
+
+
+@pytest.mark.parametrize("broken", [
+    {"reused_tokens": -1}, {"bytes": "1"}, {"hits": True}, {"lookups": 1.5}, {"extra": 1},
+])
+def test_a_malformed_prefix_map_breaks_the_response(broken: dict) -> None:
+    good = {"reused_tokens": 0, "bytes": 0, "entries": 0, "hits": 0, "lookups": 0,
+            "tokens_reused": 0}
+    frame = {**messages.response(1, b"{}", 1.0), "prefix": {**good, **broken}}
+    with pytest.raises(ProtocolError, match="prefix"):
+        messages.from_worker(frame)
+
+
+@pytest.mark.parametrize("broken", [
+    {"enabled": 1}, {"capacity_bytes": -1}, {"block_tokens": "256"}, {"disabled_reason": None},
+])
+def test_a_malformed_prefix_cache_map_breaks_ready(broken: dict) -> None:
+    good = {"enabled": True, "capacity_bytes": 1, "block_tokens": 256, "disabled_reason": ""}
+    frame = {**messages.ready(messages.ReadyInfo(
+        model="m", variant="clef-flash", device="cpu", dtype="float32", gdn_path="torch",
+        pid=1, thread="MainThread", warmup_ms=1.0)), "prefix_cache": {**good, **broken}}
+    with pytest.raises(ValueError, match="malformed ready frame"):
+        messages.ReadyInfo.from_message(frame)
