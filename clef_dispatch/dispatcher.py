@@ -47,7 +47,7 @@ from clef_dispatch.outcomes import Refusal
 from clef_dispatch.settings import WorkerSettings
 from clef_dispatch.supervisor import Supervisor
 from clef_dispatch.urgency import INTERACTIVE
-from clef_dispatch.worker_pool import WorkerPool
+from clef_dispatch.worker_pool import WorkerPool, prefix_cache_of
 from clef_protocol.messages import ReadyInfo
 
 log = logging.getLogger("clef_dispatch.dispatcher")
@@ -243,6 +243,16 @@ class Dispatcher:
     @property
     def restarts(self) -> int:
         return self._pool.restarts
+
+    def prefix_caches(self) -> list[tuple[str, dict[str, Any]]]:
+        """Each ready worker's prefix cache (`worker_pool.prefix_cache_of`) by slot name; the
+        workers without one are left out."""
+        caches = []
+        for lane in self._pool.ready_lanes():
+            cache = prefix_cache_of(lane)
+            if cache is not None:
+                caches.append((lane.slot.name, cache))
+        return caches
 
     def fingerprints(self) -> tuple[str, ...]:
         """Each worker's weights fingerprint from its last `ready` ("" before its first): a

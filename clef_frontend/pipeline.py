@@ -35,7 +35,7 @@ from clef_api import responses, workers_ai
 from clef_api.checks import RequestRules
 from clef_api.responses import Reply
 from clef_api.routes import Route, route
-from clef_dispatch import Refusal, Ticket
+from clef_dispatch import Refusal, Ticket, prefix_key
 from clef_frontend import gateway, logs, otel
 from clef_frontend.answer_cache import NOT_SHARED, AnswerCache, Flight, identity
 from clef_frontend.api import ApiSurface
@@ -69,7 +69,8 @@ class Dispatch(Protocol):
 
     def submit(self, body: bytes, request_id: str = "", *, trace_id: str = "",
                priority: str = ..., deadline: float | None = None,
-               gone: Callable[[], bool] = ...) -> Ticket | Refusal: ...
+               gone: Callable[[], bool] = ...,
+               affinity: bytes | None = None) -> Ticket | Refusal: ...
 
     def abandon(self, ticket: Ticket) -> None: ...
 
@@ -101,6 +102,8 @@ class Pipeline:
         self.rules = RequestRules(config.limits, self.api.catalogue, config.body_limit)
         self.cache = cache if cache is not None else AnswerCache(
             config.answer_cache, config.answer_cache_bytes, config.queue_timeout)
+        # With one worker there is no choice to make: no prefix key is taken.
+        self.affinity = config.workers.worker_count > 1
         self.traffic = TrafficSteps(self.api.keys, metrics, self.cache,
                                     objective_classes=config.objective_classes)
         traffic = self.traffic
@@ -198,18 +201,17 @@ class Pipeline:
 
     async def validate(self, ctx: RequestContext) -> Reply | None:
         """Rows 8-12 and the body's model, the checks' body stage: before admission, so a bad
-        request never waits; the request's identity for the answer cache is taken from the
-        parsed body here, once."""
+        request never waits; the request's identity for the answer cache and its prefix key
+        (with several workers) are taken from the parsed body here, once."""
         body = ctx.body
         assert body is not None
         key_name = (ctx.key or NO_KEY) if self.cache.enabled else None
-        if len(body) > INLINE_CHECK_BYTES:
-            checked = await asyncio.to_thread(_check, self.rules, ctx.target, body, key_name)
-        else:
-            checked = _check(self.rules, ctx.target, body, key_name)
+        check = functools.partial(_check, self.rules, ctx.target, body, key_name,
+                                  affinity=self.affinity)
+        checked = await asyncio.to_thread(check) if len(body) > INLINE_CHECK_BYTES else check()
         if isinstance(checked, Reply):
             return checked
-        ctx.request, ctx.identity = checked
+        ctx.request, ctx.identity, ctx.prefix_key = checked
         if self.api.catalogue.variants:  # the model chosen (checked), for its metrics
             ctx.model = ctx.request.get("model")
         return None
@@ -231,7 +233,8 @@ class Pipeline:
         ticket = self.dispatch.submit(
             ctx.body, ctx.request_id, trace_id=ctx.trace_id, priority=ctx.priority,
             deadline=ctx.deadline,
-            gone=flight.all_gone if flight is not None else ctx.io.client_gone)
+            gone=flight.all_gone if flight is not None else ctx.io.client_gone,
+            affinity=ctx.prefix_key)
         if isinstance(ticket, Refusal):
             return responses.from_outcome(ticket)
         ctx.ticket = ticket
@@ -330,15 +333,16 @@ class Pipeline:
         logs.unbind_request()
 
 
-def _check(rules: RequestRules, target: bytes, body: bytes,
-           key_name: str | None) -> Reply | tuple[dict[str, Any], bytes | None]:
-    """The checked body (the rules' body stage) and its identity (None: no cache), or the
-    refusal; run in a thread for large bodies, so neither the parse nor the hash stalls the
-    event loop."""
+def _check(rules: RequestRules, target: bytes, body: bytes, key_name: str | None, *,
+           affinity: bool) -> Reply | tuple[dict[str, Any], bytes | None, bytes | None]:
+    """The checked body (the rules' body stage), its identity (None: no cache) and its prefix
+    key (None: one worker), or the refusal; run in a thread for large bodies, so neither the
+    parse nor the hashes stall the event loop."""
     checked = rules.check_body(target, body)
     if isinstance(checked, Reply):
         return checked
-    return checked, identity(key_name, checked) if key_name is not None else None
+    return (checked, identity(key_name, checked) if key_name is not None else None,
+            prefix_key(checked) if affinity else None)
 
 
 def _nothing() -> None:

@@ -84,6 +84,9 @@ class RequestContext:
     # when that was decided; `answer` is the future this request awaits, whichever way.
     identity: bytes | None = None
     cache: str | None = None
+    # Its prefix key (clef_dispatch.prefix_key), taken with the identity when there are
+    # several workers: admission prefers the worker whose prefix cache may hold its state.
+    prefix_key: bytes | None = None
     # The body's `model` once validated, with fine-tuned variants served (metrics, access log).
     model: str | None = None
     flight: Flight | None = None
@@ -125,14 +128,19 @@ class RequestContext:
 
     def trace_headers(self) -> list[tuple[str, str]]:
         """`X-Request-Id`, and `Server-Timing` on every answer that went through admission:
-        the queue and the worker for this request's own forward, `cache;desc=hit` or
+        the queue and the worker for this request's own forward (and the prompt tokens its
+        worker's prefix cache gave it, `prefix;desc="reused=N"`), `cache;desc=hit` or
         `cache;desc=coalesced` for an answer it shared; `total` on both."""
         if self.answered_at is None:  # refused before its answer was awaited
             return tracing.response_headers(self.request_id, None)
         total_ms = (time.monotonic() - self.started) * 1000.0
         ticket = self.ticket
         if ticket is not None:
-            timing = tracing.server_timing(ticket.queue_ms, ticket.worker_ms, total_ms)
+            reply = ticket.worker_reply
+            prefix = reply.prefix if reply is not None else None
+            timing = tracing.server_timing(
+                ticket.queue_ms, ticket.worker_ms, total_ms,
+                reused_tokens=prefix.reused_tokens if prefix is not None else None)
         else:
             timing = tracing.server_timing(None, None, total_ms, cache=self.cache)
         return tracing.response_headers(self.request_id, timing)

@@ -75,6 +75,7 @@ class FrontServer:
             token_usage=utilisation_gauge(lambda: dispatch.tokens_outstanding,
                                           dispatch.ready_infos, config.limits.max_length),
             cache_bytes=lambda: self._cache.size_bytes,
+            prefix_caches=dispatch.prefix_caches,
         ), version=version(), separate_port=config.metrics_port is not None)
 
         self._pipeline = Pipeline(config=config, dispatch=dispatch, health=self._health,
