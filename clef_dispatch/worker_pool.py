@@ -96,7 +96,7 @@ def prefix_cache_of(lane: Supervisor) -> dict[str, Any] | None:
         "enabled": info.enabled,
         "capacity_bytes": info.capacity_bytes,
         "block_tokens": info.block_tokens,
-        "disabled_reason": info.disabled_reason or None,
+        "disabled_reason": info.disabled_reason,
         "bytes": stats.bytes if stats else 0,
         "entries": stats.entries if stats else 0,
         "hits": stats.hits if stats else 0,
