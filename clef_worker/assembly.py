@@ -59,6 +59,7 @@ from clef_worker.model.short_conv import bind_short_conv
 from clef_worker.model.snapshot import Snapshot, open_snapshot
 from clef_worker.native import NativeExecutor
 from clef_worker.policy import PACKED, PADDED, PER_GROUP, BatchPolicy
+from clef_worker.prefix_cache import PrefixCache, default_capacity
 from clef_worker.runner import ModelRunner
 from clef_worker.variants import load_variants
 
@@ -87,6 +88,9 @@ class ModelSettings:
     batch_window_ms: float = 0.0
     # Fine-tuned variants served unmerged over this snapshot (`--finetune`).
     finetunes: tuple[Finetune, ...] = ()
+    # The prefix cache (clef_worker.prefix_cache): on or off, and its bound (0: by device).
+    prefix_cache: str = "on"
+    prefix_cache_bytes: int = 0
 
 
 def assemble(settings: ModelSettings) -> NativeExecutor:
@@ -145,7 +149,9 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
                                     selection if variants else None)
     runner = ModelRunner(backbone, head, pad_id, vision, graphs, policy.layout,
                          [variant.head for variant in variants],
-                         selection if variants else None)
+                         selection if variants else None,
+                         PrefixCache(settings.prefix_cache_bytes or default_capacity(str(target)),
+                                     enabled=settings.prefix_cache == "on"))
     executor = NativeExecutor(snapshot=snapshot, encoder=encoder, runner=runner, limits=limits,
                               short_conv=conv_path, policy=policy, variants=variants)
     executor.kernel_cache = kernels.state if kernels is not None else ""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from clef_protocol.messages import ModelInfo
+from clef_protocol.messages import ModelInfo, PrefixStats
 from clef_worker.policy import BatchPolicy
 
 
@@ -26,6 +26,9 @@ class Answer:
     that forward's own times (`forward_ms`, `head_ms`): both describe what actually ran, so a
     request the runner answered alone says 1 even when it arrived with others. An executor that
     does not time its stages leaves `stages` empty.
+
+    `prefix` is the prefix cache's part (the tokens this request reused, the worker's cache
+    figures); None from an executor without a prefix cache.
     """
 
     body: bytes
@@ -33,6 +36,7 @@ class Answer:
     truncated_tokens: int = 0
     batch_size: int = 1
     stages: dict[str, float] = field(default_factory=dict)
+    prefix: PrefixStats | None = None
 
 
 class Executor(Protocol):

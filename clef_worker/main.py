@@ -69,7 +69,8 @@ def reply_for(frame_id: int, outcome: Outcome, worker_ms: float) -> tuple[dict, 
         reply = messages.response(frame_id, answer.body, worker_ms,
                                   input_tokens=answer.input_tokens,
                                   truncated_tokens=answer.truncated_tokens,
-                                  batch_size=answer.batch_size, stages=outcome.stages())
+                                  batch_size=answer.batch_size, stages=outcome.stages(),
+                                  prefix=answer.prefix)
         return reply, False
     if isinstance(exc, RequestInvalid):
         return messages.error(frame_id, 422, str(exc), worker_ms), False

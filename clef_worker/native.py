@@ -43,6 +43,7 @@ from clef_worker.model.lora import BASE_SLOT
 from clef_worker.model.short_conv import TORCH_PATH
 from clef_worker.model.snapshot import Snapshot
 from clef_worker.policy import BatchPolicy
+from clef_worker.prefix_cache import CacheKey, root_key
 from clef_worker.runner import ModelRunner, Staged
 from clef_worker.variants import Variant
 from clef_worker.versions import package_version, package_versions
@@ -242,18 +243,31 @@ class NativeExecutor:
         """The group's host tensors (helper thread; no CUDA call but pinning)."""
         return batch, self.runner.stage([item.encoding for item in batch],
                                         [item.media for item in batch],
-                                        [item.slot for item in batch])
+                                        [item.slot for item in batch],
+                                        [self.cache_key(item) for item in batch])
+
+    def cache_key(self, item: Prepared) -> CacheKey | None:
+        """A request's prefix-cache key: its variant (a variant never reuses the base's states)
+        and where its state span ends; None for a media request (it runs alone through the
+        vision tower, uncached)."""
+        if item.media is not None:
+            return None
+        variant = next((v.name for v in self.variants.values() if v.slot == item.slot), "")
+        state_end = len(self.encoder.prefix_ids) + item.encoding.state_tokens
+        return CacheKey(root_key(f"{item.slot}:{variant}"), state_end)
 
     def answer_staged(self, staged: tuple[Sequence[Prepared], Staged]) -> list[Answer]:
         """The group's forwards on the main thread; the answers in order."""
         batch, host = staged
+        cache = self.runner.prefix_cache
         with broken_device_is_fatal(self.device):
             output = self.runner.run_staged(host)
             return [Answer(serialize(build_response(item.request, item.encoding,
                                                     row.probabilities)),
                            input_tokens=item.encoding.length,
                            truncated_tokens=item.encoding.truncated_tokens,
-                           batch_size=row.batch_size, stages=output.stages)
+                           batch_size=row.batch_size, stages=output.stages,
+                           prefix=cache.stats(row.reused_tokens) if cache is not None else None)
                     for item, row in zip(batch, output.rows, strict=True)]
 
     def answer_prepared(self, batch: Sequence[Prepared]) -> list[Answer]:

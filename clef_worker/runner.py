@@ -20,8 +20,17 @@ Layouts (the batch policy's, clef_worker.policy):
 - **per-group** (CPU's `auto`, eager only): each group padded when its lengths are uniform
   enough, else packed (`clef_worker.policy.group_layout`, the one place that decides).
 
-Media requests run alone, eagerly, through the vision tower. It knows nothing about request
-bodies, limits or replies: that is the executor's job (clef_worker.native).
+**Prefix cache** (clef_worker.prefix_cache, when the runner has one): at run time each request
+of the group is looked up by its token ids; when any member reuses a cached prefix or has
+states to store (a state span of at least one block), the group runs through the prefixed
+forward instead (clef_worker.model.prefix_forward: only the new tokens, end to end, each from
+its cached states, eagerly), the head reads the cached hidden states joined before the new ones,
+and the blocks each member captured are stored. A group where no member does either runs as
+above (graphs included).
+
+Media requests run alone, eagerly, through the vision tower, and never use the prefix cache.
+It knows nothing about request bodies, limits or replies: that is the executor's job
+(clef_worker.native).
 
 Stage times: the forward and the head are timed for every group (`RunOutput.stages`, which
 travels in response frames for tracing). On CUDA they are CUDA events, read after the head's
@@ -38,6 +47,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -50,7 +60,14 @@ from clef_worker.model.encoding import Encoding
 from clef_worker.model.head import HeadBatch, HeadOutput, JointSchemaHead, RecordSpans
 from clef_worker.model.lora import BASE_SLOT, AdapterSelection
 from clef_worker.model.packed import PackedLayout
+from clef_worker.model.prefix_forward import (
+    DeltaRuleRun,
+    SequencePlan,
+    delta_rule_for,
+    prefixed_forward,
+)
 from clef_worker.policy import PACKED, PADDED, group_layout
+from clef_worker.prefix_cache import CacheKey, Hit, PrefixCache, ids_array
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +79,7 @@ class RowResult:
     logits: list[float]
     probabilities: list[float]
     batch_size: int
+    reused_tokens: int = 0  # leading tokens read from the prefix cache instead of computed
 
 
 @dataclass(frozen=True)
@@ -119,6 +137,10 @@ class Staged:
     slots: list[int] = field(default_factory=list)
     heads: VariantHeads | None = None
     bucket_slots: bool = False  # a packed bucket's per-position slots follow its ids
+    # The prefix cache (clef_worker.prefix_cache): each request's key (None: not cacheable)
+    # and its ids as the keys hash them; empty without a cache.
+    cache_keys: list[CacheKey | None] = field(default_factory=list)
+    host_ids: list[np.ndarray] = field(default_factory=list)
 
     @property
     def forward_tensors(self) -> int:
@@ -177,7 +199,8 @@ class ModelRunner:
                  vision: VisionTower | None = None,
                  graphs: GraphRunner | PackedGraphRunner | None = None,
                  layout: str = PADDED, variant_heads: Sequence[JointSchemaHead] = (),
-                 selection: AdapterSelection | None = None):
+                 selection: AdapterSelection | None = None,
+                 prefix_cache: PrefixCache | None = None):
         self.backbone = backbone
         self.head = head
         # Slot 0 is the base head; slot i the i-th fine-tuned variant's (clef_worker.variants),
@@ -188,6 +211,8 @@ class ModelRunner:
         self.vision = vision
         self.graphs = graphs
         self.layout = layout
+        self.prefix_cache = prefix_cache
+        self._delta_rule: DeltaRuleRun | None = None
         if graphs is not None and (layout not in (PACKED, PADDED) or isinstance(
                 graphs, PackedGraphRunner) != (layout == PACKED)):
             raise ValueError(f"a {layout} runner cannot use {type(graphs).__name__}")
@@ -223,16 +248,19 @@ class ModelRunner:
         return self.graphs.plan(lengths)
 
     def run(self, encodings: Sequence[Encoding],
-            medias: Sequence[PreparedMedia | None] = (), slots: Sequence[int] = ()) -> RunOutput:
+            medias: Sequence[PreparedMedia | None] = (), slots: Sequence[int] = (),
+            cache_keys: Sequence[CacheKey | None] = ()) -> RunOutput:
         """Backbone and head over the group: per request, per-option logits and probabilities
         (question order, then encode order), each by its variant's slot (none given: the base).
-        A media request must be alone in its group."""
-        return self.run_staged(self.stage(encodings, medias, slots))
+        A media request must be alone in its group. `cache_keys`: each request's prefix-cache
+        key (none given: the cache is not used)."""
+        return self.run_staged(self.stage(encodings, medias, slots, cache_keys))
 
     # -- host half ---------------------------------------------------------------------------
 
     def stage(self, encodings: Sequence[Encoding],
-              medias: Sequence[PreparedMedia | None] = (), slots: Sequence[int] = ()) -> Staged:
+              medias: Sequence[PreparedMedia | None] = (), slots: Sequence[int] = (),
+              cache_keys: Sequence[CacheKey | None] = ()) -> Staged:
         """The group's host tensors in one flat buffer (pinned on CUDA); no device work."""
         slots = list(slots) or [BASE_SLOT] * len(encodings)
         if any(slot >= len(self.heads) or slot < 0 for slot in slots):
@@ -276,8 +304,12 @@ class ModelRunner:
         tensors += batch.tensors()
         if heads is not None:
             tensors += heads.tensors()
+        keys: list[CacheKey | None] = []
+        if self.prefix_cache is not None and self.prefix_cache.enabled and media is None:
+            keys = list(cache_keys)
         return Staged(lengths, steps, bucket, stage_host(tensors, self.device),
-                      [t.shape for t in tensors], batch, media, slots, heads, bucket_slots)
+                      [t.shape for t in tensors], batch, media, slots, heads, bucket_slots,
+                      keys, [ids_array(tokens) for tokens in ids] if keys else [])
 
     def _padded_ids(self, ids: Sequence[Sequence[int]], lengths: list[int],
                     step: Step) -> Tensor:
@@ -301,7 +333,12 @@ class ModelRunner:
             count = staged.forward_tensors
             width = len(staged.batch.tensors())
             batch = staged.batch.with_tensors(moved[count:count + width])
-            if staged.packed:
+            reused = [0] * len(staged.lengths)
+            plans = self._prefix_plans(staged)
+            if plans is not None:
+                hidden, real_ids = self._prefixed_hidden(staged, moved[:count], *plans)
+                reused = [hit.tokens for hit in plans[0]]
+            elif staged.packed:
                 hidden, real_ids = self._packed_hidden(staged, moved[:count])
             else:
                 hidden, real_ids = self._padded_hidden(staged, moved[:count])
@@ -321,9 +358,10 @@ class ModelRunner:
             for member in step.members:
                 sizes[member] = len(step.members)
         forward_ms, head_ms = clock.spans_ms()
-        results = [RowResult(logits.tolist(), probabilities.tolist(), size)
-                   for (logits, probabilities), size in zip(
-                       values.split(list(batch.option_counts), dim=1), sizes, strict=True)]
+        results = [RowResult(logits.tolist(), probabilities.tolist(), size, tokens)
+                   for (logits, probabilities), size, tokens in zip(
+                       values.split(list(batch.option_counts), dim=1), sizes, reused,
+                       strict=True)]
         return RunOutput(results, {"forward_ms": forward_ms, "head_ms": head_ms})
 
     def _variant_heads(self, heads: VariantHeads, hidden: Tensor, real_ids: Tensor
@@ -347,6 +385,61 @@ class ModelRunner:
         slots = staged.slots or [BASE_SLOT] * len(staged.lengths)
         chosen = [slots[m] for m in (members if members is not None else range(len(slots)))]
         return self.selection.using(chosen, spans, self.device)
+
+    def _prefix_plans(self, staged: Staged) -> tuple[list[Hit], list[tuple[int, ...]]] | None:
+        """Each request's cached chain and the points where it stores, when the group uses the
+        prefix cache (a member reuses a prefix or stores one); None otherwise."""
+        cache = self.prefix_cache
+        if cache is None or not cache.enabled or not staged.cache_keys:
+            return None
+        hits, points = [], []
+        for key, ids in zip(staged.cache_keys, staged.host_ids, strict=True):
+            hit = cache.lookup(key, ids) if key is not None else Hit([])
+            hits.append(hit)
+            points.append(cache.points(hit.tokens, key.state_end) if key is not None else ())
+        if not any(hit.chain for hit in hits) and not any(points):
+            return None
+        return hits, points
+
+    def _prefixed_hidden(self, staged: Staged, moved: list[Tensor], hits: list[Hit],
+                         points: list[tuple[int, ...]]) -> tuple[Tensor, Tensor]:
+        """Every request's hidden states end to end (cached ones joined before the new ones) and
+        their ids; only the new tokens run (clef_worker.model.prefix_forward), and the blocks
+        each request captured are stored."""
+        cache = self.prefix_cache
+        assert cache is not None
+        ids = self._real_ids(staged, moved)
+        starts = [hit.tokens for hit in hits]
+        offsets = [0]
+        for length in staged.lengths:
+            offsets.append(offsets[-1] + length)
+        new_ids = torch.cat([ids[offset + start:offset + length] for offset, start, length in
+                             zip(offsets, starts, staged.lengths, strict=False)])
+        plans = [SequencePlan(length - hit.tokens, hit.state(), marks)
+                 for length, hit, marks in zip(staged.lengths, hits, points, strict=True)]
+        if self._delta_rule is None:
+            self._delta_rule = delta_rule_for(self.backbone.gdn_path)
+        new_lengths = [plan.length for plan in plans]
+        with self._selected(staged, _end_to_end(new_lengths)):
+            new_hidden, captured = prefixed_forward(self.backbone.model, new_ids, plans,
+                                                    self._delta_rule)
+        parts, at = [], 0
+        for index, (hit, plan) in enumerate(zip(hits, plans, strict=True)):
+            part = new_hidden[at:at + plan.length]
+            at += plan.length
+            cached = hit.hidden()
+            parts.append(part if cached is None else torch.cat([cached, part.to(cached.dtype)]))
+            key = staged.cache_keys[index]
+            if key is not None:
+                cache.store(key, staged.host_ids[index], hit, captured[index], part)
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), ids
+
+    def _real_ids(self, staged: Staged, moved: list[Tensor]) -> Tensor:
+        """The group's real token ids end to end, on the device, whatever the layout staged."""
+        if staged.bucket is not None:
+            row, real_rows = moved[0], moved[1]
+            return row.index_select(0, real_rows)
+        return moved[0] if staged.packed else moved[-1]
 
     def _packed_hidden(self, staged: Staged, moved: list[Tensor]) -> tuple[Tensor, Tensor]:
         """The real tokens' hidden states [sum T, H] end to end, and their ids."""

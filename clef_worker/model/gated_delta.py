@@ -63,11 +63,17 @@ def chunked_gated_delta_rule(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
+    checkpoints: tuple[int, ...] = (),
     **_: Any,
 ) -> tuple[Tensor, Tensor | None]:
     """transformers' `torch_chunk_gated_delta_rule` contract: q, k [B, T, Hk, dk], v [B, T, Hv,
     dv], g (log decay, <= 0) and beta [B, T, Hv] -> (output [B, T, Hv, dv] in q's dtype, final
-    state [B, Hv, dk, dv] or None). Each key head serves Hv / Hk consecutive value heads."""
+    state [B, Hv, dk, dv] or None). Each key head serves Hv / Hk consecutive value heads.
+
+    `checkpoints` (token offsets, each a multiple of the chunk or T itself): the second value is
+    then the states after those tokens, stacked `[len, B, Hv, dk, dv]`, read off the scan as it
+    passes them (the prefix cache's states, clef_worker.model.prefix_forward). The padded tail
+    of the last chunk writes nothing (zero keys, beta and log decay), so T's state is exact."""
     out_dtype = query.dtype
     rows, length, key_heads, key_dim = key.shape
     value_heads, value_dim = value.shape[-2:]
@@ -120,14 +126,25 @@ def chunked_gated_delta_rule(
         state = q.new_zeros(streams, key_dim, value_dim)
     else:
         state = initial_state.float().reshape(streams, key_dim, value_dim)
+    wanted = {}
+    for at in checkpoints:
+        if (at % chunk and at != length) or not 0 < at <= length:
+            raise ValueError(f"checkpoint {at}: must be a multiple of the chunk ({chunk}) or "
+                             f"the length ({length}), within (0, {length}]")
+        wanted[-(-at // chunk) - 1] = at
+    kept: dict[int, Tensor] = {}
     outputs = []
     for index in range(chunks):
         read = torch.bmm(readers[:, index], state)  # [B*H, 2C, dv]
         corrected = new_values[:, index] - read[:, chunk:]
         outputs.append(torch.baddbmm(read[:, :chunk], attention[:, index], corrected))
         state = torch.baddbmm(state * chunk_decay[:, index], writers[:, index], corrected)
+        if index in wanted:
+            kept[wanted[index]] = state.reshape(rows, value_heads, key_dim, value_dim)
     output = torch.stack(outputs, dim=1).reshape(rows, value_heads, chunks * chunk, value_dim)
     output = output[:, :, :length].transpose(1, 2).to(out_dtype).contiguous()
+    if checkpoints:
+        return output, torch.stack([kept[at] for at in checkpoints])
     final = state.reshape(rows, value_heads, key_dim, value_dim) if output_final_state else None
     return output, final
 
