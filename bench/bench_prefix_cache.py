@@ -13,11 +13,13 @@ both alike. Workloads (benchlib/prefix_workloads.py):
 - (c) unrelated: eight ~2,400-token requests that share nothing.
 
 Reported per workload and mode: the worker's time (Server-Timing `worker`) of the first turn
-and, summed and per request, of the turns after it; the ratio (off over on); the tokens the
+and, summed and as a median, of the turns after it; the ratios (off over on) of the sums and of
+the medians (the targets are checked on the medians: a burst of other work on a shared host
+moves a sum, not a median); the tokens the
 cache reused (Server-Timing `prefix;desc="reused=N"`); and the largest difference between the
 two modes' answers. Exit status 1 when an answer differs by more than 1.5e-4, a request fails,
 or the cache reused nothing in (a) or (b); with `--check-targets` also when (a) or (b) is less
-than 3x faster after the first turn, or (c) is slower than off by more than `--noise`.
+than 3x faster after the first turn (medians), or (c) is slower than off by more than `--noise`.
 
     python bench/bench_prefix_cache.py --out bench/results/cpu-prefix-cache.json
     python bench/bench_prefix_cache.py --quick        # CI smoke run: small workloads, no file
@@ -66,12 +68,13 @@ def timing_of(header: str | None) -> tuple[float, int | None]:
 
 
 def start_server(model: str, device: str, dtype: str, mode: str,
-                 extra: list[str]) -> Serve:
+                 extra: list[str], threads: int | None) -> Serve:
     flags = ["--model", model, "--device", device, "--dtype", dtype, "--answer-cache", "0",
              *extra]
     if mode == "off":
         flags += ["--prefix-cache", "off"]
-    return Serve(real_worker=True, startup_wait=600, front_args=tuple(flags))
+    env = {"OMP_NUM_THREADS": str(threads)} if threads else None
+    return Serve(real_worker=True, startup_wait=600, front_args=tuple(flags), env=env)
 
 
 def run(workloads: list[Workload], servers: dict[str, Serve]) -> dict[str, Any]:
@@ -127,6 +130,11 @@ def summarise(turns: dict[str, list[dict[str, Any]]], worst: float,
         }
     on, off = out["on"]["later_worker_ms_sum"], out["off"]["later_worker_ms_sum"]
     out["speedup_after_first"] = round(off / on, 2) if on else None
+    # The ratio of the medians: what the targets are checked on, since one burst of other work
+    # on a shared host moves a sum but not a median.
+    on_median, off_median = (out[mode]["later_worker_ms_median"] for mode in MODES)
+    out["median_speedup_after_first"] = (round(off_median / on_median, 2)
+                                         if on_median else None)
     return out
 
 
@@ -143,10 +151,10 @@ def verdict(results: dict[str, Any], check_targets: bool, noise: float) -> list[
     for name in ("agent_loop", "fan_out"):
         if not results[name]["on"]["reused_tokens"]:
             problems.append(f"{name}: the prefix cache reused no token")
-        speedup = results[name]["speedup_after_first"]
+        speedup = results[name]["median_speedup_after_first"]
         if check_targets and (speedup is None or speedup < 3.0):
             problems.append(f"{name}: {speedup}x faster after the first turn (target: 3x)")
-    unrelated_speedup = results["unrelated"]["speedup_after_first"]
+    unrelated_speedup = results["unrelated"]["median_speedup_after_first"]
     if check_targets and (unrelated_speedup is None or unrelated_speedup < 1.0 / (1.0 + noise)):
         problems.append(f"unrelated: the cache on is {unrelated_speedup}x off's speed "
                         f"(slower than off by more than {noise:.0%})")
@@ -168,6 +176,9 @@ def main() -> int:
     parser.add_argument("--worker-flag", action="append", default=[],
                         help="extra flag for both servers (repeatable), e.g. "
                              "--worker-flag=--prefix-cache-bytes=268435456")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OMP_NUM_THREADS for both workers (on a shared CPU host, 1 avoids "
+                             "OpenMP spinning against other processes)")
     parser.add_argument("--check-targets", action="store_true",
                         help="exit 1 unless (a) and (b) are 3x faster after the first turn and "
                              "(c) is no slower than off beyond --noise")
@@ -188,7 +199,7 @@ def main() -> int:
     try:
         for mode in MODES:
             servers[mode] = start_server(args.model, args.device, args.dtype, mode,
-                                         args.worker_flag)
+                                         args.worker_flag, args.threads)
         warm = unrelated(tokenizer, 1, 200, seed=99).requests[0]
         for mode in MODES:  # untimed: first-touch costs
             assert servers[mode].post(warm).status == 200
@@ -202,6 +213,7 @@ def main() -> int:
     summary = {
         "command": command_line(__file__),
         "model": Path(args.model).name, "device": args.device, "dtype": args.dtype,
+        "threads": args.threads,
         "python": platform.python_version(), "seconds": round(time.monotonic() - started, 1),
         "prefix_cache_after": health,  # each server's /health figures after the run
         # Clef-Flash's real shapes (benchlib/flash_model.py, docs/model.md), bfloat16.
