@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 from typing import Any
 
 from clef_dispatch import prefix_key
@@ -214,3 +216,17 @@ def test_workers_whose_cache_is_off_say_so_and_get_the_round_robin() -> None:
         assert {w["prefix_cache"]["enabled"] for w in workers} == {False}
         assert metric(serve, "clef_prefix_cache_enabled", worker="0") == 0
     assert pids[0] != pids[1] and pids[:2] == pids[2:]  # one state, both workers in turn
+
+
+def test_a_replaced_worker_shows_its_own_empty_cache_not_the_lost_ones_figures() -> None:
+    with Serve("--fake-prefix-cache") as serve:
+        for turn in range(2):
+            assert serve.post(json.dumps(_request(LONG + f" turn {turn}")).encode()).status == 200
+        before = serve.health().json()["workers"][0]
+        assert before["prefix_cache"]["hits"] == 1 and before["prefix_cache"]["entries"] == 2
+        os.kill(before["pid"], signal.SIGKILL)
+        after = serve.wait_health(lambda h: h["status"] == "ready"
+                                  and h["workers"][0]["pid"] != before["pid"])
+        cache = after["workers"][0]["prefix_cache"]
+        assert (cache["bytes"], cache["entries"], cache["hits"], cache["lookups"]) == (0, 0, 0, 0)
+        assert metric(serve, "clef_prefix_cache_hits_total", worker="0") == 0
