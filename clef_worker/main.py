@@ -221,6 +221,21 @@ def self_check(executor: Executor, mode: str) -> messages.SelfCheck | None:
     return run_self_check(executor, mode)
 
 
+def prefix_cache_check(executor: Executor, mode: str) -> messages.PrefixCacheInfo | None:
+    """The prefix cache's start-up check (clef_worker.prefix_check, skipped with
+    `--self-check off`) and its state for `ready`; None for an executor without one."""
+    from clef_worker.native import NativeExecutor
+
+    if not isinstance(executor, NativeExecutor) or executor.runner.prefix_cache is None:
+        return None
+    if mode != "off":
+        from clef_worker.prefix_check import check_prefix_cache
+
+        check_prefix_cache(executor, strict=mode == "strict")
+    executor.runner.prefix_cache.reset()  # warm-up's and the checks' blocks: no client's
+    return executor.runner.prefix_cache.info()
+
+
 def start(args: argparse.Namespace, channel_out: BinaryIO) -> LoadedExecutor | None:
     """Load and warm up; send `ready`, or `fatal` with a reason the operator can act on."""
     from clef_worker.fingerprint import DigestCache, SnapshotWatch, default_digests_path
@@ -237,6 +252,7 @@ def start(args: argparse.Namespace, channel_out: BinaryIO) -> LoadedExecutor | N
         executor.warm_up()
         warmup_ms = _elapsed_ms(started)
         verdict = self_check(executor, args.self_check)  # may drop graphs: describe after it
+        prefix_cache = prefix_cache_check(executor, args.self_check)
         model = dataclasses.replace(executor.describe(), fingerprint=fingerprint.result())
     except StartupError as exc:
         reason = str(exc)
@@ -250,6 +266,7 @@ def start(args: argparse.Namespace, channel_out: BinaryIO) -> LoadedExecutor | N
             pings=True,  # `serve` answers every ping between forwards
             **executor.policy.ready_fields(),  # type: ignore[arg-type]
             self_check=verdict,
+            prefix_cache=prefix_cache,
         )
         log.info("ready in %.0f ms%s", warmup_ms, f" (kernel cache {ready.kernel_cache} at start)"
                  if ready.kernel_cache else "")

@@ -252,9 +252,13 @@ class NativeExecutor:
         vision tower, uncached)."""
         if item.media is not None:
             return None
-        variant = next((v.name for v in self.variants.values() if v.slot == item.slot), "")
         state_end = len(self.encoder.prefix_ids) + item.encoding.state_tokens
-        return CacheKey(root_key(f"{item.slot}:{variant}"), state_end)
+        return CacheKey(self.cache_root(item.slot), state_end)
+
+    def cache_root(self, slot: int) -> bytes:
+        """The root of every prefix-cache chain scored by the variant in `slot`."""
+        variant = next((v.name for v in self.variants.values() if v.slot == slot), "")
+        return root_key(f"{slot}:{variant}")
 
     def answer_staged(self, staged: tuple[Sequence[Prepared], Staged]) -> list[Answer]:
         """The group's forwards on the main thread; the answers in order."""

@@ -173,6 +173,12 @@ class PrefixCache:
         self.disabled_reason = reason
         self.clear()
 
+    def reset(self) -> None:
+        """Empty, and count from zero: what the worker does before it serves (warm-up's and the
+        start-up checks' blocks and lookups are nobody's)."""
+        self.clear()
+        self.hits = self.lookups = self.tokens_reused = 0
+
     def clear(self) -> None:
         """Drop every block (the weights they were computed with are no longer served)."""
         self.blocks.clear()
