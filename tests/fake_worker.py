@@ -101,7 +101,7 @@ class FakePrefixCache:
 
     def info(self) -> messages.PrefixCacheInfo:
         return messages.PrefixCacheInfo(self.enabled, 1 << 30, 256,
-                                        "" if self.enabled else "off")
+                                        "" if self.enabled else "--prefix-cache off")
 
     def answer(self, state: str) -> messages.PrefixStats:
         reused = 0

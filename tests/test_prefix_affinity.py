@@ -212,7 +212,7 @@ def test_workers_whose_cache_is_off_say_so_and_get_the_round_robin() -> None:
             assert 'prefix;desc="reused=0"' in (response.header("Server-Timing") or "")
             pids.append(response.json()["pid"])
         workers = serve.health().json()["workers"]
-        assert {w["prefix_cache"]["disabled_reason"] for w in workers} == {"off"}
+        assert {w["prefix_cache"]["disabled_reason"] for w in workers} == {"--prefix-cache off"}
         assert {w["prefix_cache"]["enabled"] for w in workers} == {False}
         assert metric(serve, "clef_prefix_cache_enabled", worker="0") == 0
     assert pids[0] != pids[1] and pids[:2] == pids[2:]  # one state, both workers in turn

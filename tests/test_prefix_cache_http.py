@@ -86,5 +86,5 @@ def test_every_workload_answers_as_without_the_cache_and_reuses_what_it_shares(
     assert metric(servers["on"], "clef_prefix_cache_tokens_reused_total", worker="0") == total
     assert metric(servers["on"], "clef_prefix_cache_bytes", worker="0") == worker["bytes"]
     reference = servers["off"].health().json()["workers"][0]["prefix_cache"]
-    assert reference["enabled"] is False and reference["disabled_reason"] == "off"
+    assert reference["enabled"] is False and reference["disabled_reason"] == "--prefix-cache off"
     assert reference["tokens_reused"] == 0
