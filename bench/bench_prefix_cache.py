@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import statistics
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib.flash_model import FLASH
+from benchlib.gpu_steps import commit_id
 from benchlib.paths import TINY_SNAPSHOT
 from benchlib.prefix_footprint import footprint
 from benchlib.prefix_workloads import (
@@ -50,7 +52,7 @@ from benchlib.prefix_workloads import (
     tokenizer_of,
     unrelated,
 )
-from benchlib.provenance import command_line
+from benchlib.provenance import command_line, cpu_line
 from benchlib.serve import Serve
 
 WORKER = re.compile(r"(?:^|,\s*)worker;dur=([0-9.]+)")
@@ -200,7 +202,7 @@ def main() -> int:
     tokenizer = tokenizer_of(Path(args.model))
     workloads = [agent_loop(tokenizer, *args.agent), fan_out(tokenizer, *args.fan_out),
                  unrelated(tokenizer, *args.unrelated)]
-    started = time.monotonic()
+    started, load_before = time.monotonic(), os.getloadavg()[0]
     servers: dict[str, Serve] = {}
     try:
         for mode in MODES:
@@ -217,7 +219,8 @@ def main() -> int:
             server.close()
     problems = verdict(results, args.check_targets, args.noise)
     summary = {
-        "command": command_line(__file__),
+        "command": command_line(__file__), "commit": commit_id(), "host": cpu_line(),
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "model": Path(args.model).name, "device": args.device, "dtype": args.dtype,
         "threads": args.threads,
         "python": platform.python_version(), "seconds": round(time.monotonic() - started, 1),
