@@ -11,10 +11,11 @@ leading bytes of the request, as prefix-aware routers do: the model name (a fine
 changes every layer, so it never shares states with the base), the media (they sit before the
 state in the prompt; a digest of their text, sampled at both ends of each entry so a large
 image costs no full hash on the event loop) and the first `AFFINITY_BYTES` of the state as the
-worker renders it (text as is, any other JSON value as compact sorted JSON). The key is a hint:
-two states that share their first KiB but not more are sent to the same worker and simply miss
-its cache, and a state shorter than that changes key as it grows (it is short: there is little
-to reuse).
+worker renders it (text as is, any other JSON value as compact sorted JSON); a state shorter
+than that is keyed by its first power-of-two bytes, so a short state that grows keeps its key
+until its length doubles (an agent's early turns stay together) rather than changing it at
+every turn. The key is a hint: two states that share their leading bytes but not more are sent
+to the same worker and simply miss its cache.
 
 The rule ("when load allows"), applied after admission's other filters and before the round
 robin: among the ready workers that report a prefix cache turned on (their `ready` frame's
@@ -77,13 +78,17 @@ def prefix_key(request: Mapping[str, Any]) -> bytes:
 
 
 def leading_state_bytes(state: Any, limit: int = AFFINITY_BYTES) -> bytes:
-    """The first `limit` bytes (UTF-8) of the state as the prompt carries it: text as is, any
-    other JSON value as compact, key-sorted JSON."""
+    """The first `limit` bytes (UTF-8) of the state as the prompt carries it (text as is, any
+    other JSON value as compact, key-sorted JSON); of a shorter state, its first power-of-two
+    bytes."""
     if isinstance(state, str):
         text = state[:limit]  # a character is at least one byte: enough characters
     else:
         text = json.dumps(state, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
-    return text.encode("utf-8", "surrogatepass")[:limit]
+    data = text.encode("utf-8", "surrogatepass")[:limit]
+    if 0 < len(data) < limit:
+        data = data[:1 << (len(data).bit_length() - 1)]
+    return data
 
 
 def _digest_media(digest: Any, value: Any) -> None:

@@ -14,7 +14,12 @@ import signal
 from typing import Any
 
 from clef_dispatch import prefix_key
-from clef_dispatch.affinity import AFFINITY_BYTES, preferred_lane, rendezvous_order
+from clef_dispatch.affinity import (
+    AFFINITY_BYTES,
+    leading_state_bytes,
+    preferred_lane,
+    rendezvous_order,
+)
 from tests.doubles import Admission, FakeLane, FakeWorkers
 from tests.frontend_helpers import Serve
 from tests.traffic_helpers import metric
@@ -48,6 +53,15 @@ def test_a_state_that_grows_keeps_its_key_and_other_questions_do_not_change_it()
     assert grown == first
 
 
+def test_a_short_state_keeps_its_key_until_its_length_doubles() -> None:
+    start = "s" * 300
+    assert leading_state_bytes(start) == start[:256].encode()
+    assert prefix_key(_request(start)) == prefix_key(_request(start + "t" * 200))  # 500 bytes
+    assert prefix_key(_request(start)) != prefix_key(_request(start[:200] + "t" * 400))
+    assert leading_state_bytes("é" * 600) == ("é" * 512).encode()  # bytes, not characters
+    assert leading_state_bytes(LONG) == LONG[:AFFINITY_BYTES].encode()
+
+
 def test_model_media_and_leading_state_bytes_each_change_the_key() -> None:
     base = prefix_key(_request(LONG))
     assert prefix_key({**_request(LONG), "model": "clef-flash-support"}) != base
@@ -65,7 +79,7 @@ def test_a_json_state_is_keyed_as_rendered_sorted_whatever_the_client_order() ->
     one = prefix_key(_request({"b": [1, 2], "a": "text"}))
     other = prefix_key(_request({"a": "text", "b": [1, 2]}))
     assert one == other
-    assert prefix_key(_request({"a": "text", "b": [1, 3]})) != one
+    assert prefix_key(_request({"a": "other", "b": [1, 2]})) != one
 
 
 def test_rendezvous_keeps_every_other_key_in_place_when_a_worker_leaves() -> None:

@@ -5,6 +5,7 @@ what it reused: Server-Timing per request, /health and the metrics per worker.""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 
@@ -19,6 +20,8 @@ from benchlib.prefix_workloads import (
     tokenizer_of,
     unrelated,
 )
+from clef_dispatch import prefix_key
+from clef_dispatch.affinity import rendezvous_order
 from tests.frontend_helpers import Serve
 from tests.traffic_helpers import metric
 
@@ -88,3 +91,26 @@ def test_every_workload_answers_as_without_the_cache_and_reuses_what_it_shares(
     reference = servers["off"].health().json()["workers"][0]["prefix_cache"]
     assert reference["enabled"] is False and reference["disabled_reason"] == "--prefix-cache off"
     assert reference["tokens_reused"] == 0
+
+
+def test_two_real_workers_each_keep_their_own_states_and_reuse_them() -> None:
+    """With two workers (the defaults otherwise), an agent's turns stay on the worker that read
+    its state, so every turn after the first reuses it, for two agents on two workers."""
+    tokenizer = tokenizer_of(TINY_SNAPSHOT)
+    loops: dict[str, list[bytes]] = {}
+    for seed in range(1, 50):  # two agents whose states the rendezvous order puts apart
+        requests = agent_loop(tokenizer, 300, 450, 150, seed=seed).requests
+        first = rendezvous_order(prefix_key(json.loads(requests[0])), ["0", "1"])[0]
+        loops.setdefault(str(first), requests)
+        if len(loops) == 2:
+            break
+    assert set(loops) == {"0", "1"}
+    with Serve(real_worker=True, startup_wait=240,
+               front_args=(*MODEL, "--workers", "2")) as serve:
+        for turn in range(2):
+            for slot in ("0", "1"):
+                _, reused, _ = _ask(serve, loops[slot][turn])
+                assert (reused > 0) == (turn > 0), (slot, turn, reused)
+        workers = serve.health().json()["workers"]
+    assert [w["prefix_cache"]["lookups"] for w in workers] == [2, 2]
+    assert [w["prefix_cache"]["hits"] for w in workers] == [1, 1]
