@@ -3,7 +3,8 @@
 Why a queue and not a "busy" refusal: each worker runs its model on one thread (one CUDA
 context, no per-thread cost), so concurrency belongs in front of it, not in it. Each worker (a
 `Lane`) may hold up to its `max_batch` requests at once, which it batches into one forward; a
-request goes to the next worker with room, and waits in the queue only while none has room. A
+request goes to a worker with room (first the one whose prefix cache may hold its state,
+affinity.py; else the next one, round robin), and waits in the queue only while none has room. A
 request is refused (503 with Retry-After) only when the queue is full, no worker is warm, or the
 server is draining. A ticket whose client has gone is taken out of the queue and never reaches a
 worker (checked again right before its frame is written); once a ticket is in flight its reply

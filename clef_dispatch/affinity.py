@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 # Leading bytes of the rendered state in the key: about 256 tokens of text, one prefix-cache
@@ -119,27 +119,21 @@ def rendezvous_order(key: bytes, names: Sequence[str]) -> list[int]:
     return sorted(range(len(names)), key=weight, reverse=True)
 
 
-def preferred_lane(key: bytes | None, lanes: Sequence[LaneT], busy_alone: Container[LaneT],
-                   fits: Callable[[LaneT], bool] | None = None) -> LaneT | None:
+def preferred_lane(key: bytes | None, lanes: Sequence[LaneT],
+                   busy_alone: Container[LaneT]) -> LaneT | None:
     """The worker the affinity rule picks for a request with `key`, or None: the usual choice
     applies (no key, no worker with a prefix cache, or none of them with room).
 
-    `busy_alone`: workers running a resent request alone (they take nothing else); `fits`
-    (default: `has_room`) is the room test.
+    `busy_alone`: workers running a resent request alone (they take nothing else).
     """
     if key is None:
         return None
     candidates = [lane for lane in lanes if lane.prefix_slot is not None]
     if not candidates:
         return None
-    room = fits if fits is not None else _has_room
     names = [lane.prefix_slot or "" for lane in candidates]
     for index in rendezvous_order(key, names):
         lane = candidates[index]
-        if lane not in busy_alone and room(lane):
+        if lane not in busy_alone and lane.has_room():
             return lane
     return None
-
-
-def _has_room(lane: AffinityLane) -> bool:
-    return lane.has_room()
