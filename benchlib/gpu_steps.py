@@ -336,7 +336,8 @@ def plan(*, dry_run: bool, python: str = sys.executable,
         # capture failed: most of them capture nothing, and they place a fault), then the other
         # CUDA-only unit tests, eager over HTTP, two workers, the profile.
         Step("packed_unit", (*pytest, "tests/test_packed_cuda.py",
-                             "tests/test_packed_runner.py", "-k", "cuda"),
+                             "tests/test_packed_runner.py", "tests/test_prefix_cache_cuda.py",
+                             "-k", "cuda"),
              60 * scale, writes_json=False, optional=True),
         Step("graphs_unit", (*pytest, "tests/test_graphs.py", "-k", "cuda"), 45 * scale,
              writes_json=False, graphs=True, optional=True),

@@ -248,6 +248,8 @@ class PrefixCache:
         its points; then evict down to the capacity."""
         if not self.enabled or not captured.points:
             return
+        if hit.chain and hit.chain[-1].key not in self.blocks:
+            return  # evicted since the lookup (by a neighbour's store): unreachable if kept
         start = hit.tokens
         parent = hit.chain[-1].key if hit.chain else key.root
         previous = start

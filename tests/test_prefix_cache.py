@@ -421,3 +421,19 @@ def test_prefix_cache_off_is_reported_and_reuses_nothing(tiny_snapshot: Path) ->
     reply = messages.from_worker(second)
     assert isinstance(reply, messages.WorkerReply) and reply.prefix is not None
     assert (reply.prefix.reused_tokens, reply.prefix.lookups, reply.prefix.entries) == (0, 0, 0)
+
+
+def test_nothing_is_stored_under_a_chain_evicted_since_the_lookup() -> None:
+    """A group's neighbour may evict the chain a request reused before that request stores:
+    blocks under it could never be found again, so none are kept."""
+    cache = PrefixCache(1 << 30)
+    key = CacheKey(root_key("0:"), 700)
+    ids = ids_array(range(1000))
+    _store(cache, key, ids)
+    grown = CacheKey(key.root, 950)
+    hit = cache.lookup(grown, ids)
+    assert hit.tokens == 640
+    cache.clear()
+    points = cache.points(hit.tokens, grown.state_end)
+    cache.store(grown, ids, hit, _captured(points, hit.tokens, 1000), torch.zeros(360, 8))
+    assert not cache.blocks and cache.bytes == 0 and not cache.children

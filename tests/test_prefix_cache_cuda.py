@@ -1,0 +1,44 @@
+"""The prefix cache on a GPU (skipped without CUDA; the GPU script's `packed_unit` step runs
+it): the prefixed forward's CUDA branch (fla's delta rule from initial states in rounds,
+bfloat16 keys, values and hidden states) against the plain eager forward, through the start-up
+probe and through a fan-out of question sets about one state. On CPU the same logic is covered
+by tests/test_prefix_cache.py and fla's kernels by tests/test_prefix_fla_interpreter.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from clef_worker import prefix_check
+from clef_worker.assembly import assemble_snapshot
+from clef_worker.self_check import BOUNDS
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_the_prefix_probe_passes_on_cuda(tiny_snapshot: Path) -> None:
+    executor = assemble_snapshot(tiny_snapshot, device="cuda")
+    comparison = prefix_check.check_prefix_cache(executor)
+    cache = executor.runner.prefix_cache
+    assert comparison is not None and cache is not None
+    assert comparison.agrees(BOUNDS["bfloat16"]), comparison
+    assert cache.enabled
+
+
+def test_a_cuda_fan_out_reuses_the_state_and_answers_as_uncached(tiny_snapshot: Path) -> None:
+    on = assemble_snapshot(tiny_snapshot, device="cuda")
+    off = assemble_snapshot(tiny_snapshot, device="cuda", prefix_cache="off")
+    state = {"events": [{"n": i, "note": f"invoice {i * 37} paid by {i % 11}"}
+                        for i in range(30)]}
+    for k in range(3):
+        body = json.dumps({"model": "clef-flash", "state": state, "questions": {
+            f"q{k}": {"type": "choice", "criteria": {"a": "approve", "b": f"block {k}"}}}}
+                          ).encode()
+        got, want = on.answer(body), off.answer(body)
+        assert got.prefix is not None and (got.prefix.reused_tokens > 0) == (k > 0)
+        a = json.loads(got.body)["answers"][f"q{k}"]["probabilities"]
+        b = json.loads(want.body)["answers"][f"q{k}"]["probabilities"]
+        assert max(abs(a[o] - b[o]) for o in a) <= BOUNDS["bfloat16"] + 1e-4
