@@ -10,9 +10,11 @@ Keys: a chain of block hashes over token ids, as vLLM's automatic prefix caching
 whole prefix up to `end`; the chain's first parent (the root) folds in the variant (each adapter
 changes every layer, so a variant never reuses the base's states) and the media's digest (media
 tokens are placeholders: the pixels are not in the ids). Blocks end at every multiple of
-`block_tokens` and, for the last one of a request, at the end of its state span rounded down to
-`align` tokens (so a request asking other questions about the same state reuses all of it, and
-the torch scan hands out the state there for free: points are multiples of its chunk).
+`block_tokens` and, for the last one of a request, `END_MARGIN` tokens before the end of its
+state span, rounded down to `align` tokens (so a request asking other questions about the same
+state reuses nearly all of it, and the torch scan hands out the state there for free: points
+are multiples of its chunk). The media digest is in the key's design, but media requests run
+alone through the vision tower and are not cached yet (the runner gives them no key).
 
 What a block keeps (what a suffix after its end needs): per Gated DeltaNet layer the recurrent
 state and the short convolution's input tail at `end`; per full-attention layer the block's own
@@ -53,6 +55,10 @@ BLOCK_TOKENS = 256
 # it, so a suffix starting at a point keeps the chunking of a whole forward.
 POINT_ALIGN = 64
 HASH_BYTES = 16
+# The state-end point stays this many tokens before the end: a state that grows usually differs
+# from its previous version only in its last few tokens (a JSON array's closing `]}` followed by
+# a new event), so a point right at the end would rarely be reusable by the next turn.
+END_MARGIN = 16
 
 
 def default_capacity(device: str) -> int:
@@ -189,11 +195,12 @@ class PrefixCache:
 
     def points(self, start: int, state_end: int) -> tuple[int, ...]:
         """Where a request whose first `start` tokens are cached stores its states: every
-        block end after `start` up to its state's end, and that end rounded down to `align`.
-        A state shorter than one block stores nothing (its prefill is cheap to redo)."""
+        block end after `start` up to its state's end, and a point `END_MARGIN` tokens before
+        that end rounded down to `align`. A state shorter than one block stores nothing (its
+        prefill is cheap to redo)."""
         if not self.enabled or state_end < self.block_tokens:
             return ()
-        last = state_end - state_end % self.align
+        last = (state_end - END_MARGIN) - (state_end - END_MARGIN) % self.align
         points = list(range(start - start % self.block_tokens + self.block_tokens, last + 1,
                             self.block_tokens))
         if last > start and (not points or points[-1] != last):
