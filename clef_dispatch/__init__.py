@@ -6,8 +6,8 @@ names below (never its modules): submit a request, get its outcome.
 
 | module | job |
 |---|---|
-| `dispatcher.py` | `Dispatcher`, the one door: start, `submit` (a `Ticket` whose outcome is an |
-|  | `Answer` or a `Refusal`), `abandon`, `drain`, `snapshot`, stop |
+| `dispatcher.py` | `Dispatcher`, the one door: start, `submit` (a read-only `TicketView` whose |
+|  | outcome is an `Answer` or a `Refusal`), `abandon`, `drain`, `snapshot`, stop |
 | `outcomes.py` | `Answer`, `Refusal` and its kinds: what a request comes to, free of HTTP |
 | `urgency.py` | the priority classes and the deadline that applies |
 | `load.py` | the token estimate of a waiting request (the utilisation gauge) |
@@ -21,8 +21,8 @@ names below (never its modules): submit a request, get its outcome.
 |  | worker's outcome means for a request (`judge`) |
 | `waiting.py` | where tickets wait (`TicketQueue`) and the counts the gauges read: plain ints, |
 |  | each ticket once, safe to read from the metrics thread |
-| `ticket.py` | `Ticket` (one admitted request), the workers as admission sees them, the round |
-|  | robin over them |
+| `ticket.py` | `Ticket` (one admitted request) and the `TicketView` drivers hold of it, the |
+|  | workers as admission sees them, the round robin over them |
 | `deadline_heap.py` | the waiting tickets' deadlines, one timer for all |
 | `worker_pool.py` | every worker slot (`--devices`/`--workers`/`--workers-per-device`); |
 |  | ready while one is; rolling reload |
@@ -53,7 +53,7 @@ from clef_dispatch.outcomes import (
 )
 from clef_dispatch.settings import WorkerSettings, add_worker_arguments, worker_settings_from
 from clef_dispatch.supervisor import StartupFailed
-from clef_dispatch.ticket import Ticket
+from clef_dispatch.ticket import TicketView
 from clef_dispatch.urgency import BULK, CLASSES, INTERACTIVE, earliest
 from clef_dispatch.worker_errors import RESTART_REASONS
 
@@ -72,7 +72,7 @@ __all__ = [
     "Refusal",
     "RefusalKind",
     "StartupFailed",
-    "Ticket",
+    "TicketView",
     "TokenEstimate",
     "WorkerSettings",
     "add_worker_arguments",

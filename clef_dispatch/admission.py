@@ -15,7 +15,8 @@ Shared traffic (priority.py names the classes): waiting `interactive` tickets go
 `bulk` ones, FIFO within a class, except that one admission in every `BULK_EVERY` goes to bulk
 while both wait, so bulk never starves. A ticket may carry a deadline (`X-Clef-Deadline-Ms`,
 `--queue-timeout`): one timer, aimed at the earliest, answers a ticket still waiting at its
-deadline with 504, and it never reaches a worker.
+deadline with 504, and it never reaches a worker; one rule (deadline_heap.past_deadline) judges
+a passed deadline wherever it is found: a ticket a worker holds is never expired.
 
 Lost and suspect workers (clef_dispatch/resend.py owns those rules): a ticket in flight on a
 worker that is lost is sent again, once, before anything else, alone on an idle worker; while it
@@ -28,13 +29,9 @@ Admission knows the workers only through the `Workers` and `Lane` protocols belo
 503 from a 500 by the exceptions of `worker_errors`; it never imports the supervisor, the pool
 or the channel, so they can change shape behind it.
 
-Load in tokens (load.py): each ticket carries its estimated token cost, and admission keeps the
-sum waiting, the sum in flight and the sum of both, the last the numerator of the utilisation
-gauge an endpoint picker reads; each answer teaches the estimate its real token count.
-
-Gauges read from another thread (the metrics port's): every count they read, the depth and the
-token sums, is one plain int that the loop recounts once a change is complete (waiting.py: why,
-and what counts as waiting); each ticket counts once, a suspect's queued copy included.
+Load in tokens (load.py: each answer teaches the estimate its real token count) and the counts
+the gauges read from the metrics thread (waiting.py: plain ints, each ticket counted once, a
+suspect's queued copy included) are kept as tickets move.
 
 Everything here is driven by events and runs no task of its own: a ticket is sent the moment it
 is admitted if a worker has room, and each reply (a callback from the worker channel) answers
@@ -50,7 +47,7 @@ import time
 from collections.abc import Callable
 
 from clef_dispatch.affinity import preferred_lane
-from clef_dispatch.deadline_heap import DeadlineHeap
+from clef_dispatch.deadline_heap import DeadlineHeap, Past, past_deadline
 from clef_dispatch.load import TokenEstimate
 from clef_dispatch.outcomes import (
     EXPIRED_DETAIL,
@@ -193,8 +190,7 @@ class Admission:
                         earliest(deadline, now, self._queue_timeout), gone,
                         enqueued_at=now, tokens=self._estimate.cost(len(body)),
                         affinity=affinity)
-        if ticket.deadline is not None and ticket.deadline <= now:
-            self._expire(ticket)
+        if self._past_deadline(ticket):  # already passed: answered 504 at once
             return ticket
         self._idle.clear()
         if lane is not None:
@@ -256,7 +252,9 @@ class Admission:
         """
         mine = [ticket for ticket, lanes in self._sent.items() if lane in lanes]
         if suspect:
-            self._resends.copy(mine, self._waiting)
+            # Past its deadline a ticket gets no copy: the suspect's own answer is awaited.
+            self._resends.copy([ticket for ticket in mine if not self._past_deadline(ticket)],
+                               self._waiting)
         else:
             for ticket in self._resends.to_take_back(mine):
                 self._unqueue(ticket)
@@ -277,21 +275,22 @@ class Admission:
             lane = self._idle_lane()
             if lane is None:
                 break
-            ticket = self._resends.pop_lost()
-            if self._still_wanted(ticket):
-                self._send(ticket, lane, alone=True)
-            else:
+            ticket, why = self._resends.pop_lost()
+            if not self._still_wanted(ticket):
                 self._settle(ticket)
+            elif self._send(ticket, lane, alone=True):
+                self._resends.sent_again(why)
         if not self._resends.lost_waiting:  # a lost ticket waiting for an idle worker holds
             while self._queued() and self._room_somewhere():  # the rest back
                 ticket = self._next_waiting()
                 lane = self._lane_for(ticket.affinity)
                 assert lane is not None  # some worker has room
+                copy = self._resends.is_copy(ticket)
                 self._resends.leaving_queue(ticket)
-                if self._still_wanted(ticket):
-                    self._send(ticket, lane)
-                else:
+                if not self._still_wanted(ticket):
                     self._settle(ticket)
+                elif self._send(ticket, lane) and copy:
+                    self._resends.sent_again("suspect")
         self._update_idle()
 
     # -- internals ---------------------------------------------------------------------------
@@ -306,18 +305,29 @@ class Admission:
         self._deadlines.add(ticket, self.depth)
 
     def _deadline_passed(self, ticket: Ticket) -> None:
-        """A deadline passed: 504 for the ticket if it still waits (not if a copy runs)."""
-        if self._unqueue(ticket) and ticket not in self._sent:
-            self._expire(ticket)
+        """The timer: a kept deadline passed; judged if the ticket (or its copy) still waits."""
+        if ticket.queued and not ticket.outcome.done():
+            self._past_deadline(ticket)
         self._settle(ticket)
 
-    def _expire(self, ticket: Ticket) -> None:
-        log.info("frame_id=%d request_id=%s class=%s: deadline passed after %.0f ms waiting, "
-                 "not sent", ticket.frame_id, ticket.request_id, ticket.priority,
-                 ticket.queue_ms)
-        self._events.expired(ticket.priority)
-        if not ticket.outcome.done():
-            ticket.outcome.set_result(Refusal(RefusalKind.EXPIRED, EXPIRED_DETAIL))
+    def _past_deadline(self, ticket: Ticket) -> bool:
+        """Whether `ticket`'s deadline has passed, applying the one deadline rule
+        (deadline_heap.past_deadline) if so; the caller settles the ticket's count."""
+        past = past_deadline(ticket, held=ticket in self._sent, now=time.monotonic())
+        if past is Past.HELD:  # on a worker: never expired
+            if self._unqueue(ticket) or ticket.copied:
+                ticket.copy_withdrawn()
+            log.info("frame_id=%d request_id=%s: deadline passed while a worker holds it: no "
+                     "copy sent, its answer is awaited", ticket.frame_id, ticket.request_id)
+        elif past is Past.EXPIRED:
+            self._unqueue(ticket)
+            log.info("frame_id=%d request_id=%s class=%s: deadline passed after %.0f ms "
+                     "waiting, not sent", ticket.frame_id, ticket.request_id, ticket.priority,
+                     ticket.queue_ms)
+            self._events.expired(ticket.priority)
+            if not ticket.outcome.done():
+                ticket.outcome.set_result(Refusal(RefusalKind.EXPIRED, EXPIRED_DETAIL))
+        return past is not Past.NOT_YET
 
     def _unqueue(self, ticket: Ticket) -> bool:
         """Take a waiting ticket (or a queued copy) out of its queue; False if none waited.
@@ -340,8 +350,8 @@ class Admission:
         return (interactive or bulk).popleft()
 
     def _still_wanted(self, ticket: Ticket) -> bool:
-        """Right before the frame: a ticket whose client left or whose deadline passed is
-        answered here instead of being sent."""
+        """Right before the frame: a ticket whose client left is dropped, and one whose deadline
+        passed is judged by the deadline rule (`_past_deadline`), instead of being sent."""
         if ticket.outcome.done():
             return False
         if ticket.gone():
@@ -349,10 +359,7 @@ class Admission:
                      ticket.request_id)
             ticket.outcome.cancel()
             return False
-        if ticket.deadline is not None and ticket.deadline <= time.monotonic():
-            self._expire(ticket)
-            return False
-        return True
+        return not self._past_deadline(ticket)
 
     def _lane_for(self, affinity: bytes | None) -> Lane | None:
         """The worker a ticket goes to, in two steps: the prefix affinity rule (affinity.py:
@@ -373,7 +380,8 @@ class Admission:
         """A ready worker with nothing in flight, for a resent ticket to run alone on."""
         return self._ring.pick(is_idle, self._resends.lanes_alone)
 
-    def _send(self, ticket: Ticket, lane: Lane, *, alone: bool = False) -> None:
+    def _send(self, ticket: Ticket, lane: Lane, *, alone: bool = False) -> bool:
+        """Send `ticket` to `lane`; False if the worker refused it (nothing was sent)."""
         ticket.sent(time.monotonic())
         self._sent.setdefault(ticket, []).append(lane)
         self._settle(ticket)  # from its queue to the worker in one step
@@ -387,6 +395,8 @@ class Admission:
             self._settle(ticket)
             if not ticket.outcome.done() and ticket not in self._sent:
                 ticket.outcome.set_result(self._unavailable(str(exc)))
+            return False
+        return True
 
     def _done(self, ticket: Ticket, lane: Lane, outcome: WorkerOutcome) -> None:
         """A worker answered the ticket (or failed with it in flight): reply, send the next.

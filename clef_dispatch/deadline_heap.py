@@ -1,4 +1,5 @@
-"""The deadlines of waiting tickets: one timer, aimed at the earliest, for the whole queue.
+"""The deadlines of waiting tickets: one timer, aimed at the earliest, for the whole queue; and
+the one rule that judges a passed deadline (`past_deadline`), wherever admission finds it.
 
 Apart from admission's queue because it is a structure of its own: a heap of (deadline, frame
 id, ticket) with stale entries left in place (a heap has no cheap removal) and dropped in bulk,
@@ -8,6 +9,7 @@ and the one event-loop timer that calls `due` with the tickets whose deadline ha
 from __future__ import annotations
 
 import asyncio
+import enum
 import heapq
 import time
 from collections.abc import Callable
@@ -17,6 +19,30 @@ from clef_dispatch.ticket import Ticket
 # Deadline entries of tickets that left the queue, kept beyond twice the queue's depth before
 # the heap is rebuilt without them (see DeadlineHeap.add).
 STALE_DEADLINES_KEPT = 64
+
+
+class Past(enum.Enum):
+    """What a ticket's deadline means for it now (`past_deadline`)."""
+
+    NOT_YET = "not yet"  # no deadline, or not passed: nothing happens
+    HELD = "held"  # passed while a worker holds it: never expired; a queued copy is withdrawn
+    EXPIRED = "expired"  # passed and no worker holds it: 504, taken out of its queue
+
+
+def past_deadline(ticket: Ticket, *, held: bool, now: float) -> Past:
+    """The one deadline rule, which admission applies wherever it finds a deadline passed: by
+    the timer, right before a frame is written, and on the resend path (a suspect's copy, a lost
+    ticket). `held`: a worker holds the ticket now.
+
+    A ticket a worker holds is never expired: its answer is computed, and is delivered however
+    late (docs/api.md: a request on a worker is answered). So past its deadline a suspect's
+    queued copy is withdrawn unsent and the original's answer awaited, and a ticket held by a
+    worker that turns suspect gets no copy (with `--queue-timeout`, counted from admission, a
+    long forward is past it as soon as it turns suspect). A ticket no worker holds (waiting, or
+    lost with its worker) is answered 504."""
+    if ticket.deadline is None or ticket.deadline > now:
+        return Past.NOT_YET
+    return Past.HELD if held else Past.EXPIRED
 
 
 class DeadlineHeap:
@@ -48,13 +74,14 @@ class DeadlineHeap:
             self._drop_stale()
 
     def _drop_stale(self) -> None:
-        """Forget the deadlines of tickets no longer waiting (sent, answered, given up).
+        """Forget the deadlines of tickets no longer queued (sent, answered, given up; a
+        suspect's queued copy is kept: the deadline rule withdraws it).
 
         Without this, `--queue-timeout` seconds of every ticket, bodies included, would stay
         referenced here. Rebuilt once stale entries outnumber live ones, so each entry is
         copied at most once on average."""
         self._heap = [entry for entry in self._heap
-                      if entry[2].started_at is None and not entry[2].outcome.done()]
+                      if entry[2].queued and not entry[2].outcome.done()]
         heapq.heapify(self._heap)
         self._arm()
 

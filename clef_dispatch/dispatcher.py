@@ -23,10 +23,10 @@ and stopped by one policy, whoever drives:
   that many replacements, and its rerun resumes.
 
 What a driver sees is this class and the outcome types (`outcomes.py`): `submit` gives a
-`Ticket` whose `outcome` resolves to an `Answer` or a `Refusal` (or the `Refusal` at once when
-the request cannot be queued), `abandon` drops a ticket whose caller left, `drain` lets what was
-admitted finish, `at_worker` says whether a worker holds a ticket (answer sharing asks it), and
-`snapshot` (for `/health`) and the gauge reads report the state; the pool,
+read-only `TicketView` (its `outcome`, an `Answer` or a `Refusal`; its timings; `at_worker`,
+whether a worker holds it, which answer sharing asks), or the `Refusal` at once when the request
+cannot be queued; `abandon` drops a request whose caller left, `drain` lets what was admitted
+finish, and `snapshot` (for `/health`) and the gauge reads report the state; the pool,
 the supervisors and the queue behind it are never reached into.
 
 The drivers differ only in what they ask while no worker is warm: the server answers new
@@ -41,11 +41,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from clef_dispatch.admission import Admission, AdmissionEvents, Ticket
+from clef_dispatch.admission import Admission, AdmissionEvents
 from clef_dispatch.load import TokenEstimate
 from clef_dispatch.outcomes import Refusal
 from clef_dispatch.settings import WorkerSettings
 from clef_dispatch.supervisor import Supervisor
+from clef_dispatch.ticket import TicketView, ticket_of
 from clef_dispatch.urgency import INTERACTIVE
 from clef_dispatch.worker_pool import WorkerPool, prefix_cache_of
 from clef_protocol.messages import ReadyInfo
@@ -146,22 +147,18 @@ class Dispatcher:
     def submit(self, body: bytes, request_id: str = "", *, trace_id: str = "",
                priority: str = INTERACTIVE, deadline: float | None = None,
                gone: Callable[[], bool] = _never_gone,
-               affinity: bytes | None = None) -> Ticket | Refusal:
-        """Queue a checked body: a `Ticket` whose `outcome` resolves to its Answer or Refusal,
-        or the Refusal (UNAVAILABLE) at once when it cannot be queued. `affinity`: its prefix
-        key (`prefix_key`), so a state's requests go to the worker whose cache may hold it."""
-        return self._admission.submit(body, request_id, trace_id=trace_id, priority=priority,
-                                      deadline=deadline, gone=gone, affinity=affinity)
+               affinity: bytes | None = None) -> TicketView | Refusal:
+        """Queue a checked body: a read-only `TicketView` whose `outcome` resolves to its
+        Answer or Refusal, or the Refusal (UNAVAILABLE) at once when it cannot be queued.
+        `affinity`: its prefix key (`prefix_key`), so a state's requests go to the worker
+        whose cache may hold it."""
+        ticket = self._admission.submit(body, request_id, trace_id=trace_id, priority=priority,
+                                        deadline=deadline, gone=gone, affinity=affinity)
+        return ticket if isinstance(ticket, Refusal) else TicketView(ticket)
 
-    def abandon(self, ticket: Ticket) -> None:
+    def abandon(self, ticket: TicketView) -> None:
         """The caller has gone: a waiting ticket leaves the queue; one in flight finishes."""
-        self._admission.abandon(ticket)
-
-    @staticmethod
-    def at_worker(ticket: Ticket) -> bool:
-        """Whether a worker holds the ticket's request now (sent, not yet answered, not back
-        in the queue after its worker was lost): what answer sharing asks of a flight."""
-        return ticket.started_at is not None and not ticket.outcome.done()
+        self._admission.abandon(ticket_of(ticket))
 
     @property
     def draining(self) -> bool:

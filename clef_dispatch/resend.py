@@ -15,7 +15,10 @@ copy stays in flight (the ticket counts once, in flight: clef_dispatch/waiting.p
 answer wins and the other is dropped, so every client gets exactly one answer; a copy that fails
 while another is in flight or queued is forgotten, and a ticket lost with both workers is sent
 again alone, as any lost ticket (a poison request is still isolated). A suspect that answers
-again takes back the copies still queued.
+again takes back the copies still queued. A ticket past its deadline gets no copy, and a copy
+whose deadline passes while it waits is withdrawn (admission's deadline rule: a ticket a worker
+holds is never expired). A resend is counted when it is really sent (`sent_again`), never when
+merely queued.
 
 `Resends` owns the state of those rules (the lost tickets waiting, the copies queued, the lanes
 running a ticket alone) and `judge` says what a worker's outcome means for a ticket; admission
@@ -87,6 +90,7 @@ class Resends:
         # original is still in flight (counted there, not as waiting).
         self._copies: set[Ticket] = set()
         self._alone: dict[Lane, Ticket] = {}  # lanes running a resent ticket, and which
+        self._lost_why: dict[Ticket, str] = {}  # why each lost ticket waiting was lost
 
     # Loop-side only: the gauges read admission's counts (waiting.Counts), never these.
 
@@ -108,18 +112,20 @@ class Resends:
         return ticket in self._lost
 
     def copy(self, held: Iterable[Ticket], waiting: Mapping[str, TicketQueue]) -> None:
-        """A worker became suspect holding `held` (oldest first): each gets one copy, queued at
-        the head of its class in `waiting` (the oldest first in line)."""
+        """A worker became suspect holding `held` (oldest first, none past its deadline): each
+        gets one copy, queued at the head of its class in `waiting` (the oldest first in line).
+        The resend is counted (`resent_total{reason="suspect"}`) only when a copy is sent: one
+        taken back or withdrawn unsent was never a second send."""
         for ticket in reversed(list(held)):
             if not ticket.copied and not ticket.outcome.done():
                 log.warning("frame_id=%d request_id=%s held by a suspect worker: a copy "
                             "goes to another worker (the first answer wins)",
                             ticket.frame_id, ticket.request_id)
-                self._events.resent("suspect")
                 ticket.copied = True
                 ticket.wait_again()
                 self._copies.add(ticket)
                 waiting[ticket.priority].appendleft(ticket)
+                self._keep_deadline(ticket)  # withdrawn unsent if it passes (admission)
 
     def to_take_back(self, held: Iterable[Ticket]) -> list[Ticket]:
         """A suspect answered again: those of `held` whose copy still waits (admission takes
@@ -135,6 +141,7 @@ class Resends:
 
     def unqueue_lost(self, ticket: Ticket) -> bool:
         """Take `ticket` out of the lost tickets waiting; False if it was not there."""
+        self._lost_why.pop(ticket, None)
         return self._lost.remove(ticket)
 
     def lose(self, ticket: Ticket, failure: WorkerLost) -> None:
@@ -144,25 +151,38 @@ class Resends:
                     "alone", ticket.frame_id, ticket.request_id, failure)
         ticket.started_at = None  # waiting again
         ticket.wait_again()
-        self._events.resent(failure.reason)
+        self._lost_why[ticket] = failure.reason  # counted once it is really sent again
         ticket.resent = True
         if ticket.deadline is None:  # bounded even while the last worker is replaced
             ticket.deadline = time.monotonic() + self._resend_timeout
         self._lost.append(ticket)
         self._keep_deadline(ticket)
 
-    def pop_lost(self) -> Ticket:
-        """The oldest lost ticket waiting, taken out to be sent alone (`lost_waiting` first)."""
-        return self._lost.popleft()
+    def pop_lost(self) -> tuple[Ticket, str]:
+        """The oldest lost ticket waiting, taken out to be sent alone (`lost_waiting` first),
+        and why it was lost (for `sent_again`)."""
+        ticket = self._lost.popleft()
+        return ticket, self._lost_why.pop(ticket, "")
+
+    def sent_again(self, reason: str) -> None:
+        """A lost ticket (`reason`: why it was lost) or a suspect's copy (`"suspect"`) was
+        really sent again: the one place a resend is counted, so one withdrawn, expired or
+        taken back unsent never is (`clef_requests_resent_total` counts sends)."""
+        self._events.resent(reason)
 
     def drop_answered(self) -> list[Ticket]:
         """Forget lost tickets already settled (answered elsewhere, or their client left);
         return those dropped."""
-        return self._lost.take(_answered)
+        return self._forget_why(self._lost.take(_answered))
 
     def take_all_lost(self) -> list[Ticket]:
         """Every lost ticket waiting, taken out (to be refused)."""
-        return self._lost.take(_every)
+        return self._forget_why(self._lost.take(_every))
+
+    def _forget_why(self, tickets: list[Ticket]) -> list[Ticket]:
+        for ticket in tickets:
+            self._lost_why.pop(ticket, None)
+        return tickets
 
     def running_alone(self, lane: Lane, ticket: Ticket) -> None:
         self._alone[lane] = ticket

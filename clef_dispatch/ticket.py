@@ -1,6 +1,6 @@
-"""A ticket: one admitted request, from the queue to its outcome; and the workers as admission
-sees them (`Lane`, `Workers`: the supervisors and the pool, behind protocols), and the round
-robin over them (`LaneRing`).
+"""A ticket: one admitted request, from the queue to its outcome, and the read-only view of it
+a driver holds (`TicketView`); the workers as admission sees them (`Lane`, `Workers`: the
+supervisors and the pool, behind protocols), and the round robin over them (`LaneRing`).
 
 Each ticket carries three ids, one name each (`clef_protocol.messages`): `frame_id`, the int
 id of its request frame; `request_id`, the client's `X-Request-Id`; `trace_id`, the W3C trace
@@ -124,6 +124,65 @@ class Ticket:
             self.queued_s += self.last_wait_s
             self.waiting = False
         self.started_at = now
+
+
+class TicketView:
+    """What a driver holds of an admitted request: its outcome and timings, read-only.
+
+    The dispatcher hands this out, never the `Ticket` itself, so no driver can move a ticket
+    between queues, change its deadline or settle it: only admission does. The driver awaits
+    `outcome` (admission alone sets it) and gives the request up through
+    `Dispatcher.abandon`. One small object a request, reading through to the ticket, so the
+    timings are always the current ones.
+    """
+
+    __slots__ = ("_ticket",)
+
+    def __init__(self, ticket: Ticket) -> None:
+        self._ticket = ticket
+
+    @property
+    def outcome(self) -> asyncio.Future[Outcome]:
+        """Resolves to the request's Answer or Refusal (cancelled once it is given up)."""
+        return self._ticket.outcome
+
+    @property
+    def at_worker(self) -> bool:
+        """Whether a worker holds the request now (sent, not yet answered, not back in the
+        queue after its worker was lost): what answer sharing asks of a flight."""
+        ticket = self._ticket
+        return ticket.started_at is not None and not ticket.outcome.done()
+
+    @property
+    def request_id(self) -> str:
+        return self._ticket.request_id
+
+    @property
+    def waiting(self) -> bool:
+        """Whether no send of it is under way: queued, never sent, or back in the queue after
+        its worker was lost (clef-batch withdraws these when it stops)."""
+        return self._ticket.started_at is None
+
+    @property
+    def queue_ms(self) -> float:
+        return self._ticket.queue_ms
+
+    @property
+    def worker_ms(self) -> float | None:
+        return self._ticket.worker_ms
+
+    @property
+    def worker_reply(self) -> WorkerReply | None:
+        return self._ticket.worker_reply
+
+    @property
+    def last_wait(self) -> tuple[float, float | None]:
+        return self._ticket.last_wait
+
+
+def ticket_of(view: TicketView) -> Ticket:
+    """The ticket behind a view: for the dispatcher's own door (`Dispatcher.abandon`) only."""
+    return view._ticket
 
 
 @dataclass(frozen=True)

@@ -14,18 +14,25 @@ answer would tell one tenant what another asked.
 
 `AnswerCache` owns the whole of sharing: the decision (`share`: a kept answer is a `hit`, an
 identical request in flight is joined, `coalesced`, else this request is the first of its kind,
-a `miss`), the flight's life once admitted (`admitted`), a joiner's own deadline
-(`watch_deadline`), and the landing of the first request's outcome (`land`). Rules:
+a `miss`), the flight's life once admitted (`admitted`), and, in one call the pipeline makes
+(`answer`), the wait for the answer whichever way it comes: a joiner's own deadline and own
+client, the first request's client leaving, the landing of the first request's outcome to its
+joiners and the LRU, and the joiner's admission on its own when the shared request was not
+answered. Rules:
 
-- Only a scored answer (a 200) is kept, and only a scored answer is handed to a request that
-  joins late: a flight whose outcome is already set is joined only if that outcome is a 200.
-- A joiner never receives another request's refusal: when the shared request is refused (its
-  deadline passed, the queue was refused), each joiner is told `NOT_SHARED` and is admitted on
-  its own. A worker's answer (a 200, the worker's 422, the 500 of a request that failed twice)
-  is the request's own, and goes to every request that shares it.
+- Only a scored answer (a 200) is kept, and only a 200 is handed to joiners, waiting or late.
+  Anything else the shared request came to (a refusal of the queue or of its deadline, a
+  worker's own 500 or 422) is not the joiner's: each joiner is told `NOT_SHARED` and is admitted
+  on its own, so a worker's transient 500 costs a joiner nothing. One exception: the 500 of a
+  request that failed twice (its worker was lost with it, then the worker it ran alone on) is
+  handed over as it is, since admitting each joiner again would let a poison request kill two
+  more workers a joiner.
+- A joiner that is admitted on its own counts as a `miss`, not `coalesced`: the lookup counter
+  says how each request's answer came (the pipeline counts it once the answer has come).
 - The kept answers are bounded twice: by count (`--answer-cache`) and by bytes
-  (`--answer-cache-bytes`, the answers' bodies and keys), so one large answer cannot hold the
-  memory of thousands and many cannot outgrow the bytes; the least recently used go first.
+  (`--answer-cache-bytes`), each entry counted at what it costs in memory (`entry_bytes`,
+  measured: about 750 bytes beyond the body), so one large answer cannot hold the memory of
+  thousands and many cannot outgrow the bytes; the least recently used go first.
 
 The first request waits on its ticket's outcome; each joiner waits on its own future, so one
 client leaving (or one joiner's deadline passing) does not cancel the others'; the shared request
@@ -35,11 +42,15 @@ leaves the queue only once every caller of it has left.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import hashlib
+import logging
 import marshal
+import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,8 +61,11 @@ from clef_dispatch import (
     Outcome,
     Refusal,
     RefusalKind,
+    TicketView,
     earliest,
 )
+
+log = logging.getLogger("clef_frontend.answer_cache")
 
 HIT, COALESCED, MISS = "hit", "coalesced", "miss"
 
@@ -59,8 +73,14 @@ HIT, COALESCED, MISS = "hit", "coalesced", "miss"
 NOT_SHARED = Refusal(RefusalKind.UNAVAILABLE, "the shared request was refused")
 # The default bound of the kept answers' bytes (`--answer-cache-bytes`).
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
-# What one kept entry costs beyond its body: the 32-byte key and the table's own objects.
-_ENTRY_OVERHEAD = 32
+# What an entry costs that `sys.getsizeof` over its objects cannot see: its slot in the
+# OrderedDict (the hash table's entry and the order list's node, 85 bytes measured with
+# tracemalloc on CPython 3.11) and the field values of the reply, a dataclass without
+# `__slots__`, which live in an array of their own (its header, then 8 bytes a field).
+# tests/test_answer_cache_bytes.py checks the whole count against tracemalloc.
+_TABLE_SLOT_BYTES = 88
+_VALUES_HEAD_BYTES = 24
+_FIELD_BYTES = 8
 
 # marshal's version 2 has no back-references (version 3 added them), so equal documents give
 # equal bytes whatever objects they share; it keeps dict order and tells bool, int and float
@@ -79,8 +99,37 @@ def identity(key_name: str, request: dict[str, Any]) -> bytes:
     return digest.digest()
 
 
-def _size(answer: Answer) -> int:
-    return len(answer.reply.body or b"") + _ENTRY_OVERHEAD
+def entry_bytes(key: bytes, kept: Kept) -> int:
+    """What keeping `kept` under `key` costs in memory: `sys.getsizeof` over every object the
+    entry holds (the key, the entry, the answer, the reply, its body, its numbers and its stage
+    timings), plus what getsizeof cannot see (the table's slot, the reply's field values).
+    About 750 bytes beyond the body for a worker's reply with its three stage timings (500
+    without). Objects shared by every entry (None, small ints, the stage names, which the frame
+    decoder interns) cost an entry nothing and are not counted."""
+    return _TABLE_SLOT_BYTES + sys.getsizeof(key) + _footprint(kept)
+
+
+def _footprint(obj: object) -> int:
+    """getsizeof over `obj` and what it holds (dataclass fields, a dict's values, a sequence's
+    items); a dict's keys are names shared across entries and cost nothing here."""
+    if obj is None or isinstance(obj, bool) or (isinstance(obj, int) and -5 <= obj <= 256):
+        return 0  # shared by the interpreter
+    size = sys.getsizeof(obj)
+    if isinstance(obj, dict):
+        return size + sum(_footprint(value) for value in obj.values())
+    if isinstance(obj, list | tuple):
+        return size + sum(_footprint(item) for item in obj)
+    if dataclasses.is_dataclass(obj):
+        fields = dataclasses.fields(obj)
+        if not hasattr(type(obj), "__slots__"):
+            size += _VALUES_HEAD_BYTES + _FIELD_BYTES * len(fields)
+        return size + sum(_footprint(getattr(obj, field.name)) for field in fields)
+    return size
+
+
+# What the pipeline's `RequestIO.wait_answer` is: await a future while the client is watched,
+# calling the second argument if the client leaves (then ClientGone is raised).
+Wait = Callable[[asyncio.Future[Outcome], Callable[[], None]], Awaitable[Outcome]]
 
 
 @dataclass(eq=False, slots=True)
@@ -90,19 +139,20 @@ class Flight:
     Its first request waits on its own ticket's outcome, as a request does with the cache off
     (so a miss costs no future and no callback of its own); each request that joins it later
     waits on a future of its own, so that one caller leaving, or one caller's deadline passing,
-    cancels nobody else's wait. The flight keeps its own record of what joining depends on,
-    never reading the dispatcher's ticket: `first_gone` says whether the first request's client
+    cancels nobody else's wait. The flight keeps its own record of what joining depends on:
+    `key` is the requests' identity; `first_gone` says whether the first request's client
     has left; `priority` and `deadline` are the first request's class and the deadline that
     applies to it (its own or the queue timeout, `clef_dispatch.earliest`); once it is admitted,
-    `outcome` is the future its answer arrives on and `at_worker` says whether a worker holds
-    it now (the dispatcher's answer); `on_all_gone` gives the request up once nobody waits.
+    `ticket` is the dispatcher's read-only view of it (whether a worker holds it) and `outcome`
+    the future its answer arrives on; `on_all_gone` gives the request up once nobody waits.
     """
 
+    key: bytes
     first_gone: Callable[[], bool]
     priority: str = INTERACTIVE
     deadline: float | None = None
     outcome: asyncio.Future[Outcome] | None = None
-    at_worker: Callable[[], bool] | None = None
+    ticket: TicketView | None = None
     on_all_gone: Callable[[], None] | None = None
     joiners: list[asyncio.Future[Outcome]] | None = None
     first_left: bool = False
@@ -146,14 +196,36 @@ class Flight:
 
 
 @dataclass(frozen=True, slots=True)
+class Kept:
+    """One kept answer: the entry type of the LRU (what it holds, `entry_bytes` counts)."""
+
+    answer: Answer
+
+
+@dataclass(frozen=True, slots=True)
 class Shared:
     """How one request gets its answer: `how` (HIT, COALESCED or MISS), the future it awaits
-    (a hit's, already set; a joiner's own) and the flight it joins or starts (a miss's: the
-    first request then awaits its own ticket)."""
+    (a hit's, already set; a joiner's own; None for a miss, which awaits its own ticket), the
+    flight it joins or starts, and a joiner's own deadline (`X-Clef-Deadline-Ms`)."""
 
     how: str
     answer: asyncio.Future[Outcome] | None = None
     flight: Flight | None = None
+    deadline: float | None = None
+
+    @property
+    def admitted_elsewhere(self) -> bool:
+        """A hit or a joiner: its answer is coming already, it is not admitted itself."""
+        return self.answer is not None
+
+
+def shareable(outcome: Outcome) -> bool:
+    """Whether the shared request's outcome is handed to its joiners as theirs: a 200, or the
+    500 of a request that failed twice (see the module docstring); anything else re-admits
+    them."""
+    if isinstance(outcome, Answer):
+        return outcome.ok
+    return outcome.kind is RefusalKind.FAILED
 
 
 class AnswerCache:
@@ -164,10 +236,11 @@ class AnswerCache:
         self.entries = entries
         self.max_bytes = max_bytes
         self._queue_timeout = queue_timeout
-        self._answers: OrderedDict[bytes, Answer] = OrderedDict()
+        self._answers: OrderedDict[bytes, Kept] = OrderedDict()
         self._bytes = 0
         self._flights: dict[bytes, Flight] = {}
         self._generation = 0  # bumped by `flush`: an answer begun before it is not kept
+        self._joiners_waiting = 0
 
     @property
     def enabled(self) -> bool:
@@ -178,9 +251,15 @@ class AnswerCache:
 
     @property
     def size_bytes(self) -> int:
-        """What the kept answers hold (bodies and keys): the `clef_answer_cache_bytes` gauge.
-        An int read, safe from the metrics port's thread."""
+        """What the kept answers cost in memory (`entry_bytes` each): the
+        `clef_answer_cache_bytes` gauge. An int read, safe from the metrics port's thread."""
         return self._bytes
+
+    @property
+    def joiners_waiting(self) -> int:
+        """Requests waiting now on an identical request's forward (the
+        `clef_answer_cache_joiners` gauge). An int read, safe from the metrics port's thread."""
+        return self._joiners_waiting
 
     # -- the decision ------------------------------------------------------------------------
 
@@ -188,10 +267,10 @@ class AnswerCache:
               client_gone: Callable[[], bool]) -> Shared:
         """A kept answer (HIT), an identical request in flight to join (COALESCED), or a new
         flight for this request, the first of its kind (MISS)."""
-        answer = self._answers.get(key)
-        if answer is not None:
+        kept = self._answers.get(key)
+        if kept is not None:
             self._answers.move_to_end(key)
-            return Shared(HIT, _done(answer))
+            return Shared(HIT, _done(kept.answer))
         applies = earliest(deadline, time.monotonic(), self._queue_timeout)
         flight = self._flights.get(key)
         if flight is not None:
@@ -201,17 +280,18 @@ class AnswerCache:
                 if isinstance(result, Answer) and result.ok:  # landing: as good as kept
                     return Shared(COALESCED, _done(result))
             elif self._may_join(flight, priority, applies):
-                return Shared(COALESCED, flight.join(), flight)
-        return Shared(MISS, flight=Flight(client_gone, priority=priority, deadline=applies))
+                self._joiners_waiting += 1  # until its wait ends (`answer`) or it leaves
+                return Shared(COALESCED, flight.join(), flight, deadline)
+        return Shared(MISS, flight=Flight(key, client_gone, priority=priority, deadline=applies))
 
     @staticmethod
     def _may_join(flight: Flight, priority: str, deadline: float | None) -> bool:
         """Whether the flight's request, not yet answered, will be answered no later and no
         lower than this one would be on its own (`deadline`: the one that applies to it): it is
         at a worker, or it waits in a class no lower with a deadline no earlier."""
-        if flight.outcome is None or flight.at_worker is None or flight.outcome.done():
+        if flight.outcome is None or flight.ticket is None or flight.outcome.done():
             return False  # not admitted yet, or given up
-        if flight.at_worker():
+        if flight.ticket.at_worker:
             return True  # at a worker: its answer comes whatever happens
         if flight.priority != priority and priority == INTERACTIVE:
             return False
@@ -221,62 +301,87 @@ class AnswerCache:
 
     # -- the flight ----------------------------------------------------------------------------
 
-    def admitted(self, key: bytes, flight: Flight, outcome: asyncio.Future[Outcome],
-                 at_worker: Callable[[], bool], abandon: Callable[[], None]) -> None:
-        """The first of its kind was admitted (its answer arrives on `outcome`; `at_worker`
-        asks the dispatcher whether a worker holds it): others join its flight until it lands
-        (a later first of its kind, admitted on its own, takes the table's place). Once nobody
-        waits for it, it leaves the table and `abandon` takes it out of the queue."""
-        flight.outcome, flight.at_worker = outcome, at_worker
+    def admitted(self, shared: Shared, ticket: TicketView,
+                 abandon: Callable[[TicketView], None]) -> None:
+        """The first of its kind was admitted (`ticket`, the dispatcher's view of it): others
+        join its flight until it lands (a later first of its kind, admitted on its own, takes
+        the table's place). Once nobody waits for it, it leaves the table and `abandon` takes
+        it out of the queue."""
+        flight = shared.flight
+        assert flight is not None and shared.how == MISS
+        flight.outcome, flight.ticket = ticket.outcome, ticket
         flight.generation = self._generation
 
         def give_up() -> None:
-            self._forget(key, flight)
-            abandon()
+            self._forget(flight)
+            abandon(ticket)
 
         flight.on_all_gone = give_up
-        self._flights[key] = flight
+        self._flights[flight.key] = flight
 
-    def watch_deadline(self, answer: asyncio.Future[Outcome], flight: Flight,
-                       deadline: float | None,
-                       expired: Callable[[], None]) -> asyncio.TimerHandle | None:
-        """A joiner's own deadline: when it passes before the shared answer comes, the joiner
-        alone is refused (EXPIRED) and `expired` is told; the forward goes on for the others."""
-        if deadline is None or answer.done():
-            return None
+    def leave(self, shared: Shared) -> None:
+        """A hit or a joiner is refused before it waits (the server drains): a joiner no longer
+        waits on the shared forward."""
+        if shared.flight is not None and shared.answer is not None:
+            self._joiners_waiting -= 1
+            shared.flight.leave(shared.answer)
 
-        def due() -> None:
-            if answer.done():
-                return
-            expired()
-            answer.set_result(Refusal(RefusalKind.EXPIRED, SHARED_EXPIRED_DETAIL))
-            flight.leave(answer)
+    async def answer(self, shared: Shared, wait: Wait,
+                     alone: Callable[[], Awaitable[Outcome]],
+                     expired: Callable[[], None]) -> Outcome:
+        """The request's answer, however it comes: the one call the pipeline makes for a request
+        the cache decided on (`share`), once admitted (`admitted`) if it is the first of its kind.
 
-        loop = asyncio.get_running_loop()
-        return loop.call_at(loop.time() + deadline - time.monotonic(), due)
+        `wait` awaits a future while the client is watched (the connection's `wait_answer`:
+        ClientGone if the client leaves); `alone` admits the request on its own and awaits its
+        own ticket (a joiner whose shared request was not answered: it then counts as a miss);
+        `expired` is told when a joiner's own deadline passes before the shared answer (it gets
+        504 alone; the forward goes on for the others)."""
+        flight = shared.flight
+        if flight is None:  # a hit (or a late joiner handed a 200): nothing to give up
+            assert shared.answer is not None
+            return await wait(shared.answer, _nothing)
+        if shared.answer is None:  # the first of its kind, admitted: it lands for everyone
+            outcome = flight.outcome
+            assert outcome is not None
+            try:
+                return await wait(outcome, functools.partial(_first_left, flight))
+            finally:
+                self._land(flight, outcome)
+        mine = shared.answer  # a joiner, on its own future
+        timer = _watch_deadline(mine, flight, shared.deadline, expired)
+        try:
+            handed = await wait(mine, functools.partial(flight.leave, mine))
+        finally:
+            self._joiners_waiting -= 1
+            if timer is not None:
+                timer.cancel()
+        if handed is NOT_SHARED:  # the shared request was not answered: admitted on its own
+            return await alone()
+        return handed
 
-    def land(self, key: bytes, flight: Flight, outcome: asyncio.Future[Outcome]) -> None:
-        """The first request's wait ended: hand its outcome to the joiners and keep a 200.
+    def _land(self, flight: Flight, outcome: asyncio.Future[Outcome]) -> None:
+        """The first request's wait ended: hand its outcome to the joiners (a 200, else
+        `NOT_SHARED`: see `shareable`) and keep a 200.
 
         Called by the first request itself (no callback per request); an outcome not yet set
         (the first request's task was cancelled another way) lands when it is."""
         if not outcome.done():
-            outcome.add_done_callback(lambda done: self.land(key, flight, done))
+            outcome.add_done_callback(functools.partial(self._land, flight))
             return
-        self._forget(key, flight)
+        self._forget(flight)
         joiners = flight.joiners or ()
         if outcome.cancelled():  # every caller left (or the request was given up)
             for joiner in joiners:
                 joiner.cancel()
             return
         result = outcome.result()
-        shared = NOT_SHARED if isinstance(result, Refusal) and result.kind in (
-            RefusalKind.EXPIRED, RefusalKind.UNAVAILABLE) else result
+        handed = result if shareable(result) else NOT_SHARED
         for joiner in joiners:
             if not joiner.done():
-                joiner.set_result(shared)
+                joiner.set_result(handed)
         if isinstance(result, Answer) and result.ok and flight.generation == self._generation:
-            self._keep(key, result)
+            self._keep(flight.key, Kept(result))
 
     def flush(self) -> None:
         """Forget every kept answer (the workers may have other weights); answers now on
@@ -287,25 +392,57 @@ class AnswerCache:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _forget(self, key: bytes, flight: Flight) -> None:
+    def _forget(self, flight: Flight) -> None:
         """The flight landed or was given up: identical requests from now on do not join it."""
-        if self._flights.get(key) is flight:
-            del self._flights[key]
+        if self._flights.get(flight.key) is flight:
+            del self._flights[flight.key]
 
-    def _keep(self, key: bytes, answer: Answer) -> None:
+    def _keep(self, key: bytes, kept: Kept) -> None:
         """Keep an answer, then evict the least recently used past either bound (an answer
         larger than the byte bound alone is not kept)."""
-        size = _size(answer)
+        size = entry_bytes(key, kept)
         if size > self.max_bytes:
             return
-        old = self._answers.pop(key, None)
-        if old is not None:
-            self._bytes -= _size(old)
-        self._answers[key] = answer
+        self._drop(key)
+        self._answers[key] = kept
         self._bytes += size
         while len(self._answers) > self.entries or self._bytes > self.max_bytes:
-            _, evicted = self._answers.popitem(last=False)
-            self._bytes -= _size(evicted)
+            evicted, old = self._answers.popitem(last=False)
+            self._bytes -= entry_bytes(evicted, old)  # the same objects: the same count
+
+    def _drop(self, key: bytes) -> None:
+        old = self._answers.pop(key, None)
+        if old is not None:
+            self._bytes -= entry_bytes(key, old)
+
+
+def _watch_deadline(mine: asyncio.Future[Outcome], flight: Flight, deadline: float | None,
+                    expired: Callable[[], None]) -> asyncio.TimerHandle | None:
+    """A joiner's own deadline: when it passes before the shared answer comes, the joiner
+    alone is refused (EXPIRED) and `expired` is told; the forward goes on for the others."""
+    if deadline is None or mine.done():
+        return None
+
+    def due() -> None:
+        if mine.done():
+            return
+        expired()
+        mine.set_result(Refusal(RefusalKind.EXPIRED, SHARED_EXPIRED_DETAIL))
+        flight.leave(mine)
+
+    loop = asyncio.get_running_loop()
+    return loop.call_at(loop.time() + deadline - time.monotonic(), due)
+
+
+def _first_left(flight: Flight) -> None:
+    """The client of a request others share left: given up if nobody else waits."""
+    if flight.first_leaves():
+        log.info("request_id=%s: client gone; its forward goes on for the identical requests "
+                 "that share it", flight.ticket.request_id if flight.ticket else "-")
+
+
+def _nothing() -> None:
+    """What a request answered from the cache gives up when its client leaves."""
 
 
 def _done(outcome: Outcome) -> asyncio.Future[Outcome]:

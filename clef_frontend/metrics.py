@@ -64,7 +64,8 @@ class LiveState:
     # The endpoint picker's three gauges (load.py): all classes waiting, and the token budget
     # in use (0-1). The third, requests running, is `in_flight`.
     queued: Callable[[], int] = lambda: 0
-    cache_bytes: Callable[[], int] = lambda: 0  # what the kept answers hold (answer_cache.py)
+    cache_bytes: Callable[[], int] = lambda: 0  # what the kept answers cost (answer_cache.py)
+    cache_joiners: Callable[[], int] = lambda: 0  # requests waiting on another's forward
     token_usage: Callable[[], float] = lambda: 0.0
     # Each ready worker's prefix cache by slot name (Dispatcher.prefix_caches).
     prefix_caches: Callable[[], list[tuple[str, dict[str, Any]]]] = lambda: []
@@ -155,9 +156,13 @@ class Metrics:
         r.register(_LostLogCollector())
         r.register(_PrefixCacheCollector(live.prefix_caches))
         self._shared_traffic_metrics()
-        Gauge("clef_answer_cache_bytes", "Bytes the answer cache's kept answers hold (bodies "
-              "and keys), bounded by --answer-cache-bytes.",
+        Gauge("clef_answer_cache_bytes", "Bytes the answer cache's kept answers cost in memory "
+              "(each entry measured: its body, key, reply objects and table slot), bounded by "
+              "--answer-cache-bytes.",
               registry=r).set_function(lambda: float(live.cache_bytes()))
+        Gauge("clef_answer_cache_joiners", "Requests waiting now for an identical request's "
+              "forward (joined it, not answered yet).",
+              registry=r).set_function(lambda: float(live.cache_joiners()))
 
     # -- shared traffic: quotas, answer cache, deadlines, resends -----------------------------
 
@@ -168,8 +173,10 @@ class Metrics:
             "clef_quota_refusals", "Requests refused 429 because their key was over its rate, "
             "by key name.", ["key"], registry=r)
         self.answer_cache = LoopCounter(
-            "clef_answer_cache", "Answer cache lookups of scoring requests: `hit` (answered from "
-            "the cache), `coalesced` (shared an identical request's forward), `miss`.",
+            "clef_answer_cache", "Answer cache lookups of scoring requests, by how the answer "
+            "came, counted once it has: `hit` (from the cache), `coalesced` (an identical "
+            "request's forward, waited on), `miss` (its own forward, a joiner admitted on its "
+            "own when the forward it shared was not answered 200 included).",
             ["result"])
         r.register(self.answer_cache)
         self._cache_results = {result: self.answer_cache.labels(result)
@@ -184,8 +191,11 @@ class Metrics:
             "names are refused before this count) and status.", ["model", "status"],
             registry=r)
         self.resent = Counter(
-            "clef_requests_resent", "Requests sent again because their worker was lost with "
-            "them in flight, by why it was lost.", ["reason"], registry=r)
+            "clef_requests_resent", "Requests sent again, counted when sent: by why their "
+            "worker was lost with them in flight (`crash`, `hung`, `protocol`, `stalled`), or "
+            "`suspect`, a copy sent to another worker while a suspect one held them. A copy "
+            "withdrawn or taken back unsent, or a lost request answered before it went again, "
+            "is not counted.", ["reason"], registry=r)
         for name in CLASSES:
             self.deadline_expired.labels(name)
         for reason in RESEND_REASONS:

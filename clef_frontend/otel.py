@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, Tracer
 
-    from clef_dispatch import Ticket
+    from clef_dispatch import TicketView
 
 log = logging.getLogger("clef_frontend.otel")
 
@@ -95,7 +95,7 @@ class Finished:
 
     status: int
     route: str
-    # Its last wait for a worker (`Ticket.last_wait`): queue time per send, as the access line,
+    # Its last wait for a worker (`TicketView.last_wait`): queue time per send, as the access line,
     # Server-Timing and the histogram count it, never time on a worker lost or suspect.
     queued_at: float | None = None  # that wait began (None: it never reached the queue)
     sent_at: float | None = None  # ...and ended, handed to a worker (None: no send ended it)
@@ -304,7 +304,7 @@ def begin(context: TraceContext, method: bytes, target: bytes, request_id: str,
     return span.trace_id, span
 
 
-def end(span: RequestSpan | None, *, status: int, route: str, ticket: Ticket | None,
+def end(span: RequestSpan | None, *, status: int, route: str, ticket: TicketView | None,
         answered_at: float | None, cache: str | None = None,
         shared_at: float | None = None, tenant: str = "-") -> None:
     """Finish a request's spans from what the front measured (nothing when not tracing)."""

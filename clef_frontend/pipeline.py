@@ -35,9 +35,9 @@ from clef_api import responses, workers_ai
 from clef_api.checks import RequestRules
 from clef_api.responses import Reply
 from clef_api.routes import Route, route
-from clef_dispatch import Refusal, Ticket, prefix_key
+from clef_dispatch import Outcome, Refusal, TicketView, prefix_key
 from clef_frontend import gateway, logs, otel
-from clef_frontend.answer_cache import NOT_SHARED, AnswerCache, Flight, identity
+from clef_frontend.answer_cache import MISS, AnswerCache, identity
 from clef_frontend.api import ApiSurface
 from clef_frontend.auth import NO_KEY
 from clef_frontend.config import ServerConfig
@@ -70,11 +70,9 @@ class Dispatch(Protocol):
     def submit(self, body: bytes, request_id: str = "", *, trace_id: str = "",
                priority: str = ..., deadline: float | None = None,
                gone: Callable[[], bool] = ...,
-               affinity: bytes | None = None) -> Ticket | Refusal: ...
+               affinity: bytes | None = None) -> TicketView | Refusal: ...
 
-    def abandon(self, ticket: Ticket) -> None: ...
-
-    def at_worker(self, ticket: Ticket) -> bool: ...
+    def abandon(self, ticket: TicketView) -> None: ...
 
 
 class Pipeline:
@@ -221,72 +219,61 @@ class Pipeline:
         deadline passes while it waits gets 504 instead of a worker. A request answered from the
         cache or sharing one in flight has its answer coming already and is not admitted again;
         while the server drains it is refused all the same, as every new request is."""
-        assert ctx.body is not None
-        if ctx.answer is not None:
-            if self.dispatch.draining:
-                if ctx.flight is not None:
-                    ctx.flight.leave(ctx.answer)  # a joiner no longer waits
-                return responses.unavailable("server is draining", self.config.retry_after)
-            return None
-        flight = ctx.flight
+        shared = ctx.shared
+        if shared is not None and shared.admitted_elsewhere:
+            if not self.dispatch.draining:
+                return None
+            self.cache.leave(shared)
+            return responses.unavailable("server is draining", self.config.retry_after)
         # A shared request is wanted while any caller of it is, not only while this client is.
-        ticket = self.dispatch.submit(
-            ctx.body, ctx.request_id, trace_id=ctx.trace_id, priority=ctx.priority,
-            deadline=ctx.deadline,
-            gone=flight.all_gone if flight is not None else ctx.io.client_gone,
-            affinity=ctx.prefix_key)
+        flight = shared.flight if shared is not None else None
+        ticket = self._submit(ctx, flight.all_gone if flight is not None else ctx.io.client_gone)
         if isinstance(ticket, Refusal):
             return responses.from_outcome(ticket)
-        ctx.ticket = ticket
-        ctx.answer = ticket.outcome  # the first of its kind waits on its own ticket
-        if flight is not None:
-            assert ctx.identity is not None
-            dispatch = self.dispatch
-            self.cache.admitted(ctx.identity, flight, ticket.outcome,
-                                functools.partial(dispatch.at_worker, ticket),
-                                functools.partial(dispatch.abandon, ticket))
+        if shared is not None:
+            self.cache.admitted(shared, ticket, self.dispatch.abandon)
         return None
+
+    def _submit(self, ctx: RequestContext, gone: Callable[[], bool]) -> TicketView | Refusal:
+        """Hand the request to the dispatcher; its view of the ticket is the request's own
+        (`ctx.ticket`: the queue and worker timings, the worker's reply)."""
+        assert ctx.body is not None
+        ticket = self.dispatch.submit(
+            ctx.body, ctx.request_id, trace_id=ctx.trace_id, priority=ctx.priority,
+            deadline=ctx.deadline, gone=gone, affinity=ctx.prefix_key)
+        if not isinstance(ticket, Refusal):
+            ctx.ticket = ticket
+        return ticket
 
     async def await_answer(self, ctx: RequestContext) -> Reply | None:
         """The answer (200, 422, row 13's 500), while the client is watched: a worker's, a kept
-        one, or a shared forward's. A request sharing another's forward still has its own
-        deadline (504 when it passes; the forward goes on for the others) and its own client
-        (dropped when it leaves); if the shared request is refused, it is admitted on its own
-        rather than handed another request's refusal."""
-        answer = ctx.answer
-        assert answer is not None
-        flight, ticket = ctx.flight, ctx.ticket
-        on_gone: Callable[[], None] = _nothing  # a kept answer (hit): nothing to give up
-        timer = None
-        if flight is not None and ticket is not None:  # the first of its kind
-            on_gone = functools.partial(self._first_left, ctx, flight)
-        elif flight is not None:  # a joiner
-            on_gone = functools.partial(flight.leave, answer)
-            timer = self.cache.watch_deadline(answer, flight, ctx.deadline,
-                                              functools.partial(self._joiner_expired, ctx))
-        elif ticket is not None:
-            on_gone = functools.partial(self.dispatch.abandon, ticket)
-        try:
-            outcome = await ctx.io.wait_answer(answer, on_gone)
-        finally:
-            if timer is not None:
-                timer.cancel()
-            if flight is not None and ticket is not None:
-                assert ctx.identity is not None
-                self.cache.land(ctx.identity, flight, answer)  # to its joiners, and kept
-        if outcome is NOT_SHARED:  # the shared request was refused: this one goes on its own
-            ctx.answer = ctx.flight = None
-            refused = await self.admit(ctx)
-            return refused if refused is not None else await self.await_answer(ctx)
+        one, or a shared forward's. How a shared answer comes (a joiner's own deadline and
+        client, the first request's client leaving, the landing, a joiner admitted on its own
+        when the request it shared was not answered) is the answer cache's, in one call."""
+        if ctx.shared is None:
+            outcome = await self._own_answer(ctx)
+        else:
+            outcome = await self.cache.answer(
+                ctx.shared, ctx.io.wait_answer, functools.partial(self._answer_alone, ctx),
+                functools.partial(self._joiner_expired, ctx))
         ctx.answered_at = time.monotonic()
         return responses.from_outcome(outcome)
 
-    @staticmethod
-    def _first_left(ctx: RequestContext, flight: Flight) -> None:
-        """The client of a request others share left: given up if nobody else waits."""
-        if flight.first_leaves():
-            log.info("request_id=%s: client gone; its forward goes on for the identical "
-                     "requests that share it", ctx.request_id)
+    async def _own_answer(self, ctx: RequestContext) -> Outcome:
+        """The request's own ticket's outcome; given up if its client leaves."""
+        ticket = ctx.ticket
+        assert ticket is not None
+        return await ctx.io.wait_answer(ticket.outcome,
+                                        functools.partial(self.dispatch.abandon, ticket))
+
+    async def _answer_alone(self, ctx: RequestContext) -> Outcome:
+        """A joiner whose shared request was not answered (refused, expired, a worker's 500):
+        admitted on its own, which makes it a miss, and answered by its own ticket."""
+        ctx.cache = MISS
+        ticket = self._submit(ctx, ctx.io.client_gone)
+        if isinstance(ticket, Refusal):
+            return ticket
+        return await self._own_answer(ctx)
 
     def _joiner_expired(self, ctx: RequestContext) -> None:
         """A request sharing another's forward reached its own deadline: 504 for it alone."""
@@ -304,6 +291,8 @@ class Pipeline:
         """The request's metrics, before its answer is written: a client that has its answer
         (and scrapes next) always finds its request counted."""
         ticket = ctx.ticket
+        if ctx.cache is not None:  # how its answer came, now that it has (a re-admitted
+            self.metrics.answer_cache_lookup(ctx.cache)  # joiner is a miss)
         self.metrics.request_done(
             route=ctx.route_label, status=status, scoring=ctx.scoring,
             duration_s=time.monotonic() - ctx.started,
@@ -345,11 +334,7 @@ def _check(rules: RequestRules, target: bytes, body: bytes, key_name: str | None
             prefix_key(checked) if affinity else None)
 
 
-def _nothing() -> None:
-    """What a request answered from the cache gives up when its client leaves."""
-
-
-def _batch_of(ticket: Ticket | None) -> int | None:
+def _batch_of(ticket: TicketView | None) -> int | None:
     """The worker forward's size for an answered request (None: no answer from a worker)."""
     reply = ticket.worker_reply if ticket is not None else None
     return reply.batch_size if reply is not None and reply.body is not None else None

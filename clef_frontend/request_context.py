@@ -21,8 +21,8 @@ from clef_frontend.http1 import RequestHead
 from clef_frontend.priority import INTERACTIVE
 
 if TYPE_CHECKING:
-    from clef_dispatch import Ticket
-    from clef_frontend.answer_cache import Flight
+    from clef_dispatch import TicketView
+    from clef_frontend.answer_cache import Shared
 
 
 class ClientGone(Exception):
@@ -80,8 +80,9 @@ class RequestContext:
     body: bytes | None = None
     request: dict[str, Any] | None = None  # the body as validation parsed it
     # Sharing (traffic.share): the request's identity for the answer cache, how its answer
-    # comes (`hit`, `coalesced`, `miss`; None with the cache off), the flight it shares and
-    # when that was decided; `answer` is the future this request awaits, whichever way.
+    # comes (`hit`, `coalesced`, `miss`; None with the cache off; a joiner admitted on its own
+    # becomes a miss), the cache's decision (`shared`: what the answer cache's one call
+    # needs) and when it was made.
     identity: bytes | None = None
     cache: str | None = None
     # Its prefix key (clef_dispatch.prefix_key), taken with the identity when there are
@@ -89,10 +90,11 @@ class RequestContext:
     prefix_key: bytes | None = None
     # The body's `model` once validated, with fine-tuned variants served (metrics, access log).
     model: str | None = None
-    flight: Flight | None = None
+    shared: Shared | None = None
     shared_at: float | None = None
-    answer: asyncio.Future[Outcome] | None = None
-    ticket: Ticket | None = None  # this request's own place in admission (a miss)
+    # The dispatcher's read-only view of this request's own ticket (a miss, or the cache off;
+    # a joiner admitted on its own too): its outcome and timings.
+    ticket: TicketView | None = None
     started: float = field(default_factory=time.monotonic)
     # Traces (otel.py): the W3C trace id for the access line ("-": none known), the server
     # span when tracing is on, and when the awaited answer arrived, a worker's, a kept or a

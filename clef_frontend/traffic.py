@@ -94,9 +94,7 @@ class TrafficSteps:
         assert ctx.identity is not None  # resolved once, by validation
         shared = self.cache.share(ctx.identity, priority=ctx.priority, deadline=ctx.deadline,
                                   client_gone=ctx.io.client_gone)
-        ctx.cache = shared.how
-        ctx.answer = shared.answer
-        ctx.flight = shared.flight
+        ctx.cache = shared.how  # counted once the answer has come (`Pipeline.count`)
+        ctx.shared = shared
         ctx.shared_at = time.monotonic()
-        self._metrics.answer_cache_lookup(ctx.cache)
         return None

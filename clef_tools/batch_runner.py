@@ -30,7 +30,7 @@ from clef_dispatch import (
     DispatchEvents,
     Outcome,
     Refusal,
-    Ticket,
+    TicketView,
     WorkerSettings,
 )
 from clef_protocol.messages import ReadyInfo
@@ -76,7 +76,7 @@ class BatchRunner:
         self._write = write
         self._on_answer = on_answer
         self._say = say
-        self._open: dict[Ticket, Job] = {}  # submitted, not yet answered
+        self._open: dict[TicketView, Job] = {}  # submitted, not yet answered
         self._dispatch: Dispatcher | None = None
         self._stop = asyncio.Event()  # send nothing more (a signal, or the pool gave up)
         self._finished = asyncio.Event()  # nothing more will be answered this run
@@ -173,7 +173,7 @@ class BatchRunner:
         """Nothing more is submitted, and what waits is withdrawn (a rerun answers it)."""
         self._stop.set()
         assert self._dispatch is not None
-        for ticket in [t for t in self._open if t.started_at is None]:
+        for ticket in [t for t in self._open if t.waiting]:
             del self._open[ticket]
             self._dispatch.abandon(ticket)
 
@@ -196,7 +196,7 @@ class BatchRunner:
                 functools.partial(self._answered, ticket, request_id))
         self._check_finished()
 
-    def _answered(self, ticket: Ticket, request_id: str,
+    def _answered(self, ticket: TicketView, request_id: str,
                   outcome: asyncio.Future[Outcome]) -> None:
         job = self._open.pop(ticket, None)
         if job is None or outcome.cancelled():

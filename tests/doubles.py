@@ -1,7 +1,8 @@
 """Test doubles shared by several test modules, so no test module imports another.
 
 `FakeLane` / `FakeWorkers`: workers as admission sees them (`dispatch.admission.Lane` and
-`Workers`), answered or crashed by the test. `ScriptedExecutor`: a model-free executor for the
+`Workers`), answered or crashed by the test. `Door`: the real admission queue behind the
+dispatcher's door, for a pipeline under test. `ScriptedExecutor`: a model-free executor for the
 worker loop, answering by the request's `do` key.
 """
 
@@ -14,7 +15,8 @@ from typing import Any
 from clef_api.responses import Reply, from_outcome
 from clef_dispatch import admission
 from clef_dispatch.admission import Ticket
-from clef_dispatch.dispatcher import Dispatcher
+from clef_dispatch.outcomes import Refusal
+from clef_dispatch.ticket import TicketView, ticket_of
 from clef_dispatch.worker_errors import Deliver, WorkerFailure
 from clef_protocol.errors import BadRequestBody, RequestInvalid
 from clef_protocol.messages import ModelInfo, Request, WorkerReply
@@ -31,8 +33,25 @@ class Admission(admission.Admission):
         assert isinstance(ticket, Ticket), ticket
         return ticket
 
-    # What the pipeline asks of a Dispatcher beside submit and abandon.
-    at_worker = staticmethod(Dispatcher.at_worker)
+
+
+class Door:
+    """The door a `Dispatcher` is to the pipeline, over the real admission queue: `submit`
+    hands out the read-only `TicketView`, `abandon` takes it back."""
+
+    def __init__(self, queue: admission.Admission) -> None:
+        self.queue = queue
+
+    @property
+    def draining(self) -> bool:
+        return self.queue.draining
+
+    def submit(self, *args: Any, **kwargs: Any) -> TicketView | Refusal:
+        ticket = self.queue.submit(*args, **kwargs)
+        return ticket if isinstance(ticket, Refusal) else TicketView(ticket)
+
+    def abandon(self, ticket: TicketView) -> None:
+        self.queue.abandon(ticket_of(ticket))
 
 
 async def reply_of(ticket: Ticket) -> Reply:

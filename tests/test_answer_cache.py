@@ -24,6 +24,7 @@ from clef_dispatch import (
     Refusal,
     RefusalKind,
 )
+from clef_dispatch.ticket import Ticket, TicketView
 from clef_frontend.answer_cache import (
     COALESCED,
     HIT,
@@ -51,11 +52,13 @@ def test_eight_identical_concurrent_requests_cost_one_forward_and_a_repeat_none(
     body = clef_body(tag="same", hold_until=str(gate))
     with Serve("--log-file", str(log)) as serve:
         calls = [background(lambda: serve.post(body)) for _ in range(8)]
-        wait_until(lambda: metric(serve, "clef_answer_cache_total", result="coalesced") == 7,
+        wait_until(lambda: metric(serve, "clef_answer_cache_joiners") == 7,
                    "seven requests to join the first")
         gate.touch()
         answers = [call.result() for call in calls]
         assert [a.status for a in answers] == [200] * 8
+        assert metric(serve, "clef_answer_cache_total", result="coalesced") == 7
+        assert metric(serve, "clef_answer_cache_joiners") == 0
         assert len({a.body for a in answers}) == 1  # one answer, handed to all eight
         assert log.read_text().split() == ["same"]  # one forward
         # A repeat with other spacing and escapes costs none.
@@ -130,7 +133,7 @@ def test_a_joiner_keeps_its_own_deadline_and_its_own_client(tmp_path: Path) -> N
         assert hurried.detail == "deadline passed before the shared answer came"
         with serve.connect() as leaving:  # joins, then its client goes
             leaving.send("POST", "/v1/systemone", body)
-            wait_until(lambda: metric(serve, "clef_answer_cache_total", result="coalesced") == 2,
+            wait_until(lambda: metric(serve, "clef_answer_cache_joiners") == 1,
                        "the second joiner")
         serve.wait_for(r"status=499 .*cache=coalesced")
         gate.touch()
@@ -146,16 +149,45 @@ def _answer(body: bytes) -> Answer:
     return Answer(WorkerReply(200, body, None, 1.0))
 
 
+def _view(held: bool = True) -> TicketView:
+    """The dispatcher's view of an admitted request; `held`: a worker holds it."""
+    ticket = Ticket(1, b"{}", asyncio.get_running_loop().create_future())
+    if held:
+        ticket.sent(time.monotonic())
+    return TicketView(ticket)
+
+
+async def _wait(answer: asyncio.Future[Outcome], on_gone: Callable[[], None]) -> Outcome:
+    """The connection's wait, for a client that stays."""
+    return await answer
+
+
+async def _never_alone() -> Outcome:
+    raise AssertionError("admitted on its own")
+
+
+def _no_deadline() -> None:
+    raise AssertionError("no deadline was set")
+
+
+async def _first_answer(cache: AnswerCache, shared: Shared) -> Outcome:
+    """The first request's wait through the cache's one call (which lands its outcome)."""
+    return await cache.answer(shared, _wait, _never_alone, _no_deadline)
+
+
 # What the first request of a flight may come to, its HTTP status, and what a joiner that was
-# already waiting is handed: a refusal of the queue (503) or of the deadline (504) is the first
-# request's own, so the joiner is told to go on alone; a worker's answer (200, its 422) and the
-# 500 of a request whose worker was lost twice are the request's, and are handed over.
+# already waiting is handed: only a 200 is the joiners' as it is, and the 500 of a request
+# whose worker was lost twice (admitting each joiner again would let a poison request kill two
+# more workers each); a refusal of the queue (503) or of the deadline (504), and a worker's
+# own 500 or 422, are not: the joiner is told to go on alone.
 LANDINGS = [
     (Refusal(RefusalKind.UNAVAILABLE, "worker is restarting", 1), 503, NOT_SHARED),
     (Refusal(RefusalKind.EXPIRED, EXPIRED_DETAIL), 504, NOT_SHARED),
     (Refusal(RefusalKind.EXPIRED, SHARED_EXPIRED_DETAIL), 504, NOT_SHARED),
     (_answer(b'{"ok": 4}'), 200, None),
-    (Answer(WorkerReply(422, None, "questions: at least one is required", 1.0)), 422, None),
+    (Answer(WorkerReply(422, None, "questions: at least one is required", 1.0)), 422,
+     NOT_SHARED),
+    (Answer(WorkerReply(500, None, "inference failed", 1.0)), 500, NOT_SHARED),
     (Refusal(RefusalKind.FAILED, INFERENCE_FAILED), 500, None),
 ]
 
@@ -163,38 +195,37 @@ LANDINGS = [
 def test_one_caller_leaving_does_not_cancel_the_others() -> None:
     async def scenario() -> None:
         cache = AnswerCache(4)
-        loop = asyncio.get_running_loop()
-        outcome: asyncio.Future[Outcome] = loop.create_future()
         abandoned: list[str] = []
         key = identity("-", clef_request())
         miss = _share(cache, key)
         assert miss.how == MISS and miss.flight is not None
         flight = miss.flight
-        cache.admitted(key, flight, outcome, lambda: True,
-                       lambda: abandoned.append("first"))
+        view = _view()
+        cache.admitted(miss, view, lambda _: abandoned.append("first"))
         first, second = _share(cache, key), _share(cache, key)
         assert (first.how, second.how) == (COALESCED, COALESCED) and first.flight is flight
         assert first.answer is not None and second.answer is not None
+        assert cache.joiners_waiting == 2
         flight.leave(first.answer)  # a joining client went away
         assert first.answer.cancelled() and not abandoned  # the request still has callers
         assert flight.first_leaves()  # so did the first request's: it goes on for the joiner
         assert not abandoned and not flight.all_gone()  # the second joiner still waits
-        outcome.set_result(_answer(b'{"ok": 1}'))
-        cache.land(key, flight, outcome)
-        assert await second.answer == _answer(b'{"ok": 1}')
+        view.outcome.set_result(_answer(b'{"ok": 1}'))
+        assert await _first_answer(cache, miss) == _answer(b'{"ok": 1}')
+        assert await cache.answer(second, _wait, _never_alone,
+                                  _no_deadline) == _answer(b'{"ok": 1}')
         assert _share(cache, key).how == HIT  # kept for repeats
         gone = [False]
         other_key = identity("-", {})
-        other = _share(cache, other_key, lambda: gone[0]).flight
-        assert other is not None
-        cache.admitted(other_key, other, loop.create_future(), lambda: False,
-                       lambda: abandoned.append("other"))
-        mine = other.join()
-        other.leave(mine)
+        other = _share(cache, other_key, lambda: gone[0])
+        assert other.flight is not None
+        cache.admitted(other, _view(held=False), lambda _: abandoned.append("other"))
+        mine = other.flight.join()
+        other.flight.leave(mine)
         assert not abandoned  # the first request's client is still there
         gone[0] = True
-        assert other.all_gone()
-        other.leave(mine)
+        assert other.flight.all_gone()
+        other.flight.leave(mine)
         assert abandoned == ["other"]  # the last caller out gives the request up
         cache.flush()
         assert _share(cache, key).how == MISS
@@ -207,16 +238,25 @@ def test_an_outcome_still_due_lands_when_it_is_set() -> None:
     to the outcome itself: the joiners still get the answer and it is kept."""
     async def scenario() -> None:
         cache = AnswerCache(4)
-        outcome: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         key = identity("-", clef_request())
-        flight = _share(cache, key, lambda: True).flight
-        assert flight is not None
-        cache.admitted(key, flight, outcome, lambda: True, lambda: None)
-        joiner = flight.join()
-        cache.land(key, flight, outcome)
+        miss = _share(cache, key, lambda: True)
+        view = _view()
+        cache.admitted(miss, view, lambda _: None)
+        joiner = _share(cache, key)
+        assert joiner.answer is not None
+
+        async def shielded(answer: asyncio.Future[Outcome],
+                           on_gone: Callable[[], None]) -> Outcome:
+            return await asyncio.shield(answer)
+
+        first = asyncio.ensure_future(cache.answer(miss, shielded, _never_alone, _no_deadline))
+        await asyncio.sleep(0)  # the first request is at its wait
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        assert not view.outcome.done()
         assert _share(cache, key).how == COALESCED  # still in flight: others may join
-        outcome.set_result(_answer(b'{"ok": 2}'))
-        assert await joiner == _answer(b'{"ok": 2}')
+        view.outcome.set_result(_answer(b'{"ok": 2}'))
+        assert await joiner.answer == _answer(b'{"ok": 2}')
         assert _share(cache, key).how == HIT
 
     asyncio.run(scenario())
@@ -246,9 +286,8 @@ def test_the_first_client_leaving_does_not_cut_the_forward_its_joiners_share(
             leaving.send("POST", "/v1/systemone", body)
             serve.wait_health(lambda h: h["in_flight"] == 1)
             joiner = background(lambda: serve.post(body))
-            wait_until(lambda: metric(serve, "clef_answer_cache_total", result="coalesced") == 1,
-                       "the joiner")
-        serve.wait_for(r"client gone; its forward goes on")
+            wait_until(lambda: metric(serve, "clef_answer_cache_joiners") == 1, "the joiner")
+        serve.wait_for(r"request_id=[^-\s]\S*: client gone; its forward goes on")
         gate.touch()
         assert_one_forward_answered_and_kept(serve, log, joiner, body)
         serve.wait_for(r"status=499 .*cache=miss")
@@ -280,15 +319,12 @@ def test_a_flight_already_answered_is_joined_only_with_a_200() -> None:
     (here a 504) is not: the newcomer is a miss, admitted on its own."""
     async def scenario() -> None:
         cache = AnswerCache(4)
-        loop = asyncio.get_running_loop()
         for outcome, how in ((_answer(b'{"ok": 3}'), COALESCED),
                              (Refusal(RefusalKind.EXPIRED, EXPIRED_DETAIL), MISS)):
             key = identity("-", clef_request())
-            flight = _share(cache, key).flight
-            assert flight is not None
-            answer: asyncio.Future[Outcome] = loop.create_future()
-            cache.admitted(key, flight, answer, lambda: False, lambda: None)
-            answer.set_result(outcome)  # set; the first request has not landed it yet
+            view = _view(held=False)
+            cache.admitted(_share(cache, key), view, lambda _: None)
+            view.outcome.set_result(outcome)  # set; the first request has not landed it yet
             late = _share(cache, key)
             assert late.how == how
             if how == COALESCED:
@@ -303,7 +339,6 @@ def test_a_waiting_flight_is_joined_only_when_it_serves_the_joiner_no_worse() ->
     the first request waits, an interactive request does not join a bulk one, nor one whose
     deadline comes before its own; once a worker holds it, anyone joins."""
     async def scenario() -> None:
-        loop = asyncio.get_running_loop()
         now = time.monotonic()
         cases = [  # (first's class, first's deadline, at a worker, joiner's class, deadline, how)
             (BULK, None, False, INTERACTIVE, None, MISS),
@@ -324,9 +359,7 @@ def test_a_waiting_flight_is_joined_only_when_it_serves_the_joiner_no_worse() ->
                                                                       first_deadline)
             assert cache.share(key, priority=joiner_class, deadline=joiner_deadline,
                                client_gone=lambda: False).how == MISS  # not admitted yet
-            answer: asyncio.Future[Outcome] = loop.create_future()
-            at_worker: Callable[[], bool] = (lambda: True) if held else (lambda: False)
-            cache.admitted(key, first.flight, answer, at_worker, lambda: None)
+            cache.admitted(first, _view(held), lambda _: None)
             late = cache.share(key, priority=joiner_class, deadline=joiner_deadline,
                                client_gone=lambda: False)
             assert late.how == how, (first_class, first_deadline, held, joiner_class,
@@ -339,31 +372,39 @@ def test_a_waiting_flight_is_joined_only_when_it_serves_the_joiner_no_worse() ->
                          ids=[str(status) for _, status, _ in LANDINGS])
 def test_a_waiting_joiner_gets_the_shared_answer_but_never_a_503_or_504(
         outcome: Outcome, status: int, handed: Refusal | None) -> None:
-    """A joiner already waiting when the first request lands: it is handed a 200, a worker's
-    422 and a FAILED 500 as they are, but for a 503 or a 504 it is told `NOT_SHARED` (never
-    shown to a client) and, asking again, is a miss: it is admitted on its own. Only the 200
-    is kept."""
+    """A joiner already waiting when the first request lands: it is handed a 200 and a FAILED
+    500 as they are; for anything else (a 503, a 504, a worker's own 500 or 422) it is told
+    `NOT_SHARED` (never shown to a client) and the cache's call admits it on its own. Only the
+    200 is kept."""
     assert from_outcome(outcome).status == status
 
     async def scenario() -> None:
         cache = AnswerCache(4)
-        first: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         key = identity("-", clef_request())
-        flight = _share(cache, key).flight
-        assert flight is not None
-        cache.admitted(key, flight, first, lambda: True, lambda: None)
+        miss = _share(cache, key)
+        view = _view()
+        cache.admitted(miss, view, lambda _: None)
         joiner = _share(cache, key)
         assert joiner.how == COALESCED and joiner.answer is not None
-        assert not joiner.answer.done()  # waiting before the first request's outcome is set
-        first.set_result(outcome)
-        cache.land(key, flight, first)
-        received = await joiner.answer
+        alone = _answer(b'{"alone": 1}')
+        admitted_alone: list[bool] = []
+
+        async def on_its_own() -> Outcome:
+            admitted_alone.append(True)
+            return alone
+
+        waiting = asyncio.ensure_future(cache.answer(joiner, _wait, on_its_own, _no_deadline))
+        await asyncio.sleep(0)  # waiting before the first request's outcome is set
+        assert not joiner.answer.done()
+        view.outcome.set_result(outcome)
+        assert await _first_answer(cache, miss) is outcome
+        received = await waiting
+        assert cache.joiners_waiting == 0
         if handed is NOT_SHARED:
-            assert received is NOT_SHARED and received != outcome
-            again = _share(cache, key)
-            assert again.how == MISS and again.flight is not flight  # admitted on its own
+            assert joiner.answer.result() is NOT_SHARED
+            assert received is alone and admitted_alone == [True]
         else:
-            assert received is outcome
-            assert _share(cache, key).how == (HIT if status == 200 else MISS)
+            assert received is outcome and not admitted_alone
+        assert _share(cache, key).how == (HIT if status == 200 else MISS)
 
     asyncio.run(scenario())

@@ -28,7 +28,7 @@ from clef_protocol.messages import Request, WorkerReply
 from clef_protocol.options import RequestLimits
 from clef_tools.batch_input import Job
 from clef_tools.screening import Screen, finish
-from tests.doubles import Admission, FakeLane, FakeWorkers
+from tests.doubles import Admission, Door, FakeLane, FakeWorkers
 
 BODY = json.dumps({"model": "m", "state": "s", "questions": {"q": {"type": "noul"}}}).encode()
 RUN = "/accounts/acct-1/ai/run/@cf/cloudflare/clef-flash"
@@ -107,7 +107,8 @@ class Rig:
             queue_capacity=4, worker_ready=lambda: True, worker_info=lambda: None,
         ), version="test")
         self.pipeline = Pipeline(config=ServerConfig(WorkerSettings(("unused",))),
-                                 dispatch=self.admission, health=Health(), metrics=self.metrics)
+                                 dispatch=Door(self.admission), health=Health(),
+                                 metrics=self.metrics)
 
     def context(self, method: str, target: str, body: bytes = b"", *headers: str,
                 io: FakeIO | None = None) -> RequestContext:
@@ -121,6 +122,12 @@ class Rig:
     def sample(self, name: str, **labels: str) -> float:
         value = self.metrics.registry.get_sample_value(name, labels)
         return 0.0 if value is None else value
+
+
+def at_its_wait(ctx: RequestContext) -> bool:
+    """The request was admitted (its own ticket), or shares an answer already coming (a hit,
+    a joiner): its next step awaits the answer."""
+    return ctx.ticket is not None or (ctx.shared is not None and ctx.shared.admitted_elsewhere)
 
 
 async def answered_by_lane(rig: Rig, ctx: RequestContext) -> Reply | None:
@@ -289,7 +296,7 @@ def test_a_hit_and_a_joiner_take_the_same_steps_and_leave_the_same_traces() -> N
         owner = asyncio.ensure_future(rig.serve(first))
         await rig.lane.reached.wait()
         joined = asyncio.ensure_future(rig.serve(joiner))
-        while joiner.answer is None:  # the joiner reaches its wait without a second frame
+        while not at_its_wait(joiner):  # the joiner reaches its wait without a second frame
             await asyncio.sleep(0)
         _, deliver = rig.lane.held.pop(0)
         deliver(WorkerReply(200, b'{"answers": 1}', None, 12.0, input_tokens=40,
@@ -380,11 +387,12 @@ def test_a_queued_request_is_joined_only_by_requests_it_cannot_make_wait_longer(
         tasks = []
         for ctx in contexts:
             tasks.append(asyncio.ensure_future(rig.serve(ctx)))
-            while ctx.answer is None:  # each reaches its wait before the next one arrives
+            while not at_its_wait(ctx):  # each reaches its wait before the next one arrives
                 await asyncio.sleep(0)
         assert [ctx.cache for ctx in contexts] == [
             "miss", "miss", "coalesced", "coalesced", "miss", "miss"]
-        assert contexts[2].flight is contexts[3].flight is contexts[1].flight
+        flights = [ctx.shared.flight if ctx.shared else None for ctx in contexts]
+        assert flights[2] is flights[3] is flights[1]
         assert rig.admission.depth == 4
         for task in tasks:
             task.cancel()
@@ -404,7 +412,7 @@ def test_a_joiner_is_admitted_on_its_own_when_the_shared_request_is_refused() ->
         tasks = []
         for ctx in (first, joiner):
             tasks.append(asyncio.ensure_future(rig.serve(ctx)))
-            while ctx.answer is None:  # each reaches its wait before the next one arrives
+            while not at_its_wait(ctx):  # each reaches its wait before the next one arrives
                 await asyncio.sleep(0)
         assert (first.cache, joiner.cache) == ("miss", "coalesced")
         rig.admission.refuse_waiting("worker is restarting")
@@ -418,6 +426,46 @@ def test_a_joiner_is_admitted_on_its_own_when_the_shared_request_is_refused() ->
         deliver(WorkerReply(200, b'{"answers": 1}', None, 12.0))
         answered = await asyncio.wait_for(tasks[1], 10)
         assert answered is not None and answered.status == 200
+        # It did its own forward: a miss, not coalesced (the lookup counter says how each
+        # request's answer came).
+        assert joiner.cache == "miss"
+        assert rig.sample("clef_answer_cache_total", result="miss") == 2
+        assert rig.sample("clef_answer_cache_total", result="coalesced") == 0
         assert answered.body == b'{"answers": 1}'
+
+    asyncio.run(scenario())
+
+
+def test_a_workers_500_is_the_first_requests_alone_and_its_joiner_is_answered_on_its_own(
+) -> None:
+    """The worker answers the shared request with its own 500 (transient: a failing forward):
+    the first request gets it, the joiner is admitted on its own and gets the next forward's
+    200; the 500 is not kept, and the joiner counts as a miss."""
+    async def scenario() -> None:
+        rig = Rig(room=1)
+        first = rig.context("POST", "/v1/systemone", BODY)
+        joiner = rig.context("POST", "/v1/systemone", BODY)
+        tasks = []
+        for ctx in (first, joiner):
+            tasks.append(asyncio.ensure_future(rig.serve(ctx)))
+            while not at_its_wait(ctx):
+                await asyncio.sleep(0)
+        assert (first.cache, joiner.cache) == ("miss", "coalesced")
+        rig.lane.reached.clear()
+        _, deliver = rig.lane.held.pop(0)
+        deliver(WorkerReply(500, None, "inference failed", 3.0))
+        failed = await tasks[0]
+        assert failed is not None and failed.status == 500
+        await asyncio.wait_for(rig.lane.reached.wait(), 10)  # the joiner's own forward
+        _, deliver = rig.lane.held.pop(0)
+        deliver(WorkerReply(200, b'{"answers": 2}', None, 12.0))
+        answered = await asyncio.wait_for(tasks[1], 10)
+        assert answered is not None and (answered.status, answered.body) == (200,
+                                                                           b'{"answers": 2}')
+        assert rig.lane.sent == [BODY, BODY]
+        assert (first.cache, joiner.cache) == ("miss", "miss")
+        assert rig.sample("clef_answer_cache_total", result="coalesced") == 0
+        assert rig.sample("clef_answer_cache_total", result="miss") == 2
+        assert len(rig.pipeline.cache) == 0  # the 500 is never kept
 
     asyncio.run(scenario())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from clef_dispatch.deadline_heap import Past, past_deadline
 from clef_dispatch.resend import Resends, Verdict, judge
 from clef_dispatch.ticket import AdmissionEvents, Ticket
 from clef_dispatch.urgency import BULK, CLASSES, INTERACTIVE
@@ -55,13 +56,31 @@ def test_lost_tickets_and_copies_wait_apart_and_keep_their_deadline() -> None:
         resends.copy([held_a, held_b], waiting)
         resends.copy([held_a], waiting)  # one copy per ticket, ever
         assert list(waiting[INTERACTIVE]) == [held_a, held_b]  # oldest first at the head
-        assert resent == ["crash", "suspect", "suspect"]
+        # Neither a lost ticket queued nor a queued copy is a resend yet (admission counts each
+        # once sent: `sent_again`); a copy's deadline is kept like any waiting ticket's.
+        assert resent == []  # nothing is counted until really sent again
+        assert kept == [lost, held_b, held_a]
         # the copies wait in their class queue, the lost ticket apart from it (each queued once)
         assert [resends.is_copy(t) for t in (lost, held_a, held_b)] == [False, True, True]
         assert resends.is_lost_waiting(lost) and not waiting[BULK]
         assert all(t.queued for t in (lost, held_a, held_b))
         assert resends.to_take_back([held_b]) == [held_b] and not held_b.copied
-        assert resends.lost_waiting and resends.pop_lost() is lost
+        assert resends.lost_waiting and resends.pop_lost() == (lost, "crash")
         assert not resends.lost_waiting and not lost.queued
+    finally:
+        loop.close()
+
+
+def test_the_deadline_rule_never_expires_a_ticket_a_worker_holds() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        now = 100.0
+        ticket = _ticket(loop, 1)
+        assert past_deadline(ticket, held=False, now=now) is Past.NOT_YET  # no deadline
+        ticket.deadline = now + 1.0
+        assert past_deadline(ticket, held=False, now=now) is Past.NOT_YET
+        ticket.deadline = now  # passed (at its very instant)
+        assert past_deadline(ticket, held=True, now=now) is Past.HELD  # answered, not 504
+        assert past_deadline(ticket, held=False, now=now) is Past.EXPIRED
     finally:
         loop.close()

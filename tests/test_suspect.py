@@ -13,9 +13,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import TINY_SNAPSHOT
 from tests.frontend_helpers import WAIT, Serve, background, clef_body
-from tests.traffic_helpers import metric
+from tests.traffic_helpers import metric, wait_until
 
 STALL = 30.0  # the front's default --stall-timeout: these tests never wait for it
 
@@ -84,6 +86,58 @@ def test_a_worker_stopped_mid_forward_its_request_answered_elsewhere_and_its_lat
         assert log.read_text().split().count("held") == 2  # sent twice, answered once
         assert metric(serve, "clef_requests_resent_total", reason="suspect") == 1
         assert serve.post(clef_body(tag="next")).status == 200
+
+
+@pytest.mark.parametrize("front_args, headers", [
+    ((), [("X-Clef-Deadline-Ms", "200")]),
+    (("--queue-timeout", "0.2"), []),  # counted from admission: a long forward outlives it
+], ids=["deadline-header", "queue-timeout"])
+def test_a_request_on_a_suspect_worker_whose_deadline_passes_gets_its_own_answer(
+        tmp_path: Path, front_args: tuple[str, ...], headers: list[tuple[str, str]]) -> None:
+    """A request held by worker 0 outlives its deadline, then worker 0 turns suspect: the
+    deadline rule sends no copy and expires nothing (a request on a worker is answered), so
+    the client gets worker 0's own 200 once it goes on, and so does an identical request that
+    joined it; nothing ran twice."""
+    gate, log = tmp_path / "gate", tmp_path / "requests.log"
+    with Serve("--log-file", str(log), front_args=("--workers", "2", *front_args)) as serve:
+        warm(serve)
+        pid0 = serve.health().json()["workers"][0]["pid"]
+        body = clef_body(tag="held", hold_until=str(gate))
+        held = background(lambda: serve.post(body, headers=headers))  # worker 0: round robin
+        serve.wait_health(lambda h: h["workers"][0]["in_flight"] == 1)
+        joiner = background(lambda: serve.post(body))
+        wait_until(lambda: metric(serve, "clef_answer_cache_joiners") == 1, "the joiner")
+        with stopped(pid0):
+            serve.wait_health(lambda h: h["suspect_workers"] == ["0"])
+            serve.wait_for(r"deadline passed while a worker holds it: no copy sent")
+            gate.touch()
+        answer, joined = held.result(), joiner.result()
+        assert answer.status == 200 and answer.json()["pid"] == pid0
+        assert joined.status == 200 and joined.body == answer.body
+        assert log.read_text().split().count("held") == 1  # never sent again, nor re-admitted
+        assert metric(serve, "clef_answer_cache_total", result="coalesced") == 1
+        assert metric(serve, "clef_requests_resent_total", reason="suspect") == 0
+        assert metric(serve, "clef_deadline_expired_total", **{"class": "interactive"}) == 0
+        serve.wait_health(lambda h: not h["suspect_workers"] and h["in_flight"] == 0)
+
+
+def test_a_long_silent_forward_past_the_queue_timeout_is_answered_not_expired(
+        tmp_path: Path) -> None:
+    """`--queue-timeout 0.2` (this test's setting) counts from admission, so a 2 s forward, silent
+    as the real worker's are, is past it when its worker turns suspect: it is not expired and
+    sent nowhere else, and its own answer is the client's 200."""
+    log = tmp_path / "requests.log"
+    with Serve("--silent-forwards", "--log-file", str(log),
+               front_args=("--workers", "2", "--queue-timeout", "0.2")) as serve:
+        warm(serve)
+        pid0 = serve.health().json()["workers"][0]["pid"]
+        slow = serve.post(clef_body(tag="slow", sleep=2.0))  # worker 0: round robin
+        assert slow.status == 200 and slow.json()["pid"] == pid0
+        assert metric(serve, "clef_worker_suspects_total") >= 1
+        serve.wait_for(r"deadline passed while a worker holds it: no copy sent")
+        assert log.read_text().split().count("slow") == 1
+        assert metric(serve, "clef_requests_resent_total", reason="suspect") == 0
+        assert metric(serve, "clef_deadline_expired_total", **{"class": "interactive"}) == 0
 
 
 def test_a_slow_but_live_forward_may_be_suspect_but_is_never_killed() -> None:

@@ -8,9 +8,24 @@ what it holds, silent, until the test answers or crashes it."""
 from __future__ import annotations
 
 import asyncio
+import time
 
+from clef_dispatch.ticket import AdmissionEvents, Ticket
 from clef_dispatch.worker_errors import WorkerExited
 from tests.doubles import Admission, FakeLane, FakeWorkers, reply_of
+
+
+def _counted(suspect: FakeLane, other: FakeLane, resent: list[str],
+             expired: list[str]) -> Admission:
+    """Admission over two lanes, its resends and expiries recorded (what the metrics count)."""
+    return Admission(capacity=16, retry_after=1, workers=FakeWorkers(suspect, other),
+                     events=AdmissionEvents(resent=resent.append, expired=expired.append))
+
+
+def _deadline_passes(ticket: Ticket) -> None:
+    """Time passes beyond the ticket's deadline (the clock is not the subject here: the rule
+    that judges a passed deadline is)."""
+    ticket.deadline = time.monotonic() - 1.0
 
 
 def test_a_suspects_copies_and_new_requests_are_served_together() -> None:
@@ -75,20 +90,24 @@ def test_a_ticket_lost_with_both_workers_is_sent_again_alone() -> None:
     that ran its copy, it goes once more, alone, and a third loss is its 500."""
     async def scenario() -> None:
         suspect, other, spare = FakeLane(room=2), FakeLane(room=2), FakeLane(room=2)
+        resent: list[str] = []
         admission = Admission(capacity=16, retry_after=1,
-                              workers=FakeWorkers(suspect, other, spare))
+                              workers=FakeWorkers(suspect, other, spare),
+                              events=AdmissionEvents(resent=resent.append))
         ticket = admission.submit(b"poison")
         suspect.room = 0
         admission.lane_suspect(suspect, True)
-        assert other.sent == [b"poison"]
+        assert other.sent == [b"poison"] and resent == ["suspect"]  # the copy went
         suspect.crash()  # one copy lost: the other is still due
         assert not ticket.outcome.done()
         other.ready = False
         held = other.held.pop(0)[1]
         held(WorkerExited("worker closed its output"))  # lost again: sent alone
         assert spare.sent == [b"poison"] and len(spare.held) == 1
+        assert resent == ["suspect", "crash"]  # counted as it was sent again
         spare.held.pop(0)[1](WorkerExited("worker closed its output"))
         assert (await reply_of(ticket)).status == 500
+        assert resent == ["suspect", "crash"]  # never a third send
 
     asyncio.run(scenario())
 
@@ -160,5 +179,141 @@ def test_a_queued_copy_is_never_refused_and_becomes_the_resend_when_the_suspect_
         assert suspect.sent == [b"held", b"held"]
         suspect.answer_oldest()
         assert (await reply_of(ticket)).status == 200
+
+    asyncio.run(scenario())
+
+
+# -- the deadline rule: a ticket a worker holds is never expired ---------------------------------
+
+
+def test_a_ticket_past_its_deadline_on_a_turning_suspect_gets_no_copy_and_its_own_answer(
+) -> None:
+    """A long forward outlives the request's deadline (its own, or `--queue-timeout` counted
+    from admission), then its worker turns suspect: no copy is sent (nor counted), nothing is
+    expired, and the suspect's answer is the client's 200."""
+    async def scenario() -> None:
+        resent: list[str] = []
+        expired: list[str] = []
+        suspect, healthy = FakeLane(room=2), FakeLane(room=2)
+        admission = _counted(suspect, healthy, resent, expired)
+        ticket = admission.submit(b"long", deadline=time.monotonic() + 60.0)
+        assert suspect.sent == [b"long"]
+        _deadline_passes(ticket)
+        suspect.room = 0
+        admission.lane_suspect(suspect, True)
+        newer = admission.submit(b"new")  # new traffic flows on meanwhile
+        assert healthy.sent == [b"new"]  # and no copy of "long" went
+        assert (admission.depth, admission.in_flight) == (0, 2)
+        assert not ticket.outcome.done()
+        suspect.answer_oldest()
+        healthy.answer_oldest()
+        reply = await reply_of(ticket)
+        assert (reply.status, reply.body) == (200, b"long")
+        assert (await reply_of(newer)).status == 200
+        assert resent == [] and expired == []
+
+    asyncio.run(scenario())
+
+
+def test_a_copy_whose_deadline_passes_while_it_waits_is_withdrawn_by_the_timer() -> None:
+    """The copy waits for room; its deadline passes: the deadline timer takes the copy out of
+    the queue (never sent, never counted as a resend), and the original's answer is the
+    client's 200, not a 504."""
+    async def scenario() -> None:
+        resent: list[str] = []
+        expired: list[str] = []
+        suspect, busy = FakeLane(room=1), FakeLane(room=1)
+        admission = _counted(suspect, busy, resent, expired)
+        ticket = admission.submit(b"a", deadline=time.monotonic() + 0.05)
+        other = admission.submit(b"b")
+        suspect.room = 0
+        admission.lane_suspect(suspect, True)  # the copy of "a" waits: "busy" has no room
+        assert ticket.queued and ticket.copied
+        fired = asyncio.Event()
+        heap = admission._deadlines  # the timer, hooked for this test only
+        after_due = heap._after_due
+
+        def after_due_then_tell() -> None:
+            after_due()
+            fired.set()
+
+        heap._after_due = after_due_then_tell
+        await asyncio.wait_for(fired.wait(), 5.0)
+        assert not ticket.queued and not ticket.outcome.done()  # withdrawn, not expired
+        busy.answer_oldest()  # room: nothing of "a" goes there
+        assert busy.sent == [b"b"]
+        suspect.answer_oldest()
+        assert [(await reply_of(t)).status for t in (ticket, other)] == [200, 200]
+        assert resent == [] and expired == []
+
+    asyncio.run(scenario())
+
+
+def test_a_copy_found_past_its_deadline_by_the_pump_is_withdrawn_and_the_original_answers(
+) -> None:
+    async def scenario() -> None:
+        resent: list[str] = []
+        expired: list[str] = []
+        suspect, busy = FakeLane(room=1), FakeLane(room=1)
+        admission = _counted(suspect, busy, resent, expired)
+        ticket = admission.submit(b"a", deadline=time.monotonic() + 60.0)
+        admission.submit(b"b")
+        suspect.room = 0
+        admission.lane_suspect(suspect, True)
+        _deadline_passes(ticket)  # before the timer looks: the pump finds it
+        busy.answer_oldest()
+        assert busy.sent == [b"b"] and admission.depth == 0
+        assert not ticket.outcome.done()
+        suspect.answer_oldest()
+        reply = await reply_of(ticket)
+        assert (reply.status, reply.body) == (200, b"a")
+        assert resent == [] and expired == []
+
+    asyncio.run(scenario())
+
+
+def test_a_ticket_no_worker_holds_is_expired_by_the_same_rule() -> None:
+    """The other half of the rule: lost with its suspect worker past its deadline, the ticket
+    is held by no worker any more, so it is answered 504 instead of being sent again."""
+    async def scenario() -> None:
+        resent: list[str] = []
+        expired: list[str] = []
+        suspect, busy = FakeLane(room=1), FakeLane(room=1)
+        admission = _counted(suspect, busy, resent, expired)
+        ticket = admission.submit(b"a", deadline=time.monotonic() + 60.0)
+        admission.submit(b"b")
+        suspect.room = 0
+        admission.lane_suspect(suspect, True)
+        _deadline_passes(ticket)
+        # Lost while its copy waited: that copy becomes its resend, which the pump finds past
+        # its deadline with no worker holding it: 504, and never counted as sent again.
+        suspect.held.pop(0)[1](WorkerExited("worker closed its output"))
+        busy.answer_oldest()
+        assert (await reply_of(ticket)).status == 504
+        assert busy.sent == [b"b"]
+        assert resent == [] and expired == ["interactive"]
+
+    asyncio.run(scenario())
+
+
+def test_a_suspect_resend_is_counted_only_when_its_copy_is_sent() -> None:
+    async def scenario() -> None:
+        resent: list[str] = []
+        suspect, other = FakeLane(room=2), FakeLane(room=0)
+        admission = _counted(suspect, other, resent, [])
+        first, second = admission.submit(b"a"), admission.submit(b"b")
+        suspect.room = 0
+        admission.lane_suspect(suspect, True)  # two copies wait: no room anywhere
+        assert resent == []
+        other.room = 1
+        other.answer_oldest() if other.held else admission.pump()  # room for one copy
+        assert other.sent == [b"a"] and resent == ["suspect"]
+        suspect.room = 2
+        admission.lane_suspect(suspect, False)  # the other copy is taken back, unsent
+        for lane in (suspect, other):
+            while lane.held:
+                lane.answer_oldest()
+        assert [(await reply_of(t)).status for t in (first, second)] == [200, 200]
+        assert resent == ["suspect"]
 
     asyncio.run(scenario())

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from clef_dispatch.resend import Resends
-from clef_dispatch.ticket import AdmissionEvents, Ticket
+from clef_dispatch.ticket import AdmissionEvents, Ticket, TicketView
 from clef_dispatch.urgency import CLASSES
 from clef_dispatch.waiting import TicketQueue
 from clef_dispatch.worker_errors import WorkerLost
@@ -167,7 +167,7 @@ def _queue_span(ticket: Ticket, answered_at: float | None) -> tuple[float, float
     span = tracing.begin(TraceContext(), b"POST", b"/v1/systemone", "q-1", ticket.enqueued_at)
     anchor_ns, anchor = time.time_ns(), time.monotonic()
     otel.end(span, status=200 if answered_at is not None else 503, route="/v1/systemone",
-             ticket=ticket, answered_at=answered_at)
+             ticket=TicketView(ticket), answered_at=answered_at)
     [queue] = [s for s in exporter.get_finished_spans() if s.name == "queue"]
     assert queue.start_time is not None and queue.end_time is not None
 
