@@ -37,8 +37,8 @@ import json
 from collections.abc import Container, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
-# Leading bytes of the rendered state in the key: about 256 tokens of text, one prefix-cache
-# block, so a state that grows by turns keeps its key from its first block on.
+# Leading bytes of the rendered state in the key: about 256 tokens of text (the smallest state
+# the worker caches), so a state that grows by turns keeps its key from then on.
 AFFINITY_BYTES = 1024
 # Of each media entry's text, the key reads its length and this many characters at each end.
 MEDIA_SAMPLE_CHARS = 4096

@@ -48,7 +48,7 @@ DEFAULT_MAX_BATCH_CUDA = 16
 DEFAULT_MAX_BATCH_CPU = 8
 # `--prefix-cache-bytes 0`: the prefix cache's bound by device. On CUDA it is device memory beside
 # the weights and graphs (Clef-Flash keeps about 40 KiB per cached token plus about 49 MiB of
-# Gated DeltaNet state per cached block: docs/operations.md); on CPU, host memory.
+# Gated DeltaNet state per cached point: docs/operations.md); on CPU, host memory.
 DEFAULT_PREFIX_CACHE_BYTES_CUDA = 16 * 1024**3
 DEFAULT_PREFIX_CACHE_BYTES_CPU = 1024**3
 

@@ -48,9 +48,15 @@ from clef_protocol.messages import PrefixCacheInfo, PrefixStats
 from clef_protocol.options import DEFAULT_PREFIX_CACHE_BYTES_CPU, DEFAULT_PREFIX_CACHE_BYTES_CUDA
 from clef_worker.model.prefix_forward import Captured, PrefixState
 
-# Tokens between two cached points (vLLM's default block for hybrid models is larger; 256 keeps
-# an agent's reuse within a block of its previous turn while a 7,000-token state is 28 blocks).
+# Tokens between two cached points, by device. On CPU the torch scan hands out the states at
+# any chunk boundary for free, so blocks are short (a 7,000-token state is 28 of them). On CUDA
+# each point costs one more round of fla's varlen call per Gated DeltaNet layer and 49 MiB of
+# recurrent state at Clef-Flash's shapes (docs/operations.md), so blocks are long; the state-end
+# point (below) keeps an agent's reuse close to its previous turn either way.
 BLOCK_TOKENS = 256
+BLOCK_TOKENS_CUDA = 2048
+# A state span shorter than this is neither stored nor looked up: its prefill is cheap to redo.
+MIN_STATE_TOKENS = 256
 # Every cached point is a multiple of this: the torch scan's chunk (32) and fla's (64) divide
 # it, so a suffix starting at a point keeps the chunking of a whole forward.
 POINT_ALIGN = 64
@@ -59,6 +65,11 @@ HASH_BYTES = 16
 # from its previous version only in its last few tokens (a JSON array's closing `]}` followed by
 # a new event), so a point right at the end would rarely be reusable by the next turn.
 END_MARGIN = 16
+
+
+def default_block_tokens(device: str) -> int:
+    """Tokens between two cached points for a worker on `device`."""
+    return BLOCK_TOKENS_CUDA if device.startswith("cuda") else BLOCK_TOKENS
 
 
 def default_capacity(device: str) -> int:
@@ -196,9 +207,9 @@ class PrefixCache:
     def points(self, start: int, state_end: int) -> tuple[int, ...]:
         """Where a request whose first `start` tokens are cached stores its states: every
         block end after `start` up to its state's end, and a point `END_MARGIN` tokens before
-        that end rounded down to `align`. A state shorter than one block stores nothing (its
-        prefill is cheap to redo)."""
-        if not self.enabled or state_end < self.block_tokens:
+        that end rounded down to `align`. A state shorter than `MIN_STATE_TOKENS` stores
+        nothing."""
+        if not self.enabled or state_end < MIN_STATE_TOKENS:
             return ()
         last = (state_end - END_MARGIN) - (state_end - END_MARGIN) % self.align
         points = list(range(start - start % self.block_tokens + self.block_tokens, last + 1,

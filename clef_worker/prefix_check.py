@@ -39,8 +39,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("clef_worker.self_check")
 
 # The probe's shared state: two full blocks and part of a third, so the cached request walks a
-# chain and ends on a partial block.
+# chain and ends on a partial block (at most this many tokens: CUDA's long blocks are cut to
+# a chain of two points, the block end and the state end, which checks the same code).
 SHARED_BLOCKS = 2.5
+SHARED_MAX_TOKENS = 2600
 FRESH_TOKENS = 96  # the uncached neighbour's state
 
 
@@ -51,7 +53,7 @@ def probe_requests(target: NativeExecutor) -> tuple[Encoding, Encoding, Encoding
     schemas = [request for request in candidates(target.limits) if _valid(target, request)]
     if len(schemas) < 2:
         return None
-    shared = int(cache.block_tokens * SHARED_BLOCKS)
+    shared = min(int(cache.block_tokens * SHARED_BLOCKS), SHARED_MAX_TOKENS)
     try:
         warm = _encoding(target, schemas[1], "shared", shared)
         cached = _encoding(target, schemas[0], "shared", shared)

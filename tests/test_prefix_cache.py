@@ -440,3 +440,26 @@ def test_nothing_is_stored_under_a_chain_evicted_since_the_lookup() -> None:
     points = cache.points(hit.tokens, grown.state_end)
     cache.store(grown, ids, hit, _captured(points, hit.tokens, 1000), torch.zeros(360, 8))
     assert not cache.blocks and cache.bytes == 0 and not cache.children
+
+
+def test_cudas_long_blocks_are_probed_through_a_chain_of_two_points(
+        tiny_snapshot: Path) -> None:
+    """A CUDA worker's cache (2,048-token blocks) with the probe cut to a block end and the
+    state-end point, run here on CPU: the probe reuses both and agrees."""
+    from clef_worker.prefix_cache import default_block_tokens
+
+    assert (default_block_tokens("cuda:1"), default_block_tokens("cpu")) == (2048, 256)
+    executor = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32")
+    executor.runner.prefix_cache = PrefixCache(1 << 30, block_tokens=default_block_tokens("cuda"))
+    stored: list[int] = []
+    original = PrefixCache.store
+
+    def counting(self: PrefixCache, *args: Any) -> None:
+        original(self, *args)
+        stored.append(len(self.blocks))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PrefixCache, "store", counting)
+        comparison = prefix_check.check_prefix_cache(executor)
+    assert comparison is not None and comparison.agrees(1e-4)
+    assert stored[0] == 2  # the warm request stored a block end and its state-end point
