@@ -54,6 +54,7 @@ from benchlib.prefix_workloads import (
 )
 from benchlib.provenance import command_line, cpu_line
 from benchlib.serve import Serve
+from clef_worker.prefix_cache import BLOCK_TOKENS_CUDA
 
 WORKER = re.compile(r"(?:^|,\s*)worker;dur=([0-9.]+)")
 REUSED = re.compile(r'prefix;desc="reused=(\d+)"')
@@ -225,8 +226,9 @@ def main() -> int:
         "threads": args.threads,
         "python": platform.python_version(), "seconds": round(time.monotonic() - started, 1),
         "prefix_cache_after": health,  # each server's /health figures after the run
-        # Clef-Flash's real shapes (benchlib/flash_model.py, docs/model.md), bfloat16.
-        "flash_footprint": footprint(FLASH),
+        # Clef-Flash's real shapes (benchlib/flash_model.py, docs/model.md), bfloat16, at the
+        # block size of a CUDA worker (where Clef-Flash runs).
+        "flash_footprint": footprint(FLASH, block_tokens=BLOCK_TOKENS_CUDA),
         "workloads": {name: {k: v for k, v in result.items() if k != "turns"}
                       for name, result in results.items()},
         "problems": problems,
