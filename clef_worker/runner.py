@@ -20,13 +20,13 @@ Layouts (the batch policy's, clef_worker.policy):
 - **per-group** (CPU's `auto`, eager only): each group padded when its lengths are uniform
   enough, else packed (`clef_worker.policy.group_layout`, the one place that decides).
 
-**Prefix cache** (clef_worker.prefix_cache, when the runner has one): at run time each request
-of the group is looked up by its token ids; when any member reuses a cached prefix or has
-states to store (a state span of at least one block), the group runs through the prefixed
-forward instead (clef_worker.model.prefix_forward: only the new tokens, end to end, each from
-its cached states, eagerly), the head reads the cached hidden states joined before the new ones,
-and the blocks each member captured are stored. A group where no member does either runs as
-above (graphs included).
+**Prefix cache** (clef_worker.prefix_cache, when the runner has one; clef_worker.prefix_run
+runs it): at run time each request of the group is looked up by its token ids; when any
+member reuses a cached prefix or has states to store (a state span of at least 256 tokens),
+the group runs through the prefixed forward instead (clef_worker.model.prefix_forward: only
+the new tokens, end to end, each from its cached states, eagerly), the head reads the cached
+hidden states joined before the new ones, and the blocks each member captured are stored. A
+group where no member does either runs as above (graphs included).
 
 Media requests run alone, eagerly, through the vision tower, and never use the prefix cache.
 It knows nothing about request bodies, limits or replies: that is the executor's job
@@ -60,14 +60,9 @@ from clef_worker.model.encoding import Encoding
 from clef_worker.model.head import HeadBatch, HeadOutput, JointSchemaHead, RecordSpans
 from clef_worker.model.lora import BASE_SLOT, AdapterSelection
 from clef_worker.model.packed import PackedLayout
-from clef_worker.model.prefix_forward import (
-    DeltaRuleRun,
-    SequencePlan,
-    delta_rule_for,
-    prefixed_forward,
-)
 from clef_worker.policy import PACKED, PADDED, group_layout
-from clef_worker.prefix_cache import CacheKey, Hit, PrefixCache, ids_array
+from clef_worker.prefix_cache import CacheKey, PrefixCache, ids_array
+from clef_worker.prefix_run import plan_group, run_group
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +207,6 @@ class ModelRunner:
         self.graphs = graphs
         self.layout = layout
         self.prefix_cache = prefix_cache
-        self._delta_rule: DeltaRuleRun | None = None
         if graphs is not None and (layout not in (PACKED, PADDED) or isinstance(
                 graphs, PackedGraphRunner) != (layout == PACKED)):
             raise ValueError(f"a {layout} runner cannot use {type(graphs).__name__}")
@@ -334,10 +328,14 @@ class ModelRunner:
             width = len(staged.batch.tensors())
             batch = staged.batch.with_tensors(moved[count:count + width])
             reused = [0] * len(staged.lengths)
-            plans = self._prefix_plans(staged)
+            plans = plan_group(self.prefix_cache, staged.cache_keys, staged.host_ids)
             if plans is not None:
-                hidden, real_ids = self._prefixed_hidden(staged, moved[:count], *plans)
-                reused = [hit.tokens for hit in plans[0]]
+                assert self.prefix_cache is not None
+                real_ids = self._real_ids(staged, moved[:count])
+                hidden = run_group(self.backbone, self.prefix_cache, plans, staged.lengths,
+                                   real_ids, staged.cache_keys, staged.host_ids,
+                                   lambda spans: self._selected(staged, spans))
+                reused = plans.reused
             elif staged.packed:
                 hidden, real_ids = self._packed_hidden(staged, moved[:count])
             else:
@@ -354,7 +352,7 @@ class ModelRunner:
                                dim=1).cpu()
             clock.mark()
         sizes = [len(staged.lengths)] * len(staged.lengths)
-        for step in staged.steps:
+        for step in staged.steps if plans is None else ():  # the prefixed forward held them all
             for member in step.members:
                 sizes[member] = len(step.members)
         forward_ms, head_ms = clock.spans_ms()
@@ -385,54 +383,6 @@ class ModelRunner:
         slots = staged.slots or [BASE_SLOT] * len(staged.lengths)
         chosen = [slots[m] for m in (members if members is not None else range(len(slots)))]
         return self.selection.using(chosen, spans, self.device)
-
-    def _prefix_plans(self, staged: Staged) -> tuple[list[Hit], list[tuple[int, ...]]] | None:
-        """Each request's cached chain and the points where it stores, when the group uses the
-        prefix cache (a member reuses a prefix or stores one); None otherwise."""
-        cache = self.prefix_cache
-        if cache is None or not cache.enabled or not staged.cache_keys:
-            return None
-        hits, points = [], []
-        for key, ids in zip(staged.cache_keys, staged.host_ids, strict=True):
-            hit = cache.lookup(key, ids) if key is not None else Hit([])
-            hits.append(hit)
-            points.append(cache.points(hit.tokens, key.state_end) if key is not None else ())
-        if not any(hit.chain for hit in hits) and not any(points):
-            return None
-        return hits, points
-
-    def _prefixed_hidden(self, staged: Staged, moved: list[Tensor], hits: list[Hit],
-                         points: list[tuple[int, ...]]) -> tuple[Tensor, Tensor]:
-        """Every request's hidden states end to end (cached ones joined before the new ones) and
-        their ids; only the new tokens run (clef_worker.model.prefix_forward), and the blocks
-        each request captured are stored."""
-        cache = self.prefix_cache
-        assert cache is not None
-        ids = self._real_ids(staged, moved)
-        starts = [hit.tokens for hit in hits]
-        offsets = [0]
-        for length in staged.lengths:
-            offsets.append(offsets[-1] + length)
-        new_ids = torch.cat([ids[offset + start:offset + length] for offset, start, length in
-                             zip(offsets, starts, staged.lengths, strict=False)])
-        plans = [SequencePlan(length - hit.tokens, hit.state(), marks)
-                 for length, hit, marks in zip(staged.lengths, hits, points, strict=True)]
-        if self._delta_rule is None:
-            self._delta_rule = delta_rule_for(self.backbone.gdn_path)
-        new_lengths = [plan.length for plan in plans]
-        with self._selected(staged, _end_to_end(new_lengths)):
-            new_hidden, captured = prefixed_forward(self.backbone.model, new_ids, plans,
-                                                    self._delta_rule)
-        parts, at = [], 0
-        for index, (hit, plan) in enumerate(zip(hits, plans, strict=True)):
-            part = new_hidden[at:at + plan.length]
-            at += plan.length
-            cached = hit.hidden()
-            parts.append(part if cached is None else torch.cat([cached, part.to(cached.dtype)]))
-            key = staged.cache_keys[index]
-            if key is not None:
-                cache.store(key, staged.host_ids[index], hit, captured[index], part)
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)), ids
 
     def _real_ids(self, staged: Staged, moved: list[Tensor]) -> Tensor:
         """The group's real token ids end to end, on the device, whatever the layout staged."""
