@@ -125,16 +125,11 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
     head = load_head(snapshot, target, head_dtype)
     vision = load_media(snapshot, encoder, backbone, settings.media)
     selection = AdapterSelection(STACKED if target.type == "cuda" else SEGMENTS)
-    variants = load_variants(list(settings.finetunes), backbone, head, selection)
+    variants = load_variants(list(settings.finetunes), backbone, head, selection,
+                             (settings.variant,), snapshot.root)
     pad_id = pad_token_id(encoder.tokenizer.token_to_id("<|endoftext|>"), snapshot.text_config)
     if policy.packed and capture:
         policy = packed_or_padded(backbone, policy, explicit=settings.batch_layout == PACKED)
-    if capture and variants and not policy.packed:
-        # Packed buckets capture the stacked LoRA path over a static slot buffer; the padded
-        # graphs do not rewrite one before a replay, so padded forwards with variants run
-        # eagerly (a replay would score every request as the base).
-        log.warning("--finetune with padded batches: forwards run eagerly, without CUDA graphs")
-        capture = False
     buckets = buckets_enabled(settings.cuda_graphs, target)
     if buckets and policy.layout == PER_GROUP:
         # Bucketed shapes are one layout's: CPU's `auto` keeps packed rows, as before it chose
@@ -195,12 +190,14 @@ def build_graph_runner(backbone: Backbone, pad_id: int, capturer: Capturer, poli
                        ) -> GraphRunner | PackedGraphRunner:
     """The graph runner for the policy's layout, its shapes planned from the policy: packed,
     one per total-token bucket up to the largest forward; padded, `[rows, bucket]` for the
-    row counts up to the policy's requests per forward within its token budget."""
+    row counts up to the policy's requests per forward within its token budget. With variants
+    (`selection`), either layout's shapes capture the stacked LoRA path over a static slot
+    buffer."""
     if policy.layout == PADDED:
         table = BucketTable.for_budget(max_length, graph_max_length or None)
         return GraphRunner(backbone, table, pad_id, capturer,
                            plan_shapes(table, policy.max_batch_tokens,
-                                       graph_row_counts(policy.max_sequences)))
+                                       graph_row_counts(policy.max_sequences)), selection)
     buckets = packed_buckets(policy.max_batch_tokens, max_length, graph_max_length)
     return PackedGraphRunner(backbone, buckets, policy.max_sequences, pad_id, capturer,
                              selection)

@@ -132,6 +132,7 @@ class Staged:
     slots: list[int] = field(default_factory=list)
     heads: VariantHeads | None = None
     bucket_slots: bool = False  # a packed bucket's per-position slots follow its ids
+    step_slots: bool = False  # padded: each step's per-token slots follow its ids
     # The prefix cache (clef_worker.prefix_cache): each request's key (None: not cacheable)
     # and its ids as the keys hash them; empty without a cache.
     cache_keys: list[CacheKey | None] = field(default_factory=list)
@@ -142,7 +143,7 @@ class Staged:
         """How many of the flat tensors the forward reads (the head's follow)."""
         if self.bucket is not None:
             return 3 if self.bucket_slots else 2
-        return 1 if self.packed else len(self.steps) + 1
+        return 1 if self.packed else len(self.steps) * (2 if self.step_slots else 1) + 1
 
     @property
     def packed(self) -> bool:
@@ -275,7 +276,7 @@ class ModelRunner:
         real_ids = torch.cat([torch.tensor(tokens, dtype=torch.long) for tokens in ids])
         steps: list[Step] = []
         bucket = None
-        bucket_slots = False
+        bucket_slots = step_slots = False
         # A lone request without packed graphs is a batch of one row: the plain forward is the
         # same answer without the packed kernels' per-sequence bookkeeping (on CPU it measured
         # about 15 % faster alone).
@@ -294,7 +295,19 @@ class ModelRunner:
         else:
             steps = [Step((0,), None)] if media is not None or self.packed else \
                 self.plan(lengths)
-            tensors = [*(self._padded_ids(ids, lengths, step) for step in steps), real_ids]
+            padded = self.graphs if isinstance(self.graphs, GraphRunner) else None
+            # Variants over padded shapes: each forward's slot index, sized to its rows and
+            # tokens (pad rows included), staged with its ids for a replay to copy in.
+            step_slots = media is None and padded is not None and padded.selection is not None
+            tensors = []
+            for step in steps:
+                step_ids = self._padded_ids(ids, lengths, step)
+                tensors.append(step_ids)
+                if step_slots:
+                    assert padded is not None
+                    tensors.append(padded.host_slots([slots[m] for m in step.members],
+                                                     *step_ids.shape))
+            tensors.append(real_ids)
         tensors += batch.tensors()
         if heads is not None:
             tensors += heads.tensors()
@@ -303,7 +316,8 @@ class ModelRunner:
             keys = list(cache_keys)
         return Staged(lengths, steps, bucket, stage_host(tensors, self.device),
                       [t.shape for t in tensors], batch, media, slots, heads, bucket_slots,
-                      keys, [ids_array(tokens) for tokens in ids] if keys else [])
+                      step_slots, keys,
+                      [ids_array(tokens) for tokens in ids] if keys else [])
 
     def _padded_ids(self, ids: Sequence[Sequence[int]], lengths: list[int],
                     step: Step) -> Tensor:
@@ -375,14 +389,15 @@ class ModelRunner:
         return [outputs[i] for i in range(len(outputs))]
 
     def _selected(self, staged: Staged, spans: Sequence[tuple[int, int]],
-                  members: Sequence[int] | None = None) -> Any:
+                  members: Sequence[int] | None = None, tokens: int | None = None) -> Any:
         """The adapter selection for one forward whose requests (`members`, default all) sit at
-        `spans` of its flattened tokens; a no-op without variants."""
+        `spans` of its flattened `tokens` (default: up to the last span's end); a no-op without
+        variants."""
         if self.selection is None:
             return nullcontext()
         slots = staged.slots or [BASE_SLOT] * len(staged.lengths)
         chosen = [slots[m] for m in (members if members is not None else range(len(slots)))]
-        return self.selection.using(chosen, spans, self.device)
+        return self.selection.using(chosen, spans, self.device, tokens)
 
     def _real_ids(self, staged: Staged, moved: list[Tensor]) -> Tensor:
         """The group's real token ids end to end, on the device, whatever the layout staged."""
@@ -412,19 +427,25 @@ class ModelRunner:
         """Every request's real rows of the last hidden state, end to end, and their ids. A
         replay's output is a static buffer the next replay overwrites, so with more than one
         step each step's rows are copied out before the next runs."""
-        *device_ids, real_ids = moved
+        *forward, real_ids = moved
         lengths, steps = staged.lengths, staged.steps
+        per_step = 2 if staged.step_slots else 1
+        device_ids = forward[::per_step]
+        step_slots: list[Tensor | None] = (list(forward[1::2]) if staged.step_slots
+                                           else [None] * len(steps))
         if staged.media is not None and self.vision is not None:
             with self._selected(staged, [(0, lengths[0])]):
                 return self.vision.hidden_states(self.backbone, device_ids[0][0, :lengths[0]],
                                                  staged.media), real_ids
         rows: list[Tensor | None] = [None] * len(lengths)
-        for step, ids in zip(steps, device_ids, strict=True):
+        for step, ids, slots in zip(steps, device_ids, step_slots, strict=True):
             width = int(ids.shape[1])
             spans = [(row * width, (row + 1) * width) for row in range(len(step.members))]
-            with self._selected(staged, spans, step.members):
+            # `ids` holds the forward's every row (a shape's pad rows included), so the
+            # selection covers all its tokens; a replay copies `slots` into its own buffer.
+            with self._selected(staged, spans, step.members, ids.numel()):
                 if isinstance(self.graphs, GraphRunner):
-                    hidden = self.graphs.run(ids, step.shape)
+                    hidden = self.graphs.run(ids, step.shape, slots)
                 else:
                     hidden = self.backbone.last_hidden_state(ids)
             for row, member in enumerate(step.members):

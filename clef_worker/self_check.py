@@ -13,7 +13,8 @@ three (CPU's per-group layout runs that one padded), and, where graphs replay fi
 one request near the largest bucket (eagerly a lone request takes the plain forward, which is
 the reference itself, so a long one would only double the check's time). Each
 group goes through the serve loop's own group cutting (clef_worker.batching.GroupCutter) and the
-runner, as requests do.
+runner, as requests do. With fine-tuned variants served, the requests take the base and each
+variant in turn (clef_worker.variant_probe).
 
 The comparison (`compare`): every option's probability within the dtype's bound (`BOUNDS`), and
 every question's argmax the same unless the reference itself has the two options within the
@@ -44,7 +45,8 @@ from clef_worker.errors import StartupError
 from clef_worker.model.backbone import DTYPE_NAMES
 from clef_worker.model.encoding import Encoding
 from clef_worker.policy import PACKED, PADDED, PER_GROUP
-from clef_worker.runner import ModelRunner, RowResult
+from clef_worker.runner import RowResult
+from clef_worker.variant_probe import probe_slots, reference_runner
 from clef_worker.warmup import candidates
 
 if TYPE_CHECKING:
@@ -204,9 +206,12 @@ def answer_served(target: WarmTarget, groups: Sequence[Sequence[Encoding]]) -> l
     """Every probe request through the serving path: each group cut as the serve loop cuts
     requests (the token budget, the requests per forward), each cut group one runner call."""
     rows: list[RowResult] = []
+    slots = iter(probe_slots(target.runner, sum(len(group) for group in groups)))
     for group in groups:
+        group_slots = [next(slots) for _ in group]
         for members in cut(target, [encoding.length for encoding in group]):
-            rows += target.runner.run([group[member] for member in members]).rows
+            rows += target.runner.run([group[member] for member in members], (),
+                                      [group_slots[member] for member in members]).rows
     return rows
 
 
@@ -224,9 +229,10 @@ def cut(target: WarmTarget, lengths: Sequence[int]) -> list[list[int]]:
 
 def answer_reference(target: WarmTarget, encodings: Sequence[Encoding]) -> list[RowResult]:
     """Every probe request alone through the plain eager forward (no graphs, no packing)."""
-    runner = target.runner
-    plain = ModelRunner(runner.backbone, runner.head, runner.pad_id, layout=PADDED)
-    return [plain.run([encoding]).rows[0] for encoding in encodings]
+    slots = probe_slots(target.runner, len(encodings))
+    with reference_runner(target.runner) as plain:
+        return [plain.run([encoding], (), [slot]).rows[0]
+                for encoding, slot in zip(encodings, slots, strict=True)]
 
 
 def compare(served: Sequence[RowResult], reference: Sequence[RowResult],

@@ -7,16 +7,19 @@ Its `training_state.pt` (a pickle of the optimizer) is never opened: nothing her
 anything, only JSON and safetensors are read.
 
 Each checkpoint is checked against the loaded base before any of its tensors is read: the LoRA
-configuration (plain LoRA: no DoRA, no rsLoRA, no bias, no `modules_to_save`, one rank and one
-alpha), every adapted module present in the text stack and linear, A and B shaped for it and
-for the rank, floating point, both present; the head's tensors exactly the base head's names and
-shapes. A bad checkpoint stops start-up with a `StartupError` naming the file and the tensor.
+configuration field by field (clef_worker.adapter_config: served only where PEFT's forward for
+it is the one applied here), every adapted module present in the text stack, linear and named
+by `target_modules` as PEFT matches it, A and B shaped for it and for the rank, floating point,
+both present; the head's tensors exactly the base head's names and shapes. A bad checkpoint
+stops start-up with a `StartupError` naming the file and the field or tensor. A checkpoint whose
+`base_model_name_or_path` does not name the served base is served with a WARNING (it may be the
+same weights under another name; the shapes are checked, provenance cannot be).
 """
 
 from __future__ import annotations
 
-import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from clef_protocol.finetune import Finetune
+from clef_worker.adapter_config import LoraConfig, names_the_base, read_lora_config
 from clef_worker.errors import StartupError
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.head import JointSchemaHead
@@ -37,8 +41,10 @@ ADAPTER_DIR = "adapter"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 HEAD_WEIGHTS = "joint_head.safetensors"
-# PEFT's key for a module of the text stack of Qwen3_5ForConditionalGeneration.
+# PEFT's key for a module of the text stack of Qwen3_5ForConditionalGeneration, and the
+# module's name in the base model (what `target_modules` is matched against).
 KEY_PREFIX = "base_model.model.model.language_model."
+MODULE_PREFIX = "model.language_model."
 KEY_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -57,54 +63,15 @@ class Variant:
     modules: int
     parameters: int  # LoRA and head parameters together
     memory_bytes: int  # what they hold on the device (LoRA in the backbone's dtype, head in its)
+    base_model: str | None = None  # the adapter config's base_model_name_or_path
 
     def describe(self) -> dict[str, Any]:
         """What `ready` and /health say about it."""
         return {"name": self.name, "rank": self.rank, "scale": self.scale,
                 "head": str(self.checkpoint / HEAD_WEIGHTS), "checkpoint": str(self.checkpoint),
                 "adapted_modules": self.modules, "parameters": self.parameters,
-                "memory_bytes": self.memory_bytes}
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    rank: int
-    alpha: float
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-
-def read_lora_config(path: Path) -> LoraConfig:
-    """Check `adapter_config.json` is plain LoRA this server applies as clef-finetune merges it."""
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise StartupError(f"{path}: missing (not a clef-finetune checkpoint)") from None
-    except (OSError, ValueError) as exc:
-        raise StartupError(f"{path}: cannot read it as JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise StartupError(f"{path}: not a JSON object")
-    if raw.get("peft_type") != "LORA":
-        raise StartupError(f"{path}: peft_type is {raw.get('peft_type')!r}, expected 'LORA'")
-    rank, alpha = raw.get("r"), raw.get("lora_alpha")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
-        raise StartupError(f"{path}: r must be a positive integer, got {rank!r}")
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or alpha <= 0:
-        raise StartupError(f"{path}: lora_alpha must be a positive number, got {alpha!r}")
-    refusals = {
-        "use_dora": "DoRA", "use_rslora": "rsLoRA scaling", "modules_to_save": "modules_to_save",
-        "rank_pattern": "per-module ranks (rank_pattern)",
-        "alpha_pattern": "per-module alphas (alpha_pattern)",
-        "fan_in_fan_out": "fan_in_fan_out", "layers_to_transform": "layers_to_transform",
-    }
-    for key, what in refusals.items():
-        if raw.get(key):
-            raise StartupError(f"{path}: {key} is set: {what} is not supported")
-    if raw.get("bias", "none") != "none":
-        raise StartupError(f"{path}: bias is {raw.get('bias')!r}: only 'none' is supported")
-    return LoraConfig(rank, float(alpha))
+                "memory_bytes": self.memory_bytes,
+                "base_model_name_or_path": self.base_model}
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
@@ -162,6 +129,9 @@ def read_adapter(path: Path, config: LoraConfig, layers: dict[str, nn.Linear]
             if layer is None:
                 raise StartupError(f"{path}: tensor {key} adapts {module}, which is not a linear "
                                    "layer of the base's text stack")
+            if not config.targets(MODULE_PREFIX + module):
+                raise StartupError(f"{path}: tensor {key} adapts {MODULE_PREFIX}{module}, which "
+                                   "target_modules does not name: PEFT would not load it")
             piece = handle.get_slice(key)
             shape = tuple(piece.get_shape())
             expected = ((config.rank, layer.in_features) if "lora_A" in suffix
@@ -178,6 +148,12 @@ def read_adapter(path: Path, config: LoraConfig, layers: dict[str, nn.Linear]
                                        "(each adapted module needs lora_A and lora_B)")
         if not parts:
             raise StartupError(f"{path}: holds no LoRA tensors")
+        if config.random_init:
+            for module in sorted(set(layers) - set(parts)):
+                if config.targets(MODULE_PREFIX + module):
+                    raise StartupError(
+                        f"{path}: {MODULE_PREFIX}{module} is named by target_modules but has no "
+                        "tensors: with this init_lora_weights PEFT would give it random factors")
         out: dict[str, tuple[Tensor, Tensor]] = {}
         for module, found in sorted(parts.items()):
             pair = []
@@ -215,10 +191,13 @@ def read_head(path: Path, base: JointSchemaHead, device: torch.device, dtype: to
 
 
 def load_variants(finetunes: list[Finetune], backbone: Backbone, base_head: JointSchemaHead,
-                  selection: AdapterSelection) -> list[Variant]:
+                  selection: AdapterSelection, served: Sequence[str] = (),
+                  snapshot: Path | None = None) -> list[Variant]:
     """Check every checkpoint (all of them, before any is attached), then adapt the backbone's
     layers and attach each variant's updates in its slot. The LoRA weights are kept in the
-    backbone's dtype on its device; the head in the base head's dtype."""
+    backbone's dtype on its device; the head in the base head's dtype. `served` (the served
+    model's names) and `snapshot` (its directory) are what a checkpoint's
+    `base_model_name_or_path` should name; a mismatch is logged at WARNING."""
     if not finetunes:
         return []
     layers = linear_layers(backbone.model)
@@ -231,6 +210,8 @@ def load_variants(finetunes: list[Finetune], backbone: Backbone, base_head: Join
         head = read_head(finetune.checkpoint / HEAD_WEIGHTS, base_head, backbone.device,
                          head_dtype)
         checked.append((finetune, config, tensors, head))
+        if snapshot is not None:
+            warn_foreign_base(finetune, config, served, snapshot)
     variants = []
     for slot, (finetune, config, tensors, head) in enumerate(checked, start=1):
         adapted = adapt(backbone.model, list(tensors), selection)
@@ -246,7 +227,20 @@ def load_variants(finetunes: list[Finetune], backbone: Backbone, base_head: Join
         variants.append(Variant(name=finetune.name, slot=slot, rank=config.rank,
                                 scale=config.scale, head=head, checkpoint=finetune.checkpoint,
                                 modules=len(tensors), parameters=lora + head_count,
-                                memory_bytes=memory))
+                                memory_bytes=memory, base_model=config.base_model))
         log.info("variant %s: LoRA rank %d scale %g on %d modules, head from %s", finetune.name,
                  config.rank, config.scale, len(tensors), finetune.checkpoint / HEAD_WEIGHTS)
     return variants
+
+
+def warn_foreign_base(finetune: Finetune, config: LoraConfig, served: Sequence[str],
+                      snapshot: Path) -> None:
+    """A WARNING when the checkpoint says it was trained over another base than the one
+    served (or does not say): its shapes fit, but its answers mean something only over the base
+    it was trained on."""
+    if config.base_model is not None and names_the_base(config.base_model, served, snapshot):
+        return
+    log.warning("variant %s: its adapter was trained over base_model_name_or_path %r, and this "
+                "worker serves %s (snapshot %s): its answers mean something only over the base "
+                "it was trained on", finetune.name, config.base_model,
+                " / ".join(served) or "the base", snapshot)

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import logging
 import pickle
 import shutil
 from collections.abc import Callable
@@ -27,14 +28,23 @@ from benchlib.golden import Drift, answered, assert_response_matches
 from benchlib.paths import FINETUNE_FIXTURES, FINETUNE_REFERENCE, TINY_SNAPSHOT
 from clef_protocol.finetune import Finetune, resolve_finetunes
 from clef_protocol.options import RequestLimits, add_model_arguments, worker_argv
+from clef_worker.adapter_config import read_lora_config
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.errors import StartupError
-from clef_worker.model.lora import STACKED, merge_segments, token_slots
+from clef_worker.gpu.graphs import GraphRunner
+from clef_worker.model.lora import (
+    STACKED,
+    AdaptedLinear,
+    AdapterSelection,
+    LoraWeights,
+    merge_segments,
+    token_slots,
+)
 from clef_worker.native import NativeExecutor
-from clef_worker.variants import KEY_PREFIX, load_variants
+from clef_worker.variants import KEY_PREFIX, linear_layers, load_variants, read_adapter
 from tests.answer_compare import assert_same_response
 
-# The golden bound for a variant (issue 35): fp32 on CPU, unmerged against merged.
+# The golden bound for a variant: fp32 on CPU, unmerged against merged.
 VARIANT_LOGIT_TOLERANCE = 1.5e-4
 VARIANTS = ("tiny-alpha", "tiny-beta")
 REFERENCE = [json.loads(line) for line in FINETUNE_REFERENCE.read_text().splitlines() if line]
@@ -145,6 +155,74 @@ def test_padded_mixed_groups_equal_each_request_alone(tiny_snapshot: Path) -> No
         assert_same_response(got.body, want)
 
 
+@pytest.fixture(scope="module")
+def padded_buckets(tiny_snapshot: Path) -> NativeExecutor:
+    """The padded layout's `[rows, bucket]` shapes with both variants, built at warm-up as
+    `--cuda-graphs on` builds them on CPU: eagerly, through the code a CUDA capture records
+    (the stacked path over each shape's static slot buffer)."""
+    padded = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32", cuda_graphs="on",
+                               batch_layout="padded", max_batch_tokens=4096,
+                               graph_max_length=512, finetunes=_finetunes())
+    padded.warm_up()
+    return padded
+
+
+def _mixed_group(size: int) -> list[bytes]:
+    """`size` requests of different lengths, the base and both variants in turn."""
+    cases = [c for c in answered() if c["max_length"] == RequestLimits().max_length][:size]
+    assert len(cases) == size
+    models = ("clef-flash", *VARIANTS)
+    return [json.dumps(dict(case["request"], model=models[i % 3])).encode()
+            for i, case in enumerate(cases)]
+
+
+@pytest.mark.parametrize("size", [3, 5, 6, 7])
+def test_mixed_groups_on_padded_buckets_take_one_forward(
+        executor: NativeExecutor, padded_buckets: NativeExecutor, size: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixed group of 3, 5, 6 or 7 pads to a shape of 4 or 8 rows: its slot index covers the
+    pad rows too, the whole group is one replay (no forward per request, no eager fallback),
+    and every answer equals the request alone on the unpadded, graph-free executor."""
+    graphs = padded_buckets.runner.graphs
+    assert isinstance(graphs, GraphRunner) and graphs.selection is not None
+    # A launch-bound device (what graphs are for): every replay costs the same, so the planner
+    # batches; on CPU the measured costs may favour one replay per request.
+    monkeypatch.setattr(graphs, "costs_ms", dict.fromkeys(graphs.static, 1.0))
+    bodies = _mixed_group(size)
+    prepared = [padded_buckets.prepare(body) for body in bodies]
+    [step] = padded_buckets.runner.plan([len(p.encoding.input_ids) for p in prepared])
+    assert step.shape is not None and step.shape[0] > size  # pad rows in the forward
+    replays, fallbacks = sum(graphs.stats.replays.values()), graphs.stats.eager_fallbacks
+    grouped = padded_buckets.answer_prepared(prepared)
+    assert sum(graphs.stats.replays.values()) == replays + 1
+    assert graphs.stats.replays[step.shape] >= 1
+    assert graphs.stats.eager_fallbacks == fallbacks
+    assert [answer.batch_size for answer in grouped] == [size] * size
+    for got, want in zip(grouped, _alone(executor, bodies), strict=True):
+        assert_same_response(got.body, want)
+    # The same shape next holds the base alone: its slot buffer is rewritten to the base's.
+    base_only = [json.dumps(dict(json.loads(body), model="clef-flash")).encode()
+                 for body in bodies]
+    for got, want in zip(padded_buckets.answer_prepared(
+            [padded_buckets.prepare(body) for body in base_only]),
+            _alone(executor, base_only), strict=True):
+        assert_same_response(got.body, want)
+
+
+def test_the_stacked_index_covers_every_token_of_the_forward() -> None:
+    """A padded forward's tokens beyond the last request (its pad rows) are the base's, and an
+    index of another size than the forward is refused, never sliced or broadcast."""
+    selection = AdapterSelection(STACKED)
+    with selection.using([1, 2], [(0, 3), (3, 6)], torch.device("cpu"), tokens=12):
+        assert selection.token_slots is not None
+        assert selection.token_slots.tolist() == [1] * 3 + [2] * 3 + [0] * 6
+    adapted = AdaptedLinear(torch.nn.Linear(4, 4), selection)
+    adapted.add(1, LoraWeights(torch.ones(2, 4), torch.ones(4, 2)))
+    with selection.using([1], [(0, 3)], torch.device("cpu")), \
+            pytest.raises(ValueError, match="3 token slots for a forward of 6 tokens"):
+        adapted(torch.zeros(2, 3, 4))
+
+
 def test_segments_and_token_slots() -> None:
     spans = [(0, 3), (3, 5), (5, 9), (9, 10)]
     assert merge_segments([1, 1, 0, 2], spans) == ((0, 5, 1), (9, 10, 2))
@@ -158,6 +236,63 @@ def test_describe_lists_each_variant(executor: NativeExecutor) -> None:
     assert (described["tiny-alpha"]["rank"], described["tiny-alpha"]["scale"]) == (4, 2.0)
     assert (described["tiny-beta"]["rank"], described["tiny-beta"]["scale"]) == (2, 0.5)
     assert described["tiny-beta"]["head"].endswith("tiny-beta/joint_head.safetensors")
+    assert described["tiny-alpha"]["base_model_name_or_path"] == "tests/fixtures/clef-tiny"
+
+
+def test_rslora_and_a_foreign_base_are_served_as_peft_runs_them(
+        executor: NativeExecutor, tiny_snapshot: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """tiny-alpha's factors with rsLoRA at alpha 4 (scale 4 / sqrt(4) = 2, tiny-alpha's own
+    scale): every answer equals tiny-alpha's. Its config names another base: served, shown in
+    /health, and a WARNING says so; the fixtures' own base raises none."""
+    finetune = _broken(tmp_path, lambda c: _config(c, use_rslora=True, lora_alpha=4,
+                                                   base_model_name_or_path="Qwen/Qwen3.5-9B"))
+    caplog.set_level(logging.WARNING, logger="clef_worker.variants")
+    rs = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
+                           finetunes=(*_finetunes(), finetune))
+    [described] = [item for item in rs.describe().finetunes if item["name"] == "broken"]
+    assert (described["scale"], described["base_model_name_or_path"]) == (2.0, "Qwen/Qwen3.5-9B")
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "clef_worker.variants"]
+    assert warning.startswith("variant broken: its adapter was trained over "
+                              "base_model_name_or_path 'Qwen/Qwen3.5-9B', and this worker "
+                              "serves clef-flash")
+    bodies = _mixed_group(3)
+    for body in bodies:
+        mine = json.dumps(dict(json.loads(body), model="broken")).encode()
+        alpha = json.dumps(dict(json.loads(body), model="tiny-alpha")).encode()
+        got = json.loads(rs.answer(mine).body)
+        assert got["model"] == "broken"
+        got["model"] = "tiny-alpha"
+        assert_same_response(json.dumps(got).encode(), executor.answer(alpha).body)
+
+
+@pytest.mark.parametrize("change", [
+    {"target_modules": "all-linear"},
+    {"target_modules": ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj",
+                        "gate_proj", "up_proj", "down_proj", "q_proj", "k_proj", "v_proj",
+                        "o_proj"]},
+    {"target_modules": r"model\.language_model\.layers\.\d+\.(linear_attn|self_attn|mlp)\..*"},
+    {"init_lora_weights": "gaussian", "fan_in_fan_out": True, "lora_dropout": 0.05},
+], ids=["all-linear", "a list of names", "a pattern", "init, fan_in_fan_out, dropout"])
+def test_configs_peft_runs_as_plain_lora_read_every_tensor(
+        executor: NativeExecutor, tmp_path: Path, change: dict[str, Any]) -> None:
+    checkpoint = _broken(tmp_path, lambda c: _config(c, **change)).checkpoint / "adapter"
+    config = read_lora_config(checkpoint / "adapter_config.json")
+    tensors = read_adapter(checkpoint / "adapter_model.safetensors", config,
+                           linear_layers(executor.backbone.model))
+    assert len(tensors) == 31 and config.scale == 2.0
+
+
+def test_a_targeted_module_without_tensors_is_the_base_with_zero_init(
+        executor: NativeExecutor, tmp_path: Path) -> None:
+    """With `init_lora_weights` true (B starts at zero), PEFT leaves a targeted module the file
+    has no tensors for as the base: so does this server (the same file with `false` is refused:
+    REFUSALS)."""
+    checkpoint = _broken(tmp_path, _drop_up_proj).checkpoint / "adapter"
+    config = read_lora_config(checkpoint / "adapter_config.json")
+    tensors = read_adapter(checkpoint / "adapter_model.safetensors", config,
+                           linear_layers(executor.backbone.model))
+    assert "layers.0.mlp.up_proj" not in tensors and len(tensors) == 30
 
 
 # -- the flag ---------------------------------------------------------------------------------
@@ -202,17 +337,39 @@ def _rewrite(path: Path, edit: Callable[[dict[str, torch.Tensor]], object]) -> N
     save_file(tensors, str(path))
 
 
-def _config(checkpoint: Path, **changes: Any) -> None:
+def _config(checkpoint: Path, **changes: Any) -> bool:
     path = checkpoint / "adapter" / "adapter_config.json"
     path.write_text(json.dumps(dict(json.loads(path.read_text()), **changes)))
+    return True
+
+
+def _drop_up_proj(checkpoint: Path) -> bool:
+    """Layer 0's up_proj left out of the adapter file (target_modules still names it)."""
+    _rewrite(checkpoint / "adapter" / "adapter_model.safetensors",
+             lambda t: [t.pop(KEY_PREFIX + f"layers.0.mlp.up_proj.lora_{x}.weight")
+                        for x in "AB"])
+    return True
 
 
 QKV_A = KEY_PREFIX + "layers.0.linear_attn.in_proj_qkv.lora_A.weight"
 REFUSALS: dict[str, tuple[Callable[[Path], object], str]] = {
     "no adapter config": (lambda c: (c / "adapter" / "adapter_config.json").unlink(),
                           r"adapter_config\.json: missing"),
-    "dora": (lambda c: _config(c, use_dora=True), r"adapter_config\.json: use_dora is set"),
-    "rslora": (lambda c: _config(c, use_rslora=True), r"use_rslora is set"),
+    "dora": (lambda c: _config(c, use_dora=True),
+             r"adapter_config\.json: use_dora is true: DoRA"),
+    "outside target_modules": (
+        lambda c: _config(c, target_modules=r"model\.language_model\.layers\.0\..*"),
+        r"tensor base_model\.model\.model\.language_model\.layers\.1\.\S+ adapts "
+        r"model\.language_model\.layers\.1\.\S+, which target_modules does not name"),
+    "a pattern found inside names, not matching them whole": (
+        lambda c: _config(c, target_modules="mlp"), r"which target_modules does not name"),
+    "a list entry no name ends in after a dot": (
+        lambda c: _config(c, target_modules=["proj", "linear_attn", "self_attn", "mlp"]),
+        r"which target_modules does not name"),
+    "random init, a targeted module without tensors": (
+        lambda c: (_config(c, init_lora_weights=False), _drop_up_proj(c)),
+        r"model\.language_model\.layers\.0\.mlp\.up_proj is named by target_modules but has "
+        r"no tensors: with this init_lora_weights PEFT would give it random factors"),
     "rank": (lambda c: _config(c, r=8),
              r"adapter_model\.safetensors: tensor .*lora_A\.weight has shape \[4, 64\], expected "
              r"\[8, 64\]"),

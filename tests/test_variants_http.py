@@ -97,6 +97,7 @@ def test_models_health_and_workers_ai(serve: Serve) -> None:
     assert [(f["name"], f["rank"], f["scale"]) for f in finetunes] == [
         ("tiny-alpha", 4, 2.0), ("tiny-beta", 2, 0.5)]
     assert finetunes[0]["head"].endswith("tiny-alpha/joint_head.safetensors")
+    assert {f["base_model_name_or_path"] for f in finetunes} == {"tests/fixtures/clef-tiny"}
 
     row = ROWS[0]
     response = _post(serve, row["request"], RUN_PATH + row["variant"])

@@ -25,6 +25,11 @@ pool (largest shape first, so smaller graphs reuse its blocks) and warms every s
 stream; `EagerCapturer` runs the same static-buffer forward without recording (CPU,
 `--cuda-graphs on` on a CPU device, and the unit tests, which substitute their own capturer).
 
+Fine-tuned variants (clef_worker.model.lora): with a selection given, each shape also owns a
+static per-token slot buffer (`rows x tokens`, row-major like the flattened forward) and its
+forward runs the stacked LoRA path over it, so one capture serves every mix of variants; `run`
+rewrites it before each replay (a request's whole row is its slot, the pad rows the base's).
+
 What is not captured: the joint head (its shapes depend on the question and option counts of each
 request) and media requests (the vision tower runs eagerly, alone).
 """
@@ -44,6 +49,7 @@ from torch import Tensor
 from clef_protocol.options import CUDA_GRAPH_MODES
 from clef_worker.gpu.buckets import BucketTable
 from clef_worker.model.backbone import Backbone
+from clef_worker.model.lora import AdapterSelection
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +240,8 @@ class StaticShape:
     tokens: int
     input_ids: Tensor  # [rows, tokens] on the device; written in place, never replaced
     replay: Forward  # returns [rows, tokens, H], valid until the next replay of any shape
+    # With fine-tuned variants: each token's slot, [rows * tokens], written in place.
+    slots: Tensor | None = None
 
 
 @dataclass
@@ -259,8 +267,12 @@ class GraphRunner:
     """Runs the text stack at built shapes through static buffers (captured or eager)."""
 
     def __init__(self, backbone: Backbone, table: BucketTable, pad_id: int,
-                 capturer: Capturer, shapes: Sequence[Shape] | None = None):
+                 capturer: Capturer, shapes: Sequence[Shape] | None = None,
+                 selection: AdapterSelection | None = None):
         self.backbone = backbone
+        # Fine-tuned variants: each shape's forward runs the stacked LoRA path over a static
+        # slot buffer (`host_slots` lays it out per forward), so one capture serves every mix.
+        self.selection = selection
         self.table = table
         self.pad_id = pad_id
         self.capturer = capturer
@@ -318,12 +330,18 @@ class GraphRunner:
         input_ids = torch.full((rows, tokens), self.pad_id, dtype=torch.long,
                                device=self.backbone.device)
         backbone = self.backbone
+        selection = self.selection
+        slots = (torch.zeros(rows * tokens, dtype=torch.long, device=self.backbone.device)
+                 if selection is not None else None)
 
         def forward() -> Tensor:
-            return backbone.last_hidden_state(input_ids)
+            if selection is None or slots is None:
+                return backbone.last_hidden_state(input_ids)
+            with selection.replaying(slots):
+                return backbone.last_hidden_state(input_ids)
 
         static = StaticShape(rows=rows, tokens=tokens, input_ids=input_ids,
-                             replay=self.capturer.capture(forward))
+                             replay=self.capturer.capture(forward), slots=slots)
         self.static[shape] = static
         self.stats.built.append(shape)
         return static
@@ -367,10 +385,20 @@ class GraphRunner:
         alone = sum(self.expected_cost(shape) for shape in singles if shape is not None)
         return [Step(everyone, batched)] if self.expected_cost(batched) <= alone else sequential
 
-    def run(self, ids: Tensor, shape: Shape | None) -> Tensor:
+    def host_slots(self, slots: Sequence[int], rows: int, tokens: int) -> Tensor:
+        """The per-token slot index of a `[rows, tokens]` forward whose row i is a request of
+        variant `slots[i]` (its pad tokens included; the pad rows after them the base's)."""
+        index = torch.zeros((rows, tokens), dtype=torch.long)
+        index[:len(slots)] = torch.tensor(list(slots), dtype=torch.long)[:, None]
+        return index.reshape(-1)
+
+    def run(self, ids: Tensor, shape: Shape | None, slots: Tensor | None = None) -> Tensor:
         """Last hidden state of `ids` ([rows, tokens], on the device, right-padded): replayed
         from the built `shape` (ids are copied into its static buffer; pad rows fill the rest),
         or eagerly at the ids' own shape when `shape` is None or was not built at warm-up.
+        With variants, `slots` (`host_slots` of the ids' rows, on the device) is copied into the
+        shape's slot buffer; none given: every token the base's. An eager forward reads the
+        selection the caller set instead.
 
         A replay's result is a view of a static buffer: use it before the next replay.
         """
@@ -386,6 +414,12 @@ class GraphRunner:
             static.input_ids[:rows].copy_(ids, non_blocking=True)
             if rows < static.rows:
                 static.input_ids[rows:].fill_(self.pad_id)
+            if static.slots is not None:
+                if slots is None:
+                    static.slots.zero_()
+                else:
+                    static.slots[:slots.shape[0]].copy_(slots, non_blocking=True)
+                    static.slots[slots.shape[0]:].zero_()
             self.stats.replays[static.rows, static.tokens] = \
                 self.stats.replays.get((static.rows, static.tokens), 0) + 1
             return static.replay()

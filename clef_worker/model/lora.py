@@ -65,23 +65,28 @@ class AdapterSelection:
 
     @contextmanager
     def replaying(self, slots: Tensor) -> Iterator[None]:
-        """For a captured forward (clef_worker.gpu.packed_graphs): the stacked path over a
-        static per-token slot buffer the caller rewrites in place before each replay, taken for
-        every forward whatever the buffer holds (the capture records one code path)."""
+        """For a captured forward (clef_worker.gpu.packed_graphs, clef_worker.gpu.graphs): the
+        stacked path over a static per-token slot buffer the caller rewrites in place before
+        each replay, taken for every forward whatever the buffer holds (the capture records one
+        code path). The selection in force before is restored after."""
+        before = (self.static, self.token_slots, self.segments)
         self.static, self.token_slots, self.segments = True, slots, ((0, slots.shape[0], -1),)
         try:
             yield
         finally:
-            self.static, self.token_slots, self.segments = False, None, ()
+            self.static, self.token_slots, self.segments = before
 
     @contextmanager
     def using(self, slots: Sequence[int], spans: Sequence[tuple[int, int]],
-              device: torch.device) -> Iterator[None]:
+              device: torch.device, tokens: int | None = None) -> Iterator[None]:
         """Select for one forward: `spans[i]` is where request i's tokens sit in the flattened
-        forward (pad tokens between requests count as their row's); its slot is `slots[i]`."""
+        forward (pad tokens between requests count as their row's); its slot is `slots[i]`.
+        `tokens` is the forward's whole token count (default: the end of the last span): a
+        padded forward's pad rows, beyond every request's span, are tokens of the forward too,
+        and the stacked path's per-token index must cover them (as the base's)."""
         self.segments = merge_segments(slots, spans)
         if self.mode == STACKED and self.segments:
-            total = max(end for _, end in spans)
+            total = tokens if tokens is not None else max(end for _, end in spans)
             self.token_slots = token_slots(self.segments, total).to(device)
         try:
             yield
@@ -179,7 +184,12 @@ class AdaptedLinear(nn.Module):
         """Every token's update in three fixed-shape kernels (see the module docstring)."""
         assert self.stacked_a is not None and self.stacked_b is not None
         assert self.column_slots is not None and slots is not None
-        mask = (slots[:flat_x.shape[0], None] == self.column_slots[None, :]).to(flat_x.dtype)
+        if slots.shape[0] != flat_x.shape[0]:
+            # A shape check, not a value read: free inside a capture, and a wrong-sized index
+            # would score some tokens by another request's variant.
+            raise ValueError(f"{slots.shape[0]} token slots for a forward of "
+                             f"{flat_x.shape[0]} tokens")
+        mask = (slots[:, None] == self.column_slots[None, :]).to(flat_x.dtype)
         return ((flat_x @ self.stacked_a.T) * mask) @ self.stacked_b.T
 
 
