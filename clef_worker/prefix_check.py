@@ -27,10 +27,9 @@ from clef_protocol.validation import validate_request
 from clef_worker.errors import StartupError
 from clef_worker.model.backbone import DTYPE_NAMES
 from clef_worker.model.encoding import Encoding
-from clef_worker.policy import PADDED
 from clef_worker.prefix_cache import CacheKey, PrefixCache
-from clef_worker.runner import ModelRunner
 from clef_worker.self_check import BOUNDS, Comparison, compare
+from clef_worker.variant_probe import reference_runner
 from clef_worker.warmup import candidates
 
 if TYPE_CHECKING:
@@ -103,8 +102,8 @@ def check_prefix_cache(target: NativeExecutor, strict: bool = False) -> Comparis
     runner = target.runner
     dtype = DTYPE_NAMES[target.backbone.dtype]
     bound = BOUNDS.get(dtype, BOUNDS["bfloat16"])
-    plain = ModelRunner(runner.backbone, runner.head, runner.pad_id, layout=PADDED)
-    reference = [plain.run([encoding]).rows[0] for encoding in (cached, fresh)]
+    with reference_runner(runner) as plain:
+        reference = [plain.run([encoding]).rows[0] for encoding in (cached, fresh)]
     try:
         runner.run([warm], cache_keys=[_key(target, warm)])
         served = runner.run([cached, fresh],

@@ -316,8 +316,7 @@ class ModelRunner:
             keys = list(cache_keys)
         return Staged(lengths, steps, bucket, stage_host(tensors, self.device),
                       [t.shape for t in tensors], batch, media, slots, heads, bucket_slots,
-                      step_slots, keys,
-                      [ids_array(tokens) for tokens in ids] if keys else [])
+                      step_slots, keys, [ids_array(tokens) for tokens in ids] if keys else [])
 
     def _padded_ids(self, ids: Sequence[Sequence[int]], lengths: list[int],
                     step: Step) -> Tensor:

@@ -29,9 +29,8 @@ from clef_worker.model.prefix_forward import (
     torch_delta_rule,
 )
 from clef_worker.native import NativeExecutor, Prepared
-from clef_worker.policy import PADDED
 from clef_worker.prefix_cache import CacheKey, Hit, PrefixCache, ids_array, root_key
-from clef_worker.runner import ModelRunner
+from clef_worker.variant_probe import reference_runner
 
 # Every answer within the golden bound of the uncached forward (fp32 on CPU).
 BOUND = 1.5e-4
@@ -258,11 +257,9 @@ def _events(count: int, tag: str = "") -> dict[str, Any]:
 
 def _probabilities(executor: NativeExecutor, prepared: Prepared) -> list[float]:
     """The uncached answer: the plain eager forward of the request alone (no prefix cache)."""
-    runner = executor.runner
-    plain = ModelRunner(runner.backbone, runner.head, runner.pad_id, layout=PADDED,
-                        variant_heads=runner.heads[1:], selection=runner.selection)
-    assert plain.prefix_cache is None
-    return plain.run([prepared.encoding], slots=[prepared.slot]).rows[0].probabilities
+    with reference_runner(executor.runner) as plain:
+        assert plain.prefix_cache is None
+        return plain.run([prepared.encoding], slots=[prepared.slot]).rows[0].probabilities
 
 
 def test_a_cached_prefix_inside_a_packed_group_beside_uncached_requests(
