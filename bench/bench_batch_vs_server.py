@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
+
 from benchlib.paths import REPO
 from benchlib.provenance import command_line, cpu_line
 from clef_tools.bench_body import generated_body

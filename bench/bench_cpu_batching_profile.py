@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
+
 from benchlib.bodies import request_bodies
 from benchlib.paths import TINY_SNAPSHOT
 from benchlib.timing import best_ms, median_ms

@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchlib.docs_writer import DOC, add_write_docs_flag, replace_section
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
+
+from benchlib.docs_writer import DOC, add_write_docs_flag, raw_output_line, replace_section
 from benchlib.paths import TINY_SNAPSHOT
 from benchlib.provenance import command_line, cpu_line
 
@@ -184,6 +186,8 @@ def render_section(kind: str, results: list[SnapshotResult], args: argparse.Name
         f"## {kind.upper()} (`--device {args.device}`)",
         "",
         f"Command (from the repository root): `{command_line(__file__)}`",
+        "",
+        raw_output_line(None),
         "",
         f"Machine: {machine_line(args.device)}. 1-minute load average {load[0]:.2f} at the "
         f"start, {load[1]:.2f} at the end (other work on the machine inflates the numbers).",

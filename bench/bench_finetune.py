@@ -36,6 +36,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
+
 from benchlib.flash_model import (
     InMemoryModel,
     add_shape_arguments,

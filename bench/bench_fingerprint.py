@@ -18,9 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
 
 from clef_worker.fingerprint import SETTLED_S, DigestCache, SnapshotWatch
 

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
+
 from benchlib.flash_model import InMemoryModel, add_shape_arguments, load_executor, make_request
 from benchlib.provenance import command_line
 from benchlib.timing import percentile, timed_ms

@@ -29,6 +29,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
+
 from benchlib.http_load import run_load
 from benchlib.net import HOST, free_port
 from benchlib.paths import REPO

@@ -18,8 +18,11 @@ import importlib
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
 
 from benchlib.timing import best_ms
 from clef_worker.model import gated_delta

@@ -21,7 +21,13 @@ benchmark repeats bodies, which the production default would answer from the cac
 microseconds), and the result records `answer_cache_hits`, read from the server's `/metrics`
 after each phase (0 unless a cached answer slipped in). It also records the worker's start-up
 self-check (`self_check`, from `/health`'s `worker.self_check`; None where the worker does not
-report one).
+report one), run with `--self-check report` (compare and record, never fall back to a slower
+layout, never reuse a kept verdict), its time (`self_check_ms`) and the time from the server's
+spawn to ready (`ready_s`, the self-check included).
+
+The phases run in the order a time limit should cut them: throughput by concurrency and the
+mixed lengths first, then latency by length (the first length with its p99 samples, then the
+longer ones), then fresh lengths.
 `--warmup-only` stops after the ready info (the warm-cache start-up figure). `--batch-layout`
 and `--max-batch-tokens` choose the worker's batch policy (packed and padded side by side in the
 GPU script). The result is written to `--out` after every phase, so a run stopped at its time
@@ -45,7 +51,11 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
 
 from benchlib.flash_model import BUILT, SHAPES, RequestSizer, make_request
 from benchlib.gpu_checks import cache_hits, capture_problems, capture_report
@@ -61,6 +71,9 @@ FRESH_RANGE = (1100, 8000)
 MIXED_LENGTHS = (90, 150, 250, 370, 520, 700, 850, 1000)
 # Every request is a forward: the benchmark repeats bodies, which the answer cache would answer.
 NO_ANSWER_CACHE = ("--answer-cache", "0")
+# The worker's start-up self-check compares and records, never falls back and never reuses a
+# kept verdict: the figures are the layout asked for, and the check's own cost is measured.
+SELF_CHECK_REPORT = ("--self-check", "report")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -118,7 +131,7 @@ def server_flags(args: argparse.Namespace) -> tuple[str, ...]:
             "--max-length", str(args.max_length), "--media", "off",
             "--batch-layout", args.batch_layout, "--max-batch-tokens", str(args.max_batch_tokens),
             "--workers-per-device", str(args.workers_per_device), *NO_ANSWER_CACHE,
-            *args.server_args)
+            *SELF_CHECK_REPORT, *args.server_args)
 
 
 def post_ms(client: Client, body: bytes) -> float:
@@ -131,8 +144,10 @@ def post_ms(client: Client, body: bytes) -> float:
     return timed_ms(call)
 
 
-def latency(client: Client, sizer: RequestSizer, args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def latency(client: Client, sizer: RequestSizer, args: argparse.Namespace,
+            out: dict[str, Any], saved: Callable[[], None]) -> dict[str, Any]:
+    """C1 latency at each length into `out`, `saved` after each (a time limit keeps those
+    measured)."""
     for index, tokens in enumerate(args.lengths):
         if tokens > args.max_length:
             continue
@@ -146,6 +161,7 @@ def latency(client: Client, sizer: RequestSizer, args: argparse.Namespace) -> di
         out[str(tokens)] = {"input_tokens": len(sizer.encode(request).input_ids),
                             **latency_summary([post_ms(client, body) for _ in range(repeat)])}
         print(f"C1 {tokens} tokens: {out[str(tokens)]}", file=sys.stderr, flush=True)
+        saved()
     return out
 
 
@@ -254,23 +270,24 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
         results["device_memory_used_mib"] = device_memory_used_mib()
         results["capture"] = capture_report(info)
         results["self_check"] = info.get("self_check")
+        results["self_check_ms"] = (info.get("self_check") or {}).get("ms")
         problems = capture_problems(info, graphs_requested=args.cuda_graphs == "on",
                                     on_cuda=args.device.startswith("cuda"))
         results["capture_problems"] = problems
         done("ready", server)
         if problems or args.warmup_only:
             return results, problems
-        with server.connect(timeout=120) as client:
-            results["latency"] = latency(client, sizer, args)
-            done("latency", server)
-            results["fresh_lengths"] = fresh_lengths(client, sizer, args)
-        results["fresh_max_ratio"] = max((f["ratio"] for f in results["fresh_lengths"]),
-                                         default=None)
-        done("fresh_lengths", server)
         results["throughput"] = throughput(server.port, sizer, args)
         done("throughput", server)
         results["mixed_throughput"] = mixed_throughput(server.port, sizer, args)
         done("mixed_throughput", server)
+        with server.connect(timeout=120) as client:
+            results["latency"] = {}
+            latency(client, sizer, args, results["latency"], lambda: done("latency", server))
+            results["fresh_lengths"] = fresh_lengths(client, sizer, args)
+        results["fresh_max_ratio"] = max((f["ratio"] for f in results["fresh_lengths"]),
+                                         default=None)
+        done("fresh_lengths", server)
     return results, problems
 
 

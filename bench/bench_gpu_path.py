@@ -28,7 +28,10 @@ import logging
 import random
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
 
 from benchlib.flash_model import (
     InMemoryModel,

@@ -20,9 +20,12 @@ import json
 import random
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
 
 from benchlib.paths import TINY_SNAPSHOT
 from clef_protocol.options import RequestLimits

@@ -28,7 +28,10 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
 
 from benchlib.docs_writer import add_write_docs_flag
 from benchlib.http_client import Client

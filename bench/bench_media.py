@@ -20,8 +20,12 @@ import base64
 import functools
 import io
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
 
 from benchlib.paths import TINY_SNAPSHOT
 from benchlib.timing import median_ms

@@ -36,10 +36,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib.docs_writer import add_write_docs_flag, replace_section
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
+
+from benchlib.docs_writer import add_write_docs_flag, raw_output_line, replace_section
 from benchlib.http_client import Client, clef_body
 from benchlib.http_load import LoadResult, run_load
-from benchlib.provenance import command_line, cpu_line
+from benchlib.provenance import command_line, cpu_line, portable_path
 from benchlib.serve import Serve
 from benchlib.timing import elapsed_ms, latency_summary
 from clef_frontend.metrics import LOAD_PATH
@@ -47,7 +49,8 @@ from clef_frontend.metrics import LOAD_PATH
 GAUGES = ("clef_requests_queued", "clef_requests_in_flight", "clef_token_budget_usage_ratio")
 SCORED = re.compile(r'^clef_http_requests_total\{[^}]*route="/v1/systemone"[^}]*status="200"'
                     r"[^}]*\} (\S+)$", re.MULTILINE)
-# The bound the issue sets for a scrape under full load (p99), on the 2-core machine.
+# The bound a scrape must meet under full load (p99), on the 2-core machine: an endpoint
+# picker scraping every 50 ms must not wait behind the load it measures.
 P99_BOUND_MS = 10.0
 BEGIN, END = "<!-- bench-metrics:under-load -->", "<!-- /bench-metrics:under-load -->"
 
@@ -184,10 +187,15 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {kind} | {state} | {stats['n']} | {stats['p50_ms']} | "
                          f"{stats['p99_ms']} | {stats['max_ms']} | {row['body_bytes']} | "
                          f"{rps} |")
-    lines += ["", f"The bound asked for is p99 <= {report['p99_bound_ms']:g} ms under load. "
+    bound = report["p99_bound_ms"]
+    missed = [f"{kind} ({row['loaded']['p99_ms']} ms)" for kind, row in report["rows"].items()
+              if row["loaded"]["p99_ms"] > bound]
+    verdict = (f"**Missed by {', '.join(missed)}**; met by the others." if missed
+               else "Met by every row.")
+    lines += ["", f"The bound asked for is p99 <= {bound:g} ms under load. {verdict} "
               f"The endpoint picker of the Kubernetes manifests scrapes `{LOAD_PATH}` on the "
-              "metrics port (its three gauges only).",
-              END]
+              "metrics port (its three gauges only).", "",
+              raw_output_line(report.get("raw_output")), END]
     return "\n".join(lines) + "\n"
 
 
@@ -232,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
               "clients": args.clients, "seconds_per_round": args.seconds,
               "rounds": args.rounds, "interval_ms": args.interval_ms,
               "load_average": [load_before, os.getloadavg()[0]],
-              "p99_bound_ms": P99_BOUND_MS, "rows": rows}
+              "p99_bound_ms": P99_BOUND_MS, "rows": rows,
+              "raw_output": portable_path(str(args.out)) if args.out is not None else None}
     text = json.dumps(report, indent=2)
     print(text)
     if args.out is not None:

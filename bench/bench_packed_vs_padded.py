@@ -47,6 +47,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
+
 from benchlib.bodies import mixed_length_bodies, uniform_length_bodies
 from benchlib.paths import REPO, TINY_SNAPSHOT
 from benchlib.provenance import command_line, cpu_line

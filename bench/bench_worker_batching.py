@@ -26,7 +26,10 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
 
 from benchlib.bodies import request_bodies
 from benchlib.paths import TINY_SNAPSHOT

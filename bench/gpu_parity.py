@@ -41,6 +41,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
+
 from benchlib.golden import Drift, load_cases
 from benchlib.gpu_checks import (
     capture_problems,

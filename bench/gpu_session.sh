@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Every GPU check of this project as ONE command of at most 10 minutes on a GPU host: the
-# steps run in priority order under one deadline (default 540 s, setup included); a step that
+# steps run in priority order under one deadline (default 560 s, setup included; give the
+# command 600 s); a step that
 # would not fit in the time left is skipped and reported, never cut short at the end.
 #
 #   bash bench/gpu_prepare.sh              # first, on a machine with network: fills .gpu/
 #   bash bench/gpu_session.sh              # on the GPU host, from the repository root
 #   bash bench/gpu_session.sh --dry-run    # on CPU: every step in --quick mode (CI runs this)
 #
-# The GPU host needs no network: .gpu/whl holds the transformers and fla-core wheels (the host
+# The GPU host needs no network: .gpu/whl holds the transformers and fla-core wheels, each
+# checked for by name (the host
 # has torch, triton and the project's other dependencies); the reference fixtures come with the
 # checkout (benchlib/paths.py). Files land in $OUT (default /tmp/clef-gpu-out), five at most:
 # the summary h200-YYYY-MM-DD-summary.json (fields in benchlib/gpu_steps.py, null where a step
@@ -21,7 +23,7 @@ set -u
 export PYTHONUNBUFFERED=1
 DRY=0; [ "${1:-}" = "--dry-run" ] && DRY=1
 # The dry run: the same plan on a CPU host, limits and deadline doubled (benchlib/gpu_steps.py).
-if [ $DRY = 1 ]; then DEADLINE=${DEADLINE:-1080}; else DEADLINE=${DEADLINE:-540}; fi
+if [ $DRY = 1 ]; then DEADLINE=${DEADLINE:-1120}; else DEADLINE=${DEADLINE:-560}; fi
 OUT=${OUT:-/tmp/clef-gpu-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 : > "$OUT/env.txt"
 cd "$(dirname "$0")/.."
@@ -34,8 +36,13 @@ else
   PY=python3
   FLAGS=()
   SCRATCH=${SCRATCH:-/tmp/clef-gpu-steps}
-  if ! compgen -G ".gpu/whl/*.whl" > /dev/null; then
-    ERROR="no wheels in .gpu/whl: run bench/gpu_prepare.sh before the sitting"
+  # Both wheels, by name: one of them alone installs and then fails at the first import.
+  MISSING=""
+  for WHEEL in transformers fla_core; do
+    compgen -G ".gpu/whl/$WHEEL-*.whl" > /dev/null || MISSING="$MISSING $WHEEL-*.whl"
+  done
+  if [ -n "$MISSING" ]; then
+    ERROR="missing in .gpu/whl:$MISSING: run bench/gpu_prepare.sh before the sitting"
   elif ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .gpu/whl/*.whl >> "$OUT/env.txt" 2>&1; then
     ERROR="installing the wheels of .gpu/whl failed (env.txt)"

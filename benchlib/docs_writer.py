@@ -17,6 +17,21 @@ from benchlib.paths import REPO
 DOC = REPO / "docs" / "benchmarks.md"
 
 
+RAW_OUTPUT = "Raw output:"
+NO_RAW_OUTPUT = "No raw output kept"
+"""Every section of docs/benchmarks.md with figures says where their raw output is, under
+bench/results/, or that none was kept (tests/test_benchmarks_doc.py checks one or the other is
+there, and that every cited file exists)."""
+
+
+def raw_output_line(path: str | None) -> str:
+    """The line a generated section ends with: its raw output's file, or that there is none."""
+    if path:
+        return f"{RAW_OUTPUT} `{path}`."
+    return (f"{NO_RAW_OUTPUT}: this section is the run's only record (the script printed it; "
+            "run the command above again to check it).")
+
+
 def add_write_docs_flag(parser: argparse.ArgumentParser) -> None:
     """`--write-docs`: the only way a benchmark touches docs/benchmarks.md."""
     parser.add_argument("--write-docs", action="store_true",

@@ -1,7 +1,8 @@
 """The GPU script's steps under one deadline, and the summary it leaves behind.
 
 On a GPU host the whole check is one command of at most 10 minutes (`bench/gpu_session.sh`,
-default deadline 540 s, its own setup included). Steps run one at a time in priority order, each
+default deadline 560 s, its own setup included; the device call gives it 600 s). Steps run one
+at a time in priority order, each
 under its own time limit; a step whose limit does not fit in the time left is not started but
 skipped, and reported as such, so the most important numbers always come first and the command
 always ends inside its deadline. The first step pays the cold kernel compilation (Triton and
@@ -45,6 +46,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,7 +60,7 @@ from typing import Any
 from benchlib.paths import FIXTURES, REPO
 from clef_frontend.build_info import git_commit
 
-DEFAULT_DEADLINE_S = 540.0
+DEFAULT_DEADLINE_S = 560.0
 # A dry run's steps are CPU quick runs on a shared CI machine: same plan and order, limits (and
 # the deadline gpu_session.sh gives) scaled by this, so a slow CI host does not fail the check
 # of the wiring.
@@ -81,7 +83,7 @@ STDOUT_TAIL_CHARS = 4000
 
 SUMMARY_FIELDS = (
     "date", "commit", "error", "batch_layout", "graph_shapes_planned", "graph_shapes_captured",
-    "self_check", "answer_cache_hits",
+    "self_check", "self_check_ms", "self_check_problem", "ready_s", "answer_cache_hits",
     "p50_ms_370tok", "p99_ms_370tok", "p99_samples_370tok", "p50_ms_1000tok", "p50_ms_7000tok",
     "fresh_len_max_ratio", "warmup_cold_s", "warmup_cached_s", "c1_rps", "c16_rps", "c32_rps",
     "mixed_c16_rps", "padded_p50_ms_370tok", "padded_p50_ms_1000tok", "padded_c16_rps",
@@ -90,15 +92,23 @@ SUMMARY_FIELDS = (
     "parity_dtype", "bf16_eager_vs_fp32_max_prob_diff", "bf16_graphs_vs_fp32_max_prob_diff",
     "bf16_argmax_mismatches", "bf16_graphs_vs_eager_max_prob_diff", "argmax_equal",
     "packed_graphs_vs_packed_eager_max_prob_diff", "packed_groups_argmax_equal",
+    "packed_at_padded_settings_p50_ms_370tok", "packed_at_padded_settings_c16_rps",
+    "packed_at_padded_settings_mixed_c16_rps",
 )
 # Fields the script computes itself, not read from one step's result.
-OWN_FIELDS = ("date", "commit", "error", "graph_shapes_planned", "answer_cache_hits")
+OWN_FIELDS = ("date", "commit", "error", "graph_shapes_planned", "answer_cache_hits",
+              "self_check_problem")
+# Fields read from a step even when it failed: what the worker's start-up reported (its
+# self-check with each probe's figures, how long it took, the time to ready) is true whatever
+# went wrong after it, and is what a failure is diagnosed from.
+KEPT_ON_FAILURE = ("self_check", "self_check_ms", "ready_s")
 # Step fields a dry run leaves null by design: its quick HTTP steps time 370 tokens only. Every
 # other field read from a step that ran must come back filled (`unfilled`), so a bench whose
 # result keys drift fails the dry run in CI, not the one GPU sitting.
 DRY_RUN_NULL_FIELDS = ("p50_ms_1000tok", "p50_ms_7000tok", "padded_p50_ms_1000tok")
 # The steps whose servers' answer-cache hits are summed (every step that times HTTP).
-HTTP_STEPS = ("http_graphs_cold", "http_padded", "warmup_cached", "http_eager", "two_workers")
+HTTP_STEPS = ("http_graphs_cold", "http_padded", "warmup_cached", "http_eager", "two_workers",
+              "http_packed_at_padded_settings")
 
 
 def _ms_to_s(value: Any) -> float:
@@ -125,6 +135,14 @@ SOURCES: dict[str, tuple[str, tuple[str, ...], Callable[[Any], Any] | None]] = {
     "p99_ms_370tok": ("http_graphs_cold", ("latency", "370", "p99_ms"), None),
     "p99_samples_370tok": ("http_graphs_cold", ("latency", "370", "n"), None),
     "self_check": ("http_graphs_cold", ("self_check",), None),
+    "self_check_ms": ("http_graphs_cold", ("self_check_ms",), None),
+    "ready_s": ("http_graphs_cold", ("ready_s",), None),
+    "packed_at_padded_settings_p50_ms_370tok": (
+        "http_packed_at_padded_settings", ("latency", "370", "p50_ms"), None),
+    "packed_at_padded_settings_c16_rps": (
+        "http_packed_at_padded_settings", ("throughput", "C16", "req_per_s"), None),
+    "packed_at_padded_settings_mixed_c16_rps": (
+        "http_packed_at_padded_settings", ("mixed_throughput", "C16", "req_per_s"), None),
     "mixed_c16_rps": ("http_graphs_cold", ("mixed_throughput", "C16", "req_per_s"), None),
     "padded_mixed_c16_rps": ("http_padded", ("mixed_throughput", "C16", "req_per_s"), None),
     # The dtype the parity step ran in: bfloat16 on the GPU; a dry run's quick mode fills the
@@ -167,6 +185,9 @@ class Step:
     # of skipping once capture is known to fail (the eager half keeps its figures, so kernels
     # and capture are still told apart).
     without_graphs: tuple[str, ...] | None = None
+    # A pytest run that fails unless more than zero tests passed and none was skipped (a
+    # CUDA test file whose every test skips would otherwise pass on a host without CUDA).
+    tests_must_run: bool = False
 
 
 @dataclass
@@ -194,9 +215,54 @@ Runner = Callable[[Step, float], Ran]
 
 def capture_failed(outcome: Outcome) -> bool:
     """Whether a graphs step's result says CUDA graph capture failed (a bench exits 1 with its
-    `capture_problems` when graphs were asked for and not all were captured)."""
+    `capture_problems` when graphs were asked for and not all were captured). Graphs dropped
+    by a self-check fallback are not a capture failure: that is `self_check_problem`."""
     result = outcome.result
-    return isinstance(result, Mapping) and bool(result.get("capture_problems"))
+    return (isinstance(result, Mapping) and bool(result.get("capture_problems"))
+            and not _dig(result, ("self_check", "fell_back_from")))
+
+
+def self_check_problem(result: Any) -> str:
+    """What a step's worker self-check reported wrong: a disagreement (with the failing probes
+    and figures) or a fallback; "" when it passed on the layout asked for or reported none."""
+    verdict = _dig(result, ("self_check",))
+    if not isinstance(verdict, Mapping):
+        return ""
+    fell_back = verdict.get("fell_back_from") or []
+    failing = [probe.get("name") for probe in verdict.get("probes") or ()
+               if isinstance(probe, Mapping) and not probe.get("passed", True)]
+    if fell_back:
+        return (f"self-check fell back from {', '.join(map(str, fell_back))} to "
+                f"{verdict.get('layout')} (the serving layout disagreed with the eager answers)")
+    if verdict.get("passed") is False:
+        return (f"self-check disagreed on {verdict.get('layout')}: max |dp| "
+                f"{verdict.get('max_abs_diff')} (bound {verdict.get('bound')}), probes "
+                f"{failing}")
+    return ""
+
+
+def self_check_problems(outcomes: Sequence[Outcome]) -> str | None:
+    """Each step's self-check problem, `step: problem`, joined; None when there is none."""
+    problems = [f"{o.name}: {problem}" for o in outcomes
+                if (problem := self_check_problem(o.result))]
+    return "; ".join(problems) or None
+
+
+TEST_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
+
+
+def unproven_tests(stdout: str) -> str:
+    """Why a pytest step that exited 0 still proves nothing: no test passed, or some were
+    skipped (on the GPU every one of its CUDA tests must run); "" when it proves something."""
+    lines = [line for line in stdout.strip().splitlines() if TEST_COUNTS.search(line)]
+    counts: dict[str, int] = {}
+    for number, kind in TEST_COUNTS.findall(lines[-1] if lines else ""):
+        counts[kind] = counts.get(kind, 0) + int(number)
+    if counts.get("passed", 0) == 0:
+        return "no test passed"
+    if counts.get("skipped", 0):
+        return f"{counts['skipped']} tests skipped (every CUDA test must run on the GPU)"
+    return ""
 
 
 def run_steps(steps: Sequence[Step], budget_s: float, runner: Runner,
@@ -228,9 +294,12 @@ def run_steps(steps: Sequence[Step], budget_s: float, runner: Runner,
                 status, reason = "timed_out", f"over its limit of {step.limit_s:.0f} s"
             elif ran.rc != 0:
                 status, reason = "failed", f"exit status {ran.rc}"
+            elif step.tests_must_run and (problem := unproven_tests(ran.stdout)):
+                status, reason = "failed", problem
             else:
                 status, reason = "ok", ""
-            reason = "; ".join(part for part in (note, reason) if part)
+            checked = self_check_problem(ran.result)
+            reason = "; ".join(part for part in (note, reason, checked) if part)
             outcome = Outcome(step.name, status, round(clock() - began, 1), ran.rc, reason,
                               ran.result, ran.stdout[-STDOUT_TAIL_CHARS:])
             if step.graphs and capture_failed(outcome):
@@ -262,13 +331,17 @@ def summarise(outcomes: Sequence[Outcome], date: str, commit: str,
     (what a timed-out step measured before its limit stands: the benches write their results
     after each phase); None for the rest (a failed step's numbers are not reported: it may
     have failed for measuring the wrong thing, e.g. eager under the name of graphs). `error`:
-    why the sitting could not run (None when it could)."""
+    why the sitting could not run (None when it could). The start-up fields of
+    `KEPT_ON_FAILURE` are read from a failed step too; `self_check_problem` says which step's
+    self-check disagreed or fell back (None: none did)."""
     results = {o.name: o.result for o in outcomes if o.status in ("ok", "timed_out")}
+    every = {o.name: o.result for o in outcomes if o.result is not None}
     summary: dict[str, Any] = {"date": date, "commit": commit, "error": error,
                                "graph_shapes_planned": graph_shapes_planned,
-                               "answer_cache_hits": answer_cache_hits(results)}
+                               "answer_cache_hits": answer_cache_hits(results),
+                               "self_check_problem": self_check_problems(outcomes)}
     for name, (step, path, convert) in SOURCES.items():
-        value = _dig(results.get(step), path)
+        value = _dig((every if name in KEPT_ON_FAILURE else results).get(step), path)
         summary[name] = convert(value) if (convert and value is not None) else value
     return {name: summary[name] for name in SUMMARY_FIELDS}
 
@@ -294,19 +367,32 @@ def plan(*, dry_run: bool, python: str = sys.executable,
 
     Limits, from what each step does at the H200 defaults (the packed layout's 28 total-token
     graphs, about 80k tokens of capture against the padded layout's 110 shapes and 509k
-    tokens that made the old first step overrun): the first step loads the 7.9 B model,
-    compiles every kernel cold and captures, then times 300 requests at 370 tokens (its p99)
-    and ~30 at two more lengths, four fresh lengths, C1/C16/C32 and mixed lengths at C16 for
-    6 s each; the parity step loads the tiny snapshot twice in bf16 and answers every golden
-    case alone and in groups on each (the issue's reading of the old step: 90-110 s against
-    its 75 s limit); the padded step runs the padded layout at `--max-length 1024` and a
-    6,144-token budget (66 shapes, ~122k tokens, enough for C16 at 370 tokens) with the same
-    length mix, so packed and padded are measured side by side in the same sitting. Eager over
-    HTTP is optional (the parity step compares eager and graphs answer by answer)."""
+    tokens that made an older first step overrun). The first step, estimated on paper (none
+    of it has been measured on a GPU yet; the summary's `ready_s` and `self_check_ms` will
+    say): building the 7.9 B model's random weights in memory (~10 s), a cold warm-up that
+    compiles fla's varlen kernels and captures the 28 graphs (~60-90 s), the cold self-check,
+    which compiles the fixed-length kernels of its eager reference that no graph uses
+    (~40-70 s), C1/C16/C32 and the mixed C16 for 6 s each (~30 s), 300 requests at 370 tokens
+    and ~40 at 1,000 and 7,000 (~15 s), four fresh lengths (~5 s): ~160-220 s, so 240 s. Its
+    phases run throughput first, latency by length after, fresh lengths last, so a time-out
+    loses the least-needed figures. The parity step loads the tiny snapshot twice in bf16 and
+    answers every golden case alone and in groups on each (90-110 s was read off an older
+    version against its 75 s limit); the padded step runs the padded layout at
+    `--max-length 1024` and a 6,144-token budget (66 shapes, ~122k tokens, enough for C16 at
+    370 tokens) with the same length mix, on the kernels and reference kernels the first step
+    compiled; the packed layout at those same settings is the first optional step, so packed
+    and padded are also compared at one budget and maximum length. Every HTTP server checks
+    itself with `--self-check report` (bench_gpu_http.py): recorded, never a fallback. Eager
+    over HTTP is optional (the parity step compares eager and graphs answer by answer). The
+    pytest steps fail on the GPU unless a test passed and none was skipped."""
     quick = ("--quick",) if dry_run else ()
     scale = DRY_RUN_SCALE if dry_run else 1.0
     http = (python, "bench/bench_gpu_http.py", *quick, "--gdn-prefill", "fla")
     pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider")
+    # The padded step's settings (and the packed step compared with it at the same ones).
+    small_settings = ("--max-length", "1024", "--max-batch-tokens", "6144", "--repeat", "30",
+                      "--p99-samples", "0", "--fresh", "0", "--concurrency", "16", "--seconds",
+                      "6", "--mixed-concurrency", "16")
     parity = (python, "bench/gpu_parity.py", *quick, "--fixtures", str(fixtures), "--device",
               "cuda", "--dtype", "bfloat16", "--gdn-prefill", "fla")
     return [
@@ -314,7 +400,7 @@ def plan(*, dry_run: bool, python: str = sys.executable,
         # lengths, cold warm-up, graph memory, C1/C16/C32 and mixed lengths at C16, over HTTP.
         Step("http_graphs_cold", (*http, "--cuda-graphs", "on", "--repeat", "30",
                                   "--p99-samples", "300", "--fresh", "4", "--seconds", "6",
-                                  "--mixed-concurrency", "16"), 200 * scale, graphs=True),
+                                  "--mixed-concurrency", "16"), 240 * scale, graphs=True),
         # Golden parity in bf16 against the float32 goldens, eager and graphs, graphs vs eager
         # question by question, and on each executor the cases in mixed packed groups against
         # alone; at the longest golden length. Written after each mode.
@@ -324,25 +410,28 @@ def plan(*, dry_run: bool, python: str = sys.executable,
              without_graphs=(*parity, "--cuda-graphs", "off")),
         # The padded layout beside it: p50 at 370 / 1,000 tokens, C16, mixed C16, its warm-up.
         Step("http_padded", (*http, "--cuda-graphs", "on", "--batch-layout", "padded",
-                             "--max-length", "1024", "--lengths", "370", "1000", "--repeat",
-                             "30", "--p99-samples", "0", "--fresh", "0", "--concurrency", "16",
-                             "--seconds", "6", "--mixed-concurrency", "16",
-                             "--max-batch-tokens", "6144"), 125 * scale, graphs=True),
+                             *small_settings, "--lengths", "370", "1000"), 105 * scale,
+             graphs=True),
         # Start-up again with the kernel cache the first step left.
         Step("warmup_cached", (*http, "--cuda-graphs", "on", "--warmup-only"), 50 * scale,
              graphs=True),
-        # Optional, in the time left: first the packed CUDA tests (fla's varlen kernels and
+        # Optional, in the time left: first packed at the padded step's budget and maximum
+        # length (its figures beside the padded ones, one setting apart: the layout); then the
+        # packed CUDA tests (fla's varlen kernels and
         # varlen_attn on the tiny snapshot in bf16, never run on a GPU before; run even when
         # capture failed: most of them capture nothing, and they place a fault), then the other
         # CUDA-only unit tests, eager over HTTP, two workers, the profile.
+        Step("http_packed_at_padded_settings",
+             (*http, "--cuda-graphs", "on", "--batch-layout", "packed", *small_settings,
+              "--lengths", "370"), 60 * scale, graphs=True, optional=True),
         Step("packed_unit", (*pytest, "tests/test_packed_cuda.py",
                              "tests/test_packed_runner.py", "tests/test_prefix_cache_cuda.py",
                              "-k", "cuda"),
-             60 * scale, writes_json=False, optional=True),
+             60 * scale, writes_json=False, optional=True, tests_must_run=not dry_run),
         Step("graphs_unit", (*pytest, "tests/test_graphs.py", "-k", "cuda"), 45 * scale,
-             writes_json=False, graphs=True, optional=True),
+             writes_json=False, graphs=True, optional=True, tests_must_run=not dry_run),
         Step("short_conv_unit", (*pytest, "tests/test_short_conv_cuda.py"), 40 * scale,
-             writes_json=False, optional=True),
+             writes_json=False, optional=True, tests_must_run=not dry_run),
         # Eager over HTTP by length, beside graphs (the latency-by-length comparison).
         Step("http_eager", (*http, "--cuda-graphs", "off", "--lengths", "370", "1000", "7000",
                             "--repeat", "20", "--p99-samples", "0", "--fresh", "0",

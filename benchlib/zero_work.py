@@ -35,7 +35,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchlib.docs_writer import DOC, replace_section
+from benchlib.docs_writer import DOC, raw_output_line, replace_section
 from benchlib.http_load import LoadResult, run_load
 from benchlib.net import free_port, wait_port
 from benchlib.paths import FAKE_WORKER, REPO
@@ -230,7 +230,7 @@ def _render(rows: list[Row], worker_ms: list[float], args: argparse.Namespace,
                       f"request (median `worker_ms` of {len(worker_ms)} access-log lines, which "
                       "round to 0.1 ms)."]
     lines += ["", "Targets:", ""] + [f"- {line}" for line in _verdicts(rows)]
-    lines.append(END)
+    lines += ["", raw_output_line(None), END]
     return "\n".join(lines) + "\n"
 
 

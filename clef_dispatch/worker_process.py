@@ -68,7 +68,11 @@ async def start_worker(argv: tuple[str, ...], env: Mapping[str, str] | None, *,
 
     The worker gets its own session: signals aimed at the front's process group (Ctrl-C,
     timeout(1), job control) reach only the front, which drains and then stops the worker
-    with a `shutdown` frame, instead of killing the request in flight.
+    with a `shutdown` frame, instead of killing the request in flight. A front that dies
+    without draining (SIGKILL, a crash) takes its workers with it: each one asked the kernel
+    for SIGKILL on its parent's death (clef_worker.parent), knowing the front by
+    `FRONT_PID_ENV`. Called from the event loop's thread, which lives as long as the front
+    (the kernel signals when the thread that started the child ends).
     """
     loop = asyncio.get_running_loop()
     try:
@@ -79,7 +83,7 @@ async def start_worker(argv: tuple[str, ...], env: Mapping[str, str] | None, *,
             stdout=asyncio.subprocess.PIPE,
             stderr=None,
             start_new_session=True,
-            env=None if not env else {**os.environ, **env},
+            env={**os.environ, **(env or {}), messages.FRONT_PID_ENV: str(os.getpid())},
         )
     except OSError as exc:
         raise WorkerFailure(f"cannot run worker command {argv[0]!r}: {exc}") from None

@@ -6,7 +6,9 @@ Two ways to know it, each true where it applies:
   from it;
 - running from a wheel: the commit recorded in the package's `BUILD_COMMIT` file when the wheel
   was built (setup.py writes it, from git, or from the sdist's copy of it when the wheel is built
-  from an sdist, which has no `.git`).
+  from an sdist, which has no `.git`);
+- running from an unpacked sdist (its tests run there): the commit the sdist recorded in the
+  `BUILD_COMMIT` at its root.
 Anything else (a tarball without the file, git missing) is "unknown", never a guess.
 
 Standard library only, and importable without its package: setup.py loads this file by path at
@@ -51,5 +53,7 @@ def recorded_commit(directory: Path) -> str | None:
 
 
 def commit() -> str | None:
-    """The commit this running copy came from: the checkout's, else the wheel's record."""
-    return git_commit(PACKAGE.parent) or recorded_commit(PACKAGE)
+    """The commit this running copy came from: the checkout's, else the wheel's record, else the
+    unpacked sdist's."""
+    return (git_commit(PACKAGE.parent) or recorded_commit(PACKAGE)
+            or recorded_commit(PACKAGE.parent))

@@ -401,7 +401,10 @@ class _SelfCheckCollector(Collector):
                 ("max_abs_diff", "The largest probability difference the start-up self-check "
                  "saw on the layout the worker serves with.", verdict.max_abs_diff),
                 ("fallbacks", "Layouts the start-up self-check fell back from (0: the default "
-                 "layout agreed).", float(len(verdict.fell_back_from)))):
+                 "layout agreed).", float(len(verdict.fell_back_from))),
+                ("reused", "1 when the worker kept the passing verdict of an earlier start on "
+                 "the same weights, code, device, dtype and layout instead of checking again.",
+                 float(verdict.reused))):
             family = GaugeMetricFamily(f"clef_worker_self_check_{name}", text,
                                        labels=["layout"])
             family.add_metric([verdict.layout], value)

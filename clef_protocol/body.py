@@ -34,11 +34,16 @@ class _ParseNotes:
     def __init__(self) -> None:
         self.duplicate_keys = False
         self.non_finite = False
+        # The values a repeated key replaced: gone from the document, but row 8 (a lone
+        # surrogate, too deep) comes before row 10 (the repeat) and must still see them.
+        self.replaced: list[Any] = []
 
     def object_pairs(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         obj = dict(pairs)
         if len(obj) != len(pairs):
             self.duplicate_keys = True
+            kept = {id(value) for value in obj.values()}
+            self.replaced += [value for _, value in pairs if id(value) not in kept]
         return obj
 
     def constant(self, name: str) -> float:
@@ -105,7 +110,8 @@ def parse_body(body: bytes) -> dict[str, Any]:
     except (UnicodeDecodeError, ValueError, RecursionError, _Overflow):
         # ValueError covers JSONDecodeError and integers past Python's digit limit.
         raise BadRequestBody(INVALID_JSON) from None
-    if _may_be_deep_or_surrogate(body) and _too_deep_or_surrogate(document):
+    if _may_be_deep_or_surrogate(body) and any(
+            _too_deep_or_surrogate(value) for value in (document, *notes.replaced)):
         raise BadRequestBody(INVALID_JSON)
     if not isinstance(document, dict):
         raise BadRequestBody(NOT_AN_OBJECT)

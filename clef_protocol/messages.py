@@ -58,6 +58,11 @@ def is_trace_id(value: object) -> bool:
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 STACK_DUMP_SECONDS = 2.0
 
+# The front's pid, in every worker's environment: the worker asks the kernel to kill it when its
+# parent dies (clef_worker.parent) and, where its parent is not this pid, checks the front is
+# still alive, so a front killed before the worker made that request leaves no orphan behind.
+FRONT_PID_ENV = "CLEF_FRONT_PID"
+
 
 # The `detail` of every 5xx a client sees for a request the worker could not answer (the
 # contract's text, sent by the worker in its `error` frames and by the front when it loses the
@@ -120,6 +125,16 @@ class SelfCheck:
     (`packed-graphs`, `packed`, `per-group`, `padded-graphs`, `padded`, `one-at-a-time`);
     `checked`: requests compared; `max_abs_diff`: the largest probability difference seen on
     that layout; `fell_back_from`: the layouts that disagreed before it, in the order tried.
+
+    Optional (absent from a worker that predates them, then the defaults): `mode` (the
+    `--self-check` mode it ran under); `bound` (the probability bound it held to);
+    `max_hidden_diff` (the largest per-token relative difference of the last hidden state,
+    recorded beside the probabilities, not bounded); `ms` (what the check cost this start, or
+    reading the kept verdict); `reused` (true: a passing verdict kept from an earlier start on
+    the same weights, code, device, dtype and layout stands, nothing was run again); `probes`
+    (each probe's own result: `name`, `passed`, `checked`, `max_abs_diff`, `max_hidden_diff`,
+    `argmax_mismatches`, `groups` (the largest difference per forward), `error`, and any
+    fields of its own).
     """
 
     passed: bool
@@ -127,25 +142,48 @@ class SelfCheck:
     checked: int
     max_abs_diff: float
     fell_back_from: list[str] = field(default_factory=list)
+    mode: str = ""
+    bound: float = 0.0
+    max_hidden_diff: float = 0.0
+    ms: float = 0.0
+    reused: bool = False
+    probes: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_message(cls, value: Any) -> SelfCheck:
         """Check and convert the `self_check` map of a `ready` frame (every field, its type)."""
-        if not isinstance(value, dict) or set(value) != _SELF_CHECK_FIELDS:
-            raise ValueError(f"self_check: expected a map of {sorted(_SELF_CHECK_FIELDS)}, "
-                             f"got {value!r}")
+        if (not isinstance(value, dict) or not set(value) >= _SELF_CHECK_FIELDS
+                or not set(value) <= _SELF_CHECK_FIELDS | _SELF_CHECK_OPTIONAL):
+            raise ValueError(f"self_check: expected a map of {sorted(_SELF_CHECK_FIELDS)} "
+                             f"(and optionally {sorted(_SELF_CHECK_OPTIONAL)}), got {value!r}")
         passed, layout, checked = value["passed"], value["layout"], value["checked"]
         diff, fell_back = value["max_abs_diff"], value["fell_back_from"]
+        optional = {**_SELF_CHECK_DEFAULTS, **{k: value[k] for k in _SELF_CHECK_OPTIONAL
+                                                  if k in value}}
         if not (isinstance(passed, bool) and isinstance(layout, str)
                 and isinstance(checked, int) and not isinstance(checked, bool) and checked >= 0
-                and isinstance(diff, (int, float)) and not isinstance(diff, bool)
-                and diff >= 0 and isinstance(fell_back, list)
-                and all(isinstance(name, str) for name in fell_back)):
+                and _non_negative(diff) and isinstance(fell_back, list)
+                and all(isinstance(name, str) for name in fell_back)
+                and isinstance(optional["mode"], str) and isinstance(optional["reused"], bool)
+                and all(_non_negative(optional[k]) for k in ("bound", "max_hidden_diff", "ms"))
+                and isinstance(optional["probes"], list)
+                and all(isinstance(probe, dict) for probe in optional["probes"])):
             raise ValueError(f"self_check: a field has the wrong type or range: {value!r}")
-        return cls(passed, layout, checked, float(diff), list(fell_back))
+        return cls(passed, layout, checked, float(diff), list(fell_back),
+                   mode=optional["mode"], bound=float(optional["bound"]),
+                   max_hidden_diff=float(optional["max_hidden_diff"]),
+                   ms=float(optional["ms"]), reused=optional["reused"],
+                   probes=[dict(probe) for probe in optional["probes"]])
+
+
+def _non_negative(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
 
 
 _SELF_CHECK_FIELDS = frozenset(("passed", "layout", "checked", "max_abs_diff", "fell_back_from"))
+_SELF_CHECK_DEFAULTS: dict[str, Any] = {"mode": "", "bound": 0.0, "max_hidden_diff": 0.0,
+                                        "ms": 0.0, "reused": False, "probes": []}
+_SELF_CHECK_OPTIONAL = frozenset(_SELF_CHECK_DEFAULTS)
 
 
 def _count(value: object) -> bool:

@@ -29,8 +29,11 @@ MEDIA_MODES = ("auto", "on", "off")
 # every request to the group's bucket in a [rows, tokens] batch.
 BATCH_LAYOUTS = ("auto", "packed", "padded")
 # The worker's start-up self-check (clef_worker.self_check): `on` falls back to a slower layout
-# that agrees with the eager answers, `strict` refuses to start instead, `off` skips it.
-SELF_CHECK_MODES = ("on", "strict", "off")
+# that agrees with the eager answers, `strict` refuses to start instead, `report` compares and
+# records but always serves the layout asked for (a benchmark measuring that layout), `off`
+# skips it. `on` and `strict` keep a passing verdict for the next start on the same weights,
+# code, device, dtype and layout (clef_worker.verdict_store); `report` always runs the check.
+SELF_CHECK_MODES = ("on", "strict", "report", "off")
 # The worker's prefix cache (clef_worker.prefix_cache): a request whose leading tokens were read
 # before runs only the rest.
 PREFIX_CACHE_MODES = ("on", "off")
@@ -153,7 +156,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="at start-up, answer a fixed set of requests through the serving "
                             "layout and one by one eagerly, and compare: on (on a mismatch, log "
                             "an ERROR and fall back to a slower layout that agrees), strict "
-                            "(refuse to start instead) or off (skip)")
+                            "(refuse to start instead), report (compare and record, never fall "
+                            "back, never reuse a kept verdict: for benchmarks) or off (skip); "
+                            "on and strict keep a passing verdict and skip the check while the "
+                            "weights, code, device, dtype and layout stay the same")
     group.add_argument("--prefix-cache", choices=PREFIX_CACHE_MODES, default="on",
                        help="keep each request's per-layer states at every block of its leading "
                             "tokens, so a later request that begins with the same tokens (same "

@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -208,17 +208,19 @@ def _fail_rest(ids: list[int], channel_out: BinaryIO) -> None:
         write_frame_blocking(channel_out, messages.error(frame_id, 500, INFERENCE_FAILED, 0.0))
 
 
-def self_check(executor: Executor, mode: str) -> messages.SelfCheck | None:
+def self_check(executor: Executor, mode: str,
+               fingerprint: Callable[[], str]) -> messages.SelfCheck | None:
     """The start-up self-check (clef_worker.self_check) of an executor that has serving layouts
-    to check (the native one); None for one that has none (the release executor runs the
-    snapshot's own code, one request at a time)."""
+    to check (the native one), or the verdict kept from an earlier start on the same weights
+    and code (clef_worker.verdict_store); None for one that has none (the release executor runs
+    the snapshot's own code, one request at a time)."""
     from clef_worker.native import NativeExecutor
 
     if not isinstance(executor, NativeExecutor):
         return None
-    from clef_worker.self_check import run_self_check
+    from clef_worker.verdict_store import checked
 
-    return run_self_check(executor, mode)
+    return checked(executor, mode, fingerprint)
 
 
 def prefix_cache_check(executor: Executor, mode: str) -> messages.PrefixCacheInfo | None:
@@ -251,7 +253,8 @@ def start(args: argparse.Namespace, channel_out: BinaryIO) -> LoadedExecutor | N
         started = time.perf_counter()
         executor.warm_up()
         warmup_ms = _elapsed_ms(started)
-        verdict = self_check(executor, args.self_check)  # may drop graphs: describe after it
+        # May drop graphs: describe after it.
+        verdict = self_check(executor, args.self_check, fingerprint.result)
         prefix_cache = prefix_cache_check(executor, args.self_check)
         model = dataclasses.replace(executor.describe(), fingerprint=fingerprint.result())
     except StartupError as exc:
@@ -278,13 +281,18 @@ def start(args: argparse.Namespace, channel_out: BinaryIO) -> LoadedExecutor | N
 
 
 def main(argv: list[str] | None = None) -> int:
+    from clef_worker.parent import die_with_parent
     from clef_worker.stdio import claim_channel
 
+    # First of all: a worker whose front is gone must not load a model nobody will ask for.
+    if die_with_parent() is None:
+        return 1  # nobody is left to read the status
     channel_in, channel_out = claim_channel()
     # The front decides when the worker stops: after draining it sends `shutdown` (or closes
     # stdin), and it SIGKILLs a worker that does not exit. Ctrl-C on a terminal, or a service
     # manager signalling every process of the service, must not kill the request in flight.
-    # The worker cannot outlive the front: the front's exit closes stdin, which ends the loop.
+    # The worker cannot outlive the front: the front's exit closes stdin, which ends the loop,
+    # and a front that dies while the worker starts takes it along (clef_worker.parent).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logs()

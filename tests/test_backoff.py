@@ -25,7 +25,8 @@ def test_failed_starts_count_as_a_crash_loop() -> None:
 
 
 def test_workers_that_served_never_grow_the_delay() -> None:
-    # The scenario: each replacement answers ~100 requests and is killed again.
+    # Each replacement answers ~100 requests and is then killed: workers that served were not
+    # crash-looping, so the restart delay must not grow.
     rule = backoff()
     decisions = [rule.worker_died(uptime=5.0, served=100) for _ in range(6)]
     assert [d.delay for d in decisions] == [0.5] * 6

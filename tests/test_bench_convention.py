@@ -4,7 +4,12 @@ fails the run."""
 
 from __future__ import annotations
 
+import ast
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,3 +55,55 @@ def test_commands_in_results_carry_no_host_paths() -> None:
                                              "--device", "cuda"])
     assert line == "python bench/bench_x.py --out x.json --model=m --device cuda"
     assert portable_path("relative/path") == "relative/path"
+
+
+BOOTSTRAP = "sys.path.insert(0, str(Path(__file__).resolve().parent.parent))"
+
+
+def _first_checkout_import(tree: ast.Module) -> int | None:
+    """The line of the first module-level import of benchlib, tests or a project package."""
+    for node in tree.body:
+        names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                 else [alias.name for alias in node.names] if isinstance(node, ast.Import)
+                 else [])
+        if any(name.split(".")[0] in CHECKOUT_PACKAGES for name in names):
+            return node.lineno
+    return None
+
+
+CHECKOUT_PACKAGES = {"benchlib", "tests", "clef_frontend", "clef_api", "clef_dispatch",
+                     "clef_worker", "clef_protocol", "clef_tools"}
+
+
+def test_scripts_import_the_checkout_s_code() -> None:
+    """benchlib is not installed (the wheel leaves it out), so `python bench/<script>.py`, which
+    puts bench/ on sys.path, not the root, finds it only through the root put there first; the
+    same line makes a script measure this checkout's packages, not an installed copy."""
+    missing = []
+    for path in scripts():
+        source = path.read_text()
+        first = _first_checkout_import(ast.parse(source))
+        if first is None:
+            continue
+        bootstrap = next((number for number, line in enumerate(source.splitlines(), 1)
+                          if line.startswith(BOOTSTRAP)), None)
+        if bootstrap is None or bootstrap > first:
+            missing.append(path.name)
+    assert missing == [], f"put `{BOOTSTRAP}` before the first import of benchlib, tests or " \
+                          f"the packages in: {missing}"
+
+
+def test_a_script_runs_from_a_tree_where_benchlib_is_not_installed(tmp_path: Path) -> None:
+    """The bootstrap works where nothing but the tree provides benchlib: a copy of bench/ and
+    benchlib/ elsewhere, run with the path of its script, no PYTHONPATH."""
+    for name in ("bench", "benchlib"):
+        shutil.copytree(REPO / name, tmp_path / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "results"))
+    probe = tmp_path / "bench" / "probe.py"
+    probe.write_text("import sys\nfrom pathlib import Path\n\n" + BOOTSTRAP + "\n\n"
+                     "import benchlib.paths\n\nprint(benchlib.paths.REPO)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-I", str(probe)], capture_output=True, text=True,
+                            cwd=tmp_path / "bench", env=env, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert Path(result.stdout.strip()) == tmp_path.resolve()

@@ -35,6 +35,7 @@ from benchlib.gpu_steps import (
     seed_autotune,
     summarise,
     unfilled,
+    unproven_tests,
 )
 
 
@@ -112,6 +113,7 @@ COLD = {"latency": {"370": {"p50_ms": 18.5, "p99_ms": 22.0, "n": 300},
                     "captured_shapes": [[1, 64], [1, 128]]},
         "self_check": {"passed": True, "layout": "packed-graphs", "checked": 6,
                        "max_abs_diff": 1e-3, "fell_back_from": None},
+        "self_check_ms": 812.4, "ready_s": 131.5,
         "answer_cache_hits": 0}
 # gpu_parity.py's result, as much of it as the summary reads
 PARITY = {"dtype": "bfloat16",
@@ -139,7 +141,8 @@ def test_the_summary_has_exactly_the_fields_from_the_steps_that_succeeded() -> N
     assert summary == {
         "date": "2026-12-01", "commit": "abc123", "error": None, "batch_layout": "packed",
         "graph_shapes_planned": 28, "graph_shapes_captured": 2,
-        "self_check": COLD["self_check"],
+        "self_check": COLD["self_check"], "self_check_ms": 812.4, "self_check_problem": None,
+        "ready_s": 131.5,
         "answer_cache_hits": 0,  # the failed step's servers are not counted either
         "padded_p50_ms_370tok": 25.0, "padded_p50_ms_1000tok": None, "padded_c16_rps": None,
         "padded_mixed_c16_rps": None,
@@ -155,7 +158,80 @@ def test_the_summary_has_exactly_the_fields_from_the_steps_that_succeeded() -> N
         "bf16_eager_vs_fp32_max_prob_diff": 2.5e-3, "bf16_graphs_vs_fp32_max_prob_diff": 3.0e-3,
         "bf16_argmax_mismatches": 1, "bf16_graphs_vs_eager_max_prob_diff": 1.5e-3,
         "argmax_equal": True, "packed_graphs_vs_packed_eager_max_prob_diff": 0.0,
+        "packed_at_padded_settings_p50_ms_370tok": None,
+        "packed_at_padded_settings_c16_rps": None,
+        "packed_at_padded_settings_mixed_c16_rps": None,
     }
+
+
+FELL_BACK = {"capture_problems": ["CUDA graphs were asked for but the executor serves without "
+                                  "them"],
+             "self_check": {"passed": True, "layout": "packed", "checked": 13,
+                            "max_abs_diff": 1e-3, "fell_back_from": ["packed-graphs"]},
+             "self_check_ms": 65000.0, "ready_s": 180.2}
+DISAGREED = {"self_check": {"passed": False, "layout": "packed-graphs", "checked": 13,
+                            "max_abs_diff": 0.02, "bound": 0.01, "fell_back_from": [],
+                            "probes": [{"name": "groups", "passed": True},
+                                       {"name": "small", "passed": False}]},
+             "self_check_ms": 61000.0, "ready_s": 170.0}
+
+
+def test_a_failed_steps_self_check_and_start_up_stay_in_the_summary() -> None:
+    """The step failed (graphs dropped by a fallback): its numbers are not reported, but what
+    the worker's start-up said is, and the fallback is named as the self-check's problem."""
+    summary = summarise([canned("http_graphs_cold", "failed", FELL_BACK)], "d", "c")
+    assert summary["self_check"] == FELL_BACK["self_check"]
+    assert (summary["self_check_ms"], summary["ready_s"]) == (65000.0, 180.2)
+    assert summary["self_check_problem"] == (
+        "http_graphs_cold: self-check fell back from packed-graphs to packed (the serving "
+        "layout disagreed with the eager answers)")
+    assert summary["graph_shapes_captured"] is None and summary["c16_rps"] is None
+    disagreed = summarise([canned("http_graphs_cold", "ok", DISAGREED)], "d", "c")
+    assert disagreed["self_check_problem"] == (
+        "http_graphs_cold: self-check disagreed on packed-graphs: max |dp| 0.02 (bound 0.01), "
+        "probes ['small']")
+
+
+def test_a_self_check_fallback_is_not_a_capture_failure() -> None:
+    """Graphs dropped by the self-check are its problem: later graphs steps still run, and
+    the step's reason names the fallback."""
+    clock = FakeClock()
+
+    def run(step: Step, limit_s: float) -> Ran:
+        clock.now += 1
+        return Ran(1, "", FELL_BACK) if step.name == "cold" else Ran(0, "", {})
+
+    spec = [Step("cold", ("x",), 10, graphs=True), Step("cached", ("x",), 10, graphs=True)]
+    outcomes = run_steps(spec, 100, run, clock)
+    assert [o.status for o in outcomes] == ["failed", "ok"]
+    assert "self-check fell back from packed-graphs" in outcomes[0].reason
+
+
+@pytest.mark.parametrize(("stdout", "problem"), [
+    ("....\n4 passed in 3.1s\n", ""),
+    ("..s.\n3 passed, 1 skipped in 2.0s\n", "1 tests skipped (every CUDA test must run on the "
+                                               "GPU)"),
+    ("ssss\n4 skipped in 0.5s\n", "no test passed"),
+    ("\n12 deselected in 0.2s\n", "no test passed"),
+    ("", "no test passed"),
+])
+def test_a_pytest_step_must_have_run_its_tests(stdout: str, problem: str) -> None:
+    assert unproven_tests(stdout) == problem
+
+
+def test_a_pytest_step_that_skipped_fails_on_the_gpu_only() -> None:
+    clock = FakeClock()
+    skipped = "ss\n2 skipped in 0.1s\n"
+    gpu = run_steps([Step("unit", ("x",), 10, writes_json=False, tests_must_run=True)], 100,
+                    lambda step, limit: Ran(0, skipped), clock)
+    assert (gpu[0].status, gpu[0].reason) == ("failed", "no test passed")
+    dry = run_steps([Step("unit", ("x",), 10, writes_json=False)], 100,
+                    lambda step, limit: Ran(0, skipped), clock)
+    assert dry[0].status == "ok"
+    real = {step.name: step for step in plan(dry_run=False)}
+    assert all(real[name].tests_must_run for name in ("packed_unit", "graphs_unit",
+                                                      "short_conv_unit"))
+    assert not any(step.tests_must_run for step in plan(dry_run=True))
 
 
 def test_answer_cache_hits_are_summed_over_the_http_steps_and_unknown_when_none_say() -> None:
@@ -253,6 +329,8 @@ def test_the_plan_fits_one_ten_minute_command_and_names_existing_scripts(
     planned = plan(dry_run=dry_run)
     assert planned[0].name == "http_graphs_cold"  # graphs first: it pays the cold compile
     assert max(step.limit_s for step in planned) < 540 * (DRY_RUN_SCALE if dry_run else 1)
+    # one device call of 600 s holds the deadline with 40 s to spare
+    assert DEFAULT_DEADLINE_S <= 560
     real = {step.name: step.limit_s for step in plan(dry_run=False)}
     assert [step.name for step in planned] == list(real)  # the dry run runs the same plan
     from benchlib.paths import REPO
@@ -275,10 +353,19 @@ def test_the_plan_fits_one_ten_minute_command_and_names_existing_scripts(
     assert padded.argv[padded.argv.index("--batch-layout") + 1] == "padded"
     # `--out FILE` is appended to a step's argv: nothing may turn it into a positional
     assert all("--" not in step.argv for step in planned)
-    # the packed CUDA tests come first among the optional steps
+    # packed at the padded step's budget and maximum length comes first among the optional
+    # steps, then the packed CUDA tests
     optional = [step.name for step in planned if step.optional]
-    assert optional[0] == "packed_unit"
-    assert "tests/test_packed_cuda.py" in planned[len(planned) - len(optional)].argv
+    assert optional[:2] == ["http_packed_at_padded_settings", "packed_unit"]
+    same = next(step for step in planned if step.name == "http_packed_at_padded_settings")
+    assert same.argv[same.argv.index("--batch-layout") + 1] == "packed"
+    for flag in ("--max-length", "--max-batch-tokens", "--mixed-concurrency", "--concurrency"):
+        assert same.argv[same.argv.index(flag) + 1] == padded.argv[padded.argv.index(flag) + 1]
+    # the HTTP steps' servers record their self-check, never fall back (bench_gpu_http.py)
+    from bench.bench_gpu_http import SELF_CHECK_REPORT, parse_args, server_flags
+
+    flags = server_flags(parse_args(list(planned[0].argv[2:])))
+    assert flags[flags.index("--self-check") + 1] == "report" == SELF_CHECK_REPORT[1]
 
 
 def test_the_h200_defaults_plan_at_most_32_graph_shapes() -> None:
@@ -447,7 +534,17 @@ def test_the_session_script_without_wheels_leaves_env_and_an_error_summary(
     assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
     [summary_file] = out.glob("h200-*-summary.json")
     summary = json.loads(summary_file.read_text())
-    assert summary["error"].startswith("no wheels in .gpu/whl")
+    assert summary["error"].startswith(
+        "missing in .gpu/whl: transformers-*.whl fla_core-*.whl")
+    # one wheel is not enough: the other is named
+    (copy / ".gpu" / "whl").mkdir(parents=True)
+    (copy / ".gpu" / "whl" / "transformers-5.24.0-py3-none-any.whl").write_bytes(b"")
+    done = subprocess.run(["bash", str(copy / "bench" / "gpu_session.sh")], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 1
+    [summary_file] = out.glob("h200-*-summary.json")
+    assert json.loads(summary_file.read_text())["error"].startswith(
+        "missing in .gpu/whl: fla_core-*.whl")
     assert summary["commit"] == "c0ffee123456"
     assert all(summary[name] is None for name in ("p50_ms_370tok", "answer_cache_hits"))
     environment = (out / "env.txt").read_text()

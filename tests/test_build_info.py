@@ -3,6 +3,8 @@ nothing when neither is known (clef_frontend/build_info.py)."""
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -54,13 +56,36 @@ def test_the_version_line_names_the_commit_only_when_known(
     assert version.describe() == f"clef-serve {version.version()}"
 
 
-def test_version_from_this_checkout_names_its_head() -> None:
-    """Run from the repository (as the tests are), `--version` asks git, when it is a checkout."""
+def test_the_version_line_of_this_tree_names_its_commit() -> None:
+    """`python -m clef_frontend --version` run from this tree (as the tests are) names the commit
+    that git reports for a checkout (asked here directly, not through build_info), or, in an
+    unpacked sdist, the one its BUILD_COMMIT recorded (CI runs the suite there)."""
     root = Path(build_info.__file__).resolve().parent.parent
-    expected = build_info.git_commit(root)
     line = subprocess.run([sys.executable, "-m", "clef_frontend", "--version"], cwd=root,
                           capture_output=True, text=True, timeout=60, check=True).stdout.strip()
-    if expected is None:
-        assert "(commit" not in line  # a copy without .git (CI's stand-alone run)
+    assert line.startswith(f"clef-serve {version.version()}")
+    if (root / ".git").exists():
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        edited = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD", "--"],
+                                check=False).returncode != 0
+        assert re.fullmatch(r"[0-9a-f]{40}", head)
+        assert line.endswith(f"(commit {head}{'+dirty' if edited else ''})")
     else:
-        assert line.endswith(f"(commit {expected})")
+        recorded = root / build_info.BUILD_COMMIT
+        assert recorded.is_file(), "neither a checkout nor an unpacked sdist: what is this tree?"
+        assert line.endswith(f"(commit {recorded.read_text().strip()})")
+
+
+def test_an_unpacked_sdist_names_the_commit_it_recorded(tmp_path: Path) -> None:
+    """The front's package copied into a tree with a root BUILD_COMMIT and no .git, as an
+    unpacked sdist is: `--version` names that commit."""
+    package = Path(build_info.__file__).resolve().parent
+    shutil.copytree(package, tmp_path / "clef_frontend",
+                    ignore=shutil.ignore_patterns("__pycache__", build_info.BUILD_COMMIT))
+    (tmp_path / build_info.BUILD_COMMIT).write_text("ef" * 20 + "\n")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from clef_frontend import build_info;"
+            "print(build_info.__file__); print(build_info.commit())")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    assert Path(out[0]).is_relative_to(tmp_path) and out[1] == "ef" * 20

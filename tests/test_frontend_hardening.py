@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import socket
 import subprocess
 import threading
@@ -14,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from clef_frontend.cli import build_parser, config_from
+from tests.ci_policy import require
 from tests.frontend_helpers import (
     WAIT,
     Response,
@@ -175,12 +175,11 @@ def test_a_transfer_coding_with_a_good_head_is_row1_411(plain: Serve, raw: bytes
 # -- listen backlog ------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(shutil.which("ss") is None, reason="needs `ss` (iproute2) to read the "
-                    "listening socket's backlog")
 def test_the_listen_backlog_is_what_was_asked() -> None:
+    ss = require("ss")  # reads the listening socket's backlog
     with Serve(front_args=("--backlog", "37")) as serve:
         serve.wait_for(r"listening on http://\S+ \(backlog 37\)")
-        listing = subprocess.run(["ss", "-ltnH", f"sport = :{serve.port}"], check=True,
+        listing = subprocess.run([ss, "-ltnH", f"sport = :{serve.port}"], check=True,
                                  capture_output=True, text=True).stdout
         # For a listening socket, ss shows the backlog in the Send-Q column.
         send_queues = {int(line.split()[2]) for line in listing.splitlines() if line.strip()}

@@ -31,6 +31,7 @@ from clef_worker.gpu.transfer import move_staged, pack, stage_host, unpack
 from clef_worker.model.backbone import Backbone
 from clef_worker.native import NativeExecutor
 from clef_worker.warmup import build_graphs
+from tests.ci_policy import requires_cuda
 
 PAD = 7
 
@@ -341,7 +342,7 @@ def test_warm_up_builds_every_shape_up_to_max_length(tiny_snapshot: Path) -> Non
     assert parsed.graph_shapes == info.graph_shapes and parsed.shapes == len(planned)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@requires_cuda()
 def test_cuda_graph_replay_equals_eager(tiny_snapshot: Path) -> None:
     eager = assemble_snapshot(tiny_snapshot, device="cuda", dtype="float32",
                                 gdn_prefill="torch", limits=RequestLimits(max_length=512),

@@ -14,7 +14,6 @@ import functools
 import http.client
 import os
 import re
-import shutil
 import signal
 import subprocess
 import threading
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ci_policy import require
 from tests.conftest import REPO
 from tests.frontend_helpers import WAIT, Serve, background, clef_body, free_port
 
@@ -32,11 +32,6 @@ CLIENTS = 6
 REQUESTS_PER_CLIENT = 40
 KILL_AFTER = 40  # successful answers before the kill, so the load is well under way
 RECOVERY_WAIT = 60.0  # the shipped fail_timeout is 5 s
-
-
-def nginx_binary() -> str | None:
-    return shutil.which("nginx") or next(
-        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None)
 
 
 def site_config(upstreams: list[int], listen: int) -> str:
@@ -121,10 +116,7 @@ class Nginx:
 
 @pytest.fixture
 def nginx_path() -> str:
-    binary = nginx_binary()
-    if binary is None:
-        pytest.skip("nginx is not installed (Debian package nginx; .ci/run installs it)")
-    return binary
+    return require("nginx")
 
 
 @pytest.fixture

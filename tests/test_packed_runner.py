@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from benchlib.executors import with_limits
 from benchlib.golden import PROBABILITY_TOLERANCE
@@ -34,6 +33,7 @@ from clef_worker.native import NativeExecutor
 from clef_worker.policy import PACKED, PADDED, BatchPolicy
 from clef_worker.runner import ModelRunner
 from tests.answer_compare import assert_same_response
+from tests.ci_policy import requires_cuda
 from tests.conftest import GOLDEN
 
 CASES = [json.loads(line) for line in GOLDEN.read_text(encoding="utf-8").splitlines() if line]
@@ -179,7 +179,7 @@ def test_ready_reports_the_resolved_policy(executor: NativeExecutor) -> None:
         (PACKED, 4096, 8)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@requires_cuda()
 def test_cuda_packed_graphs_answer_as_eager_packed_and_alone(tiny_snapshot: Path) -> None:
     """On a GPU: the packed graphs (fla varlen kernels, varlen attention, static offsets; in
     bfloat16, where those kernels run) are captured for every bucket, and mixed groups replayed

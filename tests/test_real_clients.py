@@ -1,10 +1,11 @@
 """The Clef clients published on the registry, unmodified, against clef-serve on the demo snapshot.
 
-Each client is installed by the `dev` extra and run the way its README says: the CLIs as
-subprocesses, clef-router as a library. The demo model's answers are random, so the tests assert
-what a working integration guarantees: exit codes, no errors, and an answer for every question,
-never the values. The server requires keys (one from `--api-key-file`, one from `CLEF_API_KEY`),
-so every client also proves it authenticates, and none of the keys may reach the server's log.
+Each client is installed by the `test` extra (in `dev` too) and run the way its README says: the
+CLIs as subprocesses, clef-router as a library. The demo model's answers are random, so the tests
+assert what a working integration guarantees: exit codes, no errors, and an answer for every
+question, never the values. The server requires keys (one from `--api-key-file`, one from
+`CLEF_API_KEY`), so every client also proves it authenticates, and none of the keys may reach the
+server's log.
 """
 
 from __future__ import annotations

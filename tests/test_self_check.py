@@ -18,6 +18,7 @@ import dataclasses
 import io
 import json
 import logging
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from clef_protocol.frames import read_frame_blocking
 from clef_protocol.options import RequestLimits, worker_argv
 from clef_worker import self_check
 from clef_worker.assembly import assemble_snapshot
+from clef_worker.errors import StartupError
 from clef_worker.gpu.packed_graphs import PackedGraphRunner
 from clef_worker.main import parse_args, start
 from clef_worker.model.backbone import Backbone
@@ -196,7 +198,7 @@ def test_clef_serve_and_clef_batch_pass_the_mode_to_their_workers() -> None:
 
     for parser, required in ((serve_parser(), []),
                              (batch_parser(), ["--input", "i", "--output", "o"])):
-        for mode in ("on", "strict", "off"):
+        for mode in ("on", "strict", "report", "off"):
             argv = worker_argv(parser.parse_args([*required, "--self-check", mode]))
             assert parse_args(argv).self_check == mode
         assert parse_args(worker_argv(parser.parse_args(required))).self_check == "on"
@@ -284,6 +286,11 @@ def test_ready_round_trips_the_verdict() -> None:
     frame = messages.ready(info)
     assert messages.ReadyInfo.from_message(frame).self_check == verdict
     assert messages.ReadyInfo.from_message(_ready()).self_check is None  # an older worker
+    full = messages.SelfCheck(True, "packed-graphs", 13, 3e-3, [], mode="on", bound=1e-2,
+                              max_hidden_diff=2e-2, ms=812.5, reused=True,
+                              probes=[{"name": "small", "passed": True, "groups": [3e-3]}])
+    info = messages.ReadyInfo.from_message(_ready(self_check=dataclasses.asdict(full)))
+    assert info.self_check == full
 
 
 @pytest.mark.parametrize("bad", [
@@ -298,8 +305,142 @@ def test_ready_round_trips_the_verdict() -> None:
     {"passed": True, "layout": "packed", "checked": 7, "max_abs_diff": 0.0},
     {"passed": True, "layout": "packed", "checked": 7, "max_abs_diff": 0.0,
      "fell_back_from": [], "extra": 1},
+    {"passed": True, "layout": "packed", "checked": 7, "max_abs_diff": 0.0,
+     "fell_back_from": [], "reused": "yes"},
+    {"passed": True, "layout": "packed", "checked": 7, "max_abs_diff": 0.0,
+     "fell_back_from": [], "ms": -1.0},
+    {"passed": True, "layout": "packed", "checked": 7, "max_abs_diff": 0.0,
+     "fell_back_from": [], "probes": ["small"]},
     [True, "packed", 7, 0.0, []],
 ])
 def test_ready_refuses_a_malformed_verdict(bad: Any) -> None:
     with pytest.raises(ProtocolError, match="self_check"):
         messages.ReadyInfo.from_message(_ready(self_check=bad))
+
+
+# -- report mode, the small probe, the hidden state -------------------------------------------
+
+
+def _probe(frame: dict, name: str) -> dict:
+    [probe] = [probe for probe in frame["self_check"]["probes"] if probe["name"] == name]
+    return probe
+
+
+def test_report_records_a_mismatch_and_keeps_the_layout(
+        tiny_snapshot: Path, packed_off_by_one: None, caplog: pytest.LogCaptureFixture) -> None:
+    """`--self-check report` (the GPU sitting's): the faulty layout is compared and recorded,
+    never swapped for a slower one, so the benchmark measures the layout it asked for."""
+    executor, frame = start_worker(tiny_snapshot, "--self-check", "report")
+    assert executor is not None and frame["kind"] == messages.READY
+    mismatch, failed = self_check_errors(caplog)
+    assert "the per-group path differs" in mismatch and "not falling back" in mismatch
+    assert "self-check failed on per-group (--self-check report)" in failed
+    verdict = messages.ReadyInfo.from_message(frame).self_check
+    assert verdict is not None
+    assert (verdict.passed, verdict.layout, verdict.fell_back_from, verdict.mode) == \
+        (False, "per-group", [], "report")
+    assert verdict.max_abs_diff > FP32_BOUND and verdict.ms > 0 and not verdict.reused
+    assert {probe["name"]: probe["passed"] for probe in verdict.probes} == \
+        {"groups": False, "small": False}
+    assert executor.runner.layout == "per-group" and frame["batch_layout"] == "per-group"
+
+
+def test_report_passes_the_default_and_records_every_probe(tiny_snapshot: Path) -> None:
+    """A sound layout in report mode: passed, each probe's figures and per-forward
+    differences recorded, the hidden states compared token by token (float32: tiny)."""
+    executor, frame = start_worker(tiny_snapshot, "--self-check", "report")
+    assert executor is not None
+    verdict = frame["self_check"]
+    assert verdict["passed"] is True and verdict["bound"] == FP32_BOUND
+    assert 0 <= verdict["max_hidden_diff"] < 1e-4
+    for name in ("groups", "small"):
+        probe = _probe(frame, name)
+        assert probe["passed"] and probe["error"] == ""
+        assert len(probe["groups"]) >= 2 and max(probe["groups"]) <= FP32_BOUND
+        assert probe["max_hidden_diff"] is not None and probe["max_hidden_diff"] < 1e-4
+    assert verdict["checked"] == sum(probe["checked"] for probe in verdict["probes"])
+
+
+def test_the_small_probe_replays_the_370_token_bucket_with_three_mixes(
+        tiny_snapshot: Path) -> None:
+    """With graph buckets (run eagerly on CPU): a lone ~370-token request and two pairs of
+    other lengths all land in one bucket, run back to back; then the shortest pair."""
+    bucketed = assemble_snapshot(tiny_snapshot, device="cpu", cuda_graphs="on", media="off",
+                                 limits=RequestLimits(max_length=2048), graph_max_length=512,
+                                 max_batch_tokens=1024)
+    bucketed.warm_up()  # builds the buckets (eagerly on CPU)
+    lone, first, second, shortest = self_check.small_groups(bucketed)
+    assert [encoding.length for encoding in lone] == [self_check.SMALL_LENGTH]
+    assert [e.length for e in first] != [e.length for e in second]
+    shapes = [self_check.shape_of(bucketed, [e.length for e in group])
+              for group in (lone, first, second)]
+    assert shapes[0] is not None and shapes[0] == shapes[1] == shapes[2]
+    assert shortest[0].length == shortest[1].length <= min(e.length for e in first)
+    assert len({tuple(e.input_ids) for group in (lone, first, second, shortest)
+                for e in group}) == 7
+    eager = assemble_snapshot(tiny_snapshot, device="cpu", media="off")
+    assert len(self_check.small_groups(eager)) == 3  # no lone request: it is the reference
+
+
+def test_a_bucket_that_replays_stale_inputs_is_caught(
+        tiny_snapshot: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A bucket that keeps answering with its first replay's hidden states (a graph whose
+    inputs are never copied in after its capture, which warm-up replays): every later mix in
+    that bucket disagrees, and the small probe, which replays the 370-token bucket with three
+    mixes, says so."""
+    real = PackedGraphRunner.run
+    first: dict[int, torch.Tensor] = {}
+
+    def stale(self: PackedGraphRunner, ids: torch.Tensor, lengths: Any,
+              bucket: int) -> torch.Tensor:
+        out = real(self, ids, lengths, bucket)
+        return first.setdefault(bucket, out.clone())
+
+    monkeypatch.setattr(PackedGraphRunner, "run", stale)
+    executor, frame = start_worker(tiny_snapshot, "--cuda-graphs", "on", "--max-length", "2048",
+                                   "--graph-max-length", "512", "--max-batch-tokens", "1024",
+                                   "--self-check", "report")
+    assert executor is not None
+    small = _probe(frame, "small")
+    assert small["replayed_same_shape"] is True and small["passed"] is False
+    assert min(small["groups"][:3]) > FP32_BOUND  # each mix in the bucket got stale numbers
+    assert frame["self_check"]["passed"] is False
+
+
+def test_hidden_difference() -> None:
+    reference = torch.tensor([[3.0, 4.0], [1.0, 0.0]])
+    assert self_check.hidden_difference(reference, reference) == 0.0
+    off = torch.tensor([[3.0, 4.5], [1.0, 0.0]])
+    assert self_check.hidden_difference(off, reference) == pytest.approx(0.1)
+    assert math.isnan(self_check.hidden_difference(torch.full((2, 2), float("nan")),
+                                                   reference))
+    assert math.isnan(self_check.hidden_difference(reference[:1], reference))
+
+
+def test_a_probe_plugs_in_and_its_remedy_runs(tiny_snapshot: Path) -> None:
+    """An extra probe is a function and a `Probe` entry: its result travels in the verdict;
+    a disagreeing non-layout probe gets its remedy under `on`, and the layout stays."""
+    executor = assemble_snapshot(tiny_snapshot, device="cpu", media="off")
+    executor.warm_up()
+    remedied: list[str] = []
+
+    def wrong(context: self_check.Context) -> self_check.ProbeResult:
+        return self_check.ProbeResult("extra", 1, 0.5, extra={"what": "a cache"})
+
+    def remedy(target: Any, result: self_check.ProbeResult) -> str:
+        remedied.append(result.name)
+        return "turned the cache off"
+
+    probes = (*self_check.PROBES, self_check.Probe("extra", wrong, layout=False, remedy=remedy))
+    verdict = self_check.run_self_check(executor, "on", probes)
+    assert verdict is not None and remedied == ["extra"]
+    assert verdict.passed and verdict.layout == "per-group" and verdict.fell_back_from == []
+    [extra] = [probe for probe in verdict.probes if probe["name"] == "extra"]
+    assert extra["passed"] is False and extra["remedy"] == "turned the cache off"
+    assert extra["what"] == "a cache"
+    with pytest.raises(StartupError, match="the extra probe differs"):
+        self_check.run_self_check(executor, "strict", probes)
+    bare = (*self_check.PROBES, self_check.Probe("extra", wrong, layout=False))
+    failed = self_check.run_self_check(executor, "on", bare)
+    assert failed is not None and not failed.passed and failed.layout == "per-group"

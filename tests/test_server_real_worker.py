@@ -46,6 +46,9 @@ def test_health_reports_the_real_worker(serve: Serve) -> None:
     metrics = serve.request("GET", "/metrics").body.decode()
     assert 'clef_worker_self_check_passed{layout="per-group"} 1.0' in metrics
     assert 'clef_worker_self_check_fallbacks{layout="per-group"} 0.0' in metrics
+    # Checked now, or kept from an earlier start in this session on the same weights and code.
+    reused = "1.0" if check["reused"] else "0.0"
+    assert f'clef_worker_self_check_reused{{layout="per-group"}} {reused}' in metrics
 
 
 @pytest.mark.parametrize("name", ["invoice", "unicode_ids", "choice_sort_order", "object_state",

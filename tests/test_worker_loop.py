@@ -24,12 +24,15 @@ from tests.doubles import ScriptedExecutor
 REPO = Path(__file__).resolve().parent.parent
 
 
+WORKER_MS = 12.5  # what the serve loop measured for the request: every reply must carry it
+
+
 def handle_request(executor: Executor | BatchingExecutor, request_id: int,
                    body: object) -> tuple[dict, bool]:
     """One request on the serve loop's path (its grouping and error mapping): the reply frame
     and whether the executor is broken."""
     [[(_, outcome)]] = list(answer_groups(as_batching(executor), [body], BatchPolicy()))
-    return reply_for(request_id, outcome, 0.0)
+    return reply_for(request_id, outcome, WORKER_MS)
 
 
 @pytest.mark.parametrize(
@@ -43,7 +46,7 @@ def test_executor_exceptions_become_error_frames(do: str, status: int, detail: s
     assert (reply["kind"], reply["id"], reply["status"], reply["detail"]) == (
         "error", 9, status, detail
     )
-    assert reply["worker_ms"] >= 0
+    assert reply["worker_ms"] == WORKER_MS  # an error reply still says how long it took
 
 
 def test_internal_cause_goes_to_the_log_not_the_reply(caplog: pytest.LogCaptureFixture) -> None:
@@ -59,6 +62,7 @@ def test_success_carries_the_executor_bytes_unchanged() -> None:
     assert reply["id"] == 3
     assert reply["status"] == 200
     assert reply["body"] == b'{"echo":{"b": 1,  "a": 2}}'
+    assert reply["worker_ms"] == WORKER_MS
     assert (reply["input_tokens"], reply["truncated_tokens"]) == (len(b'{"b": 1,  "a": 2}'), 0)
 
 

@@ -1,10 +1,10 @@
 """The release's own `joint_schema_model.py`, as the `clef-finetune` package ships it.
 
 Tests compare this project with the real upstream file instead of a guess at it. The file is
-never copied into the repository: `clef-finetune` (pinned in the `dev` extra) carries an
-unmodified copy, whose SHA-256 its NOTICE gives together with the Cloudflare/clef revision it
-came from. A test that needs the file copies it into a temporary snapshot, as a downloaded
-release would hold it.
+never copied into the repository: `clef-finetune` (pinned in the `upstream` extra, installed
+with `--no-deps` as the README's test set-up and .ci/run do) carries an unmodified copy, whose
+SHA-256 its NOTICE gives together with the Cloudflare/clef revision it came from. A test that
+needs the file copies it into a temporary snapshot, as a downloaded release would hold it.
 """
 
 from __future__ import annotations
@@ -24,14 +24,17 @@ from clef_worker.release import RELEASE_FILE
 # clef_finetune/_vendor/NOTICE: joint_schema_model.py of Cloudflare/clef at revision
 # 2f3de3dd85f379784083b0814d997ab627200f0c.
 UPSTREAM_SHA256 = "0e304cf7c6500e8bb59bef7e2afd2c6373f82596dfb3b57d1aa93c175e2dc3a3"
+UPSTREAM_PIN = "clef-finetune==0.1.0"
+"""The `upstream` extra's one requirement (pyproject.toml; a test checks they agree)."""
 
 
 def upstream_file() -> Path:
-    """The installed copy; the test fails (not skips) without it, as `dev` installs it."""
+    """The installed copy; the test fails (not skips) without it, as the README's test set-up
+    installs it."""
     spec = importlib.util.find_spec("clef_finetune")
     if spec is None or spec.origin is None:
-        pytest.fail("clef-finetune is not installed: pip install -e '.[dev]' (it carries the "
-                    "release's joint_schema_model.py)")
+        pytest.fail(f"clef-finetune is not installed: pip install --no-deps {UPSTREAM_PIN} (the "
+                    "`upstream` extra; it carries the release's joint_schema_model.py)")
     path = Path(spec.origin).parent / "_vendor" / "joint_schema_model.py"
     if not path.is_file():
         pytest.fail(f"{path} is missing from the installed clef-finetune")
