@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
+
 from benchlib.flash_model import FLASH
 from benchlib.gpu_steps import commit_id
 from benchlib.paths import TINY_SNAPSHOT
