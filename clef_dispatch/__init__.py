@@ -15,6 +15,8 @@ names below (never its modules): submit a request, get its outcome.
 |  | help text, one validation) |
 | `admission.py` | the queue: interactive before bulk, FIFO within a class, bulk never starved; |
 |  | the hand-over to the next worker with room |
+| `affinity.py` | prefix affinity: a request's prefix key, and the worker whose prefix cache may |
+|  | hold its state, preferred while it has room (rendezvous hashing) |
 | `routing.py` | which workers may take a ticket: only those serving the model it names (the |
 |  | base: all); a variant no ready worker serves is refused (503), never sent |
 | `resend.py` | requests lost with a worker sent again once, alone; a suspect's copies; what a |
@@ -40,6 +42,7 @@ names below (never its modules): submit a request, get its outcome.
 |  | restart reasons |
 """
 
+from clef_dispatch.affinity import prefix_key
 from clef_dispatch.dispatcher import Dispatcher, DispatchEvents, DispatchSnapshot
 from clef_dispatch.load import TokenEstimate, utilisation_gauge
 from clef_dispatch.outcomes import (
@@ -76,6 +79,7 @@ __all__ = [
     "WorkerSettings",
     "add_worker_arguments",
     "earliest",
+    "prefix_key",
     "utilisation_gauge",
     "worker_settings_from",
 ]

@@ -3,7 +3,8 @@
 Why a queue and not a "busy" refusal: each worker runs its model on one thread (one CUDA
 context, no per-thread cost), so concurrency belongs in front of it, not in it. Each worker (a
 `Lane`) may hold up to its `max_batch` requests at once, which it batches into one forward; a
-request goes to the next worker with room, and waits in the queue only while none has room. A
+request goes to a worker with room (first the one whose prefix cache may hold its state,
+affinity.py; else the next one, round robin), and waits in the queue only while none has room. A
 request is refused (503 with Retry-After) only when the queue is full, no worker is warm, or the
 server is draining. A ticket whose client has gone is taken out of the queue and never reaches a
 worker (checked again right before its frame is written); once a ticket is in flight its reply
@@ -45,6 +46,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from clef_dispatch.affinity import preferred_lane
 from clef_dispatch.deadline_heap import DeadlineHeap, Past, past_deadline
 from clef_dispatch.load import TokenEstimate
 from clef_dispatch.outcomes import EXPIRED_DETAIL, Answer, Refusal, RefusalKind
@@ -154,11 +156,14 @@ class Admission:
 
     def submit(self, body: bytes, request_id: str = "", *, trace_id: str = "",
                priority: str = INTERACTIVE, deadline: float | None = None,
-               gone: Callable[[], bool] = never_gone, model: str = "") -> Ticket | Refusal:
+               gone: Callable[[], bool] = never_gone,
+               affinity: bytes | None = None, model: str = "") -> Ticket | Refusal:
         """Admit a checked body (sent at once if a worker has room), or refuse it
         (UNAVAILABLE: draining, no ready worker (serving its `model`), or the queue is full).
 
-        A ticket whose deadline has already passed is answered 504 at once.
+        A ticket whose deadline has already passed is answered 504 at once. `affinity` is the
+        request's prefix key (affinity.prefix_key): the worker whose cache may hold its state
+        is preferred while it has room.
         """
         reason = "server is draining" if self._draining else self._workers.unavailable_reason()
         if reason is not None and self._wait_for_workers and not self._draining:
@@ -167,7 +172,7 @@ class Admission:
             reason = not_served(model)
         lane = None
         if reason is None and not self._queued() and not self._resends.lost_waiting:
-            lane = self._lane_with_room(model)
+            lane = self._lane_for(affinity, model)
         if reason is None and lane is None and self.depth >= self._capacity:
             reason = "queue is full"
         if reason is not None:
@@ -176,7 +181,8 @@ class Admission:
         ticket = Ticket(next(self._ids), body, asyncio.get_running_loop().create_future(),
                         request_id, trace_id, priority,
                         earliest(deadline, now, self._queue_timeout), gone,
-                        enqueued_at=now, tokens=self._estimate.cost(len(body)), model=model)
+                        enqueued_at=now, tokens=self._estimate.cost(len(body)),
+                        affinity=affinity, model=model)
         if self._past_deadline(ticket):  # already passed: answered 504 at once
             return ticket
         self._idle.clear()
@@ -268,17 +274,17 @@ class Admission:
             elif self._send(ticket, lane, alone=True):
                 self._resends.sent_again(why)
         if not self._resends.lost_waiting:  # a lost ticket waiting for an idle worker holds
-            while self._queued():               # the rest back
-                model = self._next_waiting(take=False).model  # only to workers serving it:
-                lane = self._lane_with_room(model)  # one no ready worker serves is refused
-                if lane is None and not (unserved(model, self._workers)
-                                         and self._lane_with_room() is not None):
+            while self._queued() and self._room_somewhere():  # the rest back
+                head = self._next_waiting(take=False)  # only to workers serving its model:
+                lane = self._lane_for(head.affinity, head.model)  # if none ready does, 503
+                if lane is None and not unserved(head.model, self._workers):
                     break
                 ticket = self._next_waiting()
                 copy = self._resends.is_copy(ticket)
                 self._resends.leaving_queue(ticket)
                 if lane is None:
-                    refuse(ticket, ticket in self._sent, self._unavailable(not_served(model)))
+                    refuse(ticket, ticket in self._sent,
+                           self._unavailable(not_served(ticket.model)))
                 if lane is None or not self._still_wanted(ticket):
                     self._settle(ticket)
                 elif self._send(ticket, lane) and copy:
@@ -356,9 +362,23 @@ class Admission:
             return False
         return not self._past_deadline(ticket)
 
-    def _lane_with_room(self, model: str = "") -> Lane | None:
-        """The next worker with room (among those serving `model`, when one is named)."""
-        return self._ring.pick(serving(model, has_room), self._resends.lanes_alone)
+    def _lane_for(self, affinity: bytes | None, model: str = "") -> Lane | None:
+        """The worker a ticket goes to, among those serving its `model` (routing.py), in two
+        steps: the prefix affinity rule (affinity.py: the worker whose prefix cache may hold
+        the state, when it has room), then the next worker with room, round robin."""
+        busy_alone = self._resends.lanes_alone
+        lanes = self._workers.lanes
+        if model:
+            lanes = [lane for lane in lanes if lane.serves(model)]
+        preferred = preferred_lane(affinity, lanes, busy_alone)
+        if preferred is not None:
+            return preferred
+        return self._ring.pick(serving(model, has_room), busy_alone)
+
+    def _room_somewhere(self) -> bool:
+        """Whether some worker (not running a resent ticket alone) has room."""
+        busy_alone = self._resends.lanes_alone
+        return any(lane not in busy_alone and has_room(lane) for lane in self._workers.lanes)
 
     def _idle_lane(self, model: str = "") -> Lane | None:
         """A ready worker serving `model` with nothing in flight, for a resent ticket alone."""

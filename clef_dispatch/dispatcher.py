@@ -48,7 +48,7 @@ from clef_dispatch.settings import WorkerSettings
 from clef_dispatch.supervisor import Supervisor
 from clef_dispatch.ticket import TicketView, ticket_of
 from clef_dispatch.urgency import INTERACTIVE
-from clef_dispatch.worker_pool import WorkerPool
+from clef_dispatch.worker_pool import WorkerPool, prefix_cache_of
 from clef_protocol.messages import ReadyInfo
 
 log = logging.getLogger("clef_dispatch.dispatcher")
@@ -145,13 +145,16 @@ class Dispatcher:
 
     def submit(self, body: bytes, request_id: str = "", *, trace_id: str = "",
                priority: str = INTERACTIVE, deadline: float | None = None,
-               gone: Callable[[], bool] = _never_gone, model: str = "") -> TicketView | Refusal:
+               gone: Callable[[], bool] = _never_gone,
+               affinity: bytes | None = None, model: str = "") -> TicketView | Refusal:
         """Queue a checked body: a read-only `TicketView` whose `outcome` resolves to its
         Answer or Refusal, or the Refusal (UNAVAILABLE) at once when it cannot be queued.
-        `model` names the fine-tuned variant the body asks for ("": the base): only a worker
-        serving it gets it."""
+        `affinity`: its prefix key (`prefix_key`), so a state's requests go to the worker
+        whose cache may hold it; `model`: the fine-tuned variant the body asks for ("": the
+        base), so only a worker serving it gets it."""
         ticket = self._admission.submit(body, request_id, trace_id=trace_id, priority=priority,
-                                        deadline=deadline, gone=gone, model=model)
+                                        deadline=deadline, gone=gone, affinity=affinity,
+                                        model=model)
         return ticket if isinstance(ticket, Refusal) else TicketView(ticket)
 
     def abandon(self, ticket: TicketView) -> None:
@@ -237,6 +240,16 @@ class Dispatcher:
     @property
     def restarts(self) -> int:
         return self._pool.restarts
+
+    def prefix_caches(self) -> list[tuple[str, dict[str, Any]]]:
+        """Each ready worker's prefix cache (`worker_pool.prefix_cache_of`) by slot name; the
+        workers without one are left out."""
+        caches = []
+        for lane in self._pool.ready_lanes():
+            cache = prefix_cache_of(lane)
+            if cache is not None:
+                caches.append((lane.slot.name, cache))
+        return caches
 
     def serves_weights(self, model: str, weights: str) -> bool:
         """Whether a ready worker serves `model` ("": the base) with the fingerprint `weights`

@@ -49,6 +49,11 @@ class WorkerSettings:
     restart_reset_after: float = 60.0
     max_restarts: int | None = None
 
+    @property
+    def worker_count(self) -> int:
+        """How many worker slots these settings plan (worker_pool.plan_slots)."""
+        return max(1, len(self.devices)) * self.workers_per_device
+
     def __post_init__(self) -> None:
         if not self.worker_argv:
             raise ValueError("the worker command is empty")

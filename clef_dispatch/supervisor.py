@@ -39,7 +39,7 @@ from clef_dispatch.worker_errors import (
     WorkerUnavailable,
     failure_reason,
 )
-from clef_protocol.messages import ReadyInfo, Request, WorkerReply
+from clef_protocol.messages import PrefixStats, ReadyInfo, Request, WorkerReply
 
 log = logging.getLogger("clef_dispatch.supervisor")
 
@@ -102,6 +102,9 @@ class Supervisor:
         self._served = 0  # successful answers of the current worker (see backoff.py)
         self.state = WorkerState.STARTING
         self.info: ReadyInfo | None = None
+        # The prefix cache's figures as the current worker's latest reply left them (None
+        # before its first reply that carried them): /health and the metrics read them here.
+        self.prefix_stats: PrefixStats | None = None
         # The fine-tuned variants its worker serves, by name, with their fingerprints (from its
         # last `ready`; kept while it restarts, so the front still knows the names).
         self.variants: dict[str, str] = {}
@@ -161,6 +164,15 @@ class Supervisor:
     def in_flight(self) -> int:
         return 0 if self._channel is None else self._channel.in_flight
 
+    @property
+    def prefix_slot(self) -> str | None:
+        """The slot's name while its warm worker keeps a prefix cache turned on (its `ready`
+        says so), for the prefix affinity rule (affinity.py); else None."""
+        info = self.info
+        if self.state is not WorkerState.READY or info is None or info.prefix_cache is None:
+            return None
+        return self.slot.name if info.prefix_cache.enabled else None
+
     def submit(self, request: Request, deliver: Deliver) -> None:
         """Send one request to the warm worker; `deliver` gets its reply or its failure.
 
@@ -176,6 +188,8 @@ class Supervisor:
             if (isinstance(outcome, WorkerReply) and outcome.status == 200
                     and channel is self._channel):
                 self._served += 1  # useful work: resets the restart backoff (backoff.py)
+                if outcome.prefix is not None:
+                    self.prefix_stats = outcome.prefix
             deliver(outcome)
 
         channel.submit(request, self._config.request_timeout, answered)
@@ -304,6 +318,7 @@ class Supervisor:
 
     def _adopt(self, channel: WorkerChannel, info: ReadyInfo) -> None:
         self._channel, self.info = channel, info
+        self.prefix_stats = None  # a new worker starts with an empty cache
         self.variants = info.variant_fingerprints()
         # Requests outstanding on this worker: what it reported in `ready` (`max_sequences`,
         # `--max-batch` or its device's default: the worker owns the batch policy,

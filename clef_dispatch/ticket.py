@@ -31,6 +31,12 @@ class Lane(Protocol):
 
     def submit(self, request: Request, deliver: Deliver) -> None: ...
 
+    @property
+    def prefix_slot(self) -> str | None:
+        """Its name for the prefix affinity rule while its worker keeps a prefix cache, else
+        None (affinity.py)."""
+        ...
+
     def serves(self, model: str) -> bool: ...
 
 
@@ -76,6 +82,8 @@ class Ticket:
     resent: bool = False  # sent again alone after its worker was lost (never a second time)
     copied: bool = False  # a copy was queued while a suspect worker held it (liveness.py)
     tokens: int = 0  # its estimated token cost (load.TokenEstimate), for the utilisation gauge
+    affinity: bytes | None = None  # its prefix key (affinity.prefix_key); None: no preference
+
     # The model it names: a fine-tuned variant's name, or "" for the base. Only a worker that
     # serves it is sent the request (`serving`), so no other model ever scores it.
     model: str = ""

@@ -84,6 +84,27 @@ def shared_core_env(workers: int, environ: Mapping[str, str] = os.environ,
     return {"OMP_NUM_THREADS": str(threads)}
 
 
+def prefix_cache_of(lane: Supervisor) -> dict[str, Any] | None:
+    """A worker's prefix cache for /health: its `ready` (enabled, capacity, block size, why
+    disabled) and the figures its latest reply carried (zeros before the first); None when the
+    worker keeps no prefix cache at all."""
+    info = lane.info.prefix_cache if lane.info is not None else None
+    if info is None:
+        return None
+    stats = lane.prefix_stats
+    return {
+        "enabled": info.enabled,
+        "capacity_bytes": info.capacity_bytes,
+        "block_tokens": info.block_tokens,
+        "disabled_reason": info.disabled_reason,
+        "bytes": stats.bytes if stats else 0,
+        "entries": stats.entries if stats else 0,
+        "hits": stats.hits if stats else 0,
+        "lookups": stats.lookups if stats else 0,
+        "tokens_reused": stats.tokens_reused if stats else 0,
+    }
+
+
 class WorkerPool:
     """The supervisors of all workers, and what admission and /health ask of them together."""
 
@@ -210,6 +231,7 @@ class WorkerPool:
                 # The weights it serves, by model (the base under its served name): each
                 # response names its own in `Clef-Weights`.
                 "models": dict(lane.info.models) if ready and lane.info else {},
+                "prefix_cache": prefix_cache_of(lane) if ready else None,
                 "suspect": None if judgement is None else {
                     "reason": judgement.reason,
                     "for_s": round(lane.suspect_for, 3),

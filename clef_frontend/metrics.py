@@ -67,6 +67,8 @@ class LiveState:
     cache_bytes: Callable[[], int] = lambda: 0  # what the kept answers cost (answer_cache.py)
     cache_joiners: Callable[[], int] = lambda: 0  # requests waiting on another's forward
     token_usage: Callable[[], float] = lambda: 0.0
+    # Each ready worker's prefix cache by slot name (Dispatcher.prefix_caches).
+    prefix_caches: Callable[[], list[tuple[str, dict[str, Any]]]] = lambda: []
 
 
 class Metrics:
@@ -152,6 +154,7 @@ class Metrics:
         r.register(_InfoCollector(version, live.worker_info))
         r.register(_SelfCheckCollector(live.worker_info))
         r.register(_LostLogCollector())
+        r.register(_PrefixCacheCollector(live.prefix_caches))
         self._shared_traffic_metrics()
         Gauge("clef_answer_cache_bytes", "Bytes the answer cache's kept answers cost in memory "
               "(each entry measured: its body, key, reply objects and table slot), bounded by "
@@ -336,6 +339,48 @@ class _LostLogCollector(Collector):
         yield CounterMetricFamily(
             "clef_log_writes_lost", "Writes of log lines that stderr refused (its reader gone, "
             "a full disk): those lines are lost; the server serves on.", value=lost_writes())
+
+
+# The prefix cache's series, per worker: (name, kind, help, field of Dispatcher.prefix_caches).
+PREFIX_CACHE_SERIES = (
+    ("clef_prefix_cache_enabled", "gauge", "1 while the worker serves with its prefix cache on "
+     "(0: off by flag, or disabled by its start-up self-check: /health says why).", "enabled"),
+    ("clef_prefix_cache_capacity_bytes", "gauge", "The bound of the worker's prefix cache "
+     "(--prefix-cache-bytes as resolved for its device).", "capacity_bytes"),
+    ("clef_prefix_cache_bytes", "gauge", "Bytes the worker's prefix cache holds (model states, "
+     "K/V and the head's memory of cached prompt prefixes).", "bytes"),
+    ("clef_prefix_cache_entries", "gauge", "Cached prefix points the worker holds.", "entries"),
+    ("clef_prefix_cache_hits", "counter", "Lookups that reused at least one cached block, since "
+     "the worker started.", "hits"),
+    ("clef_prefix_cache_lookups", "counter", "Prefix cache lookups (requests looked up), since "
+     "the worker started.", "lookups"),
+    ("clef_prefix_cache_tokens_reused", "counter", "Prompt tokens read from the prefix cache "
+     "instead of computed, since the worker started.", "tokens_reused"),
+)
+
+
+class _PrefixCacheCollector(Collector):
+    """The ready workers' prefix caches (their `ready` and their latest reply's figures),
+    labelled by worker slot, read at scrape time; nothing for workers without one. The
+    counters restart from 0 with a replaced worker, which Prometheus' rate() reads as a
+    reset."""
+
+    def __init__(self, caches: Callable[[], list[tuple[str, dict[str, Any]]]]) -> None:
+        self._caches = caches
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        caches = self._caches()
+        if not caches:
+            return
+        for name, kind, text, field in PREFIX_CACHE_SERIES:
+            family: GaugeMetricFamily | CounterMetricFamily
+            if kind == "counter":
+                family = CounterMetricFamily(name, text, labels=["worker"])
+            else:
+                family = GaugeMetricFamily(name, text, labels=["worker"])
+            for worker, cache in caches:
+                family.add_metric([worker], float(cache[field]))
+            yield family
 
 
 class _SelfCheckCollector(Collector):

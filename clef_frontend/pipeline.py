@@ -35,7 +35,7 @@ from clef_api import responses, workers_ai
 from clef_api.checks import RequestRules
 from clef_api.responses import Reply
 from clef_api.routes import Route, route
-from clef_dispatch import Answer, Outcome, Refusal, TicketView
+from clef_dispatch import Answer, Outcome, Refusal, TicketView, prefix_key
 from clef_frontend import gateway, logs, otel
 from clef_frontend.answer_cache import MISS, AnswerCache, identity
 from clef_frontend.api import ApiSurface
@@ -69,7 +69,8 @@ class Dispatch(Protocol):
 
     def submit(self, body: bytes, request_id: str = "", *, trace_id: str = "",
                priority: str = ..., deadline: float | None = None,
-               gone: Callable[[], bool] = ..., model: str = ...) -> TicketView | Refusal: ...
+               gone: Callable[[], bool] = ...,
+               affinity: bytes | None = None, model: str = ...) -> TicketView | Refusal: ...
 
     def abandon(self, ticket: TicketView) -> None: ...
 
@@ -99,6 +100,8 @@ class Pipeline:
         self.rules = RequestRules(config.limits, self.api.catalogue, config.body_limit)
         self.cache = cache if cache is not None else AnswerCache(
             config.answer_cache, config.answer_cache_bytes, config.queue_timeout)
+        # With one worker there is no choice to make: no prefix key is taken.
+        self.affinity = config.workers.worker_count > 1
         self.traffic = TrafficSteps(self.api.keys, metrics, self.cache,
                                     objective_classes=config.objective_classes)
         traffic = self.traffic
@@ -196,18 +199,17 @@ class Pipeline:
 
     async def validate(self, ctx: RequestContext) -> Reply | None:
         """Rows 8-12 and the body's model, the checks' body stage: before admission, so a bad
-        request never waits; the request's identity for the answer cache is taken from the
-        parsed body here, once."""
+        request never waits; the request's identity for the answer cache and its prefix key
+        (with several workers) are taken from the parsed body here, once."""
         body = ctx.body
         assert body is not None
         key_name = (ctx.key or NO_KEY) if self.cache.enabled else None
-        if len(body) > INLINE_CHECK_BYTES:
-            checked = await asyncio.to_thread(_check, self.rules, ctx.target, body, key_name)
-        else:
-            checked = _check(self.rules, ctx.target, body, key_name)
+        check = functools.partial(_check, self.rules, ctx.target, body, key_name,
+                                  affinity=self.affinity)
+        checked = await asyncio.to_thread(check) if len(body) > INLINE_CHECK_BYTES else check()
         if isinstance(checked, Reply):
             return checked
-        ctx.request, ctx.identity = checked
+        ctx.request, ctx.identity, ctx.prefix_key = checked
         catalogue = self.api.catalogue
         if catalogue.variants:  # the model chosen (checked), for its metrics and its workers
             ctx.model = ctx.request.get("model")
@@ -240,7 +242,7 @@ class Pipeline:
         assert ctx.body is not None
         ticket = self.dispatch.submit(
             ctx.body, ctx.request_id, trace_id=ctx.trace_id, priority=ctx.priority,
-            deadline=ctx.deadline, gone=gone, model=ctx.variant)
+            deadline=ctx.deadline, gone=gone, affinity=ctx.prefix_key, model=ctx.variant)
         if not isinstance(ticket, Refusal):
             ctx.ticket = ticket
         return ticket
@@ -325,15 +327,16 @@ class Pipeline:
         logs.unbind_request()
 
 
-def _check(rules: RequestRules, target: bytes, body: bytes,
-           key_name: str | None) -> Reply | tuple[dict[str, Any], bytes | None]:
-    """The checked body (the rules' body stage) and its identity (None: no cache), or the
-    refusal; run in a thread for large bodies, so neither the parse nor the hash stalls the
-    event loop."""
+def _check(rules: RequestRules, target: bytes, body: bytes, key_name: str | None, *,
+           affinity: bool) -> Reply | tuple[dict[str, Any], bytes | None, bytes | None]:
+    """The checked body (the rules' body stage), its identity (None: no cache) and its prefix
+    key (None: one worker), or the refusal; run in a thread for large bodies, so neither the
+    parse nor the hashes stall the event loop."""
     checked = rules.check_body(target, body)
     if isinstance(checked, Reply):
         return checked
-    return checked, identity(key_name, checked) if key_name is not None else None
+    return (checked, identity(key_name, checked) if key_name is not None else None,
+            prefix_key(checked) if affinity else None)
 
 
 def _batch_of(ticket: TicketView | None) -> int | None:

@@ -85,6 +85,9 @@ class RequestContext:
     # needs) and when it was made.
     identity: bytes | None = None
     cache: str | None = None
+    # Its prefix key (clef_dispatch.prefix_key), taken with the identity when there are
+    # several workers: admission prefers the worker whose prefix cache may hold its state.
+    prefix_key: bytes | None = None
     # The body's `model` once validated, with fine-tuned variants served (metrics, access log),
     # and the model it asks for: the variant's name, or "" for the base (where it may be sent,
     # what its kept answer records).
@@ -133,14 +136,19 @@ class RequestContext:
 
     def trace_headers(self) -> list[tuple[str, str]]:
         """`X-Request-Id`, and `Server-Timing` on every answer that went through admission:
-        the queue and the worker for this request's own forward, `cache;desc=hit` or
+        the queue and the worker for this request's own forward (and the prompt tokens its
+        worker's prefix cache gave it, `prefix;desc="reused=N"`), `cache;desc=hit` or
         `cache;desc=coalesced` for an answer it shared; `total` on both."""
         if self.answered_at is None:  # refused before its answer was awaited
             return tracing.response_headers(self.request_id, None)
         total_ms = (time.monotonic() - self.started) * 1000.0
         ticket = self.ticket
         if ticket is not None:
-            timing = tracing.server_timing(ticket.queue_ms, ticket.worker_ms, total_ms)
+            reply = ticket.worker_reply
+            prefix = reply.prefix if reply is not None else None
+            timing = tracing.server_timing(
+                ticket.queue_ms, ticket.worker_ms, total_ms,
+                reused_tokens=prefix.reused_tokens if prefix is not None else None)
         else:
             timing = tracing.server_timing(None, None, total_ms, cache=self.cache)
         return tracing.response_headers(self.request_id, timing)

@@ -77,6 +77,7 @@ class FrontServer:
             token_usage=utilisation_gauge(lambda: dispatch.tokens_outstanding,
                                           dispatch.ready_infos, config.limits.max_length),
             cache_bytes=lambda: self._cache.size_bytes,
+            prefix_caches=dispatch.prefix_caches,
             cache_joiners=lambda: self._cache.joiners_waiting,
         ), version=version(), separate_port=config.metrics_port is not None)
 

@@ -129,15 +129,18 @@ def new_request_id() -> str:
 
 
 def server_timing(queue_ms: float | None, worker_ms: float | None, total_ms: float | None,
-                  *, cache: str | None = None) -> str | None:
+                  *, cache: str | None = None, reused_tokens: int | None = None) -> str | None:
     """`queue;dur=0.3, worker;dur=41.2, total;dur=43.0` with what is known, led by
-    `cache;desc=hit` (or `coalesced`) for an answer shared from the answer cache; None if
-    nothing is known."""
+    `cache;desc=hit` (or `coalesced`) for an answer shared from the answer cache, and followed
+    by `prefix;desc="reused=1536"` when the worker's prefix cache was looked up for it (the
+    prompt tokens it read from the cache; 0: a miss); None if nothing is known."""
     parts = [f"{name};dur={value:.1f}" for name, value in
              (("queue", queue_ms), ("worker", worker_ms), ("total", total_ms))
              if value is not None]
     if cache is not None:
         parts.insert(0, f"cache;desc={cache}")
+    if reused_tokens is not None:
+        parts.append(f'prefix;desc="reused={reused_tokens}"')
     return ", ".join(parts) or None
 
 

@@ -62,8 +62,10 @@ async def reply_of(ticket: Ticket) -> Reply:
 class FakeLane:
     """A worker as admission sees it: holds up to `room` requests until the test answers."""
 
-    def __init__(self, room: int, variants: tuple[str, ...] = ()) -> None:
+    def __init__(self, room: int, prefix_slot: str | None = None,
+                 variants: tuple[str, ...] = ()) -> None:
         self.room = room
+        self.prefix_slot = prefix_slot  # its name for the prefix affinity rule (None: no cache)
         self.ready = True
         self.variants = set(variants)  # the fine-tuned variants its worker serves
         self.held: list[tuple[Request, Deliver]] = []

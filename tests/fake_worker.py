@@ -30,6 +30,9 @@ the request body (the front validates first, so bodies are valid Clef requests p
   "stages": {...}   send this as the response frame's `stages` (encode_ms, forward_ms, head_ms)
 --log-format json logs as the real worker does with it.
 --log-file PATH appends each received request's `tag` (one per line) before answering.
+--fake-prefix-cache: `ready` reports a prefix cache (enabled as the model flag --prefix-cache
+says) and each response its figures: the longest leading run of characters its state shares
+with a state this process saw before, a "token" per 4 characters (no model: the front's view).
 --weights-file PATH: the base's weights fingerprint is PATH's text as it was at start (`ready`'s
 `fingerprint` and `models`, and every response's `weights`): a test "replaces the weights" by
 rewriting the file and restarting workers.
@@ -86,7 +89,35 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--weights-file", default=None)
     # A worker of its own (a --worker-command) whose `ready` says nothing about batching.
     parser.add_argument("--no-batch-policy", action="store_true")
+    parser.add_argument("--fake-prefix-cache", action="store_true")
     return parser.parse_args()
+
+
+class FakePrefixCache:
+    """The states this process has answered, and the figures a prefix cache would report."""
+
+    CHARS_PER_TOKEN = 4
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.states: list[str] = []
+        self.hits = self.lookups = self.tokens_reused = 0
+
+    def info(self) -> messages.PrefixCacheInfo:
+        return messages.PrefixCacheInfo(self.enabled, 1 << 30, 256,
+                                        "" if self.enabled else "--prefix-cache off")
+
+    def answer(self, state: str) -> messages.PrefixStats:
+        reused = 0
+        if self.enabled:
+            self.lookups += 1
+            shared = max((_common_chars(state, seen) for seen in self.states), default=0)
+            reused = shared // self.CHARS_PER_TOKEN
+            self.hits += reused > 0
+            self.tokens_reused += reused
+            self.states.append(state)
+        return messages.PrefixStats(reused, sum(map(len, self.states)), len(self.states),
+                                    self.hits, self.lookups, self.tokens_reused)
 
 
 class Reader:
@@ -114,8 +145,18 @@ class Reader:
                     self.later.append(message)
 
 
+def _common_chars(one: str, other: str) -> int:
+    """How many leading characters two strings share."""
+    count = 0
+    for a, b in zip(one, other, strict=False):
+        if a != b:
+            break
+        count += 1
+    return count
+
+
 def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any],
-           reader: Reader) -> None:
+           reader: Reader, prefix_cache: FakePrefixCache | None = None) -> None:
     request_id = message["id"]
     start_ns = time.monotonic_ns()
     request = json.loads(message["body"])
@@ -168,7 +209,8 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any],
     frame = messages.response(
         request_id, payload, worker_ms, input_tokens=len(message["body"]),
         truncated_tokens=int(request.get("truncated_tokens", 0)),
-        batch_size=int(request.get("batch_size", 1)), weights=args.weights)
+        batch_size=int(request.get("batch_size", 1)), weights=args.weights,
+        prefix=None if prefix_cache is None else prefix_cache.answer(str(request.get("state"))))
     if "stages" in request:
         frame["stages"] = request["stages"]
     write_frame_blocking(out, frame)
@@ -233,10 +275,12 @@ def main() -> int:
         out.flush()
         time.sleep(60)  # a confused worker that does not exit: the front must not wait for it
         return 0
+    prefix_cache = FakePrefixCache(args.prefix_cache == "on") if args.fake_prefix_cache else None
     write_frame_blocking(out, messages.ready(messages.ReadyInfo(
         pid=os.getpid(), thread=threading.current_thread().name, model="fake",
         variant=args.variant, device="cpu", dtype="float32", gdn_path="none", warmup_ms=0.0,
         versions={"fake_worker": "1"}, demo=args.demo, snapshot="", pings=not args.no_pings,
+        prefix_cache=None if prefix_cache is None else prefix_cache.info(),
         fingerprint=args.weights, models={args.variant: args.weights} if args.weights else {},
         **_policy_fields(args),
     )))
@@ -249,7 +293,7 @@ def main() -> int:
             write_frame_blocking(out, messages.pong(message["seq"]))
             continue
         with request_context(message.get("request_id"), message.get("trace_id")):
-            answer(args, out, message, reader)
+            answer(args, out, message, reader, prefix_cache)
 
 
 if __name__ == "__main__":

@@ -76,9 +76,10 @@ def rule_expressions() -> list[str]:
 
 @cache
 def scrape() -> dict[str, str]:
-    """Family name -> type, from a real front's /metrics after one request per scoring route."""
+    """Family name -> type, from a real front's /metrics after one request per scoring route
+    (its fake worker reports a prefix cache, as the real one does by default)."""
     run_path = "/accounts/acct-1/ai/run/@cf/cloudflare/clef-flash"
-    with Serve() as server:
+    with Serve("--fake-prefix-cache") as server:
         assert server.post(clef_body()).status == 200
         assert server.request("POST", run_path, clef_body()).status == 200
         response = server.request("GET", "/metrics")
@@ -105,7 +106,8 @@ def test_the_dashboard_covers_what_operators_watch() -> None:
                    "clef_request_worker_seconds_bucket", "clef_request_batch_size_bucket",
                    "clef_request_input_tokens_bucket", "clef_worker_restarts_total",
                    "clef_states_truncated_total", "clef_truncated_tokens_total",
-                   "clef_answer_cache_total", "clef_quota_refusals_total"):
+                   "clef_answer_cache_total", "clef_quota_refusals_total",
+                   "clef_prefix_cache_tokens_reused_total", "clef_prefix_cache_bytes"):
         assert metric in names, f"no panel shows {metric}"
     texts = json.dumps(dashboard())
     for label in ("by (reason)", "by (result)", "by (key)"):
