@@ -46,20 +46,17 @@ import logging
 import time
 from collections.abc import Callable
 
-from clef_dispatch.affinity import preferred_lane
 from clef_dispatch.deadline_heap import DeadlineHeap, Past, past_deadline
 from clef_dispatch.load import TokenEstimate
 from clef_dispatch.outcomes import EXPIRED_DETAIL, Answer, Refusal, RefusalKind
 from clef_dispatch.resend import Resends, Verdict, judge
-from clef_dispatch.routing import not_served, refuse, serving, unserved
+from clef_dispatch.routing import WorkerChoice, not_served, refuse, unserved
 from clef_dispatch.ticket import (
     AdmissionEvents,
     Lane,
     LaneRing,
     Ticket,
     Workers,
-    has_room,
-    is_idle,
     never_gone,
 )
 from clef_dispatch.urgency import BULK, CLASSES, INTERACTIVE, earliest
@@ -94,7 +91,8 @@ class Admission:
         self._resends = Resends(events=self._events, resend_timeout=resend_timeout,
                                 keep_deadline=self._keep_deadline)
         self._sent: dict[Ticket, list[Lane]] = {}  # in flight, oldest first; on which lanes
-        self._ring = LaneRing(workers)
+        self._choice = WorkerChoice(workers, LaneRing(workers),
+                                    lambda: self._resends.lanes_alone)
         self._turn = 0  # admissions made while both classes waited (see BULK_EVERY)
         self._ids = itertools.count(1)
         self._deadlines = DeadlineHeap(self._deadline_passed, self._update_idle)
@@ -172,7 +170,7 @@ class Admission:
             reason = not_served(model)
         lane = None
         if reason is None and not self._queued() and not self._resends.lost_waiting:
-            lane = self._lane_for(affinity, model)
+            lane = self._choice.lane_for(affinity, model)
         if reason is None and lane is None and self.depth >= self._capacity:
             reason = "queue is full"
         if reason is not None:
@@ -265,7 +263,7 @@ class Admission:
         for ticket in self._resends.drop_answered():
             self._settle(ticket)
         while self._resends.lost_waiting:
-            lane = self._idle_lane(self._resends.next_lost_model())
+            lane = self._choice.idle_lane(self._resends.next_lost_model())
             if lane is None:
                 break
             ticket, why = self._resends.pop_lost()
@@ -274,9 +272,9 @@ class Admission:
             elif self._send(ticket, lane, alone=True):
                 self._resends.sent_again(why)
         if not self._resends.lost_waiting:  # a lost ticket waiting for an idle worker holds
-            while self._queued() and self._room_somewhere():  # the rest back
+            while self._queued() and self._choice.room_somewhere():  # the rest back
                 head = self._next_waiting(take=False)  # only to workers serving its model:
-                lane = self._lane_for(head.affinity, head.model)  # if none ready does, 503
+                lane = self._choice.lane_for(head.affinity, head.model)  # if none ready does, 503
                 if lane is None and not unserved(head.model, self._workers):
                     break
                 ticket = self._next_waiting()
@@ -361,28 +359,6 @@ class Admission:
             ticket.outcome.cancel()
             return False
         return not self._past_deadline(ticket)
-
-    def _lane_for(self, affinity: bytes | None, model: str = "") -> Lane | None:
-        """The worker a ticket goes to, among those serving its `model` (routing.py), in two
-        steps: the prefix affinity rule (affinity.py: the worker whose prefix cache may hold
-        the state, when it has room), then the next worker with room, round robin."""
-        busy_alone = self._resends.lanes_alone
-        lanes = self._workers.lanes
-        if model:
-            lanes = [lane for lane in lanes if lane.serves(model)]
-        preferred = preferred_lane(affinity, lanes, busy_alone)
-        if preferred is not None:
-            return preferred
-        return self._ring.pick(serving(model, has_room), busy_alone)
-
-    def _room_somewhere(self) -> bool:
-        """Whether some worker (not running a resent ticket alone) has room."""
-        busy_alone = self._resends.lanes_alone
-        return any(lane not in busy_alone and has_room(lane) for lane in self._workers.lanes)
-
-    def _idle_lane(self, model: str = "") -> Lane | None:
-        """A ready worker serving `model` with nothing in flight, for a resent ticket alone."""
-        return self._ring.pick(serving(model, is_idle), self._resends.lanes_alone)
 
     def _send(self, ticket: Ticket, lane: Lane, *, alone: bool = False) -> bool:
         """Send `ticket` to `lane`; False if the worker refused it (nothing was sent)."""

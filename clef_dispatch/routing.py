@@ -10,10 +10,11 @@ every worker. A variant no ready worker serves is refused with 503 (`not_served`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
+from clef_dispatch.affinity import preferred_lane
 from clef_dispatch.outcomes import Refusal
-from clef_dispatch.ticket import Lane, Ticket, Workers
+from clef_dispatch.ticket import Lane, LaneRing, Ticket, Workers, has_room, is_idle
 
 
 def serving(model: str, fits: Callable[[Lane], bool]) -> Callable[[Lane], bool]:
@@ -42,3 +43,37 @@ def refuse(ticket: Ticket, held: bool, refusal: Refusal) -> None:
         ticket.copy_withdrawn()
     elif not ticket.outcome.done():
         ticket.outcome.set_result(refusal)
+
+
+class WorkerChoice:
+    """Which worker a ticket goes to: among those serving its model, first the prefix affinity
+    rule (affinity.py: the worker whose prefix cache may hold the state, when it has room),
+    then the next worker with room, round robin. Workers running a resent ticket alone
+    (`busy_alone`, resend.py's) take nothing else. Admission owns when a ticket is sent; this
+    owns where."""
+
+    def __init__(self, workers: Workers, ring: LaneRing,
+                 busy_alone: Callable[[], Mapping[Lane, Ticket]]) -> None:
+        self._workers = workers
+        self._ring = ring
+        self._busy_alone = busy_alone
+
+    def lane_for(self, affinity: bytes | None, model: str = "") -> Lane | None:
+        """The worker for a ticket with this prefix key and model; None while none has room."""
+        busy_alone = self._busy_alone()
+        lanes = self._workers.lanes
+        if model:
+            lanes = [lane for lane in lanes if lane.serves(model)]
+        preferred = preferred_lane(affinity, lanes, busy_alone)
+        if preferred is not None:
+            return preferred
+        return self._ring.pick(serving(model, has_room), busy_alone)
+
+    def room_somewhere(self) -> bool:
+        """Whether some worker (not running a resent ticket alone) has room."""
+        busy_alone = self._busy_alone()
+        return any(lane not in busy_alone and has_room(lane) for lane in self._workers.lanes)
+
+    def idle_lane(self, model: str = "") -> Lane | None:
+        """A ready worker serving `model` with nothing in flight, for a resent ticket alone."""
+        return self._ring.pick(serving(model, is_idle), self._busy_alone())
