@@ -224,7 +224,7 @@ def _fail_rest(ids: list[int], channel_out: BinaryIO) -> None:
 
 
 def self_check(executor: Executor, mode: str,
-               fingerprint: Callable[[], str]) -> messages.SelfCheck | None:
+               fingerprints: Callable[[], tuple[str, dict[str, str]]]) -> messages.SelfCheck | None:
     """The start-up self-check (clef_worker.self_check) of an executor that has serving layouts
     to check (the native one), or the verdict kept from an earlier start on the same weights
     and code (clef_worker.verdict_store); None for one that has none (the release executor runs
@@ -235,7 +235,8 @@ def self_check(executor: Executor, mode: str,
         return None
     from clef_worker.verdict_store import checked
 
-    return checked(executor, mode, fingerprint)
+    return checked(executor, mode, lambda: fingerprints()[0],
+                   variants=lambda: fingerprints()[1])
 
 
 def prefix_cache_check(executor: Executor, mode: str) -> messages.PrefixCacheInfo | None:
@@ -287,7 +288,7 @@ def start_ready(args: argparse.Namespace,
         executor.warm_up()
         warmup_ms = _elapsed_ms(started)
         # May drop graphs: describe after it.
-        verdict = self_check(executor, args.self_check, lambda: fingerprints.result()[0])
+        verdict = self_check(executor, args.self_check, fingerprints.result)
         prefix_cache = prefix_cache_check(executor, args.self_check)
         if args.finetune:
             _answer_only_to_served_names(executor, base_names(args))

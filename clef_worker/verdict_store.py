@@ -101,22 +101,8 @@ def device_name(executor: NativeExecutor) -> str:
     return device.type
 
 
-def variant_fingerprints(finetunes: Sequence[Mapping[str, Any]]) -> dict[str, str]:
-    """Each fine-tuned variant's fingerprint: its checkpoint directory's files, hashed as the
-    snapshot's are (kept digests make a restart's cost a stat per file)."""
-    from clef_worker.fingerprint import DigestCache, SnapshotWatch, default_digests_path
-
-    cache = DigestCache(default_digests_path())
-    prints = {}
-    for finetune in finetunes:
-        checkpoint = Path(str(finetune.get("checkpoint", "")))
-        prints[str(finetune.get("name", checkpoint))] = SnapshotWatch(checkpoint,
-                                                                      cache).fingerprint()
-    return prints
-
-
-def verdict_key(executor: NativeExecutor, fingerprint: str,
-                probes: Sequence[Probe]) -> dict[str, Any] | None:
+def verdict_key(executor: NativeExecutor, fingerprint: str, probes: Sequence[Probe],
+                variants: Mapping[str, str] | None = None) -> dict[str, Any] | None:
     """What a kept verdict must match (module docs); None without a weights fingerprint."""
     if not fingerprint:
         return None
@@ -129,7 +115,7 @@ def verdict_key(executor: NativeExecutor, fingerprint: str,
         "format": FORMAT,
         "check": {"version": CHECK_VERSION, "probes": [probe.name for probe in probes]},
         "weights": {"fingerprint": fingerprint,
-                    "variants": variant_fingerprints(model.finetunes), "variant": model.variant},
+                    "variants": dict(sorted((variants or {}).items())), "variant": model.variant},
         "code": {"version": package_version("clef-serve"), "commit": commit() or "unknown",
                  "source": source_digest()},
         "versions": {**model.versions, "triton": package_version("triton")},
@@ -207,17 +193,19 @@ class VerdictStore:
 
 
 def checked(executor: NativeExecutor, mode: str, fingerprint: Callable[[], str],
-            store: VerdictStore | None = None) -> SelfCheck | None:
+            store: VerdictStore | None = None,
+            variants: Callable[[], Mapping[str, str]] = dict) -> SelfCheck | None:
     """The start-up self-check's verdict: the kept one where the mode reads it and the key is
     the same (`reused`), else the check run now (kept when it passes without a fallback).
-    `fingerprint` waits for the weights' digest (hashed while the worker warmed up)."""
+    `fingerprint` waits for the weights' digest (hashed while the worker warmed up), `variants`
+    for each fine-tuned variant's (the same `ready.models` reports: one hashing, one thread)."""
     from clef_worker.self_check import PROBES, run_self_check
 
     if mode not in REUSING_MODES:
         return run_self_check(executor, mode)
     started = time.perf_counter()
     store = store if store is not None else VerdictStore(default_directory())
-    key = verdict_key(executor, fingerprint(), PROBES)
+    key = verdict_key(executor, fingerprint(), PROBES, variants())
     if key is not None:
         kept = store.load(key)
         if kept is not None:

@@ -123,6 +123,7 @@ def test_the_key_holds_what_the_answers_depend_on(tiny_snapshot: Path) -> None:
     assert verdict_key(executor, "", PROBES) is None  # no fingerprint: nothing is kept
     digest = verdict_store.key_digest(key)
     for changed in (verdict_key(executor, "e" * 64, PROBES),
+                    verdict_key(executor, "f" * 64, PROBES, {"tiny-alpha": "a" * 64}),
                     verdict_key(executor, "f" * 64, (*PROBES, Probe("extra", probe_small)))):
         assert changed is not None and verdict_store.key_digest(changed) != digest
     padded = assemble_snapshot(tiny_snapshot, device="cpu", media="off", batch_layout="padded")
