@@ -249,7 +249,7 @@ def prefix_cache_check(executor: Executor, mode: str) -> messages.PrefixCacheInf
     if mode != "off":
         from clef_worker.prefix_check import check_prefix_cache
 
-        check_prefix_cache(executor, strict=mode == "strict")
+        check_prefix_cache(executor, strict=mode == "strict", report=mode == "report")
     executor.runner.prefix_cache.reset()  # warm-up's and the checks' blocks: no client's
     return executor.runner.prefix_cache.info()
 

@@ -87,10 +87,12 @@ def _key(target: NativeExecutor, encoding: Encoding) -> CacheKey:
     return CacheKey(target.cache_root(0), len(target.encoder.prefix_ids) + encoding.state_tokens)
 
 
-def check_prefix_cache(target: NativeExecutor, strict: bool = False) -> Comparison | None:
+def check_prefix_cache(target: NativeExecutor, strict: bool = False,
+                       report: bool = False) -> Comparison | None:
     """Run the probe (module docs); turn the cache off on a mismatch (`strict`, as
-    `--self-check strict`: refuse to start instead). None when there is no cache, it is off,
-    or the limits leave no room for the probe."""
+    `--self-check strict`: refuse to start instead; `report`, as `--self-check report`: log the
+    mismatch and keep the cache on, so a benchmark measures the path it asked for). None when
+    there is no cache, it is off, or the limits leave no room for the probe."""
     cache: PrefixCache | None = target.runner.prefix_cache
     if cache is None or not cache.enabled:
         return None
@@ -128,6 +130,9 @@ def check_prefix_cache(target: NativeExecutor, strict: bool = False) -> Comparis
         reason = "self-check: the prefixed probe reused no cached tokens"
     if strict:
         raise StartupError(f"prefix cache check failed (--self-check strict): {reason}")
+    if report:
+        log.error("prefix cache kept on (--self-check report): %s", reason)
+        return comparison
     log.error("prefix cache off for this worker: %s", reason)
     cache.disable(reason)
     return comparison

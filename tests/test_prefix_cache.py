@@ -361,6 +361,22 @@ def test_a_disagreeing_probe_turns_the_cache_off_with_an_error(
     assert answer.prefix is not None and answer.prefix.reused_tokens == 0 and not cache.blocks
 
 
+def test_report_records_a_disagreeing_probe_and_keeps_the_cache_on(
+        tiny_snapshot: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """`--self-check report` (what the GPU benchmarks run): the mismatch is logged, the cache
+    stays on, so the benchmark measures the path it asked for."""
+    executor = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32")
+    _broken_suffix_positions(monkeypatch)
+    with caplog.at_level(logging.ERROR, logger="clef_worker.self_check"):
+        comparison = prefix_check.check_prefix_cache(executor, report=True)
+    cache = executor.runner.prefix_cache
+    assert cache is not None and comparison is not None and not comparison.agrees(1e-4)
+    assert cache.info().enabled and cache.info().disabled_reason == ""
+    assert any("kept on (--self-check report)" in record.getMessage()
+               for record in caplog.records)
+
+
 def test_strict_refuses_to_start_on_a_disagreeing_probe(
         tiny_snapshot: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     executor = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32")
