@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -41,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
 
-from benchlib.flash_model import FLASH
+from benchlib.flash_model import FLASH, SHAPES
 from benchlib.gpu_steps import commit_id
 from benchlib.paths import TINY_SNAPSHOT
 from benchlib.prefix_footprint import footprint
@@ -74,9 +75,17 @@ def timing_of(header: str | None) -> tuple[float, int | None]:
 
 
 def start_server(model: str, device: str, dtype: str, mode: str,
-                 extra: list[str], threads: int | None) -> Serve:
+                 extra: list[str], threads: int | None, shape: str | None = None,
+                 layers: int = 0) -> Serve:
     flags = ["--model", model, "--device", device, "--dtype", dtype, "--answer-cache", "0",
              *extra]
+    if shape is not None:
+        # The model's real shapes with random weights, built in memory by the worker
+        # (benchlib.flash_worker; the snapshot's tokenizer and config otherwise), as the GPU
+        # sitting's other HTTP steps serve them.
+        worker = shlex.join([sys.executable, "-m", "benchlib.flash_worker", "--shape", shape,
+                             "--layers", str(layers)])
+        flags += ["--worker-command", worker, "--media", "off"]
     if mode == "off":
         flags += ["--prefix-cache", "off"]
     env = {"OMP_NUM_THREADS": str(threads)} if threads else None
@@ -149,14 +158,15 @@ def summarise(turns: dict[str, list[dict[str, Any]]], worst: float,
     return out
 
 
-def verdict(results: dict[str, Any], check_targets: bool, noise: float) -> list[str]:
+def verdict(results: dict[str, Any], check_targets: bool, noise: float,
+            tolerance: float = ANSWER_TOLERANCE) -> list[str]:
     """What is wrong with a run (empty: it passes)."""
     problems: list[str] = []
     for name, result in results.items():
         problems += result["failures"]
-        if not result["max_abs_diff"] <= ANSWER_TOLERANCE:
+        if not result["max_abs_diff"] <= tolerance:
             problems.append(f"{name}: answers differ by {result['max_abs_diff']} "
-                            f"(> {ANSWER_TOLERANCE}) between the cache on and off")
+                            f"(> {tolerance}) between the cache on and off")
         if result["off"]["reused_tokens"]:
             problems.append(f"{name}: --prefix-cache off reused tokens")
     for name in ("agent_loop", "fan_out"):
@@ -196,12 +206,25 @@ def main() -> int:
     parser.add_argument("--noise", type=float, default=0.10,
                         help="(c)'s allowance: the cache on may be this much slower (0.10)")
     parser.add_argument("--out", type=Path, default=None, help="write the raw results here")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default=None,
+                        help="serve random weights of this shape built in memory "
+                             "(benchlib.flash_model; `flash`: Clef-Flash's real shapes) instead "
+                             "of the snapshot's weights")
+    parser.add_argument("--layers", type=int, default=0,
+                        help="with --shape: override its layer count")
+    parser.add_argument("--tolerance", type=float, default=ANSWER_TOLERANCE,
+                        help="the largest answer difference between the cache on and off "
+                             f"({ANSWER_TOLERANCE} in float32; bfloat16 on a GPU needs the "
+                             "self-check's 1e-2)")
     parser.add_argument("--quick", action="store_true",
                         help="CI smoke run: small workloads, CPU, no output file")
     args = parser.parse_args()
     if args.quick:
         args.agent, args.fan_out, args.unrelated = [600, 900, 150], [900, 3], [3, 500]
         args.device = "cpu"
+        if args.shape is not None:  # the GPU step's dry run: a small in-memory stack, fp32
+            args.shape, args.layers, args.dtype = "small", 2, "float32"
+            args.tolerance = ANSWER_TOLERANCE
     tokenizer = tokenizer_of(Path(args.model))
     workloads = [agent_loop(tokenizer, *args.agent), fan_out(tokenizer, *args.fan_out),
                  unrelated(tokenizer, *args.unrelated)]
@@ -210,7 +233,8 @@ def main() -> int:
     try:
         for mode in MODES:
             servers[mode] = start_server(args.model, args.device, args.dtype, mode,
-                                         args.worker_flag, args.threads)
+                                         args.worker_flag, args.threads, args.shape,
+                                         args.layers)
         warm = unrelated(tokenizer, 1, 200, seed=99).requests[0]
         for mode in MODES:  # untimed: first-touch costs
             assert servers[mode].post(warm).status == 200
@@ -220,11 +244,12 @@ def main() -> int:
     finally:
         for server in servers.values():
             server.close()
-    problems = verdict(results, args.check_targets, args.noise)
+    problems = verdict(results, args.check_targets, args.noise, args.tolerance)
     summary = {
         "command": command_line(__file__), "commit": commit_id(), "host": cpu_line(),
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        "model": Path(args.model).name, "device": args.device, "dtype": args.dtype,
+        "model": Path(args.model).name, "shape": args.shape, "layers": args.layers,
+        "device": args.device, "dtype": args.dtype, "tolerance": args.tolerance,
         "threads": args.threads,
         "python": platform.python_version(), "seconds": round(time.monotonic() - started, 1),
         "prefix_cache_after": health,  # each server's /health figures after the run

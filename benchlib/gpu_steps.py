@@ -94,6 +94,8 @@ SUMMARY_FIELDS = (
     "packed_graphs_vs_packed_eager_max_prob_diff", "packed_groups_argmax_equal",
     "packed_at_padded_settings_p50_ms_370tok", "packed_at_padded_settings_c16_rps",
     "packed_at_padded_settings_mixed_c16_rps",
+    "prefix_agent_loop_speedup", "prefix_fan_out_speedup", "prefix_unrelated_speedup",
+    "prefix_agent_loop_max_abs_diff",
 )
 # Fields the script computes itself, not read from one step's result.
 OWN_FIELDS = ("date", "commit", "error", "graph_shapes_planned", "answer_cache_hits",
@@ -168,6 +170,16 @@ SOURCES: dict[str, tuple[str, tuple[str, ...], Callable[[Any], Any] | None]] = {
     "bf16_graphs_vs_eager_max_prob_diff": (
         "parity_bf16", ("graphs_vs_eager", "max_abs_probability_diff"), None),
     "argmax_equal": ("parity_bf16", ("graphs_vs_eager", "argmax_equal"), None),
+    # The prefix cache at Clef-Flash's shapes: worker time off over on after the first turn
+    # (the median of each request's pair), and the largest answer difference on against off.
+    "prefix_agent_loop_speedup": (
+        "prefix_cache", ("workloads", "agent_loop", "paired_speedup_after_first"), None),
+    "prefix_fan_out_speedup": (
+        "prefix_cache", ("workloads", "fan_out", "paired_speedup_after_first"), None),
+    "prefix_unrelated_speedup": (
+        "prefix_cache", ("workloads", "unrelated", "paired_speedup_after_first"), None),
+    "prefix_agent_loop_max_abs_diff": (
+        "prefix_cache", ("workloads", "agent_loop", "max_abs_diff"), None),
 }
 
 
@@ -428,6 +440,14 @@ def plan(*, dry_run: bool, python: str = sys.executable,
                              "tests/test_packed_runner.py", "tests/test_prefix_cache_cuda.py",
                              "-k", "cuda"),
              60 * scale, writes_json=False, optional=True, tests_must_run=not dry_run),
+        # The prefix cache on the real shapes (random weights, bf16): the agent loop, the
+        # fan-out and unrelated states, the cache on against --prefix-cache off, two servers
+        # (bench/bench_prefix_cache.py); after packed_unit, whose CUDA prefix tests say first
+        # whether the prefixed forward agrees on the GPU at all.
+        Step("prefix_cache", (python, "bench/bench_prefix_cache.py", *quick, "--device", "cuda",
+                              "--dtype", "bfloat16", "--shape", "flash", "--tolerance", "1e-2",
+                              "--agent", "2400", "6000", "300", "--fan-out", "7000", "8",
+                              "--unrelated", "8", "2000"), 240 * scale, optional=True),
         Step("graphs_unit", (*pytest, "tests/test_graphs.py", "-k", "cuda"), 45 * scale,
              writes_json=False, graphs=True, optional=True, tests_must_run=not dry_run),
         Step("short_conv_unit", (*pytest, "tests/test_short_conv_cuda.py"), 40 * scale,

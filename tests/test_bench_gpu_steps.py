@@ -135,6 +135,10 @@ def test_the_summary_has_exactly_the_fields_from_the_steps_that_succeeded() -> N
         # ran out of time after its latency phase: what it measured stands
         canned("http_padded", "timed_out", {"latency": {"370": {"p50_ms": 25.0}},
                                             "phase": "latency", "answer_cache_hits": 0}),
+        canned("prefix_cache", "ok", {"workloads": {
+            "agent_loop": {"paired_speedup_after_first": 4.1, "max_abs_diff": 3e-3},
+            "fan_out": {"paired_speedup_after_first": 6.2, "max_abs_diff": 1e-3},
+            "unrelated": {"paired_speedup_after_first": 0.99, "max_abs_diff": 0.0}}}),
     ]
     summary = summarise(outcomes, "2026-12-01", "abc123", 28)
     assert tuple(summary) == SUMMARY_FIELDS
@@ -161,6 +165,8 @@ def test_the_summary_has_exactly_the_fields_from_the_steps_that_succeeded() -> N
         "packed_at_padded_settings_p50_ms_370tok": None,
         "packed_at_padded_settings_c16_rps": None,
         "packed_at_padded_settings_mixed_c16_rps": None,
+        "prefix_agent_loop_speedup": 4.1, "prefix_fan_out_speedup": 6.2,
+        "prefix_unrelated_speedup": 0.99, "prefix_agent_loop_max_abs_diff": 3e-3,
     }
 
 
