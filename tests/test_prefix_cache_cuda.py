@@ -9,14 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-import torch
-
 from clef_worker import prefix_check
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.self_check import BOUNDS
+from tests.ci_policy import requires_cuda
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = requires_cuda()  # the one skip CI allows (tests/ci_policy.py)
 
 
 def test_the_prefix_probe_passes_on_cuda(tiny_snapshot: Path) -> None:
