@@ -7,11 +7,8 @@ operators run (answer cache on, the worker's CPU defaults), `--workers 2`."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -19,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from benchlib.golden import case
 from tests.conftest import TINY_SNAPSHOT
 from tests.frontend_helpers import Serve
-from tests.traffic_helpers import wait_until
+from tests.traffic_helpers import restart_worker, workers_of
 
 HEAD = "joint_head.safetensors"
 CASES = ("invoice", "object_state", "array_state", "choice_sort_order")
@@ -36,18 +33,6 @@ def _perturbed_head(snapshot: Path) -> None:
     save_file(moved, str(snapshot / HEAD))
 
 
-def _workers(serve: Serve) -> list[dict[str, Any]]:
-    workers: list[dict[str, Any]] = serve.health().json()["workers"]
-    return workers
-
-
-def _restart(serve: Serve, index: int) -> None:
-    pid = _workers(serve)[index]["pid"]
-    os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: _workers(serve)[index]["status"] == "ready"
-               and _workers(serve)[index]["pid"] not in (None, pid),
-               f"worker {index}'s replacement", timeout=240)
-
 
 def test_no_old_answer_once_both_workers_run_the_new_weights(tmp_path: Path) -> None:
     served = tmp_path / "model"
@@ -56,7 +41,7 @@ def test_no_old_answer_once_both_workers_run_the_new_weights(tmp_path: Path) -> 
     with Serve(real_worker=True, startup_wait=240, max_batch=None,
                front_args=("--model", str(served), "--device", "cpu",
                            "--workers", "2")) as serve:
-        old = {worker["models"]["clef-flash"] for worker in _workers(serve)}
+        old = {worker["models"]["clef-flash"] for worker in workers_of(serve)}
         assert len(old) == 1
         old_weights = old.pop()
         before = []
@@ -65,13 +50,13 @@ def test_no_old_answer_once_both_workers_run_the_new_weights(tmp_path: Path) -> 
             assert response.status == 200 and response.header("Clef-Weights") == old_weights[:16]
             before.append(response.body)
         _perturbed_head(served)
-        _restart(serve, 0)
+        restart_worker(serve, 0)
         # Meanwhile each worker answers (and the cache keeps) with its own weights, and says so.
         between = [json.dumps(case(name)["request"]).encode() for name in BETWEEN]
         named = [serve.post(body).header("Clef-Weights") for body in between]
-        assert set(named) == {old_weights[:16], _workers(serve)[0]["models"]["clef-flash"][:16]}
-        _restart(serve, 1)
-        new = {worker["models"]["clef-flash"] for worker in _workers(serve)}
+        assert set(named) == {old_weights[:16], workers_of(serve)[0]["models"]["clef-flash"][:16]}
+        restart_worker(serve, 1)
+        new = {worker["models"]["clef-flash"] for worker in workers_of(serve)}
         assert len(new) == 1 and old_weights not in new
         new_weights = new.pop()
         for _ in range(3):  # repeats: hits now, of the new weights' answers only

@@ -16,7 +16,6 @@ in the configuration operators run (answer cache on, the worker's CPU defaults),
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -33,7 +32,7 @@ from clef_protocol.frames import read_frame_blocking, write_frame_blocking
 from clef_protocol.options import RequestLimits
 from tests.conftest import REPO, TINY_SNAPSHOT
 from tests.frontend_helpers import Serve
-from tests.traffic_helpers import metric, wait_until
+from tests.traffic_helpers import metric, restart_worker, workers_of
 
 MAX_LENGTH = RequestLimits().max_length
 REFERENCE = [json.loads(line) for line in FINETUNE_REFERENCE.read_text().splitlines() if line]
@@ -60,19 +59,6 @@ def _post(serve: Serve, request: dict[str, Any]) -> Any:
     return serve.post(json.dumps(request, ensure_ascii=False).encode())
 
 
-def _workers(serve: Serve) -> list[dict[str, Any]]:
-    workers: list[dict[str, Any]] = serve.health().json()["workers"]
-    return workers
-
-
-def _restart(serve: Serve, index: int) -> None:
-    """Kill worker `index` (a crash, a stall kill) and wait until its replacement is ready."""
-    pid = _workers(serve)[index]["pid"]
-    os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: _workers(serve)[index]["status"] == "ready"
-               and _workers(serve)[index]["pid"] not in (None, pid),
-               f"worker {index}'s replacement", timeout=240)
-
 
 def _listed(serve: Serve) -> list[str]:
     return [entry["id"] for entry in serve.request("GET", "/v1/models").json()["data"]]
@@ -86,8 +72,8 @@ def test_a_removed_variant_is_refused_once_no_worker_has_it(tmp_path: Path) -> N
         kept = ROWS[("tiny-beta", "invoice")]
         assert _post(serve, kept["request"]).status == 200  # kept for repeats
         shutil.rmtree(directory / "tiny-beta")
-        _restart(serve, 0)
-        assert [sorted(w["models"]) for w in _workers(serve)] == [
+        restart_worker(serve, 0)
+        assert [sorted(w["models"]) for w in workers_of(serve)] == [
             ["clef-flash", "tiny-alpha"], ["clef-flash", "tiny-alpha", "tiny-beta"]]
         assert _listed(serve) == ["clef-flash", "tiny-alpha", "tiny-beta"]
         # Only worker 1 still has it: every request naming it goes there and is the variant's
@@ -97,7 +83,7 @@ def test_a_removed_variant_is_refused_once_no_worker_has_it(tmp_path: Path) -> N
             response = _post(serve, row["request"])
             assert response.status == 200, (name, response.body)
             assert_response_matches(response.json(), row["response"])
-        _restart(serve, 1)
+        restart_worker(serve, 1)
         assert _listed(serve) == ["clef-flash", "tiny-alpha"]
         for row in (kept, ROWS[("tiny-beta", "object_state")]):
             response = _post(serve, row["request"])
@@ -118,19 +104,19 @@ def test_a_variants_files_replaced_in_place_answer_with_the_new_weights(tmp_path
         assert before.status == 200
         assert_response_matches(before.json(), row["response"])
         old_weights = before.header("Clef-Weights")
-        assert old_weights == _workers(serve)[0]["models"]["tiny-alpha"][:16]
+        assert old_weights == workers_of(serve)[0]["models"]["tiny-alpha"][:16]
         assert _post(serve, row["request"]).body == before.body  # kept: a hit
         hits = metric(serve, "clef_answer_cache_total", result="hit")
         for name in VARIANT_FILES:  # tiny-beta's adapter and head copied over tiny-alpha's
             shutil.copyfile(directory / "tiny-beta" / name, directory / "tiny-alpha" / name)
-        _restart(serve, 0)
+        restart_worker(serve, 0)
         after = _post(serve, row["request"])
         assert after.status == 200
         beta = ROWS[("tiny-beta", "invoice")]["response"]
         assert_response_matches(after.json(), dict(beta, model="tiny-alpha"))
         assert after.body != before.body
         new_weights = after.header("Clef-Weights")
-        assert new_weights == _workers(serve)[0]["models"]["tiny-alpha"][:16] != old_weights
+        assert new_weights == workers_of(serve)[0]["models"]["tiny-alpha"][:16] != old_weights
         assert metric(serve, "clef_answer_cache_total", result="hit") == hits  # not from memory
 
 
@@ -205,7 +191,7 @@ def test_sighup_drops_a_removed_checkpoint_one_worker_at_a_time(tmp_path: Path) 
                 seen.append((name, response.status, response.header("Clef-Weights")))
 
     with _serve(directory, workers=2) as serve:
-        models = _workers(serve)[0]["models"]
+        models = workers_of(serve)[0]["models"]
         weights = {"beta": models["tiny-beta"][:16], "base": models["clef-flash"][:16]}
         shutil.rmtree(directory / "tiny-beta")
         with ThreadPoolExecutor(1) as pool:

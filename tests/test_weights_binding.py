@@ -9,30 +9,15 @@ on); `--workers 2` because the scenario is about workers that differ."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
-from typing import Any
 
 from benchlib.http_client import clef_body
 from tests.frontend_helpers import Serve
-from tests.traffic_helpers import metric, wait_until
+from tests.traffic_helpers import metric, restart_worker, workers_of
 
 OLD, NEW = "0123456789abcdef" * 4, "fedcba9876543210" * 4
 
-
-def _workers(serve: Serve) -> list[dict[str, Any]]:
-    workers: list[dict[str, Any]] = serve.health().json()["workers"]
-    return workers
-
-
-def _restart(serve: Serve, index: int) -> None:
-    """Kill worker `index` and wait until its replacement is ready."""
-    pid = _workers(serve)[index]["pid"]
-    os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: _workers(serve)[index]["status"] == "ready"
-               and _workers(serve)[index]["pid"] not in (None, pid),
-               f"worker {index}'s replacement")
 
 
 def test_a_roll_onto_new_weights_answers_from_them_and_names_them(tmp_path: Path) -> None:
@@ -45,7 +30,7 @@ def test_a_roll_onto_new_weights_answers_from_them_and_names_them(tmp_path: Path
         assert first.status == 200 and first.header("Clef-Weights") == OLD[:16]
         hit = serve.post(body)
         assert hit.body == first.body and hit.header("Clef-Weights") == OLD[:16]
-        assert [w["models"] for w in _workers(serve)] == [{"clef-flash": OLD}] * 2
+        assert [w["models"] for w in workers_of(serve)] == [{"clef-flash": OLD}] * 2
         weights.write_text(NEW)
         serve.process.send_signal(signal.SIGHUP)
         serve.wait_for(r"reload finished: 2 of 2 worker\(s\) replaced")
@@ -54,7 +39,7 @@ def test_a_roll_onto_new_weights_answers_from_them_and_names_them(tmp_path: Path
         assert log.read_text().split() == ["rolled", "rolled"]  # computed anew, not kept
         assert serve.post(body).header("Clef-Weights") == NEW[:16]  # and now kept itself
         assert metric(serve, "clef_answer_cache_total", result="hit") == 2
-        assert [w["models"] for w in _workers(serve)] == [{"clef-flash": NEW}] * 2
+        assert [w["models"] for w in workers_of(serve)] == [{"clef-flash": NEW}] * 2
         serve.wait_for(rf"status=200 .*weights={NEW[:16]} ")
 
 
@@ -71,11 +56,11 @@ def test_workers_restarted_one_after_the_other_never_bring_back_old_weights(
         for body in bodies:
             assert serve.post(body).header("Clef-Weights") == OLD[:16]
         weights.write_text(NEW)
-        _restart(serve, 0)
+        restart_worker(serve, 0)
         for body in bodies:  # old weights still served by worker 1: kept answers hold
             assert serve.post(body).header("Clef-Weights") == OLD[:16]
         assert len(log.read_text().split()) == 4
-        _restart(serve, 1)
+        restart_worker(serve, 1)
         for body in bodies:
             answer = serve.post(body)
             assert answer.status == 200 and answer.header("Clef-Weights") == NEW[:16]

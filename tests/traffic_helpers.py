@@ -3,6 +3,8 @@ client threads, and waiting on a condition with a bound (never a fixed sleep).""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -46,3 +48,20 @@ def load(serve: Serve, bodies: list[bytes], clients: int = 4) -> list[tuple[Resp
 
     with ThreadPoolExecutor(max_workers=clients) as pool:
         return list(pool.map(post, bodies))
+
+
+def workers_of(serve: Serve) -> list[dict[str, Any]]:
+    """`/health`'s `workers` list: each worker's status, pid, models and figures."""
+    workers: list[dict[str, Any]] = serve.health().json()["workers"]
+    return workers
+
+
+def restart_worker(serve: Serve, index: int, timeout: float = 240.0) -> None:
+    """Kill worker `index` with SIGKILL (a crash, a stall kill) and wait until its replacement,
+    another process, is ready (a real worker loads and checks itself first: hence the
+    timeout)."""
+    pid = workers_of(serve)[index]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: workers_of(serve)[index]["status"] == "ready"
+               and workers_of(serve)[index]["pid"] not in (None, pid),
+               f"worker {index}'s replacement", timeout=timeout)
