@@ -369,6 +369,16 @@ def gated_delta_net(mixer: Any, x: Tensor, layout: PackedLayout, kernels: Packed
 def full_attention(module: Any, x: Tensor, rotary: tuple[Tensor, Tensor], layout: PackedLayout,
                    kernels: PackedKernels) -> Tensor:
     """transformers' `Qwen3_5Attention.forward` (no cache) over a packed row."""
+    query, key, value, gate = attention_inputs(module, x, rotary)
+    return attention_output(module, kernels.attention(module, query, key, value, layout), gate)
+
+
+def attention_inputs(module: Any, x: Tensor,
+                     rotary: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The first half of transformers' `Qwen3_5Attention.forward`: the query, key and value
+    (`[rows, heads, tokens, head_dim]`, normed, rotated) and the output gate
+    (`[rows, tokens, heads * head_dim]`). One copy for the packed forward and the prefixed
+    one (clef_worker.model.prefix_forward), whose keys must be the ones a whole forward makes."""
     input_shape = x.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     query, gate = torch.chunk(
@@ -379,8 +389,13 @@ def full_attention(module: Any, x: Tensor, rotary: tuple[Tensor, Tensor], layout
     value = module.v_proj(x).view(hidden_shape).transpose(1, 2)
     cos, sin = rotary
     query, key = modeling_module().apply_rotary_pos_emb(query, key, cos, sin)
-    output = kernels.attention(module, query, key, value, layout)
-    output = output.reshape(*input_shape, -1).contiguous() * torch.sigmoid(gate)
+    return query, key, value, gate
+
+
+def attention_output(module: Any, output: Tensor, gate: Tensor) -> Tensor:
+    """The second half: the attention output (`[rows, tokens, heads, head_dim]`) gated and
+    projected back to the hidden size."""
+    output = output.reshape(*gate.shape[:-1], -1).contiguous() * torch.sigmoid(gate)
     return module.o_proj(output)
 
 

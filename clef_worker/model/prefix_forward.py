@@ -45,6 +45,7 @@ from torch.nn import functional as F
 
 from clef_worker.model import gated_delta, short_conv
 from clef_worker.model.module_names import MODELING_MODULE
+from clef_worker.model.packed_layers import attention_inputs, attention_output
 
 
 @dataclass(frozen=True)
@@ -244,16 +245,7 @@ def full_attention(module: Any, x: Tensor, rotary: tuple[Tensor, Tensor],
                    captured: Sequence[Captured]) -> Tensor:
     """transformers' `Qwen3_5Attention.forward` over the new tokens, each sequence attending to
     its cached keys and values too."""
-    input_shape = x.shape[:-1]
-    hidden_shape = (*input_shape, -1, module.head_dim)
-    query, gate = torch.chunk(
-        module.q_proj(x).view(*input_shape, -1, module.head_dim * 2), 2, dim=-1)
-    gate = gate.reshape(*input_shape, -1)
-    query = module.q_norm(query.view(hidden_shape)).transpose(1, 2)
-    key = module.k_norm(module.k_proj(x).view(hidden_shape)).transpose(1, 2)
-    value = module.v_proj(x).view(hidden_shape).transpose(1, 2)
-    cos, sin = rotary
-    query, key = modeling_module().apply_rotary_pos_emb(query, key, cos, sin)
+    query, key, value, gate = attention_inputs(module, x, rotary)
     outputs = []
     for plan, (start, end), record in zip(plans, spans, captured, strict=True):
         new_key, new_value = key[:, :, start:end], value[:, :, start:end]
@@ -264,9 +256,7 @@ def full_attention(module: Any, x: Tensor, rotary: tuple[Tensor, Tensor],
             new_key = torch.cat([plan.prefix.keys[layer].unsqueeze(0), new_key], dim=2)
             new_value = torch.cat([plan.prefix.values[layer].unsqueeze(0), new_value], dim=2)
         outputs.append(attend(module, query[:, :, start:end], new_key, new_value))
-    output = torch.cat(outputs, dim=1)
-    output = output.reshape(*input_shape, -1).contiguous() * torch.sigmoid(gate)
-    return module.o_proj(output)
+    return attention_output(module, torch.cat(outputs, dim=1), gate)
 
 
 def delta_rule_for(gdn_path: str) -> DeltaRuleRun:
