@@ -33,9 +33,11 @@ def write_checkpoint(directory: Path, text_model: nn.Module, head: nn.Module, *,
     """One random checkpoint for the stack and head given (shapes only are read)."""
     generator = torch.Generator().manual_seed(seed)
     adapter: dict[str, torch.Tensor] = {}
+    targets: set[str] = set()
     for name, module in text_model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
+        targets.add(name.rsplit(".", 1)[-1])
         a = torch.randn(rank, module.in_features, generator=generator) / module.in_features**0.5
         b = torch.randn(module.out_features, rank, generator=generator) * 0.01
         adapter[f"{KEY_PREFIX}{name}.lora_A.weight"] = a.to(dtype)
@@ -45,7 +47,10 @@ def write_checkpoint(directory: Path, text_model: nn.Module, head: nn.Module, *,
     (directory / ADAPTER_DIR).mkdir(parents=True, exist_ok=True)
     config: dict[str, Any] = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
                               "use_dora": False, "use_rslora": False, "bias": "none",
-                              "modules_to_save": None, "target_modules": "synthetic"}
+                              "modules_to_save": None,
+                              # Every adapted module by its last name, as PEFT matches a list
+                              # (the worker refuses a tensor target_modules does not name).
+                              "target_modules": sorted(targets)}
     (directory / ADAPTER_DIR / ADAPTER_CONFIG).write_text(json.dumps(config))
     save_file(adapter, str(directory / ADAPTER_DIR / ADAPTER_WEIGHTS))
     save_file(head_state, str(directory / HEAD_WEIGHTS))
