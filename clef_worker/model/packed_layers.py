@@ -354,13 +354,7 @@ def gated_delta_net(mixer: Any, x: Tensor, layout: PackedLayout, kernels: Packed
     a = mixer.in_proj_a(x)
     mixed = kernels.conv(mixed, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias,
                          mixer.activation, layout)
-    query, key, value = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim],
-                                    dim=-1)
-    query = query.reshape(rows, length, -1, mixer.head_k_dim)
-    key = key.reshape(rows, length, -1, mixer.head_k_dim)
-    value = value.reshape(rows, length, -1, mixer.head_v_dim)
-    beta = b.sigmoid()
-    g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
+    query, key, value, g, beta = delta_rule_inputs(mixer, mixed, a, b, rows, length)
     core = kernels.delta_rule(query, key, value, g, beta, layout)
     core = mixer.norm(core.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
     return mixer.out_proj(core.reshape(rows, length, -1))
@@ -371,6 +365,21 @@ def full_attention(module: Any, x: Tensor, rotary: tuple[Tensor, Tensor], layout
     """transformers' `Qwen3_5Attention.forward` (no cache) over a packed row."""
     query, key, value, gate = attention_inputs(module, x, rotary)
     return attention_output(module, kernels.attention(module, query, key, value, layout), gate)
+
+
+def delta_rule_inputs(mixer: Any, mixed: Tensor, a: Tensor, b: Tensor, rows: int,
+                      length: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The Gated DeltaNet rule's inputs from the convolved projection and the gate
+    projections: query, key, value (`[rows, length, heads, dim]`), the decay `g` and `beta`.
+    One copy for the packed forward and the prefixed one (clef_worker.model.prefix_forward),
+    whose recurrent states must be the ones a whole forward makes."""
+    query, key, value = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim],
+                                    dim=-1)
+    query = query.reshape(rows, length, -1, mixer.head_k_dim)
+    key = key.reshape(rows, length, -1, mixer.head_k_dim)
+    value = value.reshape(rows, length, -1, mixer.head_v_dim)
+    g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
+    return query, key, value, g, b.sigmoid()
 
 
 def attention_inputs(module: Any, x: Tensor,

@@ -45,7 +45,11 @@ from torch.nn import functional as F
 
 from clef_worker.model import gated_delta, short_conv
 from clef_worker.model.module_names import MODELING_MODULE
-from clef_worker.model.packed_layers import attention_inputs, attention_output
+from clef_worker.model.packed_layers import (
+    attention_inputs,
+    attention_output,
+    delta_rule_inputs,
+)
 
 
 @dataclass(frozen=True)
@@ -197,13 +201,7 @@ def gated_delta_net(mixer: Any, x: Tensor, plans: Sequence[SequencePlan],
             offset = kept + point - plan.start
             record.conv[at].append(extended[max(0, offset - (width - 1)):offset].clone())
     mixed = torch.cat(convolved, dim=1)
-    query, key, value = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim],
-                                    dim=-1)
-    query = query.reshape(rows, length, -1, mixer.head_k_dim)
-    key = key.reshape(rows, length, -1, mixer.head_k_dim)
-    value = value.reshape(rows, length, -1, mixer.head_v_dim)
-    beta = b.sigmoid()
-    g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
+    query, key, value, g, beta = delta_rule_inputs(mixer, mixed, a, b, rows, length)
     initial = [plan.prefix.recurrent[layer] if plan.prefix is not None else None
                for plan in plans]
     marks = [tuple(point - plan.start for point in plan.points) for plan in plans]
