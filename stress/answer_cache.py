@@ -13,6 +13,7 @@ import json
 import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -57,27 +58,26 @@ def scenario(report: Report) -> None:
                  "the shared forward went on and answered the first request, computed once")
 
 
-async def gauge(port: int, name: str) -> float:
-    """One unlabelled gauge's value, from /metrics."""
+async def metric_samples(port: int) -> list[Any]:
+    """Every sample of /metrics, parsed."""
     probe = Connection(port)
     try:
         text = (await probe.request("GET", "/metrics")).body.decode()
     finally:
         await probe.close()
-    return next(sample.value for family in text_string_to_metric_families(text)
-                for sample in family.samples if sample.name == name)
+    return [sample for family in text_string_to_metric_families(text)
+            for sample in family.samples]
+
+
+async def gauge(port: int, name: str) -> float:
+    """One unlabelled gauge's value."""
+    return next(sample.value for sample in await metric_samples(port) if sample.name == name)
 
 
 async def cache_lookups(port: int) -> dict[str, int]:
-    """`clef_answer_cache_total` by result, from /metrics."""
-    probe = Connection(port)
-    try:
-        text = (await probe.request("GET", "/metrics")).body.decode()
-    finally:
-        await probe.close()
-    return {sample.labels["result"]: int(sample.value)
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples if sample.name == "clef_answer_cache_total"}
+    """`clef_answer_cache_total` by result."""
+    return {sample.labels["result"]: int(sample.value) for sample in await metric_samples(port)
+            if sample.name == "clef_answer_cache_total"}
 
 
 async def run(port: int, rounds: int) -> tuple[Counter[int], int, dict[str, int]]:
