@@ -20,6 +20,8 @@ from clef_worker.model.backbone import (
     bind_gdn_path,
     bound_gdn_path,
     check_bound_gdn_path,
+    choose_gdn_path,
+    fallback_wrapper,
 )
 from clef_worker.model.gated_delta import chunk_size_for, chunked_gated_delta_rule
 
@@ -84,12 +86,11 @@ def test_kernel_equals_the_token_recurrence(rows: int, length: int, key_heads: i
 
 
 @pytest.mark.parametrize("rows", [1, 2, 8])
-def test_kernel_matches_transformers_at_model_shapes(rows: int) -> None:
+def test_kernel_matches_transformers_at_model_shapes(modeling: Any, rows: int) -> None:
     """The tiny fixture's GDN shapes (2 key heads, 4 value heads, 16 wide) at a request's length:
     within float32 rounding of transformers' own function, and in the input dtype."""
-    module: Any = importlib.import_module(MODELING_MODULE)
-    original = getattr(module.torch_chunk_gated_delta_rule, "original",
-                       module.torch_chunk_gated_delta_rule)
+    original = getattr(modeling.torch_chunk_gated_delta_rule, "original",
+                       modeling.torch_chunk_gated_delta_rule)
     q, k, v, g, beta = random_inputs(rows, 437, 2, 2, 16, seed=rows)
     expected, _ = original(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
     out, final = chunked_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
@@ -107,8 +108,12 @@ def test_chunk_size_by_rows() -> None:
 
 @pytest.fixture
 def modeling() -> Iterator[Any]:
-    """transformers' Qwen3.5 module, restored to whatever kernel it had after the test."""
+    """transformers' Qwen3.5 module as a CPU worker imports it (fla blocked first, so the torch
+    function is bound whichever test of the file runs first), restored to whatever kernel it had
+    after the test."""
+    choose_gdn_path("torch", torch.device("cpu"), torch.float32)
     module: Any = importlib.import_module(MODELING_MODULE)
+    assert bound_gdn_path() != "fla", "an earlier test imported the module with fla bound"
     before = module.torch_chunk_gated_delta_rule
     yield module
     module.torch_chunk_gated_delta_rule = before
@@ -200,3 +205,27 @@ def test_a_kernel_other_than_the_chosen_one_refuses_to_start(modeling: Any,
     assert ("imported before the fla guard ran" in message) is imported_before
     assert check_bound_gdn_path("torch", requested="auto", device=torch.device("cpu"),
                                 imported_before=imported_before) == "torch"
+
+
+def test_the_fallback_wrapper_is_found_behind_either_shape() -> None:
+    """transformers' fallback function is read directly when the name holds it, and through the
+    `func` that the `kernels` package's Func module closes over when the name holds that module
+    (transformers 5.25 with `kernels`); anything else gives None, so `bound_gdn_path` says
+    `unknown` rather than guessing."""
+    def fallback(implementation: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            return implementation(*args, **kwargs)
+        return wrapped
+
+    def hub_module(func: Any) -> torch.nn.Module:
+        class Func(torch.nn.Module):
+            def forward(self, *args: Any, **kwargs: Any) -> Any:
+                return func(*args, **kwargs)
+        return Func()
+
+    function = fallback(chunked_gated_delta_rule)
+    assert fallback_wrapper(function) is function
+    assert fallback_wrapper(hub_module(function)) is function
+    assert fallback_wrapper(hub_module(len)) is None
+    assert fallback_wrapper(torch.nn.Identity()) is None
+    assert fallback_wrapper(None) is None

@@ -42,6 +42,7 @@ import inspect
 import logging
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -186,23 +187,38 @@ def choose_gdn_path(requested: str, device: torch.device, dtype: torch.dtype) ->
 def bound_gdn_path() -> str:
     """Which kernel transformers' Qwen3.5 module bound: `fla`, `torch`, or `unknown`.
 
-    Reads the `implementation` the fallback decorator closed over; `unknown` if a transformers
-    version wraps it differently.
+    Reads the `implementation` the fallback decorator closed over (`fallback_wrapper` finds that
+    decorator's function behind the module-level name); `unknown` if a transformers version wraps
+    it differently.
     """
     module = importlib.import_module(MODELING_MODULE)
     if gated_delta.is_installed(module):
         return "torch"
-    function = getattr(module, gated_delta.KERNEL_NAME, None)
+    function = fallback_wrapper(getattr(module, gated_delta.KERNEL_NAME, None))
     if function is None:
         return "unknown"
-    try:
-        implementation = inspect.getclosurevars(function).nonlocals.get("implementation")
-    except TypeError:
-        implementation = None
+    implementation = inspect.getclosurevars(function).nonlocals.get("implementation")
     if implementation is None:
         return "unknown"
     root = (getattr(implementation, "__module__", None) or "").split(".")[0]
     return "fla" if root == "fla" else "torch"
+
+
+def fallback_wrapper(bound: object) -> Callable[..., Any] | None:
+    """The function transformers' `use_kernel_func_from_hub_with_fallback` returned, behind
+    whatever the module-level name holds, or None.
+
+    Without the `kernels` package the name holds that function itself. With it (transformers 5.25
+    requires it) the hub decorator turns the function into an instance of a `Func` module, whose
+    `forward` calls the function it closed over as `func`; the function is one step further.
+    """
+    if inspect.isfunction(bound):
+        return bound
+    forward = getattr(type(bound), "forward", None)
+    if not inspect.isfunction(forward):
+        return None
+    inner = inspect.getclosurevars(forward).nonlocals.get("func")
+    return inner if inspect.isfunction(inner) else None
 
 
 def check_bound_gdn_path(chosen: str, *, requested: str, device: torch.device,
