@@ -150,7 +150,7 @@ def _captured(points: tuple[int, ...], start: int, end: int, width: int = 8) -> 
     new = end - start
     return Captured(points, [[torch.zeros(2, 4, 4)] for _ in points],
                     [[torch.zeros(3, width)] for _ in points],
-                    [torch.zeros(1, new, 4)], [torch.zeros(1, new, 4)])
+                    [torch.zeros(1, new, 4)], [torch.zeros(1, new, 4)], [0] * len(points))
 
 
 def _store(cache: PrefixCache, key: CacheKey, ids: np.ndarray) -> Hit:
