@@ -4,6 +4,8 @@ the multimodal rotary positions; every answer and hidden state equal to the unca
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from clef_protocol.media import gradient_image, png_data_uri
 from clef_worker.assembly import assemble_snapshot
@@ -41,11 +44,18 @@ def cache(executor: NativeExecutor) -> PrefixCache:
     return found
 
 
-def _prepared(executor: NativeExecutor, events: int, picture: np.ndarray = PICTURE) -> Prepared:
+def _prepared(executor: NativeExecutor, events: int, picture: np.ndarray = PICTURE,
+              video: bool = False) -> Prepared:
+    """A media request about `picture` (or a four-frame video of it) with `events` events."""
     state = {"events": [{"n": i, "note": f"screen {i}: invoice {i * 37} paid by {i % 11}"}
                         for i in range(events)]}
-    body = {"model": "clef-flash", "state": state, "questions": QUESTIONS,
-            "images": [png_data_uri(picture)]}
+    body: dict[str, Any] = {"model": "clef-flash", "state": state, "questions": QUESTIONS}
+    if video:
+        frames = [png_data_uri(np.ascontiguousarray(np.roll(picture[:128, :128], shift, 1)))
+                  for shift in range(0, 64, 16)]
+        body.update(videos=[[frames]], media_kwargs={"do_sample_frames": False})
+    else:
+        body["images"] = [png_data_uri(picture)]
     return executor.prepare(json.dumps(body).encode())
 
 
@@ -93,6 +103,34 @@ def test_a_media_prefix_plus_its_text_suffix_equals_the_whole_forward(
     assert cache.hits == 1 and cache.tokens_reused == reused.rows[0].reused_tokens
 
 
+def test_a_video_prefix_plus_its_text_suffix_equals_the_whole_forward(
+        executor: NativeExecutor, cache: PrefixCache) -> None:
+    """A video: several blocks of pads with timestamps between them; the text after the last
+    continues one past the largest position."""
+    first = _prepared(executor, 16, video=True)
+    assert first.media is not None and first.media.video_grids
+    _assert_equal(_cached(executor, first), _uncached(executor, first))
+    grown = _prepared(executor, 20, video=True)
+    reused = _cached(executor, grown)
+    assert reused.rows[0].reused_tokens >= _media_end(executor, grown)
+    _assert_equal(reused, _uncached(executor, grown))
+    assert all(block.rope_delta < 0 for block in cache.blocks.values())
+
+
+def test_the_same_pixels_sent_again_another_way_have_the_same_digest(
+        executor: NativeExecutor) -> None:
+    """The key follows the pixels, not how the client encoded them."""
+    buffer = io.BytesIO()
+    Image.fromarray(PICTURE).save(buffer, format="PNG", compress_level=1)
+    again = {"content_type": "image/png", "base64": base64.b64encode(buffer.getvalue()).decode()}
+    assert png_data_uri(PICTURE).split(",", 1)[1] != again["base64"]
+    bodies = [{"model": "clef-flash", "state": "s", "questions": QUESTIONS, "images": [image]}
+              for image in (png_data_uri(PICTURE), again)]
+    digests = [executor.prepare(json.dumps(body).encode()).media for body in bodies]
+    assert digests[0] is not None and digests[1] is not None
+    assert digests[0].digest == digests[1].digest != ""
+
+
 def test_the_recorded_rotary_offset_is_what_makes_the_suffix_right(
         executor: NativeExecutor, cache: PrefixCache) -> None:
     """Without the media's rotary offset the suffix would sit 56 positions late: the
@@ -124,7 +162,9 @@ def test_two_pictures_with_the_same_tokens_never_share_states(
     # And a text request with the same state is another chain again.
     text = executor.cache_key(executor.prepare(json.dumps(
         {"model": "clef-flash", "state": {"events": []}, "questions": QUESTIONS}).encode()))
-    assert text is not None and text.root != executor.cache_key(one).root  # type: ignore[union-attr]
+    media = executor.cache_key(one)
+    assert text is not None and media is not None and text.root != media.root
+    assert (text.media_end, media.media_end) == (0, _media_end(executor, one))
 
 
 def test_a_reused_media_prefix_does_not_run_the_vision_tower(
