@@ -12,7 +12,8 @@ from pathlib import Path
 
 from clef_worker import prefix_check
 from clef_worker.assembly import assemble_snapshot
-from clef_worker.self_check import BOUNDS
+from clef_worker.check_probes import PROBES
+from clef_worker.self_check import BOUNDS, run_self_check
 from tests.ci_policy import requires_cuda
 
 pytestmark = requires_cuda()  # the one skip CI allows (tests/ci_policy.py)
@@ -20,10 +21,13 @@ pytestmark = requires_cuda()  # the one skip CI allows (tests/ci_policy.py)
 
 def test_the_prefix_probe_passes_on_cuda(tiny_snapshot: Path) -> None:
     executor = assemble_snapshot(tiny_snapshot, device="cuda")
-    comparison = prefix_check.check_prefix_cache(executor)
+    executor.warm_up()
+    verdict = run_self_check(executor, "report", PROBES)
     cache = executor.runner.prefix_cache
-    assert comparison is not None and cache is not None
-    assert comparison.agrees(BOUNDS["bfloat16"]), comparison
+    assert verdict is not None and cache is not None
+    [probe] = [probe for probe in verdict.probes if probe["name"] == prefix_check.PROBE_NAME]
+    assert probe["passed"] and probe["reused_tokens"] > 0, probe
+    assert probe["max_abs_diff"] <= BOUNDS["bfloat16"]
     assert cache.enabled
 
 
