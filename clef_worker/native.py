@@ -198,7 +198,9 @@ class NativeExecutor:
             return None
         if self.vision is None:
             raise RequestInvalid(NO_VISION)
-        return self.vision.prepare(decode_media(request, self.limits))
+        cache = self.runner.prefix_cache
+        return self.vision.prepare(decode_media(request, self.limits),
+                                   digest=cache is not None and cache.enabled)
 
     def score(self, request: dict[str, Any], *, profile: bool = False) -> Scored:
         """Validate, encode, run backbone and head; with `profile`, each stage's time (media,

@@ -118,7 +118,7 @@ def test_a_video_prefix_plus_its_text_suffix_equals_the_whole_forward(
 
 
 def test_the_same_pixels_sent_again_another_way_have_the_same_digest(
-        executor: NativeExecutor) -> None:
+        executor: NativeExecutor, tiny_snapshot: Path) -> None:
     """The key follows the pixels, not how the client encoded them."""
     buffer = io.BytesIO()
     Image.fromarray(PICTURE).save(buffer, format="PNG", compress_level=1)
@@ -129,6 +129,10 @@ def test_the_same_pixels_sent_again_another_way_have_the_same_digest(
     digests = [executor.prepare(json.dumps(body).encode()).media for body in bodies]
     assert digests[0] is not None and digests[1] is not None
     assert digests[0].digest == digests[1].digest != ""
+    # A worker with the cache off never keys anything: the pixels are not hashed.
+    off = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32", prefix_cache="off")
+    uncached = off.prepare(json.dumps(bodies[0]).encode()).media
+    assert uncached is not None and uncached.digest == ""
 
 
 def test_the_recorded_rotary_offset_is_what_makes_the_suffix_right(

@@ -105,8 +105,10 @@ class VisionTower:
 
     # -- request side ---------------------------------------------------------------------
 
-    def prepare(self, media: DecodedMedia) -> PreparedMedia:
-        """Pixels -> patch rows (CPU) and the token ids that go after the prefix."""
+    def prepare(self, media: DecodedMedia, digest: bool = True) -> PreparedMedia:
+        """Pixels -> patch rows (CPU) and the token ids that go after the prefix; with `digest`
+        (a worker whose prefix cache is on), the pixels' digest that keys the cached states
+        (without one the request is never cached, and the hashing is not paid)."""
         images = [image_patches(image, self.settings) for image in media.images]
         videos = [video_patches(frames, self.settings) for frames in media.videos]
         ids: list[int] = []
@@ -128,7 +130,7 @@ class VisionTower:
             video_rows=_concat(videos),
             image_grids=tuple(p.grid for p in images),
             video_grids=tuple(p.grid for p in videos),
-            digest=media_digest(media),
+            digest=media_digest(media) if digest else "",
         )
 
     def _tokens(self, grid: tuple[int, int, int]) -> int:
