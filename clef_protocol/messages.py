@@ -204,6 +204,19 @@ def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+# Why a worker's prefix cache is off when the operator chose it (the flag, or no bytes for it);
+# any other `disabled_reason` is the start-up self-check's (its prefixed probe disagreed).
+PREFIX_CACHE_OFF_BY_FLAG = "--prefix-cache off"
+PREFIX_CACHE_NO_BYTES = "--prefix-cache-bytes 0"
+
+
+def prefix_cache_turned_off(enabled: bool, disabled_reason: str) -> bool:
+    """Whether a worker's prefix cache is off although the operator asked for it (the
+    self-check turned it off): what an alert watches."""
+    return not enabled and disabled_reason not in (PREFIX_CACHE_OFF_BY_FLAG,
+                                                   PREFIX_CACHE_NO_BYTES)
+
+
 @dataclass(frozen=True)
 class PrefixCacheInfo:
     """The worker's prefix cache as it starts serving (the `prefix_cache` map of `ready`).

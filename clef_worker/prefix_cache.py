@@ -53,7 +53,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from clef_protocol.messages import PrefixCacheInfo, PrefixStats
+from clef_protocol.messages import (
+    PREFIX_CACHE_NO_BYTES,
+    PREFIX_CACHE_OFF_BY_FLAG,
+    PrefixCacheInfo,
+    PrefixStats,
+)
 from clef_protocol.options import DEFAULT_PREFIX_CACHE_BYTES_CPU, DEFAULT_PREFIX_CACHE_BYTES_CUDA
 from clef_worker.model.prefix_forward import Captured, PrefixState
 
@@ -178,7 +183,7 @@ class PrefixCache:
         self.enabled = enabled and capacity_bytes > 0
         self.disabled_reason = disabled_reason if not self.enabled else ""
         if not self.enabled and not self.disabled_reason:
-            self.disabled_reason = "--prefix-cache-bytes 0" if enabled else "--prefix-cache off"
+            self.disabled_reason = PREFIX_CACHE_NO_BYTES if enabled else PREFIX_CACHE_OFF_BY_FLAG
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()
         self.children: dict[bytes, set[bytes]] = {}  # the root's children (blocks keep theirs)
         self.bytes = 0

@@ -33,6 +33,8 @@ the request body (the front validates first, so bodies are valid Clef requests p
 --fake-prefix-cache: `ready` reports a prefix cache (enabled as the model flag --prefix-cache
 says) and each response its figures: the longest leading run of characters its state shares
 with a state this process saw before, a "token" per 4 characters (no model: the front's view).
+--fake-prefix-cache-disagrees: as if the start-up self-check's prefixed probe had disagreed:
+`ready` reports the cache turned off with the probe's reason, and nothing is reused.
 --weights-file PATH: the base's weights fingerprint is PATH's text as it was at start (`ready`'s
 `fingerprint` and `models`, and every response's `weights`): a test "replaces the weights" by
 rewriting the file and restarting workers.
@@ -61,6 +63,7 @@ from typing import Any, BinaryIO  # noqa: E402
 
 from clef_protocol import messages  # noqa: E402
 from clef_protocol.frames import read_frame_blocking, write_frame_blocking  # noqa: E402
+from clef_protocol.messages import PREFIX_CACHE_OFF_BY_FLAG  # noqa: E402
 from clef_protocol.options import add_model_arguments  # noqa: E402
 from clef_worker.batching import frame_waiting  # noqa: E402
 from clef_worker.logs import configure as configure_logs  # noqa: E402
@@ -90,6 +93,7 @@ def parse_args() -> argparse.Namespace:
     # A worker of its own (a --worker-command) whose `ready` says nothing about batching.
     parser.add_argument("--no-batch-policy", action="store_true")
     parser.add_argument("--fake-prefix-cache", action="store_true")
+    parser.add_argument("--fake-prefix-cache-disagrees", action="store_true")
     return parser.parse_args()
 
 
@@ -98,14 +102,18 @@ class FakePrefixCache:
 
     CHARS_PER_TOKEN = 4
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
+    DISAGREED = ("self-check: the prefixed probe differs from the eager answers by 0.2, "
+                 "1 argmax mismatches")
+
+    def __init__(self, enabled: bool, disagreed: bool = False) -> None:
+        self.enabled = enabled and not disagreed
+        self.reason = (self.DISAGREED if disagreed and enabled else
+                       "" if enabled else PREFIX_CACHE_OFF_BY_FLAG)
         self.states: list[str] = []
         self.hits = self.lookups = self.tokens_reused = 0
 
     def info(self) -> messages.PrefixCacheInfo:
-        return messages.PrefixCacheInfo(self.enabled, 1 << 30, 256,
-                                        "" if self.enabled else "--prefix-cache off")
+        return messages.PrefixCacheInfo(self.enabled, 1 << 30, 256, self.reason)
 
     def answer(self, state: str) -> messages.PrefixStats:
         reused = 0
@@ -275,7 +283,8 @@ def main() -> int:
         out.flush()
         time.sleep(60)  # a confused worker that does not exit: the front must not wait for it
         return 0
-    prefix_cache = FakePrefixCache(args.prefix_cache == "on") if args.fake_prefix_cache else None
+    prefix_cache = (FakePrefixCache(args.prefix_cache == "on", args.fake_prefix_cache_disagrees)
+                    if args.fake_prefix_cache or args.fake_prefix_cache_disagrees else None)
     write_frame_blocking(out, messages.ready(messages.ReadyInfo(
         pid=os.getpid(), thread=threading.current_thread().name, model="fake",
         variant=args.variant, device="cpu", dtype="float32", gdn_path="none", warmup_ms=0.0,

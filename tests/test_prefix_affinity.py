@@ -214,6 +214,7 @@ def test_two_workers_each_keep_their_own_states_requests_and_show_their_caches()
             assert metric(serve, "clef_prefix_cache_entries", worker=slot) == 4
             assert metric(serve, "clef_prefix_cache_bytes", worker=slot) == cache["bytes"] > 0
             assert metric(serve, "clef_prefix_cache_enabled", worker=slot) == 1
+            assert metric(serve, "clef_prefix_cache_turned_off", worker=slot) == 0
 
 
 def test_workers_whose_cache_is_off_say_so_and_get_the_round_robin() -> None:
@@ -229,7 +230,23 @@ def test_workers_whose_cache_is_off_say_so_and_get_the_round_robin() -> None:
         assert {w["prefix_cache"]["disabled_reason"] for w in workers} == {"--prefix-cache off"}
         assert {w["prefix_cache"]["enabled"] for w in workers} == {False}
         assert metric(serve, "clef_prefix_cache_enabled", worker="0") == 0
+        assert metric(serve, "clef_prefix_cache_turned_off", worker="0") == 0  # the flag's
     assert pids[0] != pids[1] and pids[:2] == pids[2:]  # one state, both workers in turn
+
+
+def test_a_cache_the_self_check_turned_off_is_flagged_for_the_alert() -> None:
+    """A worker whose start-up prefixed probe disagreed (the fake's stand-in): /health says why,
+    `clef_prefix_cache_turned_off` is 1 (what the ClefPrefixCacheTurnedOff alert watches, unlike
+    a cache off by flag), and its requests are served uncached."""
+    with Serve("--fake-prefix-cache-disagrees") as serve:
+        response = serve.post(json.dumps(_request(LONG)).encode())
+        assert response.status == 200
+        assert 'prefix;desc="reused=0"' in (response.header("Server-Timing") or "")
+        [worker] = serve.health().json()["workers"]
+        assert worker["prefix_cache"]["enabled"] is False
+        assert worker["prefix_cache"]["disabled_reason"].startswith("self-check: the prefixed")
+        assert metric(serve, "clef_prefix_cache_turned_off", worker="0") == 1
+        assert metric(serve, "clef_prefix_cache_enabled", worker="0") == 0
 
 
 def test_a_replaced_worker_shows_its_own_empty_cache_not_the_lost_ones_figures() -> None:
