@@ -33,6 +33,8 @@ the request body (the front validates first, so bodies are valid Clef requests p
 --fake-prefix-cache: `ready` reports a prefix cache (enabled as the model flag --prefix-cache
 says) and each response its figures: the longest leading run of characters its state shares
 with a state this process saw before, a "token" per 4 characters (no model: the front's view).
+--fake-self-check: `ready` carries a passing start-up self-check verdict (the real worker's
+default), so the front exports its `clef_worker_self_check_*` gauges.
 --fake-prefix-cache-disagrees: as if the start-up self-check's prefixed probe had disagreed:
 `ready` reports the cache turned off with the probe's reason, and nothing is reused.
 --weights-file PATH: the base's weights fingerprint is PATH's text as it was at start (`ready`'s
@@ -94,6 +96,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-batch-policy", action="store_true")
     parser.add_argument("--fake-prefix-cache", action="store_true")
     parser.add_argument("--fake-prefix-cache-disagrees", action="store_true")
+    parser.add_argument("--fake-self-check", action="store_true")
     return parser.parse_args()
 
 
@@ -290,6 +293,8 @@ def main() -> int:
         variant=args.variant, device="cpu", dtype="float32", gdn_path="none", warmup_ms=0.0,
         versions={"fake_worker": "1"}, demo=args.demo, snapshot="", pings=not args.no_pings,
         prefix_cache=None if prefix_cache is None else prefix_cache.info(),
+        self_check=messages.SelfCheck(True, "per-group", 2, 0.0, [], mode="on", bound=1e-4,
+                                      ms=1.0) if args.fake_self_check else None,
         fingerprint=args.weights, models={args.variant: args.weights} if args.weights else {},
         **_policy_fields(args),
     )))

@@ -77,9 +77,10 @@ def rule_expressions() -> list[str]:
 @cache
 def scrape() -> dict[str, str]:
     """Family name -> type, from a real front's /metrics after one request per scoring route
-    (its fake worker reports a prefix cache, as the real one does by default)."""
+    (its fake worker reports a prefix cache and a self-check verdict, as the real one does by
+    default)."""
     run_path = "/accounts/acct-1/ai/run/@cf/cloudflare/clef-flash"
-    with Serve("--fake-prefix-cache") as server:
+    with Serve("--fake-prefix-cache", "--fake-self-check") as server:
         assert server.post(clef_body()).status == 200
         assert server.request("POST", run_path, clef_body()).status == 200
         response = server.request("GET", "/metrics")
