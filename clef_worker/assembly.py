@@ -88,6 +88,9 @@ class ModelSettings:
     batch_window_ms: float = 0.0
     # Fine-tuned variants served unmerged over this snapshot (`--finetune`).
     finetunes: tuple[Finetune, ...] = ()
+    # The names the base answers to (`--served-model-name`, aliases, `--variant`): what a
+    # variant's `base_model_name_or_path` may name besides the snapshot (empty: `variant`).
+    base_names: tuple[str, ...] = ()
     # The prefix cache (clef_worker.prefix_cache): on or off, and its bound (0: by device).
     prefix_cache: str = "on"
     prefix_cache_bytes: int = 0
@@ -126,7 +129,7 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
     vision = load_media(snapshot, encoder, backbone, settings.media)
     selection = AdapterSelection(STACKED if target.type == "cuda" else SEGMENTS)
     variants = load_variants(list(settings.finetunes), backbone, head, selection,
-                             (settings.variant,), snapshot.root)
+                             settings.base_names or (settings.variant,), snapshot.root)
     pad_id = pad_token_id(encoder.tokenizer.token_to_id("<|endoftext|>"), snapshot.text_config)
     if policy.packed and capture:
         policy = packed_or_padded(backbone, policy, explicit=settings.batch_layout == PACKED)

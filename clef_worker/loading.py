@@ -53,7 +53,8 @@ def load_executor(args: argparse.Namespace, snapshot: Path, demo: bool) -> Loade
         media=args.media, cuda_graphs=args.cuda_graphs, graph_max_length=args.graph_max_length,
         batch_layout=args.batch_layout, max_batch_tokens=args.max_batch_tokens,
         max_batch=args.max_batch, batch_window_ms=args.batch_window_ms, finetunes=finetunes,
-        prefix_cache=args.prefix_cache, prefix_cache_bytes=args.prefix_cache_bytes,
+        base_names=base_names(args), prefix_cache=args.prefix_cache,
+        prefix_cache_bytes=args.prefix_cache_bytes,
     ))
 
 

@@ -266,6 +266,26 @@ def test_rslora_and_a_foreign_base_are_served_as_peft_runs_them(
         assert_same_response(json.dumps(got).encode(), executor.answer(alpha).body)
 
 
+def test_a_base_named_by_the_served_model_name_is_not_foreign(
+        tiny_snapshot: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint trained over the hub's `Qwen/Qwen3.5-9B`, served by a worker whose base is
+    served as `qwen3.5-9b` (`--served-model-name`, which the front passes on): the names agree,
+    no WARNING; without that name the same checkpoint gets one."""
+    from clef_worker.loading import load_executor
+    from clef_worker.main import parse_args
+
+    finetune = _broken(tmp_path, lambda c: _config(c, base_model_name_or_path="Qwen/Qwen3.5-9B"))
+    caplog.set_level(logging.WARNING, logger="clef_worker.variants")
+    for served, warned in (("qwen3.5-9b", False), ("clef-flash-prod", True)):
+        caplog.clear()
+        args = parse_args(["--model", str(tiny_snapshot), "--device", "cpu",
+                           "--finetune", f"broken={finetune.checkpoint}",
+                           "--served-model-name", served])
+        load_executor(args, tiny_snapshot, demo=False)
+        warnings = [r.getMessage() for r in caplog.records if r.name == "clef_worker.variants"]
+        assert bool(warnings) is warned, (served, warnings)
+
+
 @pytest.mark.parametrize("change", [
     {"target_modules": "all-linear"},
     {"target_modules": ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj",
