@@ -22,11 +22,13 @@ its result travels in the verdict's `probes`. The layout probes:
   longest requests replay; forced short requests check it (a request laid at the wrong offset,
   or padding read into the requests, disagrees with their eager answers) while the eager
   reference runs only their real tokens, not the ~16,000 of one near-largest request. The
-  probe records the shape (`largest_shape`, `[rows, tokens]` as `graph_shapes` lists it) and
+  probe records the shape (`largest_shape`, `[rows, tokens]` as `graph_shapes` lists it; null
+  where no request the schemas make fits it, as no request can then replay it) and
   each group's (`shapes`). Packed, the largest shape is the largest bucket (one row); padded,
   the longest bucket at the most rows built for it (one row of 16,384 at the H200 defaults),
-  one short request per row. Eagerly there is no fixed shape: a forward is only as large as
-  its requests, and a lone request takes the plain forward, the reference itself.
+  one short request per row (three at most). Eagerly there is no fixed shape: a forward is
+  only as large as its requests, and a lone request takes the plain forward, the reference
+  itself.
 - `small` (`small_groups`): where 370-token traffic runs. With graphs, a lone ~370-token request
   (the bucket that traffic replays), then two pairs of other lengths in that same bucket one
   after the other (one bucket replayed with different mixes: a graph that replayed the previous
@@ -240,8 +242,13 @@ class Requests:
 
 def probe_groups(target: WarmTarget) -> list[list[Encoding]]:
     """The `groups` probe's requests, as the groups they are sent in (mixed, uniform, and with
-    graphs the `largest_group` forced into the largest shape, last); empty when no request
-    fits the limits."""
+    graphs the `largest_group`, last); empty when no request fits the limits."""
+    return [group for group, _ in probe_plan(target)]
+
+
+def probe_plan(target: WarmTarget) -> list[tuple[list[Encoding], tuple[int, int] | None]]:
+    """`probe_groups`' groups, each with the graph shape it is forced into (None: cut and
+    run as the serve loop would)."""
     requests = Requests(target)
     if not requests.schemas:
         return []
@@ -250,15 +257,20 @@ def probe_groups(target: WarmTarget) -> list[list[Encoding]]:
              for i, share in enumerate(MIXED)]
     # One schema, one length: the encoder cuts each long state to exactly the same count.
     uniform = [requests.make(int(room * UNIFORM)) for _ in range(UNIFORM_COUNT)]
-    largest = largest_group(target, requests)
+    plan: list[tuple[list[Encoding], tuple[int, int] | None]] = [(mixed, None), (uniform, None)]
     # Eagerly there is no fixed shape to fill: a forward is only as large as its requests.
-    return [mixed, uniform] if largest is None else [mixed, uniform, largest]
+    largest = largest_group(target, requests)
+    if largest is not None:
+        plan.append((largest, largest_shape(target)))
+    return plan
 
 
 def largest_group(target: WarmTarget, requests: Requests) -> list[Encoding] | None:
     """The requests forced into `largest_shape`: shares of LARGEST_REAL tokens (LARGEST_MIX),
     at most half the shape's tokens and one per row (padded) or `max_sequences` (packed),
-    the last ones dropped until their aligned total fits the bucket. None without graphs.
+    the last ones dropped until they fit the shape. None without graphs, or where even the
+    shortest request the schemas make does not fit the largest shape (no request can then
+    replay it: every longer one runs eagerly).
 
     Why short requests and not one near the largest length: served, the shape costs its full
     tokens however few are real, but the eager reference runs only the real ones, so the
@@ -272,11 +284,17 @@ def largest_group(target: WarmTarget, requests: Requests) -> list[Encoding] | No
     graphs = target.runner.graphs
     count = rows if not isinstance(graphs, PackedGraphRunner) else graphs.max_sequences
     total = min(LARGEST_REAL, tokens // 2)
-    lengths = [min(max(int(total * share), requests.shortest), tokens)
-               for share in LARGEST_MIX[:max(count, 1)]]
-    while len(lengths) > 1 and aligned_total(lengths) > tokens:
-        lengths.pop()
-    return [requests.make(length, prefer_rich=i % 2 == 0) for i, length in enumerate(lengths)]
+    group = [requests.make(max(int(total * share), requests.shortest), prefer_rich=i % 2 == 0)
+             for i, share in enumerate(LARGEST_MIX[:max(count, 1)])]
+
+    def fits(encodings: list[Encoding]) -> bool:
+        lengths = [encoding.length for encoding in encodings]
+        return (aligned_total(lengths) if isinstance(graphs, PackedGraphRunner)
+                else max(lengths)) <= tokens
+
+    while len(group) > 1 and not fits(group):
+        group.pop()
+    return group if fits(group) else None
 
 
 def small_groups(target: WarmTarget) -> list[list[Encoding]]:
@@ -543,14 +561,14 @@ def _flat(groups: Sequence[Sequence[Encoding]], group: int, member: int) -> int:
 
 def probe_layout_groups(context: Context) -> ProbeResult | None:
     """Mixed lengths in one forward, one length in another, and with graphs short requests
-    forced into the largest shape, recorded as `largest_shape` (with `shapes`, each group's
-    fixed shape, and `lengths`)."""
+    forced into the largest shape, recorded as `largest_shape` (None where no group was
+    forced: no graphs, or no request fits that shape), with `shapes` (each group's fixed
+    shape) and `lengths`."""
     target = context.target
-    groups = probe_groups(target)
-    largest = largest_shape(target) if groups else None
-    forced: list[list[int] | None] = [None] * len(groups)
-    if largest is not None:
-        forced[-1] = list(largest)  # probe_groups puts the largest-shape group last
+    plan = probe_plan(target)
+    groups = [group for group, _ in plan]
+    forced = [None if shape is None else list(shape) for _, shape in plan]
+    largest = next((shape for shape in forced if shape is not None), None)
     # Each group's fixed shape as `shape_of` writes it ([tokens] packed, [[rows, tokens]]
     # padded), the forced one included.
     shapes = [shape_of(target, [e.length for e in group]) if shape is None
@@ -559,7 +577,7 @@ def probe_layout_groups(context: Context) -> ProbeResult | None:
     return context.compare_groups("groups", groups, forced=forced, extra={
         "lengths": [[encoding.length for encoding in group] for group in groups],
         "shapes": shapes,
-        "largest_shape": None if largest is None else list(largest)})
+        "largest_shape": largest})
 
 
 def probe_small(context: Context) -> ProbeResult | None:

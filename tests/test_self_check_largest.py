@@ -168,6 +168,25 @@ def test_without_graphs_there_is_no_largest_shape(tiny_snapshot: Path) -> None:
     assert len(self_check.probe_groups(executor)) == 2
 
 
+def test_a_largest_shape_no_request_fits_is_left_out_and_the_check_passes(
+        tiny_snapshot: Path) -> None:
+    """Graphs only up to 64 tokens, below the shortest request the schemas make (125 on the
+    tiny snapshot): nothing can replay that shape, so there is no largest-shape group (forcing
+    one would fail the check for a shape no request uses) and the check passes."""
+    executor = assemble_snapshot(tiny_snapshot, device="cpu", cuda_graphs="on", media="off",
+                                 limits=RequestLimits(max_length=2048), graph_max_length=64,
+                                 max_batch_tokens=LARGEST)
+    executor.warm_up()
+    assert self_check.largest_shape(executor) == (1, 64)
+    requests = self_check.Requests(executor)
+    assert requests.shortest > 64
+    assert self_check.largest_group(executor, requests) is None
+    verdict = self_check.run_self_check(executor, "report")
+    assert verdict is not None and verdict.passed
+    [probe] = [p for p in verdict.probes if p["name"] == "groups"]
+    assert probe["largest_shape"] is None and len(probe["groups"]) == 2
+
+
 @pytest.fixture
 def offset_fault(monkeypatch: pytest.MonkeyPatch) -> None:
     """In the largest packed bucket only: the ids laid one chunk (64 tokens) after their
