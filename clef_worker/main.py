@@ -239,17 +239,14 @@ def self_check(executor: Executor, mode: str,
                    variants=lambda: fingerprints()[1])
 
 
-def prefix_cache_check(executor: Executor, mode: str) -> messages.PrefixCacheInfo | None:
-    """The prefix cache's start-up check (clef_worker.prefix_check, skipped with
-    `--self-check off`) and its state for `ready`; None for an executor without one."""
+def prefix_cache_state(executor: Executor) -> messages.PrefixCacheInfo | None:
+    """The prefix cache's state for `ready`, after the self-check (whose `prefix` probe may
+    have turned it off, clef_worker.prefix_check), emptied of the warm-up's blocks; None for
+    an executor without one."""
     from clef_worker.native import NativeExecutor
 
     if not isinstance(executor, NativeExecutor) or executor.runner.prefix_cache is None:
         return None
-    if mode != "off":
-        from clef_worker.prefix_check import check_prefix_cache
-
-        check_prefix_cache(executor, strict=mode == "strict", report=mode == "report")
     executor.runner.prefix_cache.reset()  # warm-up's and the checks' blocks: no client's
     return executor.runner.prefix_cache.info()
 
@@ -289,7 +286,7 @@ def start_ready(args: argparse.Namespace,
         warmup_ms = _elapsed_ms(started)
         # May drop graphs: describe after it.
         verdict = self_check(executor, args.self_check, fingerprints.result)
-        prefix_cache = prefix_cache_check(executor, args.self_check)
+        prefix_cache = prefix_cache_state(executor)
         if args.finetune:
             _answer_only_to_served_names(executor, base_names(args))
         base, variants = fingerprints.result()

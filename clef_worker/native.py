@@ -198,7 +198,9 @@ class NativeExecutor:
             return None
         if self.vision is None:
             raise RequestInvalid(NO_VISION)
-        return self.vision.prepare(decode_media(request, self.limits))
+        cache = self.runner.prefix_cache
+        return self.vision.prepare(decode_media(request, self.limits),
+                                   digest=cache is not None and cache.enabled)
 
     def score(self, request: dict[str, Any], *, profile: bool = False) -> Scored:
         """Validate, encode, run backbone and head; with `profile`, each stage's time (media,
@@ -263,18 +265,25 @@ class NativeExecutor:
                                         [self.cache_key(item) for item in batch])
 
     def cache_key(self, item: Prepared) -> CacheKey | None:
-        """A request's prefix-cache key: its variant (a variant never reuses the base's states)
-        and where its state span ends; None for a media request (it runs alone through the
-        vision tower, uncached)."""
+        """A request's prefix-cache key: its variant (a variant never reuses the base's states),
+        its media's digest (two pictures never share states), where its media tokens end (no
+        prefix shorter than them is reused) and where its state span ends."""
+        media_end = len(self.encoder.prefix_ids)
+        digest = ""
         if item.media is not None:
-            return None
-        state_end = len(self.encoder.prefix_ids) + item.encoding.state_tokens
-        return CacheKey(self.cache_root(item.slot), state_end)
+            if not item.media.digest:
+                return None  # media whose pixels are not named: never cached
+            media_end += len(item.media.token_ids)
+            digest = item.media.digest
+        state_end = media_end + item.encoding.state_tokens
+        return CacheKey(self.cache_root(item.slot, digest), state_end,
+                        media_end if item.media is not None else 0)
 
-    def cache_root(self, slot: int) -> bytes:
-        """The root of every prefix-cache chain scored by the variant in `slot`."""
+    def cache_root(self, slot: int, media_digest: str = "") -> bytes:
+        """The root of every prefix-cache chain scored by the variant in `slot` (about the
+        media of this digest: "" for text)."""
         variant = next((v.name for v in self.variants.values() if v.slot == slot), "")
-        return root_key(f"{slot}:{variant}")
+        return root_key(f"{slot}:{variant}", media_digest)
 
     def answer_staged(self, staged: tuple[Sequence[Prepared], Staged]) -> list[Answer]:
         """The group's forwards on the main thread; the answers in order."""

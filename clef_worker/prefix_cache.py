@@ -13,8 +13,17 @@ tokens are placeholders: the pixels are not in the ids). Blocks end at every mul
 `block_tokens` and, for the last one of a request, `END_MARGIN` tokens before the end of its
 state span, rounded down to `align` tokens (so a request asking other questions about the same
 state reuses nearly all of it, and the torch scan hands out the state there for free: points
-are multiples of its chunk). The media digest is in the key's design, but media requests run
-alone through the vision tower and are not cached yet (the runner gives them no key).
+are multiples of its chunk).
+
+Media requests (`system prompt + media + state + ...`): the root folds in the media's digest
+(`PreparedMedia.digest`, over the decoded pixels), because the media tokens are placeholders
+whose ids are the same for any two pictures of one size: without it two pictures would share
+states. A block boundary inside the media span is never stored nor reused: a media request's
+points lie at or after the end of its media tokens (`CacheKey.media_end`) and a lookup that
+would reuse less than that reuses nothing, so a request reuses either nothing (and runs the
+vision tower) or all of its media (and never runs the tower). Each block records the rotary
+offset at its end (`rope_delta`: after an image, text positions lag the token index), so the
+suffix continues the multimodal positions exactly as the whole forward does.
 
 What a block keeps (what a suffix after its end needs): per Gated DeltaNet layer the recurrent
 state and the short convolution's input tail at `end`; per full-attention layer the block's own
@@ -93,11 +102,13 @@ def block_key(parent: bytes, ids: np.ndarray) -> bytes:
 
 @dataclass(frozen=True)
 class CacheKey:
-    """What the runner needs to look a request up and store it: its chain's root and where its
-    state span ends (nothing after it is stored: the schema and suffix are per request)."""
+    """What the runner needs to look a request up and store it: its chain's root, where its
+    state span ends (nothing after it is stored: the schema and suffix are per request) and
+    where its media tokens end (0: none; no point before it is stored or reused)."""
 
     root: bytes
     state_end: int
+    media_end: int = 0
 
 
 @dataclass
@@ -113,6 +124,7 @@ class Block:
     keys: list[Tensor]
     values: list[Tensor]
     hidden: Tensor
+    rope_delta: int = 0  # the rotary position at `end` minus `end` (media before it)
     nbytes: int = 0
     children: set[bytes] = field(default_factory=set)
 
@@ -137,7 +149,8 @@ class Hit:
             start=last.end, recurrent=last.recurrent, conv=last.conv,
             keys=[_joined([block.keys[i] for block in self.chain], 1) for i in range(layers)],
             values=[_joined([block.values[i] for block in self.chain], 1)
-                    for i in range(layers)])
+                    for i in range(layers)],
+            rope_delta=last.rope_delta)
 
     def hidden(self) -> Tensor | None:
         """The chain's final hidden states `[tokens, H]` (None for an empty chain)."""
@@ -204,13 +217,15 @@ class PrefixCache:
 
     # -- planning -----------------------------------------------------------------------------
 
-    def points(self, start: int, state_end: int) -> tuple[int, ...]:
+    def points(self, start: int, state_end: int, media_end: int = 0) -> tuple[int, ...]:
         """Where a request whose first `start` tokens are cached stores its states: every
         block end after `start` up to its state's end, and a point `END_MARGIN` tokens before
-        that end rounded down to `align`. A state shorter than `MIN_STATE_TOKENS` stores
-        nothing."""
+        that end rounded down to `align`; none before `media_end` (a suffix from there would
+        need the vision tower). A state shorter than `MIN_STATE_TOKENS` stores nothing."""
         if not self.enabled or state_end < MIN_STATE_TOKENS:
             return ()
+        if media_end:
+            return tuple(p for p in self.points(start, state_end) if p >= media_end)
         last = (state_end - END_MARGIN) - (state_end - END_MARGIN) % self.align
         points = list(range(start - start % self.block_tokens + self.block_tokens, last + 1,
                             self.block_tokens))
@@ -235,6 +250,8 @@ class PrefixCache:
                 break
             chain.append(found)
             parent, position = found.key, found.end
+        if chain and chain[-1].end < key.media_end:
+            chain = []  # inside the media: never reused (stored chains do not end there)
         if chain:
             self.hits += 1
             self.tokens_reused += chain[-1].end
@@ -282,7 +299,7 @@ class PrefixCache:
                     recurrent=captured.recurrent[at], conv=captured.conv[at],
                     keys=[k[:, local].clone() for k in captured.keys],
                     values=[v[:, local].clone() for v in captured.values],
-                    hidden=hidden[local].clone())
+                    hidden=hidden[local].clone(), rope_delta=captured.rope_deltas[at])
                 block.nbytes = _nbytes([*block.recurrent, *block.conv, *block.keys,
                                         *block.values, block.hidden])
                 self.blocks[block_id] = block

@@ -1,5 +1,5 @@
-"""The start-up check of the prefix cache: a probe answered through a cached prefix, beside an
-uncached request in the same group, compared with the plain eager answers.
+"""The start-up self-check's `prefix` probe: a request answered through a cached prefix, beside
+an uncached request in the same group, compared with the plain eager answers.
 
 Why: the prefixed forward (clef_worker.model.prefix_forward) continues every layer from cached
 states: a wrong position offset, a conv tail off by one or a kernel that ignores its initial
@@ -11,10 +11,18 @@ The probe (`probe_requests`): one state long enough for two blocks and a partial
 `warm` asks one schema about it (its forward stores the blocks), then `cached` asks another
 schema about the same state (it must reuse the stored prefix) in one group with `fresh`, a
 request with a state of its own (uncached). `cached` and `fresh` are compared with the plain
-eager forward of each alone (clef_worker.self_check's comparison and bounds). On a mismatch, or
-when `cached` reused nothing, the cache is turned off for this worker (`PrefixCache.disable`),
-logged as an ERROR, and `ready` says so (`prefix_cache.enabled` false with the reason). The
-probe's blocks are dropped either way: no client asked for them.
+eager forward of each alone (clef_worker.self_check's comparison, bounds and per-token hidden
+state difference: the cached tokens' hidden states are compared too). The probe's blocks are
+dropped either way: no client asked for them.
+
+It is one of the self-check's probes (clef_worker.check_probes), not a layout probe: it runs
+once, after the layout has been checked, on the path the worker will serve with. So the modes
+apply to it as to the rest: on a mismatch, or when `cached` reused nothing, `on` turns the cache
+off for this worker (`turn_cache_off`: `PrefixCache.disable`, an ERROR, `ready` says
+`prefix_cache.enabled` false with the reason), `strict` refuses to start, `report` records and
+keeps the cache on (a benchmark measures the path it asked for). And its verdict is kept with the
+rest (clef_worker.verdict_store): a restart on the same weights, code and cache settings skips it
+too; a verdict whose remedy turned the cache off is never kept, so the next start checks again.
 """
 
 from __future__ import annotations
@@ -24,19 +32,17 @@ from typing import TYPE_CHECKING, Any
 
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.validation import validate_request
-from clef_worker.errors import StartupError
-from clef_worker.model.backbone import DTYPE_NAMES
 from clef_worker.model.encoding import Encoding
 from clef_worker.prefix_cache import CacheKey, PrefixCache
-from clef_worker.self_check import BOUNDS, Comparison, compare
-from clef_worker.variant_probe import reference_runner
+from clef_worker.self_check import Context, ProbeResult, compare
 from clef_worker.warmup import candidates
 
 if TYPE_CHECKING:
-    from clef_worker.native import NativeExecutor
+    from clef_worker.warmup import WarmTarget
 
 log = logging.getLogger("clef_worker.self_check")
 
+PROBE_NAME = "prefix"
 # The probe's shared state: two full blocks and part of a third, so the cached request walks a
 # chain and ends on a partial block (at most this many tokens: CUDA's long blocks are cut to
 # a chain of two points, the block end and the state end, which checks the same code).
@@ -45,7 +51,7 @@ SHARED_MAX_TOKENS = 2600
 FRESH_TOKENS = 96  # the uncached neighbour's state
 
 
-def probe_requests(target: NativeExecutor) -> tuple[Encoding, Encoding, Encoding] | None:
+def probe_requests(target: WarmTarget) -> tuple[Encoding, Encoding, Encoding] | None:
     """(warm, cached, fresh): see the module docs; None when the limits leave no room."""
     cache = target.runner.prefix_cache
     assert cache is not None
@@ -62,7 +68,7 @@ def probe_requests(target: NativeExecutor) -> tuple[Encoding, Encoding, Encoding
     return warm, cached, fresh
 
 
-def _valid(target: NativeExecutor, request: dict[str, Any]) -> bool:
+def _valid(target: WarmTarget, request: dict[str, Any]) -> bool:
     try:
         validate_request(request, target.limits)
     except RequestInvalid:
@@ -70,7 +76,7 @@ def _valid(target: NativeExecutor, request: dict[str, Any]) -> bool:
     return True
 
 
-def _encoding(target: NativeExecutor, schema: dict[str, Any], name: str,
+def _encoding(target: WarmTarget, schema: dict[str, Any], name: str,
               tokens: int) -> Encoding:
     """The schema asked about a state of its own (`name`) cut to exactly `tokens` tokens, so two
     schemas asked about the same name share those state tokens."""
@@ -83,16 +89,16 @@ def _encoding(target: NativeExecutor, schema: dict[str, Any], name: str,
     return target.encoder.encode({**schema, "state": state}, budget)
 
 
-def _key(target: NativeExecutor, encoding: Encoding) -> CacheKey:
+def _key(target: WarmTarget, encoding: Encoding) -> CacheKey:
     return CacheKey(target.cache_root(0), len(target.encoder.prefix_ids) + encoding.state_tokens)
 
 
-def check_prefix_cache(target: NativeExecutor, strict: bool = False,
-                       report: bool = False) -> Comparison | None:
-    """Run the probe (module docs); turn the cache off on a mismatch (`strict`, as
-    `--self-check strict`: refuse to start instead; `report`, as `--self-check report`: log the
-    mismatch and keep the cache on, so a benchmark measures the path it asked for). None when
-    there is no cache, it is off, or the limits leave no room for the probe."""
+def probe_prefix(context: Context) -> ProbeResult | None:
+    """The `prefix` probe of the start-up self-check (module docs). Its result disagrees when
+    an answer differs from the eager one beyond the bound, or when `cached` reused nothing (a
+    cache that never hits checks nothing). None when there is no cache, it is off, or the
+    limits leave no room for the probe."""
+    target = context.target
     cache: PrefixCache | None = target.runner.prefix_cache
     if cache is None or not cache.enabled:
         return None
@@ -101,38 +107,35 @@ def check_prefix_cache(target: NativeExecutor, strict: bool = False,
         log.warning("prefix-cache check skipped: --max-length leaves no room for a cached block")
         return None
     warm, cached, fresh = requests
+    references = [context.reference(encoding) for encoding in (cached, fresh)]
     runner = target.runner
-    dtype = DTYPE_NAMES[target.backbone.dtype]
-    bound = BOUNDS.get(dtype, BOUNDS["bfloat16"])
-    with reference_runner(runner) as plain:
-        reference = [plain.run([encoding]).rows[0] for encoding in (cached, fresh)]
     try:
         runner.run([warm], cache_keys=[_key(target, warm)])
-        served = runner.run([cached, fresh],
-                            cache_keys=[_key(target, cached), _key(target, fresh)]).rows
-        comparison = compare(served, reference, [cached, fresh], bound)
-        reused = served[0].reused_tokens
+        output = runner.run([cached, fresh], keep_hidden=True,
+                            cache_keys=[_key(target, cached), _key(target, fresh)])
     except Exception as exc:
         log.error("prefix-cache check: the prefixed forward raised", exc_info=True)
-        comparison, reused = Comparison(1.0, 0, error=f"{type(exc).__name__}: {exc}"), 0
+        return ProbeResult(PROBE_NAME, 2, 1.0, error=f"{type(exc).__name__}: {exc}",
+                           extra={"reused_tokens": 0})
     finally:
-        cache.clear()
-    if reused and comparison.agrees(bound):
-        log.info("prefix-cache check passed: %d cached tokens reused beside an uncached request, "
-                 "max |dp| %.3g within %g", reused, comparison.max_abs_diff, bound)
-        return comparison
-    if reused or comparison.error:
-        reason = (f"self-check: the prefixed probe differs from the eager answers by "
-                  f"{comparison.max_abs_diff:.3g} (bound {bound:g}), "
-                  f"{comparison.argmax_mismatches} argmax mismatches"
-                  f"{', ' + comparison.error if comparison.error else ''}")
-    else:
-        reason = "self-check: the prefixed probe reused no cached tokens"
-    if strict:
-        raise StartupError(f"prefix cache check failed (--self-check strict): {reason}")
-    if report:
-        log.error("prefix cache kept on (--self-check report): %s", reason)
-        return comparison
-    log.error("prefix cache off for this worker: %s", reason)
-    cache.disable(reason)
-    return comparison
+        cache.clear()  # the probe's blocks: no client asked for them
+    comparison = compare(output.rows, [answer.row for answer in references], [cached, fresh],
+                         context.bound)
+    reused = output.rows[0].reused_tokens
+    hidden = Context.hidden_diff(output.hidden, references)
+    return ProbeResult(PROBE_NAME, 2, comparison.max_abs_diff, comparison.argmax_mismatches,
+                       hidden, [comparison.max_abs_diff],
+                       "" if reused else "the cached request reused no cached tokens",
+                       comparison.worst_tokens, extra={"reused_tokens": reused})
+
+
+def turn_cache_off(target: WarmTarget, result: ProbeResult) -> str:
+    """The `prefix` probe's remedy under `--self-check on`: the cache off for this worker, with
+    the reason in `ready` (and so `/health`); serving goes on uncached."""
+    cache = getattr(target.runner, "prefix_cache", None)
+    reason = (f"self-check: the prefixed probe differs from the eager answers by "
+              f"{result.max_abs_diff:.3g}, {result.argmax_mismatches} argmax mismatches"
+              f"{', ' + result.error if result.error else ''}")
+    if cache is not None:
+        cache.disable(reason)
+    return f"prefix cache off for this worker: {reason}"

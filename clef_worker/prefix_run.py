@@ -5,6 +5,11 @@ Why a module of its own: the runner (clef_worker.runner) decides which forward a
 what the cached one does (which requests reuse what, where each stores, how the head's rows
 are put back together) is this module's one job. Everything here runs on the main thread, in
 the group's device half, so a group staged while the previous one ran sees that one's blocks.
+
+A media request (alone in its group) either reuses a prefix covering all its media tokens, and
+then runs only text (the vision tower does not run), or reuses nothing and runs from nothing
+with the tower's embeddings and rotary rows (`media_inputs`), storing its points after the
+media (clef_worker.prefix_cache).
 """
 
 from __future__ import annotations
@@ -18,7 +23,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from clef_worker.model.prefix_forward import SequencePlan, delta_rule_for, prefixed_forward
+from clef_worker.model.prefix_forward import (
+    MediaInputs,
+    SequencePlan,
+    delta_rule_for,
+    prefixed_forward,
+)
 from clef_worker.prefix_cache import CacheKey, Hit, PrefixCache
 
 
@@ -44,7 +54,8 @@ def plan_group(cache: PrefixCache | None, keys: Sequence[CacheKey | None],
     for key, ids in zip(keys, host_ids, strict=True):
         hit = cache.lookup(key, ids) if key is not None else Hit([])
         hits.append(hit)
-        points.append(cache.points(hit.tokens, key.state_end) if key is not None else ())
+        points.append(cache.points(hit.tokens, key.state_end, key.media_end)
+                      if key is not None else ())
     if not any(hit.chain for hit in hits) and not any(points):
         return None
     return GroupPlan(hits, points)
@@ -52,12 +63,13 @@ def plan_group(cache: PrefixCache | None, keys: Sequence[CacheKey | None],
 
 def run_group(backbone: Any, cache: PrefixCache, plan: GroupPlan, lengths: Sequence[int],
               ids: Tensor, keys: Sequence[CacheKey | None], host_ids: Sequence[np.ndarray],
-              selected: Callable[[list[tuple[int, int]]], AbstractContextManager[Any]]
-              ) -> Tensor:
+              selected: Callable[[list[tuple[int, int]]], AbstractContextManager[Any]],
+              media_inputs: Callable[[Tensor], MediaInputs] | None = None) -> Tensor:
     """Every request's final hidden states end to end (`ids`: the group's ids end to end on the
     device): only the new tokens run (clef_worker.model.prefix_forward), under `selected`
     (the variants' adapter selection for the new tokens' spans); then each request's captured
-    blocks are stored."""
+    blocks are stored. `media_inputs`: a lone media request's embeddings and rotary rows from
+    its ids, called only when it reuses nothing (a reused prefix covers all its media)."""
     offsets = [0]
     for length in lengths:
         offsets.append(offsets[-1] + length)
@@ -70,8 +82,11 @@ def run_group(backbone: Any, cache: PrefixCache, plan: GroupPlan, lengths: Seque
         spans.append((at, at + sequence.length))
         at += sequence.length
     with selected(spans):
+        media = None
+        if media_inputs is not None and plan.hits[0].tokens == 0:
+            media = media_inputs(new_ids)
         new_hidden, captured = prefixed_forward(backbone.model, new_ids, plans,
-                                                delta_rule_for(backbone.gdn_path))
+                                                delta_rule_for(backbone.gdn_path), media)
     parts = []
     for index, ((start, end), hit) in enumerate(zip(spans, plan.hits, strict=True)):
         part = new_hidden[start:end]

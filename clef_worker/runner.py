@@ -28,7 +28,10 @@ the new tokens, end to end, each from its cached states, eagerly), the head read
 hidden states joined before the new ones, and the blocks each member captured are stored. A
 group where no member does either runs as above (graphs included).
 
-Media requests run alone, eagerly, through the vision tower, and never use the prefix cache.
+Media requests run alone, eagerly. Through the prefix cache too, keyed by their media's digest
+as well: one that reuses a prefix (always covering all its media) runs only its text after it,
+without the vision tower; one that stores runs from nothing through the prefixed forward with
+the tower's embeddings and multimodal rotary positions; otherwise through the vision path.
 It knows nothing about request bodies, limits or replies: that is the executor's job
 (clef_worker.native).
 
@@ -42,7 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +63,7 @@ from clef_worker.model.encoding import Encoding
 from clef_worker.model.head import HeadBatch, HeadOutput, JointSchemaHead, RecordSpans
 from clef_worker.model.lora import BASE_SLOT, AdapterSelection
 from clef_worker.model.packed import PackedLayout
+from clef_worker.model.prefix_forward import MediaInputs
 from clef_worker.policy import PACKED, PADDED, group_layout
 from clef_worker.prefix_cache import CacheKey, PrefixCache, ids_array
 from clef_worker.prefix_run import plan_group, run_group
@@ -326,7 +330,7 @@ class ModelRunner:
         if heads is not None:
             tensors += heads.tensors()
         keys: list[CacheKey | None] = []
-        if self.prefix_cache is not None and self.prefix_cache.enabled and media is None:
+        if self.prefix_cache is not None and self.prefix_cache.enabled:
             keys = list(cache_keys)
         return Staged(lengths, steps, bucket, stage_host(tensors, self.device),
                       [t.shape for t in tensors], batch, media, slots, heads, bucket_slots,
@@ -383,7 +387,8 @@ class ModelRunner:
                 real_ids = self._real_ids(staged, moved[:count])
                 hidden = run_group(self.backbone, self.prefix_cache, plans, staged.lengths,
                                    real_ids, staged.cache_keys, staged.host_ids,
-                                   lambda spans: self._selected(staged, spans))
+                                   lambda spans: self._selected(staged, spans),
+                                   self._media_inputs(staged))
                 reused = plans.reused
             elif staged.packed:
                 hidden, real_ids = self._packed_hidden(staged, moved[:count])
@@ -434,6 +439,13 @@ class ModelRunner:
         slots = staged.slots or [BASE_SLOT] * len(staged.lengths)
         chosen = [slots[m] for m in (members if members is not None else range(len(slots)))]
         return self.selection.using(chosen, spans, self.device, tokens)
+
+    def _media_inputs(self, staged: Staged) -> Callable[[Tensor], MediaInputs] | None:
+        """A media group's inputs for the prefixed forward (None: a text group)."""
+        media, vision = staged.media, self.vision
+        if media is None or vision is None:
+            return None
+        return lambda ids: MediaInputs(*vision.inputs(self.backbone, ids, media))
 
     def _real_ids(self, staged: Staged, moved: list[Tensor]) -> Tensor:
         """The group's real token ids end to end, on the device, whatever the layout staged."""

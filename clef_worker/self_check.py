@@ -7,11 +7,13 @@ renamed or a kernel that reads past a boundary serves wrong probabilities behind
 The plain eager forward of one request (`Backbone.last_hidden_state`, no graphs, no packing) is
 the path the golden answers are checked against, so it is the reference here.
 
-The check is a list of probes (`PROBES`), each a function of its own that sends its requests
-through the serving path and compares them with the reference (`Context.compare_groups` does
-both for a probe that is a set of groups), and returns a `ProbeResult` (or None where it has
-nothing to probe on this worker). A new probe is one more function and one more `Probe` entry;
-its result travels in the verdict's `probes`. The layout probes:
+The check is a list of probes (clef_worker.check_probes.PROBES), each a function of its own
+that sends its requests through the serving path and compares them with the reference
+(`Context.compare_groups` does both for a probe that is a set of groups), and returns a
+`ProbeResult` (or None where it has nothing to probe on this worker). A new probe is one more
+function and one more `Probe` entry; its result travels in the verdict's `probes`. Beside the
+layout probes below, the prefix cache has one (clef_worker.prefix_check), run once after them,
+whose remedy turns the cache off rather than the layout. The layout probes:
 
 - `groups` (`probe_groups`): requests of mixed lengths cut from the warm-up's candidate schemas
   (clef_worker.warmup), each with its own state text: a mixed group of four, a uniform group of
@@ -526,7 +528,7 @@ class Context:
                         slots=() if slots is None else [slots[g][m] for m in members],
                         keep_hidden=True, shape=shape)
                     rows += output.rows
-                    hidden = max(hidden, self._hidden_diff(
+                    hidden = max(hidden, self.hidden_diff(
                         output.hidden, [references[_flat(groups, g, m)] for m in members]),
                         key=lambda value: math.inf if math.isnan(value) else value)
                 start = _flat(groups, g, 0)
@@ -545,7 +547,9 @@ class Context:
                            worst_tokens=comparison.worst_tokens, extra=dict(extra or {}))
 
     @staticmethod
-    def _hidden_diff(served: torch.Tensor | None, references: Sequence[Answer]) -> float:
+    def hidden_diff(served: torch.Tensor | None, references: Sequence[Answer]) -> float:
+        """The hidden-state difference of a forward's requests, end to end, from their
+        references' (0 where a runner returns none)."""
         parts = [answer.hidden for answer in references]
         if served is None or any(part is None for part in parts):
             return 0.0  # a runner that does not return hidden states: nothing to compare
@@ -610,8 +614,9 @@ class Probe:
     remedy: Callable[[WarmTarget, ProbeResult], str] | None = None
 
 
-# Every probe, in the order run. Part of the kept verdict's key (by name, with CHECK_VERSION).
-PROBES: tuple[Probe, ...] = (
+# The layout probes, in the order run. The whole check's list, these and the probes of other
+# things (the prefix cache's), is clef_worker.check_probes.PROBES.
+LAYOUT_PROBES: tuple[Probe, ...] = (
     Probe("groups", probe_layout_groups),
     Probe("small", probe_small),
 )
@@ -634,8 +639,7 @@ def _run_probes(context: Context, probes: Sequence[Probe]) -> list[ProbeResult]:
     return results
 
 
-def run_self_check(target: WarmTarget, mode: str,
-                   probes: Sequence[Probe] = PROBES) -> SelfCheck | None:
+def run_self_check(target: WarmTarget, mode: str, probes: Sequence[Probe]) -> SelfCheck | None:
     """Check the serving path (module docs); None when skipped (`off`, or no request fits the
     limits). `strict`: StartupError on a mismatch. `on`: fall back until a path agrees.
     `report`: record, never change the path."""

@@ -5,10 +5,10 @@ serving layout and eagerly; on a GPU a cold one also compiles kernels the servin
 uses, tens of seconds. A worker restarted after a crash or a stall, on weights and code that
 have not changed since the last passing check, would pay that again for the same answer.
 
-So a verdict that passed on the layout asked for (no fallback) is written to a small JSON file,
-named by the digest of its key, and a later start whose key is the same keeps it (`reused: true`
-in the verdict, `/health`'s `worker.self_check.reused`) instead of running the check. The key
-(`verdict_key`) holds everything the answers depend on:
+So a verdict that passed on the layout asked for (no fallback, no probe's remedy applied) is
+written to a small JSON file, named by the digest of its key, and a later start whose key is the
+same keeps it (`reused: true` in the verdict, `/health`'s `worker.self_check.reused`) instead of
+running the check. The key (`verdict_key`) holds everything the answers depend on:
 
 - the weights: the snapshot's fingerprint (clef_worker.fingerprint: every file's bytes, so files
   replaced in place change it) and each fine-tuned variant's, computed the same way;
@@ -16,14 +16,16 @@ in the verdict, `/health`'s `worker.self_check.reused`) instead of running the c
   a digest of the worker's and the protocol's source files (an edited checkout keeps its commit);
 - the libraries: torch, transformers, tokenizers, safetensors, fla, triton;
 - the device (its name: another GPU model is another key), the dtype, the kernels chosen;
-- the serving path, the batch policy, the graph buckets and the request limits;
+- the serving path, the batch policy, the graph buckets, the request limits, and whether the
+  prefix cache is on (with its block size: the `prefix` probe checks it only then);
 - the check itself: `CHECK_VERSION` and the probes' names (a probe added changes the key).
 
-Any change runs the check again. A verdict that failed, or passed only after falling back, is
-never kept: the next start checks again and logs the ERROR again. `--self-check report` neither
-reads nor writes (a benchmark wants the figures of this start, and its weights may be built in
-memory rather than read from the files the fingerprint covers); nor does `off`. Without a
-fingerprint (no snapshot directory) nothing is kept.
+Any change runs the check again. A verdict that failed, passed only after falling back, or
+passed only because a remedy turned something off (the prefix cache) is never kept: the next
+start checks again and logs the ERROR again. `--self-check report` neither reads nor writes (a
+benchmark wants the figures of this start, and its weights may be built in memory rather than
+read from the files the fingerprint covers); nor does `off`. Without a fingerprint (no snapshot
+directory) nothing is kept.
 
 Where: `$CLEF_SELF_CHECK_DIR` when set, else `self-check/` in the service's cache directory (the
 one the demo snapshot and the kernel cache use: `$CLEF_SERVE_CACHE`, else
@@ -124,12 +126,29 @@ def verdict_key(executor: NativeExecutor, fingerprint: str, probes: Sequence[Pro
         "path": current_path(executor),
         "policy": executor.policy.ready_fields(),
         "buckets": sorted(graphs.describe().get("buckets") or ()) if graphs is not None else [],
+        "prefix_cache": prefix_cache_key(executor),
         "limits": dataclasses.asdict(executor.limits),
     }
 
 
+def prefix_cache_key(executor: NativeExecutor) -> dict[str, Any] | None:
+    """What the `prefix` probe checked: whether the cache is on and its block (a verdict from a
+    start with the cache off never probed it)."""
+    cache = executor.runner.prefix_cache
+    if cache is None or not cache.enabled:
+        return None
+    return {"block_tokens": cache.block_tokens}
+
+
 def key_digest(key: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def keepable(verdict: SelfCheck) -> bool:
+    """A verdict to keep: passed on the layout asked for, and no probe's remedy turned anything
+    off (a kept verdict skips the check, so the remedy would not be applied again)."""
+    return (verdict.passed and not verdict.fell_back_from
+            and not any("remedy" in probe for probe in verdict.probes))
 
 
 class VerdictStore:
@@ -153,12 +172,12 @@ class VerdictStore:
             verdict = SelfCheck.from_message(data["verdict"])
         except (OSError, ValueError, AttributeError, KeyError, TypeError):
             return None
-        return verdict if verdict.passed and not verdict.fell_back_from else None
+        return verdict if keepable(verdict) else None
 
     def save(self, key: Mapping[str, Any], verdict: SelfCheck) -> bool:
         """Keep a verdict that passed without a fallback (atomically); whether it was kept."""
         path = self._path(key)
-        if path is None or not verdict.passed or verdict.fell_back_from:
+        if path is None or not keepable(verdict):
             return False
         record = {"format": FORMAT, "key": key, "saved_at": time.time(),
                   "verdict": dataclasses.asdict(dataclasses.replace(verdict, reused=False))}
@@ -199,10 +218,11 @@ def checked(executor: NativeExecutor, mode: str, fingerprint: Callable[[], str],
     the same (`reused`), else the check run now (kept when it passes without a fallback).
     `fingerprint` waits for the weights' digest (hashed while the worker warmed up), `variants`
     for each fine-tuned variant's (the same `ready.models` reports: one hashing, one thread)."""
-    from clef_worker.self_check import PROBES, run_self_check
+    from clef_worker.check_probes import PROBES
+    from clef_worker.self_check import run_self_check
 
     if mode not in REUSING_MODES:
-        return run_self_check(executor, mode)
+        return run_self_check(executor, mode, PROBES)
     started = time.perf_counter()
     store = store if store is not None else VerdictStore(default_directory())
     key = verdict_key(executor, fingerprint(), PROBES, variants())
@@ -214,7 +234,7 @@ def checked(executor: NativeExecutor, mode: str, fingerprint: Callable[[], str],
                      "device, dtype and layout (%s): kept, not run again (%.0f ms)",
                      kept.layout, store.directory, took)
             return dataclasses.replace(kept, reused=True, ms=took, mode=mode)
-    verdict = run_self_check(executor, mode)
+    verdict = run_self_check(executor, mode, PROBES)
     if key is not None and verdict is not None and store.save(key, verdict):
         log.info("self-check verdict kept in %s for the next start", store.directory)
     return verdict

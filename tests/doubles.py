@@ -3,7 +3,8 @@
 `FakeLane` / `FakeWorkers`: workers as admission sees them (`dispatch.admission.Lane` and
 `Workers`), answered or crashed by the test. `Door`: the real admission queue behind the
 dispatcher's door, for a pipeline under test. `ScriptedExecutor`: a model-free executor for the
-worker loop, answering by the request's `do` key.
+worker loop, answering by the request's `do` key. `break_suffix_positions`: a silent fault in
+the prefixed forward, for the prefix cache's start-up probe.
 """
 
 from __future__ import annotations
@@ -134,3 +135,16 @@ class ScriptedExecutor:
             raise ExecutorBroken("CUDA error: an illegal memory access was encountered")
         return Answer(b'{"echo":' + body + b"}", input_tokens=len(body),
                       truncated_tokens=int(do == "cut"))
+
+
+def break_suffix_positions(monkeypatch: Any) -> None:
+    """A prefixed forward whose new tokens' positions restart at 0 (a plausible bug that raises
+    nothing; clef_worker.model.prefix_forward)."""
+    from clef_worker.model.prefix_forward import SequencePlan
+
+    def restarted(plan: SequencePlan) -> int:
+        if plan.prefix is None or plan.points:
+            return plan.prefix.start if plan.prefix is not None else 0
+        return 0
+
+    monkeypatch.setattr(SequencePlan, "start", property(restarted))

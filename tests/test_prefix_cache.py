@@ -17,8 +17,10 @@ import torch
 
 from benchlib.paths import FINETUNE_FIXTURES
 from clef_protocol.finetune import resolve_finetunes
-from clef_worker import prefix_check
+from clef_protocol.messages import SelfCheck
+from clef_worker import prefix_check, verdict_store
 from clef_worker.assembly import assemble_snapshot
+from clef_worker.check_probes import PROBES
 from clef_worker.errors import StartupError
 from clef_worker.model import gated_delta, prefix_forward
 from clef_worker.model.prefix_forward import (
@@ -30,7 +32,9 @@ from clef_worker.model.prefix_forward import (
 )
 from clef_worker.native import NativeExecutor, Prepared
 from clef_worker.prefix_cache import CacheKey, Hit, PrefixCache, ids_array, root_key
+from clef_worker.self_check import run_self_check
 from clef_worker.variant_probe import reference_runner
+from tests.doubles import break_suffix_positions
 
 # Every answer within the golden bound of the uncached forward (fp32 on CPU).
 BOUND = 1.5e-4
@@ -150,7 +154,7 @@ def _captured(points: tuple[int, ...], start: int, end: int, width: int = 8) -> 
     new = end - start
     return Captured(points, [[torch.zeros(2, 4, 4)] for _ in points],
                     [[torch.zeros(3, width)] for _ in points],
-                    [torch.zeros(1, new, 4)], [torch.zeros(1, new, 4)])
+                    [torch.zeros(1, new, 4)], [torch.zeros(1, new, 4)], [0] * len(points))
 
 
 def _store(cache: PrefixCache, key: CacheKey, ids: np.ndarray) -> Hit:
@@ -325,34 +329,40 @@ def test_a_variant_never_reuses_the_bases_states(tiny_snapshot: Path) -> None:
 # -- the start-up probe ------------------------------------------------------------------------
 
 
+def _checked(executor: NativeExecutor, mode: str = "on") -> tuple[SelfCheck, dict[str, Any]]:
+    """The whole start-up self-check in `mode` (the worker's list of probes) and its `prefix`
+    probe's record."""
+    verdict = run_self_check(executor, mode, PROBES)
+    assert verdict is not None
+    [probe] = [probe for probe in verdict.probes if probe["name"] == prefix_check.PROBE_NAME]
+    return verdict, probe
+
+
 def test_the_probe_passes_and_leaves_the_cache_on_and_empty(executor: NativeExecutor) -> None:
     cache = executor.runner.prefix_cache
     assert cache is not None
-    comparison = prefix_check.check_prefix_cache(executor)
-    assert comparison is not None and comparison.agrees(1e-4)
+    verdict, probe = _checked(executor)
+    assert verdict.passed and probe["passed"] and probe["checked"] == 2
+    assert probe["max_abs_diff"] <= 1e-4 and probe["reused_tokens"] > 0
+    # The cached tokens' hidden states are compared too, and agree to float32 rounding.
+    assert probe["max_hidden_diff"] is not None and probe["max_hidden_diff"] < 1e-4
     assert cache.enabled and not cache.blocks
-
-
-def _broken_suffix_positions(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prefixed forward whose new tokens' positions restart at 0 (a plausible bug that raises
-    nothing)."""
-    def restarted(plan: SequencePlan) -> int:
-        if plan.prefix is None or plan.points:
-            return plan.prefix.start if plan.prefix is not None else 0
-        return 0
-
-    monkeypatch.setattr(prefix_forward.SequencePlan, "start", property(restarted))
 
 
 def test_a_disagreeing_probe_turns_the_cache_off_with_an_error(
         tiny_snapshot: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     executor = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32")
-    _broken_suffix_positions(monkeypatch)
+    break_suffix_positions(monkeypatch)
     with caplog.at_level(logging.ERROR, logger="clef_worker.self_check"):
-        comparison = prefix_check.check_prefix_cache(executor)
+        verdict, probe = _checked(executor)
     cache = executor.runner.prefix_cache
-    assert cache is not None and comparison is not None and not comparison.agrees(1e-4)
+    assert cache is not None and not probe["passed"] and probe["max_abs_diff"] > 1e-4
+    # The layout agreed, so the worker serves it; the remedy is in the verdict, which is
+    # therefore never kept (the next start checks again).
+    assert verdict.passed and verdict.layout == "per-group"
+    assert "prefix cache off" in probe["remedy"]
+    assert not verdict_store.keepable(verdict)
     info = cache.info()
     assert not info.enabled and "prefixed probe differs" in info.disabled_reason
     assert any("prefix cache off" in record.getMessage() for record in caplog.records)
@@ -367,22 +377,23 @@ def test_report_records_a_disagreeing_probe_and_keeps_the_cache_on(
     """`--self-check report` (what the GPU benchmarks run): the mismatch is logged, the cache
     stays on, so the benchmark measures the path it asked for."""
     executor = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32")
-    _broken_suffix_positions(monkeypatch)
+    break_suffix_positions(monkeypatch)
     with caplog.at_level(logging.ERROR, logger="clef_worker.self_check"):
-        comparison = prefix_check.check_prefix_cache(executor, report=True)
+        verdict, probe = _checked(executor, "report")
     cache = executor.runner.prefix_cache
-    assert cache is not None and comparison is not None and not comparison.agrees(1e-4)
+    assert cache is not None and not probe["passed"] and "remedy" not in probe
+    assert not verdict.passed and verdict.mode == "report"
     assert cache.info().enabled and cache.info().disabled_reason == ""
-    assert any("kept on (--self-check report)" in record.getMessage()
-               for record in caplog.records)
+    assert any("prefix probe" in record.getMessage() and "--self-check report" in
+               record.getMessage() for record in caplog.records)
 
 
 def test_strict_refuses_to_start_on_a_disagreeing_probe(
         tiny_snapshot: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     executor = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32")
-    _broken_suffix_positions(monkeypatch)
-    with pytest.raises(StartupError, match="prefix cache check failed"):
-        prefix_check.check_prefix_cache(executor, strict=True)
+    break_suffix_positions(monkeypatch)
+    with pytest.raises(StartupError, match="the prefix probe differs"):
+        run_self_check(executor, "strict", PROBES)
 
 
 # -- the worker process's frames -------------------------------------------------------------
@@ -473,6 +484,6 @@ def test_cudas_long_blocks_are_probed_through_a_chain_of_two_points(
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(PrefixCache, "store", counting)
-        comparison = prefix_check.check_prefix_cache(executor)
-    assert comparison is not None and comparison.agrees(1e-4)
+        _, probe = _checked(executor)
+    assert probe["passed"] and probe["reused_tokens"] > 0
     assert stored[0] == 2  # the warm request stored a block end and its state-end point

@@ -1,7 +1,8 @@
 """The prefix cache end to end: the real worker on the tiny snapshot (CPU) behind clef-serve with
 its defaults (the prefix cache on) answers the three workloads of bench/bench_prefix_cache.py,
 at small sizes, exactly as a server with `--prefix-cache off` does (within 1.5e-4), and says
-what it reused: Server-Timing per request, /health and the metrics per worker."""
+what it reused: Server-Timing per request, /health and the metrics per worker; a media agent
+(one screenshot, a growing state) too."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from benchlib.prefix_workloads import (
 )
 from clef_dispatch import prefix_key
 from clef_dispatch.affinity import rendezvous_order
+from clef_protocol.media import gradient_image, png_data_uri
 from tests.frontend_helpers import Serve
 from tests.traffic_helpers import metric
 
@@ -114,3 +116,26 @@ def test_two_real_workers_each_keep_their_own_states_and_reuse_them() -> None:
         workers = serve.health().json()["workers"]
     assert [w["prefix_cache"]["lookups"] for w in workers] == [2, 2]
     assert [w["prefix_cache"]["hits"] for w in workers] == [1, 1]
+
+
+def test_a_media_agent_reuses_its_screenshot_and_state_and_answers_as_without_the_cache(
+        servers: dict[str, Serve]) -> None:
+    """The same screenshot every turn with a growing state: each turn after the first reuses
+    past the picture, answers as the `--prefix-cache off` server, and counts in /health."""
+    picture = png_data_uri(gradient_image(256, 256))
+    bodies = [json.dumps(dict(json.loads(body), images=[picture])).encode()
+              for body in agent_loop(tokenizer_of(TINY_SNAPSHOT), 400, 550, 150).requests]
+    before = servers["on"].health().json()["workers"][0]["prefix_cache"]
+    reused = []
+    for body in bodies:
+        on, tokens_reused, _ = _ask(servers["on"], body)
+        off, _, _ = _ask(servers["off"], body)
+        assert max_difference(on, off) <= ANSWER_TOLERANCE, (on, off)
+        reused.append(tokens_reused)
+    # The picture's 64 tokens and the prompt before it are reused with the previous state.
+    assert reused[0] == 0 and min(reused[1:]) >= 400 - 64
+    after = servers["on"].health().json()["workers"][0]["prefix_cache"]
+    assert after["hits"] - before["hits"] == len(bodies) - 1
+    assert after["tokens_reused"] - before["tokens_reused"] == sum(reused)
+    assert metric(servers["on"], "clef_prefix_cache_tokens_reused_total",
+                  worker="0") == after["tokens_reused"]

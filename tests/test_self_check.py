@@ -343,8 +343,10 @@ def test_report_records_a_mismatch_and_keeps_the_layout(
     assert (verdict.passed, verdict.layout, verdict.fell_back_from, verdict.mode) == \
         (False, "per-group", [], "report")
     assert verdict.max_abs_diff > FP32_BOUND and verdict.ms > 0 and not verdict.reused
+    # The prefix probe's group runs through the prefixed forward, which the packed fault does
+    # not touch: it is recorded as passing.
     assert {probe["name"]: probe["passed"] for probe in verdict.probes} == \
-        {"groups": False, "small": False}
+        {"groups": False, "small": False, "prefix": True}
     assert executor.runner.layout == "per-group" and frame["batch_layout"] == "per-group"
 
 
@@ -435,7 +437,8 @@ def test_a_probe_plugs_in_and_its_remedy_runs(tiny_snapshot: Path) -> None:
         remedied.append(result.name)
         return "turned the cache off"
 
-    probes = (*self_check.PROBES, self_check.Probe("extra", wrong, layout=False, remedy=remedy))
+    probes = (*self_check.LAYOUT_PROBES,
+              self_check.Probe("extra", wrong, layout=False, remedy=remedy))
     verdict = self_check.run_self_check(executor, "on", probes)
     assert verdict is not None and remedied == ["extra"]
     assert verdict.passed and verdict.layout == "per-group" and verdict.fell_back_from == []
@@ -444,6 +447,6 @@ def test_a_probe_plugs_in_and_its_remedy_runs(tiny_snapshot: Path) -> None:
     assert extra["what"] == "a cache"
     with pytest.raises(StartupError, match="the extra probe differs"):
         self_check.run_self_check(executor, "strict", probes)
-    bare = (*self_check.PROBES, self_check.Probe("extra", wrong, layout=False))
+    bare = (*self_check.LAYOUT_PROBES, self_check.Probe("extra", wrong, layout=False))
     failed = self_check.run_self_check(executor, "on", bare)
     assert failed is not None and not failed.passed and failed.layout == "per-group"

@@ -28,9 +28,11 @@ from clef_protocol import messages
 from clef_protocol.frames import read_frame_blocking
 from clef_worker import verdict_store
 from clef_worker.assembly import assemble_snapshot
+from clef_worker.check_probes import PROBES
 from clef_worker.main import parse_args, start
-from clef_worker.self_check import PROBES, Probe, probe_small
+from clef_worker.self_check import Probe, probe_small
 from clef_worker.verdict_store import VerdictStore, checked, verdict_key
+from tests.doubles import break_suffix_positions
 
 PASSED = messages.SelfCheck(True, "per-group", 13, 2e-7, [], mode="on", bound=1e-4, ms=900.0)
 
@@ -116,7 +118,8 @@ def test_the_key_holds_what_the_answers_depend_on(tiny_snapshot: Path) -> None:
     assert key is not None
     assert key["weights"]["fingerprint"] == "f" * 64 and key["device"] == "cpu"
     assert key["dtype"] == "float32" and key["path"] == "per-group"
-    assert key["check"]["probes"] == ["groups", "small"]
+    assert key["check"]["probes"] == ["groups", "small", "prefix"]
+    assert key["prefix_cache"] == {"block_tokens": 256}
     assert key["versions"]["torch"] == torch.__version__ and "triton" in key["versions"]
     assert len(key["code"]["source"]) == 64 and key["code"]["version"]
     assert key["policy"]["batch_layout"] == "per-group"
@@ -129,6 +132,11 @@ def test_the_key_holds_what_the_answers_depend_on(tiny_snapshot: Path) -> None:
     padded = assemble_snapshot(tiny_snapshot, device="cpu", media="off", batch_layout="padded")
     other = verdict_key(padded, "f" * 64, PROBES)
     assert other is not None and verdict_store.key_digest(other) != digest
+    # A verdict from a start with the prefix cache off never ran the `prefix` probe.
+    uncached = assemble_snapshot(tiny_snapshot, device="cpu", media="off", prefix_cache="off")
+    off = verdict_key(uncached, "f" * 64, PROBES)
+    assert off is not None and off["prefix_cache"] is None
+    assert verdict_store.key_digest(off) != digest
 
 
 def test_the_source_digest_changes_with_a_source_file(tmp_path: Path,
@@ -186,6 +194,45 @@ def test_checked_waits_for_the_fingerprint_and_reuses(tiny_snapshot: Path,
     assert second.ms < first.ms
     unknown = checked(executor, "on", lambda: "", store)  # no fingerprint: checked, not kept
     assert unknown is not None and not unknown.reused
+
+
+def test_the_prefix_probe_is_kept_with_the_verdict_unless_it_turned_the_cache_off(
+        tiny_snapshot: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `prefix` probe is part of the kept verdict: a restart on the same key skips it with
+    the rest and the cache stays on. A start where it disagreed turned the cache off (`on`'s
+    remedy); that verdict is not kept, so the next start probes again (a kept one would skip
+    the probe and serve the faulty cache)."""
+    from clef_worker import prefix_run
+    from clef_worker.prefix_check import PROBE_NAME
+
+    store = VerdictStore(tmp_path)
+    probed: list[int] = []
+    original = prefix_run.prefixed_forward
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        probed.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(prefix_run, "prefixed_forward", counting)
+    executor = assemble_snapshot(tiny_snapshot, device="cpu", media="off")
+    first = checked(executor, "on", lambda: "b" * 64, store)
+    assert first is not None and not first.reused and probed
+    assert [p["passed"] for p in first.probes if p["name"] == PROBE_NAME] == [True]
+    probed.clear()
+    again = checked(assemble_snapshot(tiny_snapshot, device="cpu", media="off"), "on",
+                    lambda: "b" * 64, store)
+    assert again is not None and again.reused and not probed
+
+    break_suffix_positions(monkeypatch)
+    faulty = assemble_snapshot(tiny_snapshot, device="cpu", media="off")
+    remedied = checked(faulty, "on", lambda: "c" * 64, store)
+    assert remedied is not None and remedied.passed and not remedied.reused
+    assert faulty.runner.prefix_cache is not None and not faulty.runner.prefix_cache.enabled
+    assert not verdict_store.keepable(remedied)
+    probed.clear()
+    later = checked(assemble_snapshot(tiny_snapshot, device="cpu", media="off"), "on",
+                    lambda: "c" * 64, store)
+    assert later is not None and not later.reused and probed
 
 
 # -- a real front --------------------------------------------------------------------------

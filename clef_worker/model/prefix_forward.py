@@ -16,6 +16,14 @@ everything a later token needs from earlier ones in three places, and each conti
 The head needs every token's final hidden state (its memory), so the caller concatenates the
 cached hidden states before the new ones (clef_worker.runner).
 
+Media (clef_worker.media.vision): a request holding media runs from nothing with the input
+embeddings and the three rotary rows (t, h, w) the vision path gives it (`MediaInputs`); text
+after the media continues at the media's largest position + 1, not at its token index, so every
+cached point records its `rope_delta` (the text's rotary position minus its token index: 0
+without media, negative after an image), and a suffix continues at `start + rope_delta`, as the
+whole forward would. Points of a media request lie at or after the end of its media tokens
+(clef_worker.prefix_cache), so a suffix is always text and never needs the tower.
+
 The same pass records what the cache keeps (`Captured`): at each requested point (an absolute
 position inside the new tokens) the recurrent state and the convolution's input tail, and the
 new tokens' keys, values and hidden states, which the cache cuts into blocks. On the torch path
@@ -61,6 +69,8 @@ class PrefixState:
     conv: list[Tensor]  # per Gated DeltaNet layer: the conv inputs before `start`, [<=K-1, D]
     keys: list[Tensor]  # per attention layer: [kv heads, start, head dim], after RoPE
     values: list[Tensor]  # per attention layer: [kv heads, start, head dim]
+    # The rotary position of the token at `start` minus `start` (media before it: negative).
+    rope_delta: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,20 @@ class SequencePlan:
     def start(self) -> int:
         return self.prefix.start if self.prefix is not None else 0
 
+    @property
+    def rope_delta(self) -> int:
+        return self.prefix.rope_delta if self.prefix is not None else 0
+
+
+@dataclass(frozen=True)
+class MediaInputs:
+    """A media request's inputs for its new tokens (all of its tokens: it runs from nothing):
+    the input embeddings `[n, H]` with the tower's outputs in place of the pads, and the rotary
+    position rows `[3, n]` (clef_worker.media.vision.VisionTower.inputs)."""
+
+    embeds: Tensor
+    positions: Tensor
+
 
 @dataclass
 class Captured:
@@ -88,6 +112,7 @@ class Captured:
     conv: list[list[Tensor]] = field(default_factory=list)  # [point][layer]
     keys: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
+    rope_deltas: list[int] = field(default_factory=list)  # [point]: see `PrefixState`
 
 
 def modeling_module() -> Any:
@@ -268,9 +293,12 @@ def delta_rule_for(gdn_path: str) -> DeltaRuleRun:
 
 
 def prefixed_forward(model: Any, input_ids: Tensor, plans: Sequence[SequencePlan],
-                     delta_rule: DeltaRuleRun) -> tuple[Tensor, list[Captured]]:
+                     delta_rule: DeltaRuleRun, media: MediaInputs | None = None
+                     ) -> tuple[Tensor, list[Captured]]:
     """Last hidden state (after the final norm) of every request's new tokens, end to end:
-    `[sum n]` ids -> `[sum n, H]`, and what each request captured at its points."""
+    `[sum n]` ids -> `[sum n, H]`, and what each request captured at its points. `media`: the
+    inputs of a lone media request running from nothing (its embeddings and rotary rows
+    replace the ids' embeddings and the continued positions)."""
     lengths = [plan.length for plan in plans]
     if input_ids.dim() != 1 or input_ids.shape[0] != sum(lengths) or min(lengths) < 1:
         raise ValueError(f"prefixed input_ids must be [{sum(lengths)}] (every request's new "
@@ -283,12 +311,27 @@ def prefixed_forward(model: Any, input_ids: Tensor, plans: Sequence[SequencePlan
     for length in lengths:
         spans.append((offset, offset + length))
         offset += length
-    positions = torch.cat([torch.arange(plan.start, plan.start + plan.length)
-                           for plan in plans]).to(input_ids.device)
     captured = [Captured(plan.points, [[] for _ in plan.points], [[] for _ in plan.points])
                 for plan in plans]
-    hidden = model.embed_tokens(input_ids).unsqueeze(0)
-    rotary = model.rotary_emb(hidden, positions.unsqueeze(0))
+    if media is None:
+        positions = torch.cat([torch.arange(plan.start + plan.rope_delta,
+                                            plan.start + plan.rope_delta + plan.length)
+                               for plan in plans]).to(input_ids.device)
+        hidden = model.embed_tokens(input_ids).unsqueeze(0)
+        rotary = model.rotary_emb(hidden, positions.unsqueeze(0))
+        for plan, record in zip(plans, captured, strict=True):
+            record.rope_deltas = [plan.rope_delta] * len(plan.points)
+    else:
+        [plan] = plans
+        if plan.prefix is not None or media.positions.shape != (3, plan.length):
+            raise ValueError("media inputs are for one request from nothing: rotary rows "
+                             f"[3, {plan.length}] expected, got {list(media.positions.shape)}")
+        hidden = media.embeds.to(input_ids.device).unsqueeze(0)
+        rotary = model.rotary_emb(hidden, media.positions.unsqueeze(1))
+        # After the media every row is the text's position: the next token's is the largest
+        # so far + 1 (clef_worker.media.vision.rope_positions).
+        captured[0].rope_deltas = [int(media.positions[:, :point].max()) + 1 - point
+                                   for point in plan.points]
     linear = attention = 0
     for layer in model.layers[: model.config.num_hidden_layers]:
         residual = hidden
