@@ -181,7 +181,7 @@ def test_a_largest_shape_no_request_fits_is_left_out_and_the_check_passes(
     requests = self_check.Requests(executor)
     assert requests.shortest > 64
     assert self_check.largest_group(executor, requests) is None
-    verdict = self_check.run_self_check(executor, "report")
+    verdict = self_check.run_self_check(executor, "report", self_check.LAYOUT_PROBES)
     assert verdict is not None and verdict.passed
     [probe] = [p for p in verdict.probes if p["name"] == "groups"]
     assert probe["largest_shape"] is None and len(probe["groups"]) == 2
