@@ -206,6 +206,7 @@ def request_line(
     tenant: str = "-",
     model: str | None = None,
     weights: str | None = None,
+    reused: int | None = None,
 ) -> None:
     """`request method=POST path=/v1/systemone status=200 queue_ms=0.3 worker_ms=41.2 batch=4
     ... key=rag-ingest cache=miss tenant=- trace_id=4bf9... request_id=...` (`batch`: requests
@@ -216,7 +217,9 @@ def request_line(
     `trace_id`: the W3C trace, `-` when none is known; `model`, only with fine-tuned variants
     served: the body's model, i.e. the variant or base name that scored it; `weights`: the short
     digest of the weights that made the answer, as its `Clef-Weights` header, `-` when none
-    answered).
+    answered); `reused`: the prompt tokens its worker's prefix cache gave the forward that
+    answered it, as Server-Timing's `prefix;desc="reused=N"` (`-` when the cache was not looked
+    up: off, a shared answer, no worker reply).
 
     In JSON the same fields are keys of the line (numbers as numbers, unknown ones null)."""
     if _structured:
@@ -224,7 +227,7 @@ def request_line(
             "method": printable(method), "path": printable(target), "status": status,
             "queue_ms": _round(queue_ms), "worker_ms": _round(worker_ms), "batch": batch,
             "bytes_in": bytes_in, "bytes_out": bytes_out, "client": client, "key": key,
-            "cache": cache, "tenant": tenant, "weights": weights,
+            "cache": cache, "tenant": tenant, "weights": weights, "reused": reused,
             **({"model": model} if model is not None else {})}})
         return
     fields = (
@@ -233,7 +236,7 @@ def request_line(
         f"batch={'-' if batch is None else batch} bytes_in={bytes_in} bytes_out={bytes_out} "
         f"client={client} key={key} cache={cache or '-'} tenant={tenant} "
         f"{'' if model is None else f'model={printable(model.encode())} '}"
-        f"weights={weights or '-'} "
+        f"weights={weights or '-'} reused={'-' if reused is None else reused} "
         f"trace_id={trace_id} request_id={request_id}")
     sink = _text_sink
     if sink is not None and access.isEnabledFor(logging.INFO):

@@ -106,6 +106,7 @@ class Finished:
     cache: str | None = None  # the answer cache's hit, coalesced or miss (None: not looked up)
     shared_at: float | None = None  # when the cache was consulted
     tenant: str | None = None  # the inference gateway's fairness id (gateway.py), if any
+    reused_tokens: int | None = None  # given by the worker's prefix cache (None: not looked up)
 
 
 class RequestSpan:
@@ -142,6 +143,8 @@ class RequestSpan:
             span.set_status(Status(StatusCode.ERROR))
         if done.cache is not None:
             span.set_attribute("clef.cache", done.cache)
+        if done.reused_tokens is not None:
+            span.set_attribute("clef.prefix.reused_tokens", done.reused_tokens)
         tracer = self._tracing.tracer
         inside = set_span_in_context(span)
         if done.cache is not None and done.queued_at is None and done.shared_at is not None:
@@ -306,7 +309,8 @@ def begin(context: TraceContext, method: bytes, target: bytes, request_id: str,
 
 def end(span: RequestSpan | None, *, status: int, route: str, ticket: TicketView | None,
         answered_at: float | None, cache: str | None = None,
-        shared_at: float | None = None, tenant: str = "-") -> None:
+        shared_at: float | None = None, tenant: str = "-",
+        reused_tokens: int | None = None) -> None:
     """Finish a request's spans from what the front measured (nothing when not tracing)."""
     if span is None:
         return
@@ -320,4 +324,5 @@ def end(span: RequestSpan | None, *, status: int, route: str, ticket: TicketView
         stages=getattr(reply, "stages", None),
         batch_size=reply.batch_size if reply is not None else None,
         tenant=tenant if tenant != "-" else None,
+        reused_tokens=reused_tokens,
     ))

@@ -320,10 +320,11 @@ class Pipeline:
             request_id=ctx.request_id, batch=_batch_of(ticket), trace_id=ctx.trace_id,
             key=ctx.key or NO_KEY, cache=ctx.cache, tenant=tenant, model=ctx.model,
             weights=responses.short_weights(ctx.weights) if ctx.weights else None,
+            reused=ctx.reused_tokens,
         )
         otel.end(ctx.span, status=status, route=ctx.route_label, ticket=ticket,
                  answered_at=ctx.answered_at, cache=ctx.cache, shared_at=ctx.shared_at,
-                 tenant=tenant)
+                 tenant=tenant, reused_tokens=ctx.reused_tokens)
         logs.unbind_request()
 
 

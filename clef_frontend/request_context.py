@@ -134,6 +134,14 @@ class RequestContext:
     def scoring(self) -> bool:
         return self.route is not None and self.route.is_scoring
 
+    @property
+    def reused_tokens(self) -> int | None:
+        """The prompt tokens the worker's prefix cache gave the forward that answered this
+        request; None when it was not looked up (off, no worker reply, a shared answer)."""
+        reply = self.ticket.worker_reply if self.ticket is not None else None
+        prefix = reply.prefix if reply is not None else None
+        return prefix.reused_tokens if prefix is not None else None
+
     def trace_headers(self) -> list[tuple[str, str]]:
         """`X-Request-Id`, and `Server-Timing` on every answer that went through admission:
         the queue and the worker for this request's own forward (and the prompt tokens its
@@ -144,11 +152,8 @@ class RequestContext:
         total_ms = (time.monotonic() - self.started) * 1000.0
         ticket = self.ticket
         if ticket is not None:
-            reply = ticket.worker_reply
-            prefix = reply.prefix if reply is not None else None
-            timing = tracing.server_timing(
-                ticket.queue_ms, ticket.worker_ms, total_ms,
-                reused_tokens=prefix.reused_tokens if prefix is not None else None)
+            timing = tracing.server_timing(ticket.queue_ms, ticket.worker_ms, total_ms,
+                                           reused_tokens=self.reused_tokens)
         else:
             timing = tracing.server_timing(None, None, total_ms, cache=self.cache)
         return tracing.response_headers(self.request_id, timing)

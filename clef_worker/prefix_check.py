@@ -10,7 +10,10 @@ rest of the serving path it is checked on the device before `ready`.
 The probe (`probe_requests`): one state long enough for two blocks and a partial one; request
 `warm` asks one schema about it (its forward stores the blocks), then `cached` asks another
 schema about the same state (it must reuse the stored prefix) in one group with `fresh`, a
-request with a state of its own (uncached). `cached` and `fresh` are compared with the plain
+request with a state of its own (uncached). With a vision tower, the same again alone with a
+picture before the state (`media_requests`: media requests run alone; the prefixed forward's
+media branch, the tower's embeddings and 3D rotary positions, and the offset a suffix continues
+from). `cached`, `fresh` and the pictured `cached` are compared with the plain
 eager forward of each alone (clef_worker.self_check's comparison, bounds and per-token hidden
 state difference: the cached tokens' hidden states are compared too). The probe's blocks are
 dropped either way: no client asked for them.
@@ -28,16 +31,20 @@ too; a verdict whose remedy turned the cache off is never kept, so the next star
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 from clef_protocol.errors import RequestInvalid
+from clef_protocol.media import decode_media
 from clef_protocol.validation import validate_request
 from clef_worker.model.encoding import Encoding
 from clef_worker.prefix_cache import CacheKey, PrefixCache
-from clef_worker.self_check import Context, ProbeResult, compare
-from clef_worker.warmup import candidates
+from clef_worker.self_check import Answer, Context, ProbeResult, compare
+from clef_worker.variant_probe import reference_runner
+from clef_worker.warmup import candidates, with_image
 
 if TYPE_CHECKING:
+    from clef_worker.media.vision import PreparedMedia
     from clef_worker.warmup import WarmTarget
 
 log = logging.getLogger("clef_worker.self_check")
@@ -76,21 +83,51 @@ def _valid(target: WarmTarget, request: dict[str, Any]) -> bool:
     return True
 
 
-def _encoding(target: WarmTarget, schema: dict[str, Any], name: str,
-              tokens: int) -> Encoding:
+def _encoding(target: WarmTarget, schema: dict[str, Any], name: str, tokens: int,
+              media: PreparedMedia | None = None) -> Encoding:
     """The schema asked about a state of its own (`name`) cut to exactly `tokens` tokens, so two
-    schemas asked about the same name share those state tokens."""
+    schemas asked about the same name share those state tokens (after `media`'s, if any)."""
     state = "".join(f"{name} event {k}: order #{k * 31} shipped to depot {k % 7}. "
                     for k in range(tokens // 4 + 8))  # every sentence is several tokens
-    fixed = target.encoder.encode({**schema, "state": "x"}, target.limits.max_length)
+    media_ids = media.token_ids if media is not None else ()
+    fixed = target.encoder.encode({**schema, "state": "x"}, target.limits.max_length, media_ids)
     budget = fixed.length - fixed.state_tokens + tokens
     if budget > target.limits.max_length:
         raise RequestInvalid(f"the probe needs {budget} tokens")
-    return target.encoder.encode({**schema, "state": state}, budget)
+    return target.encoder.encode({**schema, "state": state}, budget, media_ids)
 
 
-def _key(target: WarmTarget, encoding: Encoding) -> CacheKey:
-    return CacheKey(target.cache_root(0), len(target.encoder.prefix_ids) + encoding.state_tokens)
+def _key(target: WarmTarget, encoding: Encoding, media: PreparedMedia | None = None) -> CacheKey:
+    """The key the serve loop gives such a request (clef_worker.native.NativeExecutor.cache_key)
+    on the base model."""
+    media_end = len(target.encoder.prefix_ids)
+    if media is None:
+        return CacheKey(target.cache_root(0), media_end + encoding.state_tokens)
+    media_end += len(media.token_ids)
+    return CacheKey(target.cache_root(0, media.digest), media_end + encoding.state_tokens,
+                    media_end)
+
+
+def media_requests(target: WarmTarget) -> tuple[PreparedMedia, Encoding, Encoding] | None:
+    """(picture, warm, cached) about one picture and one state, for a worker with a vision
+    tower: the prefixed forward's media branch (the tower's embeddings, 3D rotary positions, the
+    offset a suffix continues from); None without a tower or room."""
+    cache = target.runner.prefix_cache
+    vision = target.vision
+    if cache is None or vision is None:
+        return None
+    schemas = [request for request in candidates(target.limits)
+               if _valid(target, with_image(request))]
+    if len(schemas) < 2:
+        return None
+    try:
+        picture = vision.prepare(decode_media(with_image(schemas[0]), target.limits))
+        shared = min(cache.block_tokens + cache.block_tokens // 2, SHARED_MAX_TOKENS)
+        warm = _encoding(target, schemas[1], "pictured", shared, picture)
+        cached = _encoding(target, schemas[0], "pictured", shared, picture)
+    except RequestInvalid:
+        return None
+    return picture, warm, cached
 
 
 def probe_prefix(context: Context) -> ProbeResult | None:
@@ -107,26 +144,46 @@ def probe_prefix(context: Context) -> ProbeResult | None:
         log.warning("prefix-cache check skipped: --max-length leaves no room for a cached block")
         return None
     warm, cached, fresh = requests
+    pictured = media_requests(target)
     references = [context.reference(encoding) for encoding in (cached, fresh)]
+    if pictured is not None:
+        references.append(_media_reference(target, pictured[0], pictured[2]))
     runner = target.runner
     try:
         runner.run([warm], cache_keys=[_key(target, warm)])
         output = runner.run([cached, fresh], keep_hidden=True,
                             cache_keys=[_key(target, cached), _key(target, fresh)])
+        rows, hidden = list(output.rows), Context.hidden_diff(output.hidden, references[:2])
+        if pictured is not None:  # a media request runs alone, as the serve loop runs it
+            picture, warm_media, cached_media = pictured
+            runner.run([warm_media], [picture], cache_keys=[_key(target, warm_media, picture)])
+            media_output = runner.run([cached_media], [picture], keep_hidden=True,
+                                      cache_keys=[_key(target, cached_media, picture)])
+            rows += media_output.rows
+            hidden = max(hidden, Context.hidden_diff(media_output.hidden, references[2:]),
+                         key=lambda value: math.inf if math.isnan(value) else value)
     except Exception as exc:
         log.error("prefix-cache check: the prefixed forward raised", exc_info=True)
-        return ProbeResult(PROBE_NAME, 2, 1.0, error=f"{type(exc).__name__}: {exc}",
-                           extra={"reused_tokens": 0})
+        return ProbeResult(PROBE_NAME, len(references), 1.0,
+                           error=f"{type(exc).__name__}: {exc}", extra={"reused_tokens": 0})
     finally:
         cache.clear()  # the probe's blocks: no client asked for them
-    comparison = compare(output.rows, [answer.row for answer in references], [cached, fresh],
-                         context.bound)
-    reused = output.rows[0].reused_tokens
-    hidden = Context.hidden_diff(output.hidden, references)
-    return ProbeResult(PROBE_NAME, 2, comparison.max_abs_diff, comparison.argmax_mismatches,
-                       hidden, [comparison.max_abs_diff],
-                       "" if reused else "the cached request reused no cached tokens",
-                       comparison.worst_tokens, extra={"reused_tokens": reused})
+    encodings = [cached, fresh, *([pictured[2]] if pictured is not None else [])]
+    comparison = compare(rows, [answer.row for answer in references], encodings, context.bound)
+    reused = [rows[0].reused_tokens, *([rows[2].reused_tokens] if pictured is not None else [])]
+    return ProbeResult(PROBE_NAME, len(rows), comparison.max_abs_diff,
+                       comparison.argmax_mismatches, hidden, [comparison.max_abs_diff],
+                       "" if all(reused) else "a cached request reused no cached tokens",
+                       comparison.worst_tokens,
+                       extra={"reused_tokens": reused[0],
+                              "media_reused_tokens": reused[1] if pictured is not None else None})
+
+
+def _media_reference(target: WarmTarget, picture: PreparedMedia, encoding: Encoding) -> Answer:
+    """A media request through the plain vision path (no cache keys, no graphs)."""
+    with reference_runner(target.runner) as plain:
+        output = plain.run([encoding], [picture], keep_hidden=True)
+    return Answer(output.rows[0], output.hidden)
 
 
 def turn_cache_off(target: WarmTarget, result: ProbeResult) -> str:

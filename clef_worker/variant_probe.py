@@ -33,10 +33,12 @@ def probe_slots(runner: ModelRunner, count: int) -> list[int]:
 
 @contextmanager
 def reference_runner(runner: ModelRunner) -> Iterator[ModelRunner]:
-    """The plain eager runner (one request, no graphs, no packing) over the served runner's
-    backbone, heads and variants, with the adapters applied as segments while it is in use."""
+    """The plain eager runner (one request, no graphs, no packing, no prefix cache) over the
+    served runner's backbone, heads, variants and vision tower, with the adapters applied as
+    segments while it is in use."""
     plain = ModelRunner(runner.backbone, runner.head, runner.pad_id, layout=PADDED,
-                        variant_heads=runner.heads[1:], selection=runner.selection)
+                        vision=runner.vision, variant_heads=runner.heads[1:],
+                        selection=runner.selection)
     selection = runner.selection
     if selection is None:
         yield plain

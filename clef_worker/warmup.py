@@ -72,9 +72,9 @@ class WarmTarget(Protocol):
 
     def score(self, request: dict[str, Any]) -> object: ...
 
-    def cache_root(self, slot: int) -> bytes:
-        """The root of the prefix-cache chains of the variant in `slot` (the self-check's
-        `prefix` probe keys its requests with it)."""
+    def cache_root(self, slot: int, media_digest: str = "") -> bytes:
+        """The root of the prefix-cache chains of the variant in `slot` about media of this
+        digest (the self-check's `prefix` probe keys its requests with it)."""
         ...
 
 # The richest candidate: ~250 tokens of state and the three question types, like a typical

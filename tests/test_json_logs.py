@@ -123,7 +123,7 @@ def test_front_and_fake_worker_lines_are_all_json(tmp_path: Path) -> None:
         "request_id": "json-ok", "trace_id": TRACE, "method": "POST",
         "path": "/v1/systemone", "status": 200, "queue_ms": None, "worker_ms": None,
         "batch": 1, "bytes_in": len(ok_body), "bytes_out": len(ok.body), "client": None,
-        "key": "-", "cache": "miss", "tenant": "-", "weights": None}
+        "key": "-", "cache": "miss", "tenant": "-", "weights": None, "reused": None}
     assert isinstance(line["queue_ms"], float) and isinstance(line["worker_ms"], float)
     assert _access(documents, "json-500")["trace_id"] == "-"
     # The worker's own lines about the failed requests carry their request ids, and the traced

@@ -342,8 +342,10 @@ def test_the_probe_passes_and_leaves_the_cache_on_and_empty(executor: NativeExec
     cache = executor.runner.prefix_cache
     assert cache is not None
     verdict, probe = _checked(executor)
-    assert verdict.passed and probe["passed"] and probe["checked"] == 2
+    # The tiny snapshot has a vision tower: the text pair and a pictured request alone.
+    assert verdict.passed and probe["passed"] and probe["checked"] == 3
     assert probe["max_abs_diff"] <= 1e-4 and probe["reused_tokens"] > 0
+    assert probe["media_reused_tokens"] > 0
     # The cached tokens' hidden states are compared too, and agree to float32 rounding.
     assert probe["max_hidden_diff"] is not None and probe["max_hidden_diff"] < 1e-4
     assert cache.enabled and not cache.blocks
@@ -386,6 +388,21 @@ def test_report_records_a_disagreeing_probe_and_keeps_the_cache_on(
     assert cache.info().enabled and cache.info().disabled_reason == ""
     assert any("prefix probe" in record.getMessage() and "--self-check report" in
                record.getMessage() for record in caplog.records)
+
+
+def test_the_probe_checks_the_media_branch_of_the_prefixed_forward(
+        tiny_snapshot: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault only media requests meet (the rotary offset a suffix continues from after a
+    picture, zeroed) is caught by the pictured part of the probe, and without a vision tower
+    the probe has no pictured part."""
+    executor = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32")
+    monkeypatch.setattr(prefix_forward.SequencePlan, "rope_delta", property(lambda plan: 0))
+    _, probe = _checked(executor)
+    assert not probe["passed"] and probe["media_reused_tokens"] > 0 and "remedy" in probe
+    monkeypatch.undo()
+    textual = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32", media="off")
+    _, probe = _checked(textual)
+    assert probe["passed"] and probe["checked"] == 2 and probe["media_reused_tokens"] is None
 
 
 def test_strict_refuses_to_start_on_a_disagreeing_probe(

@@ -324,6 +324,33 @@ def test_a_repeat_answered_from_the_cache_has_a_cache_span(
         <= repeated.end_ns
 
 
+def test_the_server_span_says_what_the_prefix_cache_gave(
+        collector: tuple[Collector, str]) -> None:
+    """A worker with a prefix cache (the fake's stand-in): the second request about a state
+    carries the tokens its worker reused as `clef.prefix.reused_tokens`, as its Server-Timing
+    and access line do; a request whose worker looked nothing up has no such attribute."""
+    sink, endpoint = collector
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, **FAST_EXPORT}
+    with Serve("--fake-prefix-cache", env=env) as serve:
+        for name, body in (("first", clef_body(state="a long shared state " * 20)),
+                           ("second", clef_body(state="a long shared state " * 20 + "and more"))):
+            response = serve.post(body, headers=[("X-Request-Id", name)])
+            assert response.status == 200
+        timing = response.header("Server-Timing") or ""
+        reused = int(timing.split('prefix;desc="reused=')[1].split('"')[0])
+        assert reused > 0
+        serve.wait_for(rf"status=200 .* reused={reused} .* request_id=second$")
+        spans = sink.wait_spans(lambda s: _has_request("first", 3)(s)
+                                and _has_request("second", 3)(s))
+    assert _server_span(spans, "first").attributes["clef.prefix.reused_tokens"] == 0
+    assert _server_span(spans, "second").attributes["clef.prefix.reused_tokens"] == reused
+    with Serve(env=env) as plain:  # no prefix cache on the worker: nothing to say
+        assert plain.post(clef_body(), headers=[("X-Request-Id", "uncached")]).status == 200
+        spans = sink.wait_spans(_has_request("uncached", 3))
+        plain.wait_for(r"status=200 .* reused=- .* request_id=uncached$")
+    assert "clef.prefix.reused_tokens" not in _server_span(spans, "uncached").attributes
+
+
 def test_a_request_without_traceparent_starts_a_fresh_trace(
         collector: tuple[Collector, str]) -> None:
     sink, endpoint = collector
