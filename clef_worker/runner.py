@@ -252,20 +252,26 @@ class ModelRunner:
     def run(self, encodings: Sequence[Encoding],
             medias: Sequence[PreparedMedia | None] = (), slots: Sequence[int] = (),
             keep_hidden: bool = False,
-            cache_keys: Sequence[CacheKey | None] = ()) -> RunOutput:
+            cache_keys: Sequence[CacheKey | None] = (),
+            shape: Sequence[int] | None = None) -> RunOutput:
         """Backbone and head over the group: per request, per-option logits and probabilities
         (question order, then encode order), each by its variant's slot (none given: the base).
         A media request must be alone in its group. `keep_hidden`: the output also holds the
         last hidden states. `cache_keys`: each request's prefix-cache key (none given: the
-        cache is not used)."""
-        return self.run_staged(self.stage(encodings, medias, slots, cache_keys), keep_hidden)
+        cache is not used). `shape`: the fixed graph shape to replay, `[rows, tokens]` as
+        `graph_shapes` lists it (a packed bucket is `[1, tokens]`), instead of the smallest
+        that holds the group (`forced_step`)."""
+        return self.run_staged(self.stage(encodings, medias, slots, cache_keys, shape),
+                               keep_hidden)
 
     # -- host half ---------------------------------------------------------------------------
 
     def stage(self, encodings: Sequence[Encoding],
               medias: Sequence[PreparedMedia | None] = (), slots: Sequence[int] = (),
-              cache_keys: Sequence[CacheKey | None] = ()) -> Staged:
-        """The group's host tensors in one flat buffer (pinned on CUDA); no device work."""
+              cache_keys: Sequence[CacheKey | None] = (),
+              shape: Sequence[int] | None = None) -> Staged:
+        """The group's host tensors in one flat buffer (pinned on CUDA); no device work.
+        `shape`: as `run`'s."""
         slots = list(slots) or [BASE_SLOT] * len(encodings)
         if any(slot >= len(self.heads) or slot < 0 for slot in slots):
             raise ValueError(f"variant slots {slots} beyond the {len(self.heads) - 1} loaded")
@@ -274,6 +280,8 @@ class ModelRunner:
             raise ValueError("a media request runs alone, not in a group of "
                              f"{len(encodings)}")
         lengths = [len(encoding.input_ids) for encoding in encodings]
+        forced = (self.forced_step(lengths, shape, media is not None, cache_keys)
+                  if shape is not None else None)
         ids = [encoding.input_ids for encoding in encodings]
         records = [RecordSpans(
             tokens=length, question_spans=[q.question_span for q in encoding.questions],
@@ -292,7 +300,8 @@ class ModelRunner:
         lone = len(lengths) == 1 and not isinstance(self.graphs, PackedGraphRunner)
         if media is None and not lone and self.packs(lengths):
             graphs = self.graphs if isinstance(self.graphs, PackedGraphRunner) else None
-            bucket = graphs.bucket_for(lengths) if graphs is not None else None
+            bucket = (forced.shape[1] if forced is not None and forced.shape is not None
+                      else graphs.bucket_for(lengths) if graphs is not None else None)
             if graphs is not None and bucket is not None:
                 row, real_rows = graphs.host_ids(ids, bucket)
                 tensors = [row, real_rows]
@@ -303,7 +312,7 @@ class ModelRunner:
                 tensors = [real_ids]
         else:
             steps = [Step((0,), None)] if media is not None or self.packed else \
-                self.plan(lengths)
+                [forced] if forced is not None else self.plan(lengths)
             padded = self.graphs if isinstance(self.graphs, GraphRunner) else None
             # Variants over padded shapes: each forward's slot index, sized to its rows and
             # tokens (pad rows included), staged with its ids for a replay to copy in.
@@ -326,6 +335,28 @@ class ModelRunner:
         return Staged(lengths, steps, bucket, stage_host(tensors, self.device),
                       [t.shape for t in tensors], batch, media, slots, heads, bucket_slots,
                       step_slots, keys, [ids_array(tokens) for tokens in ids] if keys else [])
+
+    def forced_step(self, lengths: Sequence[int], shape: Sequence[int], media: bool = False,
+                    cache_keys: Sequence[CacheKey | None] = ()) -> Step:
+        """The one forward that replays the group at `shape`, a built graph shape chosen by
+        the caller (the start-up self-check's largest-bucket probe: short requests in the
+        largest shape, padding after them). ValueError, saying why, where nothing would
+        replay it: graphs off, a media request or a prefix-cache lookup (both run eagerly), or
+        a shape not built or too small for the group."""
+        rows, tokens = (int(value) for value in shape)
+        if self.graphs is None:
+            raise ValueError(f"cannot replay the {[rows, tokens]} shape: graphs are off "
+                             "(every forward runs eagerly)")
+        if media or any(key is not None for key in cache_keys):
+            raise ValueError(f"cannot replay the {[rows, tokens]} shape: media requests and "
+                             "prefix-cache lookups run eagerly")
+        everyone = tuple(range(len(lengths)))
+        if isinstance(self.graphs, PackedGraphRunner):
+            if rows != 1:
+                raise ValueError(f"a packed bucket is one row: [1, tokens], not "
+                                 f"{[rows, tokens]}")
+            return Step(everyone, (1, self.graphs.check_bucket(lengths, tokens)))
+        return self.graphs.forced_step(lengths, (rows, tokens))
 
     def _padded_ids(self, ids: Sequence[Sequence[int]], lengths: list[int],
                     step: Step) -> Tensor:

@@ -18,8 +18,19 @@ whose remedy turns the cache off rather than the layout. The layout probes:
 - `groups` (`probe_groups`): requests of mixed lengths cut from the warm-up's candidate schemas
   (clef_worker.warmup), each with its own state text: a mixed group of four, a uniform group of
   three (CPU's per-group layout runs that one padded), and, where graphs replay fixed shapes,
-  one request near the largest bucket (eagerly a lone request takes the plain forward, which is
-  the reference itself, so a long one would only double the check's time).
+  a few short requests of different lengths (about LARGEST_REAL = 1,000 real tokens, at most
+  half the shape) forced into the largest built shape (`largest_shape`, through
+  `ModelRunner.run`'s `shape`), padding filling the rest of it. The largest graph is what the
+  longest requests replay; forced short requests check it (a request laid at the wrong offset,
+  or padding read into the requests, disagrees with their eager answers) while the eager
+  reference runs only their real tokens, not the ~16,000 of one near-largest request. The
+  probe records the shape (`largest_shape`, `[rows, tokens]` as `graph_shapes` lists it; null
+  where no request the schemas make fits it, as no request can then replay it) and
+  each group's (`shapes`). Packed, the largest shape is the largest bucket (one row); padded,
+  the longest bucket at the most rows built for it (one row of 16,384 at the H200 defaults),
+  one short request per row (three at most). Eagerly there is no fixed shape: a forward is
+  only as large as its requests, and a lone request takes the plain forward, the reference
+  itself.
 - `small` (`small_groups`): where 370-token traffic runs. With graphs, a lone ~370-token request
   (the bucket that traffic replays), then two pairs of other lengths in that same bucket one
   after the other (one bucket replayed with different mixes: a graph that replayed the previous
@@ -27,8 +38,9 @@ whose remedy turns the cache off rather than the layout. The layout probes:
   shortest requests the schema allows (the smallest buckets).
 
 Each group goes through the serve loop's own group cutting (clef_worker.batching.GroupCutter)
-and the runner, as requests do. With fine-tuned variants served, the requests take the base and
-each variant in turn (clef_worker.variant_probe).
+and the runner, as requests do; the largest-shape group alone is one runner call forced into
+its shape (the serve loop would replay a smaller one). With fine-tuned variants served, the
+requests take the base and each variant in turn (clef_worker.variant_probe).
 
 The comparison (`compare`): every option's probability within the dtype's bound (`BOUNDS`), and
 every question's argmax the same unless the reference itself has the two options within the
@@ -51,18 +63,28 @@ a change of layout); `off` skips the check. The verdict goes into the `ready` fr
 verdict is kept for the next start (clef_worker.verdict_store, in `on` and `strict`).
 
 Cost on a warm GPU, estimated on paper, not measured: at Clef-Flash's shapes a forward costs
-about 2 x 7.9e9 = 1.6e10 FLOP per token (the full-attention layers' quadratic part adds under
-10 % at 16k tokens). With the H200 defaults (16,384-token budget) the probe sends about 20,600
-tokens through the serving path (the near-largest request ~16,350, the mixed and uniform groups
-~3,000 within `GROUP_ROOM`, the small probe ~1,300) and as many through the eager reference:
-~6.6e14 FLOP, 0.84 s at the 788 TFLOP/s a bf16 matrix product measured on an H200, ~1.4 s at
-60 % of it. So it is under a second only without the near-largest request: ~3,900 tokens each
-way without graphs, ~0.16 s at that rate (0.26 s at 60 %). The near-largest request is the only
-probe of the largest bucket; a restart on the same weights and code skips the whole check
-(the kept verdict). A cold
-start adds the compilation of the eager reference's fixed-length kernels (a graph warm-up never
-uses them); `ms` in the verdict and `self_check_ms` in the GPU sitting's summary record what it
-really took.
+about 2 x 7.9e9 = 1.6e10 FLOP per token. The serving path computes every token of the shapes
+it replays, padding included; the eager reference only the real tokens. At the H200 defaults
+(packed graphs, 16,384-token budget and --max-length, 28 buckets):
+
+- served: the mixed group (122 + 819 + 327 + 491 = 1,759 real, 1,856 aligned) replays the
+  2,048 bucket; the uniform group (3 x 409 = 1,227 real, 1,344 aligned) the 1,600 bucket; the
+  largest-shape group (600 + 250 + 150 = 1,000 real, 1,088 aligned) the 16,384 bucket; the
+  small probe three 384 buckets and a 256 one (1,408). Total 2,048 + 1,600 + 16,384 + 1,408
+  = 21,440 tokens.
+- eager: 1,759 + 1,227 + 1,000 + ~1,300 (the small probe's 370 + 360 + 340 and the shortest
+  pair) = ~5,290 tokens.
+
+(21,440 + 5,290) x 1.6e10 = 4.3e14 FLOP: 0.54 s at the 788 TFLOP/s a bf16 matrix product
+measured on an H200, 0.90 s at 60 % of it (473 TFLOP/s). The full-attention layers' quadratic
+part adds under 10 % at 16k tokens and the largest bucket's padding is one ~15,300-token dummy
+sequence, so at most ~+1,600 token-equivalents: 0.58 s at peak, 0.96 s at 60 %. So under one
+second at peak with room, and at 60 % only just (no margin). The one near-largest request it
+replaces cost ~41,000 tokens (20,600 each way): 0.84 s at peak, 1.4 s at 60 %. Without graphs
+~3,900 tokens each way: ~0.16 s (0.26 s at 60 %). A restart on the same weights and code skips
+the whole check (the kept verdict). A cold start adds the compilation of the eager reference's
+fixed-length kernels (a graph warm-up never uses them); `ms` in the verdict and
+`self_check_ms` in the GPU sitting's summary record what it really took.
 """
 
 from __future__ import annotations
@@ -82,6 +104,7 @@ from clef_protocol.messages import SelfCheck
 from clef_protocol.validation import validate_request
 from clef_worker.batching import GroupCutter
 from clef_worker.errors import StartupError
+from clef_worker.gpu.packed_graphs import PackedGraphRunner, aligned_total
 from clef_worker.model.backbone import DTYPE_NAMES
 from clef_worker.model.encoding import Encoding
 from clef_worker.policy import PACKED, PADDED, PER_GROUP
@@ -99,7 +122,7 @@ log = logging.getLogger("clef_worker.self_check")
 BOUNDS = {"float32": 1e-4, "bfloat16": 1e-2, "float16": 1e-2}
 # The check's own definition: change it whenever a probe, a bound or the comparison changes,
 # so a verdict kept by an earlier definition is not reused (clef_worker.verdict_store).
-CHECK_VERSION = 2
+CHECK_VERSION = 3
 
 MODES = ("on", "strict", "report", "off")  # clef_protocol.options.SELF_CHECK_MODES
 
@@ -120,12 +143,14 @@ ORDER = (PACKED_GRAPHS, PACKED_EAGER, PER_GROUP_EAGER, PADDED_GRAPHS, PADDED_EAG
 MIXED = (0.03, 0.2, 0.08, 0.12)
 UNIFORM = 0.1
 UNIFORM_COUNT = 3
-# The mixed and uniform groups test mixing, not size (the near-largest request tests size):
+# The mixed and uniform groups test mixing, not size (the largest-shape group tests size):
 # their room is capped, so a 16,384-token budget does not make them ~12,000 tokens each way.
 GROUP_ROOM = 4096
-# How far below the largest length the last request stays (inside the largest bucket once a
-# packed graph aligns it to 64).
-NEAR_LARGEST = 32
+# The largest-shape group (graphs only): short requests of these shares of LARGEST_REAL real
+# tokens (at most half the shape's tokens, so padding always follows them), forced into the
+# largest built shape. Only their real tokens go through the eager reference.
+LARGEST_REAL = 1000
+LARGEST_MIX = (0.6, 0.25, 0.15)
 # The small probe: the length most traffic has, and two pairs in the same bucket as it (each
 # pair's requests aligned to 64 add up to 384, the bucket a lone 370-token request uses).
 SMALL_LENGTH = 370
@@ -178,13 +203,18 @@ def switch_to(target: WarmTarget, path: str, reason: str) -> None:
 # -- the probes' requests ---------------------------------------------------------------------
 
 
-def largest_length(target: WarmTarget) -> int:
-    """The longest request the largest graph bucket holds (the token budget without graphs),
-    never above --max-length."""
+def largest_shape(target: WarmTarget) -> tuple[int, int] | None:
+    """The largest built graph shape, `[rows, tokens]` as `graph_shapes` lists it: packed,
+    the largest bucket (one row); padded, the longest bucket at the most rows built for it
+    (at the H200 defaults one row of 16,384 tokens, the shape the longest requests replay).
+    None without graphs or before warm-up has built any."""
     graphs = target.runner.graphs
-    buckets = graphs.describe().get("buckets") if graphs is not None else None
-    largest = max(buckets) if buckets else target.policy.max_batch_tokens
-    return min(largest, target.limits.max_length)
+    if graphs is None or not graphs.static:
+        return None
+    if isinstance(graphs, PackedGraphRunner):
+        return (1, max(graphs.static))
+    rows, tokens = max(graphs.static, key=lambda shape: (shape[1], shape[0]))
+    return (rows, tokens)
 
 
 class Requests:
@@ -213,8 +243,14 @@ class Requests:
 
 
 def probe_groups(target: WarmTarget) -> list[list[Encoding]]:
-    """The `groups` probe's requests, as the groups they are sent in (mixed, uniform, near the
-    largest); empty when no request fits the limits."""
+    """The `groups` probe's requests, as the groups they are sent in (mixed, uniform, and with
+    graphs the `largest_group`, last); empty when no request fits the limits."""
+    return [group for group, _ in probe_plan(target)]
+
+
+def probe_plan(target: WarmTarget) -> list[tuple[list[Encoding], tuple[int, int] | None]]:
+    """`probe_groups`' groups, each with the graph shape it is forced into (None: cut and
+    run as the serve loop would)."""
     requests = Requests(target)
     if not requests.schemas:
         return []
@@ -223,12 +259,44 @@ def probe_groups(target: WarmTarget) -> list[list[Encoding]]:
              for i, share in enumerate(MIXED)]
     # One schema, one length: the encoder cuts each long state to exactly the same count.
     uniform = [requests.make(int(room * UNIFORM)) for _ in range(UNIFORM_COUNT)]
-    if target.runner.graphs is None:
-        # Eagerly a request alone runs the plain forward, the reference itself: a long one
-        # would only double the check's time.
-        return [mixed, uniform]
-    return [mixed, uniform, [requests.make(largest_length(target) - NEAR_LARGEST,
-                                           prefer_rich=True)]]
+    plan: list[tuple[list[Encoding], tuple[int, int] | None]] = [(mixed, None), (uniform, None)]
+    # Eagerly there is no fixed shape to fill: a forward is only as large as its requests.
+    largest = largest_group(target, requests)
+    if largest is not None:
+        plan.append((largest, largest_shape(target)))
+    return plan
+
+
+def largest_group(target: WarmTarget, requests: Requests) -> list[Encoding] | None:
+    """The requests forced into `largest_shape`: shares of LARGEST_REAL tokens (LARGEST_MIX),
+    at most half the shape's tokens and one per row (padded) or `max_sequences` (packed),
+    the last ones dropped until they fit the shape. None without graphs, or where even the
+    shortest request the schemas make does not fit the largest shape (no request can then
+    replay it: every longer one runs eagerly).
+
+    Why short requests and not one near the largest length: served, the shape costs its full
+    tokens however few are real, but the eager reference runs only the real ones, so the
+    largest graph is checked for about 1,000 reference tokens instead of 16,000. A graph
+    that reads its padding into the requests, or lays them at the wrong offsets, disagrees
+    with their eager answers all the same."""
+    shape = largest_shape(target)
+    if shape is None:
+        return None
+    rows, tokens = shape
+    graphs = target.runner.graphs
+    count = rows if not isinstance(graphs, PackedGraphRunner) else graphs.max_sequences
+    total = min(LARGEST_REAL, tokens // 2)
+    group = [requests.make(max(int(total * share), requests.shortest), prefer_rich=i % 2 == 0)
+             for i, share in enumerate(LARGEST_MIX[:max(count, 1)])]
+
+    def fits(encodings: list[Encoding]) -> bool:
+        lengths = [encoding.length for encoding in encodings]
+        return (aligned_total(lengths) if isinstance(graphs, PackedGraphRunner)
+                else max(lengths)) <= tokens
+
+    while len(group) > 1 and not fits(group):
+        group.pop()
+    return group if fits(group) else None
 
 
 def small_groups(target: WarmTarget) -> list[list[Encoding]]:
@@ -429,10 +497,13 @@ class Context:
 
     def compare_groups(self, name: str, groups: Sequence[Sequence[Encoding]],
                        slots: Sequence[Sequence[int]] | None = None,
-                       extra: dict[str, Any] | None = None) -> ProbeResult | None:
+                       extra: dict[str, Any] | None = None,
+                       forced: Sequence[Sequence[int] | None] = ()) -> ProbeResult | None:
         """Every group through the serving path (cut as the serve loop cuts it, each cut one
         runner call, on the variant `slots` given per request) against each request's
-        reference; None when there is no group."""
+        reference; None when there is no group. `forced`: per group, a graph shape the group
+        replays whole in one runner call (`ModelRunner.run`'s `shape`), or None (cut as
+        served); none given: every group cut as served."""
         encodings = [encoding for group in groups for encoding in group]
         if not encodings:
             return None
@@ -448,11 +519,14 @@ class Context:
         try:
             for g, group in enumerate(groups):
                 rows: list[RowResult] = []
-                for members in cut(self.target, [encoding.length for encoding in group]):
+                shape = forced[g] if g < len(forced) else None
+                runs = ([[*range(len(group))]] if shape is not None
+                        else cut(self.target, [encoding.length for encoding in group]))
+                for members in runs:
                     output = self.target.runner.run(
                         [group[m] for m in members],
                         slots=() if slots is None else [slots[g][m] for m in members],
-                        keep_hidden=True)
+                        keep_hidden=True, shape=shape)
                     rows += output.rows
                     hidden = max(hidden, self.hidden_diff(
                         output.hidden, [references[_flat(groups, g, m)] for m in members]),
@@ -490,8 +564,24 @@ def _flat(groups: Sequence[Sequence[Encoding]], group: int, member: int) -> int:
 
 
 def probe_layout_groups(context: Context) -> ProbeResult | None:
-    """Mixed lengths in one forward, one length in another, near the largest bucket."""
-    return context.compare_groups("groups", probe_groups(context.target))
+    """Mixed lengths in one forward, one length in another, and with graphs short requests
+    forced into the largest shape, recorded as `largest_shape` (None where no group was
+    forced: no graphs, or no request fits that shape), with `shapes` (each group's fixed
+    shape) and `lengths`."""
+    target = context.target
+    plan = probe_plan(target)
+    groups = [group for group, _ in plan]
+    forced = [None if shape is None else list(shape) for _, shape in plan]
+    largest = next((shape for shape in forced if shape is not None), None)
+    # Each group's fixed shape as `shape_of` writes it ([tokens] packed, [[rows, tokens]]
+    # padded), the forced one included.
+    shapes = [shape_of(target, [e.length for e in group]) if shape is None
+              else [shape[1]] if target.runner.packed else [shape]
+              for shape, group in zip(forced, groups, strict=True)]
+    return context.compare_groups("groups", groups, forced=forced, extra={
+        "lengths": [[encoding.length for encoding in group] for group in groups],
+        "shapes": shapes,
+        "largest_shape": largest})
 
 
 def probe_small(context: Context) -> ProbeResult | None:

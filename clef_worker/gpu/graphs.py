@@ -358,6 +358,24 @@ class GraphRunner:
         counts = sorted(r for r, t in self.static if t == bucket and r >= rows)
         return (counts[0], bucket) if counts else None
 
+    def forced_step(self, lengths: Sequence[int], shape: Shape) -> Step:
+        """One replay of every request at `shape`, chosen by the caller instead of `plan` (the
+        start-up self-check forces short requests into the largest shape, so its eager
+        reference runs only their real tokens), once it is known to hold them: built at
+        warm-up, at least one row per request, every request within its tokens. ValueError
+        otherwise, saying which."""
+        rows, tokens = shape
+        if (rows, tokens) not in self.static:
+            raise ValueError(f"no {[rows, tokens]} padded shape was built (built: "
+                             f"{sorted(list(s) for s in self.static)})")
+        if len(lengths) > rows:
+            raise ValueError(f"{len(lengths)} requests do not fit the {rows} rows of the "
+                             f"{[rows, tokens]} shape")
+        if max(lengths) > tokens:
+            raise ValueError(f"a request of {max(lengths)} tokens does not fit the "
+                             f"{[rows, tokens]} shape")
+        return Step(tuple(range(len(lengths))), (rows, tokens))
+
     def expected_cost(self, shape: Shape) -> float:
         """A built shape's replay time as measured after warm-up; before that (and in tests
         that set no costs), its padded token count, a cost in another unit but the same for

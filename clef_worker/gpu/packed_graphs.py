@@ -113,6 +113,24 @@ class PackedGraphRunner:
         fitting = [tokens for tokens in self.static if tokens >= need]
         return min(fitting) if fitting else None
 
+    def check_bucket(self, lengths: Sequence[int], bucket: int) -> int:
+        """`bucket`, chosen by the caller instead of `bucket_for` (the start-up self-check
+        forces short requests into the largest one, so its eager reference runs only their
+        real tokens), once it is known to hold them: built at warm-up, at most
+        `max_sequences` requests, their aligned total within it. ValueError otherwise, saying
+        which."""
+        if bucket not in self.static:
+            raise ValueError(f"no {bucket}-token packed bucket was built (built: "
+                             f"{sorted(self.static)})")
+        if len(lengths) > self.max_sequences:
+            raise ValueError(f"{len(lengths)} requests do not fit a packed bucket of at most "
+                             f"{self.max_sequences}")
+        need = aligned_total(lengths)
+        if need > bucket:
+            raise ValueError(f"requests of {list(lengths)} tokens take {need} aligned tokens, "
+                             f"more than the {bucket}-token bucket holds")
+        return bucket
+
     def host_ids(self, ids: Sequence[Sequence[int]], bucket: int) -> tuple[Tensor, Tensor]:
         """The bucket's ids on the host (each request at its aligned offset, pad ids between
         and after) and the positions of the real tokens in it, request after request."""
