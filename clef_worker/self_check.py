@@ -67,24 +67,27 @@ about 2 x 7.9e9 = 1.6e10 FLOP per token. The serving path computes every token o
 it replays, padding included; the eager reference only the real tokens. At the H200 defaults
 (packed graphs, 16,384-token budget and --max-length, 28 buckets):
 
-- served: the mixed group (122 + 819 + 327 + 491 = 1,759 real, 1,856 aligned) replays the
-  2,048 bucket; the uniform group (3 x 409 = 1,227 real, 1,344 aligned) the 1,600 bucket; the
+- served: the mixed group (125 + 409 + 163 + 245 = 942 real, 1,024 aligned) replays the
+  1,024 bucket; the uniform group (3 x 204 = 612 real, 768 aligned) the 768 bucket; the
   largest-shape group (600 + 250 + 150 = 1,000 real, 1,088 aligned) the 16,384 bucket; the
-  small probe three 384 buckets and a 256 one (1,408). Total 2,048 + 1,600 + 16,384 + 1,408
-  = 21,440 tokens.
-- eager: 1,759 + 1,227 + 1,000 + ~1,300 (the small probe's 370 + 360 + 340 and the shortest
-  pair) = ~5,290 tokens.
+  small probe three 384 buckets and a 256 one (1,408). Total 1,024 + 768 + 16,384 + 1,408
+  = 19,584 tokens.
+- eager: 942 + 612 + 1,000 + 1,340 (the small probe's 370, 125 + 240, 230 + 125 and the
+  shortest pair, 125 + 125) = 3,894 tokens.
 
-(21,440 + 5,290) x 1.6e10 = 4.3e14 FLOP: 0.54 s at the 788 TFLOP/s a bf16 matrix product
-measured on an H200, 0.90 s at 60 % of it (473 TFLOP/s). The full-attention layers' quadratic
+(19,584 + 3,894) x 1.6e10 = 3.8e14 FLOP: 0.48 s at the 788 TFLOP/s a bf16 matrix product
+measured on an H200, 0.79 s at 60 % of it (473 TFLOP/s). The full-attention layers' quadratic
 part adds under 10 % at 16k tokens and the largest bucket's padding is one ~15,300-token dummy
-sequence, so at most ~+1,600 token-equivalents: 0.58 s at peak, 0.96 s at 60 %. So under one
-second at peak with room, and at 60 % only just (no margin). The one near-largest request it
-replaces cost ~41,000 tokens (20,600 each way): 0.84 s at peak, 1.4 s at 60 %. Without graphs
-~3,900 tokens each way: ~0.16 s (0.26 s at 60 %). A restart on the same weights and code skips
-the whole check (the kept verdict). A cold start adds the compilation of the eager reference's
-fixed-length kernels (a graph warm-up never uses them); `ms` in the verdict and
-`self_check_ms` in the GPU sitting's summary record what it really took.
+sequence, so at most ~+1,600 token-equivalents: 0.51 s at peak, 0.85 s at 60 %. So under one
+second at peak with room, and at 60 % with ~0.15 s to spare. (The lengths above are the probe's
+own at those limits, printed from `probe_groups` and `small_groups` on the tiny fixture, whose
+524-token vocabulary makes the shortest request 125 tokens; Clef-Flash's tokenizer writes the
+schemas in fewer tokens, so its figures are at most these.) The earlier probe, one near-largest
+request and groups in 4,096 tokens of room, cost ~41,000 tokens (20,600 each way): 0.84 s at
+peak, 1.4 s at 60 %. Without graphs ~2,900 tokens each way: ~0.12 s (0.20 s at 60 %). A restart
+on the same weights and code skips the whole check (the kept verdict). A cold start adds the
+compilation of the eager reference's fixed-length kernels (a graph warm-up never uses them);
+`ms` in the verdict and `self_check_ms` in the GPU sitting's summary record what it really took.
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ log = logging.getLogger("clef_worker.self_check")
 BOUNDS = {"float32": 1e-4, "bfloat16": 1e-2, "float16": 1e-2}
 # The check's own definition: change it whenever a probe, a bound or the comparison changes,
 # so a verdict kept by an earlier definition is not reused (clef_worker.verdict_store).
-CHECK_VERSION = 3
+CHECK_VERSION = 4
 
 MODES = ("on", "strict", "report", "off")  # clef_protocol.options.SELF_CHECK_MODES
 
@@ -144,8 +147,9 @@ MIXED = (0.03, 0.2, 0.08, 0.12)
 UNIFORM = 0.1
 UNIFORM_COUNT = 3
 # The mixed and uniform groups test mixing, not size (the largest-shape group tests size):
-# their room is capped, so a 16,384-token budget does not make them ~12,000 tokens each way.
-GROUP_ROOM = 4096
+# their room is capped, so a 16,384-token budget does not make them ~12,000 tokens each way
+# (at 2,048, mixed lengths of 125 to 409 tokens and uniform ones of 204: the cost estimate).
+GROUP_ROOM = 2048
 # The largest-shape group (graphs only): short requests of these shares of LARGEST_REAL real
 # tokens (at most half the shape's tokens, so padding always follows them), forced into the
 # largest built shape. Only their real tokens go through the eager reference.
