@@ -15,7 +15,6 @@ comparison's tie rule, and the `ready` frame's strict decoding of the verdict.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import logging
 import math
@@ -29,31 +28,20 @@ import torch
 from benchlib.golden import answered, assert_response_matches
 from clef_protocol import messages
 from clef_protocol.errors import ProtocolError
-from clef_protocol.frames import read_frame_blocking
 from clef_protocol.options import RequestLimits, worker_argv
 from clef_worker import self_check
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.errors import StartupError
 from clef_worker.gpu.packed_graphs import PackedGraphRunner
-from clef_worker.main import parse_args, start
+from clef_worker.main import parse_args
 from clef_worker.model.backbone import Backbone
 from clef_worker.native import NativeExecutor
 from clef_worker.runner import RowResult
+from tests.worker_start import start_worker
 
 FP32_BOUND = 1e-4
 # Golden cases at the worker's default --max-length (one golden case is cut to 420 tokens).
 CASES = [case for case in answered() if case["max_length"] == 16384]
-
-
-def start_worker(snapshot: Path | str, *flags: str) -> tuple[NativeExecutor | None, dict]:
-    """Start a CPU worker in this process; its executor (None if it refused) and first frame."""
-    channel = io.BytesIO()
-    executor = start(parse_args(["--model", str(snapshot), "--device", "cpu", *flags]), channel)
-    channel.seek(0)
-    frame = read_frame_blocking(channel)
-    assert frame is not None
-    assert executor is None or isinstance(executor, NativeExecutor)
-    return executor, frame
 
 
 @pytest.fixture

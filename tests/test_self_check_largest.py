@@ -13,7 +13,6 @@ reading past a boundary does; the stack is causal, so a correct forward never ca
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +20,15 @@ import pytest
 import torch
 
 from clef_protocol import messages
-from clef_protocol.frames import read_frame_blocking
 from clef_protocol.options import RequestLimits
 from clef_worker import self_check
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.gpu.graphs import GraphRunner
 from clef_worker.gpu.packed_graphs import PackedGraphRunner, aligned_total
-from clef_worker.main import parse_args, start
 from clef_worker.model.backbone import Backbone
 from clef_worker.native import NativeExecutor
 from clef_worker.variant_probe import reference_runner
+from tests.worker_start import start_worker
 
 FP32_BOUND = 1e-4
 LARGEST = 1024
@@ -49,17 +47,6 @@ def bucketed(snapshot: Path, layout: str = "packed") -> NativeExecutor:
         max_batch_tokens=LARGEST if layout == "packed" else 2 * LARGEST)
     executor.warm_up()  # builds the shapes (eagerly on CPU)
     return executor
-
-
-def start_worker(snapshot: Path, *flags: str) -> tuple[NativeExecutor | None, dict]:
-    """A CPU worker started in this process; its executor and its first frame."""
-    channel = io.BytesIO()
-    executor = start(parse_args(["--model", str(snapshot), "--device", "cpu", *flags]), channel)
-    channel.seek(0)
-    frame = read_frame_blocking(channel)
-    assert frame is not None
-    assert executor is None or isinstance(executor, NativeExecutor)
-    return executor, frame
 
 
 def groups_probe(frame: dict) -> dict:

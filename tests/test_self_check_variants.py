@@ -8,7 +8,6 @@ fault is injected with pytest's monkeypatch and exists only inside the test.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 from collections.abc import Sequence
@@ -19,27 +18,18 @@ import pytest
 from benchlib.golden import answered, assert_response_matches
 from benchlib.paths import FINETUNE_FIXTURES, FINETUNE_REFERENCE
 from clef_protocol import messages
-from clef_protocol.frames import read_frame_blocking
 from clef_worker import runner as runner_module
-from clef_worker.main import parse_args, start
 from clef_worker.native import NativeExecutor
 from clef_worker.variant_probe import probe_slots, reference_runner
 from tests.answer_compare import assert_same_response
+from tests.worker_start import start_worker as start_any
 
 FP32_BOUND = 1e-4
 
 
 def start_worker(snapshot: Path, *flags: str) -> tuple[NativeExecutor | None, dict]:
-    """A CPU worker with both fixture variants, started in this process: its executor (None if
-    it refused) and its first frame."""
-    channel = io.BytesIO()
-    executor = start(parse_args(["--model", str(snapshot), "--device", "cpu", "--finetune",
-                                 str(FINETUNE_FIXTURES), *flags]), channel)
-    channel.seek(0)
-    frame = read_frame_blocking(channel)
-    assert frame is not None
-    assert executor is None or isinstance(executor, NativeExecutor)
-    return executor, frame
+    """A CPU worker with both fixture variants, started in this process."""
+    return start_any(snapshot, "--finetune", str(FINETUNE_FIXTURES), *flags)
 
 
 @pytest.fixture
