@@ -28,6 +28,23 @@ def _deadline_passes(ticket: Ticket) -> None:
     ticket.deadline = time.monotonic() - 1.0
 
 
+def _copy_waiting_past_its_deadline() -> tuple[Admission, FakeLane, FakeLane, Ticket,
+                                               list[str], list[str]]:
+    """"a" on a worker that turns suspect while "b" fills the other one, so a's copy waits
+    for room; then a's deadline passes, before the deadline timer looks (the pump finds it).
+    Admission, the suspect and the busy lane, a's ticket, and the resends and expiries."""
+    resent: list[str] = []
+    expired: list[str] = []
+    suspect, busy = FakeLane(room=1), FakeLane(room=1)
+    admission = _counted(suspect, busy, resent, expired)
+    ticket = admission.submit(b"a", deadline=time.monotonic() + 60.0)
+    admission.submit(b"b")
+    suspect.room = 0
+    admission.lane_suspect(suspect, True)
+    _deadline_passes(ticket)
+    return admission, suspect, busy, ticket, resent, expired
+
+
 def test_a_suspects_copies_and_new_requests_are_served_together() -> None:
     async def scenario() -> None:
         suspect, healthy = FakeLane(room=3), FakeLane(room=8)
@@ -252,15 +269,7 @@ def test_a_copy_whose_deadline_passes_while_it_waits_is_withdrawn_by_the_timer()
 def test_a_copy_found_past_its_deadline_by_the_pump_is_withdrawn_and_the_original_answers(
 ) -> None:
     async def scenario() -> None:
-        resent: list[str] = []
-        expired: list[str] = []
-        suspect, busy = FakeLane(room=1), FakeLane(room=1)
-        admission = _counted(suspect, busy, resent, expired)
-        ticket = admission.submit(b"a", deadline=time.monotonic() + 60.0)
-        admission.submit(b"b")
-        suspect.room = 0
-        admission.lane_suspect(suspect, True)
-        _deadline_passes(ticket)  # before the timer looks: the pump finds it
+        admission, suspect, busy, ticket, resent, expired = _copy_waiting_past_its_deadline()
         busy.answer_oldest()
         assert busy.sent == [b"b"] and admission.depth == 0
         assert not ticket.outcome.done()
@@ -276,15 +285,7 @@ def test_a_ticket_no_worker_holds_is_expired_by_the_same_rule() -> None:
     """The other half of the rule: lost with its suspect worker past its deadline, the ticket
     is held by no worker any more, so it is answered 504 instead of being sent again."""
     async def scenario() -> None:
-        resent: list[str] = []
-        expired: list[str] = []
-        suspect, busy = FakeLane(room=1), FakeLane(room=1)
-        admission = _counted(suspect, busy, resent, expired)
-        ticket = admission.submit(b"a", deadline=time.monotonic() + 60.0)
-        admission.submit(b"b")
-        suspect.room = 0
-        admission.lane_suspect(suspect, True)
-        _deadline_passes(ticket)
+        _, suspect, busy, ticket, resent, expired = _copy_waiting_past_its_deadline()
         # Lost while its copy waited: that copy becomes its resend, which the pump finds past
         # its deadline with no worker holding it: 504, and never counted as sent again.
         suspect.held.pop(0)[1](WorkerExited("worker closed its output"))
