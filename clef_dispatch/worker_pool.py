@@ -86,8 +86,8 @@ def shared_core_env(workers: int, environ: Mapping[str, str] = os.environ,
 
 def prefix_cache_of(lane: Supervisor) -> dict[str, Any] | None:
     """A worker's prefix cache for /health: its `ready` (enabled, capacity, block size, why
-    disabled) and the figures its latest reply carried (zeros before the first); None when the
-    worker keeps no prefix cache at all."""
+    disabled, whether the self-check turned it off) and the figures its latest reply carried
+    (zeros before the first); None when the worker keeps no prefix cache at all."""
     info = lane.info.prefix_cache if lane.info is not None else None
     if info is None:
         return None
@@ -97,6 +97,7 @@ def prefix_cache_of(lane: Supervisor) -> dict[str, Any] | None:
         "capacity_bytes": info.capacity_bytes,
         "block_tokens": info.block_tokens,
         "disabled_reason": info.disabled_reason,
+        "turned_off": info.turned_off,
         "bytes": stats.bytes if stats else 0,
         "entries": stats.entries if stats else 0,
         "hits": stats.hits if stats else 0,

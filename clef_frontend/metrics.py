@@ -39,7 +39,7 @@ from clef_frontend import exposition
 from clef_frontend.logs import lost_writes
 from clef_frontend.loop_metrics import CounterChild, LoopCounter, LoopHistogram
 from clef_frontend.priority import CLASSES, INTERACTIVE
-from clef_protocol.messages import ReadyInfo, WorkerReply, prefix_cache_turned_off
+from clef_protocol.messages import ReadyInfo, WorkerReply
 
 log = logging.getLogger("clef_frontend.metrics")
 
@@ -341,9 +341,7 @@ class _LostLogCollector(Collector):
             "a full disk): those lines are lost; the server serves on.", value=lost_writes())
 
 
-# The prefix cache's series, per worker: (name, kind, help, field of Dispatcher.prefix_caches;
-# TURNED_OFF: computed from its `enabled` and `disabled_reason`).
-TURNED_OFF = "turned_off"
+# The prefix cache's series, per worker: (name, kind, help, field of Dispatcher.prefix_caches).
 PREFIX_CACHE_SERIES = (
     ("clef_prefix_cache_enabled", "gauge", "1 while the worker serves with its prefix cache on "
      "(0: off by flag, or disabled by its start-up self-check: /health says why).", "enabled"),
@@ -360,7 +358,7 @@ PREFIX_CACHE_SERIES = (
      "instead of computed, since the worker started.", "tokens_reused"),
     ("clef_prefix_cache_turned_off", "gauge", "1 when the worker's start-up self-check turned "
      "its prefix cache off (the prefixed probe disagreed with the eager answers; /health says "
-     "by how much), 0 otherwise (on, or off by flag).", TURNED_OFF),
+     "by how much), 0 otherwise (on, or off by flag).", "turned_off"),
 )
 
 
@@ -384,9 +382,7 @@ class _PrefixCacheCollector(Collector):
             else:
                 family = GaugeMetricFamily(name, text, labels=["worker"])
             for worker, cache in caches:
-                value = (prefix_cache_turned_off(cache["enabled"], cache["disabled_reason"])
-                         if field == TURNED_OFF else cache[field])
-                family.add_metric([worker], float(value))
+                family.add_metric([worker], float(cache[field]))
             yield family
 
 

@@ -210,11 +210,6 @@ PREFIX_CACHE_OFF_BY_FLAG = "--prefix-cache off"
 PREFIX_CACHE_NO_BYTES = "--prefix-cache-bytes 0"
 
 
-def prefix_cache_turned_off(enabled: bool, disabled_reason: str) -> bool:
-    """Whether a worker's prefix cache is off although the operator asked for it (the
-    self-check turned it off): what an alert watches."""
-    return not enabled and disabled_reason not in (PREFIX_CACHE_OFF_BY_FLAG,
-                                                   PREFIX_CACHE_NO_BYTES)
 
 
 @dataclass(frozen=True)
@@ -231,6 +226,13 @@ class PrefixCacheInfo:
     capacity_bytes: int
     block_tokens: int
     disabled_reason: str = ""
+
+    @property
+    def turned_off(self) -> bool:
+        """Off although the operator asked for it (the self-check turned it off): what the
+        `ClefPrefixCacheTurnedOff` alert watches."""
+        return not self.enabled and self.disabled_reason not in (PREFIX_CACHE_OFF_BY_FLAG,
+                                                                 PREFIX_CACHE_NO_BYTES)
 
     @classmethod
     def from_message(cls, value: Any) -> PrefixCacheInfo:

@@ -265,19 +265,23 @@ class NativeExecutor:
                                         [self.cache_key(item) for item in batch])
 
     def cache_key(self, item: Prepared) -> CacheKey | None:
+        """A prepared request's prefix-cache key (`prefix_key`)."""
+        return self.prefix_key(item.encoding, item.media, item.slot)
+
+    def prefix_key(self, encoding: Encoding, media: PreparedMedia | None = None,
+                   slot: int = 0) -> CacheKey | None:
         """A request's prefix-cache key: its variant (a variant never reuses the base's states),
         its media's digest (two pictures never share states), where its media tokens end (no
-        prefix shorter than them is reused) and where its state span ends."""
+        prefix shorter than them is reused) and where its state span ends. None for media
+        whose pixels are not named (a worker with the cache off does not hash them)."""
         media_end = len(self.encoder.prefix_ids)
-        digest = ""
-        if item.media is not None:
-            if not item.media.digest:
-                return None  # media whose pixels are not named: never cached
-            media_end += len(item.media.token_ids)
-            digest = item.media.digest
-        state_end = media_end + item.encoding.state_tokens
-        return CacheKey(self.cache_root(item.slot, digest), state_end,
-                        media_end if item.media is not None else 0)
+        if media is None:
+            return CacheKey(self.cache_root(slot), media_end + encoding.state_tokens)
+        if not media.digest:
+            return None
+        media_end += len(media.token_ids)
+        return CacheKey(self.cache_root(slot, media.digest), media_end + encoding.state_tokens,
+                        media_end)
 
     def cache_root(self, slot: int, media_digest: str = "") -> bytes:
         """The root of every prefix-cache chain scored by the variant in `slot` (about the

@@ -98,14 +98,10 @@ def _encoding(target: WarmTarget, schema: dict[str, Any], name: str, tokens: int
 
 
 def _key(target: WarmTarget, encoding: Encoding, media: PreparedMedia | None = None) -> CacheKey:
-    """The key the serve loop gives such a request (clef_worker.native.NativeExecutor.cache_key)
-    on the base model."""
-    media_end = len(target.encoder.prefix_ids)
-    if media is None:
-        return CacheKey(target.cache_root(0), media_end + encoding.state_tokens)
-    media_end += len(media.token_ids)
-    return CacheKey(target.cache_root(0, media.digest), media_end + encoding.state_tokens,
-                    media_end)
+    """The key the serve loop gives such a request on the base model."""
+    key = target.prefix_key(encoding, media)
+    assert key is not None  # the probe's picture is prepared with its digest
+    return key
 
 
 def media_requests(target: WarmTarget) -> tuple[PreparedMedia, Encoding, Encoding] | None:
@@ -189,7 +185,7 @@ def _media_reference(target: WarmTarget, picture: PreparedMedia, encoding: Encod
 def turn_cache_off(target: WarmTarget, result: ProbeResult) -> str:
     """The `prefix` probe's remedy under `--self-check on`: the cache off for this worker, with
     the reason in `ready` (and so `/health`); serving goes on uncached."""
-    cache = getattr(target.runner, "prefix_cache", None)
+    cache = target.runner.prefix_cache
     reason = (f"self-check: the prefixed probe differs from the eager answers by "
               f"{result.max_abs_diff:.3g}, {result.argmax_mismatches} argmax mismatches"
               f"{', ' + result.error if result.error else ''}")

@@ -28,6 +28,7 @@ The sequence (`warm_native`), in order, and why each step:
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from itertools import cycle, islice
 from typing import TYPE_CHECKING, Any, Protocol
@@ -41,10 +42,11 @@ from clef_worker.model.encoding import TYPE_IDS, EncodedQuestion, Encoding
 if TYPE_CHECKING:
     import torch
 
-    from clef_worker.media.vision import VisionTower
+    from clef_worker.media.vision import PreparedMedia, VisionTower
     from clef_worker.model.backbone import Backbone
     from clef_worker.model.encoding import Encoder
     from clef_worker.policy import BatchPolicy
+    from clef_worker.prefix_cache import CacheKey
     from clef_worker.runner import ModelRunner
 
 
@@ -72,9 +74,10 @@ class WarmTarget(Protocol):
 
     def score(self, request: dict[str, Any]) -> object: ...
 
-    def cache_root(self, slot: int, media_digest: str = "") -> bytes:
-        """The root of the prefix-cache chains of the variant in `slot` about media of this
-        digest (the self-check's `prefix` probe keys its requests with it)."""
+    def prefix_key(self, encoding: Encoding, media: PreparedMedia | None = None,
+                   slot: int = 0) -> CacheKey | None:
+        """The prefix-cache key the serve loop gives such a request (the self-check's `prefix`
+        probe keys its requests with it)."""
         ...
 
 # The richest candidate: ~250 tokens of state and the three question types, like a typical
@@ -137,9 +140,16 @@ def choose(limits: RequestLimits, encode: Callable[[dict[str, Any]], Any]) -> di
     return None
 
 
+@functools.cache
+def _image_uri() -> str:
+    """The warm-up's picture as a data URI, encoded once (the warm-up and the self-check's
+    prefix probe send it with every candidate they try)."""
+    return png_data_uri(gradient_image(512, 512))
+
+
 def with_image(request: dict[str, Any]) -> dict[str, Any]:
     """The request with one 512x512 PNG, the size clients send (warms the vision tower)."""
-    return {**request, "images": [png_data_uri(gradient_image(512, 512))]}
+    return {**request, "images": [_image_uri()]}
 
 
 def synthetic_encoding(filler: Sequence[int], length: int) -> Encoding | None:

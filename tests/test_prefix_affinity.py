@@ -229,6 +229,7 @@ def test_workers_whose_cache_is_off_say_so_and_get_the_round_robin() -> None:
         workers = serve.health().json()["workers"]
         assert {w["prefix_cache"]["disabled_reason"] for w in workers} == {"--prefix-cache off"}
         assert {w["prefix_cache"]["enabled"] for w in workers} == {False}
+        assert {w["prefix_cache"]["turned_off"] for w in workers} == {False}
         assert metric(serve, "clef_prefix_cache_enabled", worker="0") == 0
         assert metric(serve, "clef_prefix_cache_turned_off", worker="0") == 0  # the flag's
     assert pids[0] != pids[1] and pids[:2] == pids[2:]  # one state, both workers in turn
@@ -245,6 +246,7 @@ def test_a_cache_the_self_check_turned_off_is_flagged_for_the_alert() -> None:
         [worker] = serve.health().json()["workers"]
         assert worker["prefix_cache"]["enabled"] is False
         assert worker["prefix_cache"]["disabled_reason"].startswith("self-check: the prefixed")
+        assert worker["prefix_cache"]["turned_off"] is True
         assert metric(serve, "clef_prefix_cache_turned_off", worker="0") == 1
         assert metric(serve, "clef_prefix_cache_enabled", worker="0") == 0
 

@@ -274,3 +274,15 @@ def test_a_malformed_prefix_cache_map_breaks_ready(broken: dict) -> None:
         pid=1, thread="MainThread", warmup_ms=1.0)), "prefix_cache": {**good, **broken}}
     with pytest.raises(ValueError, match="malformed ready frame"):
         messages.ReadyInfo.from_message(frame)
+
+
+def test_a_cache_off_by_flag_is_not_turned_off_but_one_the_check_disabled_is() -> None:
+    """`turned_off` (what the alert watches) tells the self-check's disabling from the
+    operator's flags."""
+    def info(enabled: bool, reason: str) -> messages.PrefixCacheInfo:
+        return messages.PrefixCacheInfo(enabled, 1 << 30, 256, reason)
+
+    assert not info(True, "").turned_off
+    assert not info(False, messages.PREFIX_CACHE_OFF_BY_FLAG).turned_off
+    assert not info(False, messages.PREFIX_CACHE_NO_BYTES).turned_off
+    assert info(False, "self-check: the prefixed probe differs by 0.2").turned_off
