@@ -5,8 +5,12 @@ Locally a test whose tool is missing skips, naming the package that brings it. U
 set, as `.ci/run` runs) it fails instead: `.ci/run` installs every tool listed in `SOURCES`, so a
 skip there would hide a check that never ran. The one reason a CI machine cannot meet is the GPU:
 tests that need one use `requires_cuda()` (reason `GPU_ONLY`). The session hooks at the bottom
-(wired in tests/conftest.py) end a CI run red when any test skipped for another reason, whatever
-raised the skip (a `skipif`, a fixture, an `importorskip`), so a new silent skip cannot creep in.
+(wired in tests/conftest.py) end a CI run red when anything skipped for another reason, whatever
+raised the skip: a `skipif`, a fixture, a `pytest.skip` in a test, and at collection a module-level
+`pytest.skip(..., allow_module_level=True)` or `pytest.importorskip` (whose report is a collection
+report, not a test's). An `xfail` that is not `strict` counts as a skip too: its test may fail, or
+pass, and the run stays green either way, so under CI it is refused unless its reason is the GPU.
+A new silent skip cannot creep in.
 """
 
 from __future__ import annotations
@@ -106,13 +110,22 @@ def requires_cuda() -> pytest.MarkDecorator:
 # -- the session's check (hooks re-exported by tests/conftest.py) ---------------------------------
 
 _skipped: list[tuple[str, str]] = []
+_strict_xfail: set[str] = set()
+"""The tests whose every xfail mark is strict: their expected failure is checked, not waved by."""
 
 
-def skip_reason(report: pytest.TestReport) -> str:
+def skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
     """The reason a skipped report gives, without pytest's "Skipped: " prefix."""
     longrepr: Any = report.longrepr
     reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
     return reason.removeprefix("Skipped: ")
+
+
+def xfail_reason(wasxfail: str) -> str:
+    """An xfail's reason as the skip list shows it; a GPU reason stays exactly `GPU_ONLY` (an
+    imperative `pytest.xfail` prefixes its reason with "reason: ")."""
+    reason = wasxfail.removeprefix("reason: ")
+    return reason if reason in ALLOWED_UNDER_CI else f"xfail without strict=True: {reason}"
 
 
 def not_allowed(skips: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -120,8 +133,26 @@ def not_allowed(skips: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return [(nodeid, reason) for nodeid, reason in skips if reason not in ALLOWED_UNDER_CI]
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    marks = list(item.iter_markers(name="xfail"))
+    default = bool(item.config.getini("xfail_strict"))
+    if marks and all(mark.kwargs.get("strict", default) for mark in marks):
+        _strict_xfail.add(item.nodeid)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """A module (or class) skipped while it was collected: its tests never ran."""
+    if report.skipped:
+        _skipped.append((report.nodeid, skip_reason(report)))
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.skipped and not hasattr(report, "wasxfail"):
+    if hasattr(report, "wasxfail"):
+        # Xfailed, or xpassed without strict (a test has one such report at most): unless its
+        # marks are strict, the run stays green whatever the test did.
+        if report.nodeid not in _strict_xfail:
+            _skipped.append((report.nodeid, xfail_reason(report.wasxfail)))
+    elif report.skipped:
         _skipped.append((report.nodeid, skip_reason(report)))
 
 

