@@ -10,6 +10,8 @@ The labels (docs/benchmarks.md, "How figures are labelled", says the same for wr
   by index). A KEY may end in `/1000` or `*1000` when the doc's unit differs from the file's
   (`self_check_ms/1000` for seconds).
 - `[cmd: COMMAND]`: no raw file was kept; COMMAND makes the figures again.
+- `[set: PATH]`: not a measurement but a setting or a bound, set in that file of the repository.
+- `[cited: SOURCE]`: someone else's published figure, and where it is published.
 
 A block is a paragraph, a list item or a table; a table's label may also stand in the paragraph
 right above it (its caption). A section that a benchmark writes (between its `<!-- bench-… -->`
@@ -27,7 +29,7 @@ from typing import Any
 
 from benchlib.docs_writer import NO_RAW_OUTPUT, RAW_OUTPUT
 
-LABEL = re.compile(r"\[(raw|cmd): ([^\]]+)\]")
+LABEL = re.compile(r"\[(raw|cmd|set|cited): ([^\]]+)\]")
 # A measured figure: a number with a unit of time, rate or ratio; seconds only with decimals or
 # as a range (a bare "30 s" is a setting, not a measurement).
 FIGURE = re.compile(
@@ -35,7 +37,7 @@ FIGURE = re.compile(
     r"(?:ms|µs|req/s|requests/s|GiB/s|GB/s|TB/s|×)(?![\w])"
     r"|(?<![\w.])\d+(?:\.\d+\s?(?:[–-]\s?\d+(?:\.\d+)?\s?)?|\s?[–-]\s?\d+(?:\.\d+)?\s?)s\b")
 # A keyed label and the figure right before it (its unit between them, if any).
-KEYED = re.compile(r"(\d[\d,]*(?:\.\d+)?)\s?(?:ms|µs|s|req/s|requests/s|GiB/s|GB/s|TB/s|×|%|MiB|GiB)?"
+KEYED = re.compile(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?)\s?(?:ms|µs|s|req/s|requests/s|GiB/s|GB/s|TB/s|×|%|MiB|GiB)?"
                    r"\s?\[raw: (\S+) (\S+)\]")
 SCALE = re.compile(r"^(.*?)([/*])(\d+(?:\.\d+)?)$")
 GENERATED = re.compile(r"<!-- (bench-[\w-]+:[\w-]+) -->(.*?)<!-- /\1 -->", re.DOTALL)
@@ -59,8 +61,9 @@ def blocks(text: str) -> list[str]:
     found = [match.group(0) for match in GENERATED.finditer(text)]
     rest = GENERATED.sub("\n\n", text)
     for part in re.split(r"\n\s*\n", rest):
-        # A list item starts a block of its own, even without a blank line before it.
-        items = re.split(r"\n(?=\s{0,3}(?:[-*]|\d+\.) )", part.strip("\n"))
+        # A list item starts a block of its own, even without a blank line before it (its
+        # nested items stay with it).
+        items = re.split(r"\n(?=(?:[-*]|\d+\.) )", part.strip("\n"))
         found.extend(item for item in items if item.strip() and not item.startswith("#"))
     return found
 
@@ -91,10 +94,13 @@ def unlabelled(text: str) -> list[str]:
 
 def labels(text: str) -> list[tuple[str, str]]:
     """Every (kind, body) label of a doc, code blocks aside."""
-    return [(kind, body.strip()) for kind, body in LABEL.findall(FENCE.sub("", text))]
+    return [(kind, body.strip())
+            for kind, body in LABEL.findall(CODE.sub("", FENCE.sub("", text)))]
 
 
 def keyed(doc: str, text: str) -> list[Keyed]:
+    """The keyed figures of a doc, code blocks and inline code aside."""
+    text = CODE.sub("", FENCE.sub("", text))
     return [Keyed(doc, figure, path, key) for figure, path, key in KEYED.findall(text)]
 
 
