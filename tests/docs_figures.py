@@ -30,19 +30,21 @@ from typing import Any
 from benchlib.docs_writer import NO_RAW_OUTPUT, RAW_OUTPUT
 
 LABEL = re.compile(r"\[(raw|cmd|set|cited): ([^\]]+)\]")
-# A measured figure: a number with a unit of time, rate or ratio; seconds only with decimals or
-# as a range (a bare "30 s" is a setting, not a measurement).
+# A measured figure: a number with a unit of time, rate or ratio ("2.7 times" too); seconds only
+# with decimals or as a range (a bare "30 s" is a setting, not a measurement).
 FIGURE = re.compile(
     r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:\s?[–-]\s?\d[\d,]*(?:\.\d+)?)?\s?"
     r"(?:ms|µs|req/s|requests/s|GiB/s|GB/s|TB/s|×)(?![\w])"
+    r"|(?<![\w.])\d+\.\d+ times\b"
     r"|(?<![\w.])\d+(?:\.\d+\s?(?:[–-]\s?\d+(?:\.\d+)?\s?)?|\s?[–-]\s?\d+(?:\.\d+)?\s?)s\b")
 # A keyed label and the figure right before it (its unit between them, if any).
-KEYED = re.compile(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?)\s?(?:ms|µs|s|req/s|requests/s|GiB/s|GB/s|TB/s|×|%|MiB|GiB)?"
-                   r"\s?\[raw: (\S+) (\S+)\]")
+KEYED = re.compile(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?)\s?"
+                   r"(?:ms|µs|s|req/s|requests/s|GiB/s|GB/s|TB/s|×|%|MiB|GiB)?"
+                   r"\s*\[raw: (\S+) (\S+)\]")
 SCALE = re.compile(r"^(.*?)([/*])(\d+(?:\.\d+)?)$")
 GENERATED = re.compile(r"<!-- (bench-[\w-]+:[\w-]+) -->(.*?)<!-- /\1 -->", re.DOTALL)
 FENCE = re.compile(r"^```.*?^```[^\n]*$", re.DOTALL | re.MULTILINE)
-CODE = re.compile(r"`[^`\n]*`")
+CODE = re.compile(r"`[^`]*`")
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ import pytest
 from tests.conftest import REPO
 from tests.docs_figures import Keyed, disagreements, keyed, labels, unlabelled
 
-DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md",
-                                                REPO / "bench" / "results" / "README.md"]
+DOCS = [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md",
+        REPO / "bench" / "results" / "README.md"]
 
 
 def _name(path: Path) -> str:
