@@ -1,7 +1,7 @@
 """Every figure in the docs names where it comes from, and a figure whose raw file holds it agrees
 with that file.
 
-The labels (docs/benchmarks.md, "How figures are labelled", says the same for writers):
+The labels (docs/benchmarks.md, "Where each figure comes from", says the same for writers):
 
 - `[raw: bench/results/FILE]`: the figures before it, in its block, come from that kept file.
 - `[raw: bench/results/FILE KEY]`, right after one figure: that figure is the value at KEY in the
@@ -10,7 +10,8 @@ The labels (docs/benchmarks.md, "How figures are labelled", says the same for wr
   by index). A KEY may end in `/1000` or `*1000` when the doc's unit differs from the file's
   (`self_check_ms/1000` for seconds).
 - `[cmd: COMMAND]`: no raw file was kept; COMMAND makes the figures again.
-- `[set: PATH]`: not a measurement but a setting or a bound, set in that file of the repository.
+- `[set: PATH]`: not a measurement but a setting, a bound or a paper estimate, written in that
+  file of the repository.
 - `[cited: SOURCE]`: someone else's published figure, and where it is published.
 
 A block is a paragraph, a list item or a table; a table's label may also stand in the paragraph
