@@ -19,9 +19,10 @@ DOC = REPO / "docs" / "benchmarks.md"
 
 RAW_OUTPUT = "Raw output:"
 NO_RAW_OUTPUT = "No raw output kept"
-"""Every section of docs/benchmarks.md with figures says where their raw output is, under
-bench/results/, or that none was kept (tests/test_benchmarks_doc.py checks one or the other is
-there, and that every cited file exists)."""
+"""A generated section of docs/benchmarks.md says where its raw output is, under bench/results/,
+or that none was kept: that line labels the section's figures (tests/docs_figures.py, which
+also checks every hand-written figure's own label; tests/test_benchmarks_doc.py that every cited
+file exists)."""
 
 
 def raw_output_line(path: str | None) -> str:
