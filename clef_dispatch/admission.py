@@ -50,7 +50,7 @@ from clef_dispatch.deadline_heap import DeadlineHeap, Past, past_deadline
 from clef_dispatch.load import TokenEstimate
 from clef_dispatch.outcomes import EXPIRED_DETAIL, Answer, Refusal, RefusalKind
 from clef_dispatch.resend import Resends, Verdict, judge
-from clef_dispatch.routing import WorkerChoice, not_served, refuse, unserved
+from clef_dispatch.routing import WorkerChoice, no_worker_for, refuse, unserved
 from clef_dispatch.ticket import (
     AdmissionEvents,
     Lane,
@@ -95,7 +95,9 @@ class Admission:
                                     lambda: self._resends.lanes_alone)
         self._turn = 0  # admissions made while both classes waited (see BULK_EVERY)
         self._ids = itertools.count(1)
-        self._deadlines = DeadlineHeap(self._deadline_passed, self._update_idle)
+        # Once deadlines passed the dispatch runs: a ticket that expired may have held the
+        # others back (a lost one waiting for an idle worker).
+        self._deadlines = DeadlineHeap(self._deadline_passed, self.pump)
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
@@ -167,7 +169,7 @@ class Admission:
         if reason is not None and self._wait_for_workers and not self._draining:
             reason = None
         if reason is None and unserved(model, self._workers):
-            reason = not_served(model)
+            return no_worker_for(model, self._workers, self._retry_after)
         lane = None
         if reason is None and not self._queued() and not self._resends.lost_waiting:
             lane = self._choice.lane_for(affinity, model)
@@ -256,38 +258,57 @@ class Admission:
 
     def pump(self) -> None:
         """Send waiting tickets while some worker has room: resent ones first, each alone on an
-        idle worker; then by class (see BULK_EVERY), oldest first within a class.
+        idle worker; then by class (see BULK_EVERY), oldest first within a class. A ticket
+        whose model no ready worker serves, while some worker is ready, is answered at once
+        (`routing.no_worker_for`: 503, or 404 once no worker lists the model), never waited
+        on: the dispatch never waits on one request.
 
-        Called after every reply and whenever a worker becomes ready.
+        Called after every reply, whenever a worker becomes ready, and after deadlines pass.
         """
         for ticket in self._resends.drop_answered():
             self._settle(ticket)
         while self._resends.lost_waiting:
-            lane = self._choice.idle_lane(self._resends.next_lost_model())
-            if lane is None:
+            model = self._resends.next_lost_model()
+            unservable = self._unservable(model)
+            lane = None if unservable else self._choice.idle_lane(model)
+            if lane is None and not unservable:
                 break
             ticket, why = self._resends.pop_lost()
-            if not self._still_wanted(ticket):
+            if lane is None:
+                log.warning("frame_id=%d request_id=%s lost with its worker, for model %r "
+                            "that no ready worker serves: answered, not sent again",
+                            ticket.frame_id, ticket.request_id, model)
+                refuse(ticket, False, no_worker_for(model, self._workers, self._retry_after))
+                self._settle(ticket)
+            elif not self._still_wanted(ticket):
                 self._settle(ticket)
             elif self._send(ticket, lane, alone=True):
                 self._resends.sent_again(why)
         if not self._resends.lost_waiting:  # a lost ticket waiting for an idle worker holds
             while self._queued() and self._choice.room_somewhere():  # the rest back
                 head = self._next_waiting(take=False)  # only to workers serving its model:
-                lane = self._choice.lane_for(head.affinity, head.model)  # if none ready does, 503
-                if lane is None and not unserved(head.model, self._workers):
+                lane = self._choice.lane_for(head.affinity, head.model)  # if none ready does,
+                if lane is None and not self._unservable(head.model):  # it is answered
                     break
                 ticket = self._next_waiting()
                 copy = self._resends.is_copy(ticket)
                 self._resends.leaving_queue(ticket)
                 if lane is None:
                     refuse(ticket, ticket in self._sent,
-                           self._unavailable(not_served(ticket.model)))
+                           no_worker_for(ticket.model, self._workers, self._retry_after))
                 if lane is None or not self._still_wanted(ticket):
                     self._settle(ticket)
                 elif self._send(ticket, lane) and copy:
                     self._resends.sent_again("suspect")
         self._update_idle()
+
+    def takes_now(self, model: str) -> bool:
+        """Whether a request for `model` admitted now would be sent to a worker at once
+        (nothing waits ahead of it and a worker serving it has room): answer sharing asks
+        before a request with its own deadline waits on another's forward."""
+        return (not self._draining and self._workers.unavailable_reason() is None
+                and not self._queued() and not self._resends.lost_waiting
+                and self._choice.takes_now(model))
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -324,6 +345,12 @@ class Admission:
             if not ticket.outcome.done():
                 ticket.outcome.set_result(Refusal(RefusalKind.EXPIRED, EXPIRED_DETAIL))
         return past is not Past.NOT_YET
+
+    def _unservable(self, model: str) -> bool:
+        """A variant no ready worker serves while some worker is ready: a ticket for it is
+        answered rather than waited on (with no worker ready at all, everything waits for the
+        replacement, as resent tickets do)."""
+        return self._workers.unavailable_reason() is None and unserved(model, self._workers)
 
     def _unqueue(self, ticket: Ticket) -> bool:
         """Take a waiting ticket (or a queued copy) out of its queue; False if none waited.
@@ -363,6 +390,7 @@ class Admission:
     def _send(self, ticket: Ticket, lane: Lane, *, alone: bool = False) -> bool:
         """Send `ticket` to `lane`; False if the worker refused it (nothing was sent)."""
         ticket.sent(time.monotonic())
+        ticket.weights = lane.weights_of(ticket.model)
         self._sent.setdefault(ticket, []).append(lane)
         self._settle(ticket)  # from its queue to the worker in one step
         if alone:
