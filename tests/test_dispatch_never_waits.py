@@ -56,7 +56,7 @@ def test_a_lost_request_no_ready_worker_serves_is_answered_and_the_rest_go() -> 
         lost = admission.submit(b"v", model="v")
         assert serving_v.sent == [b"v"]
         serving_v.ready = False  # lost, restarting
-        request, deliver = serving_v.held.pop()
+        _, deliver = serving_v.held.pop()
         deliver(WorkerExited("worker closed its output"))
         refusal = from_outcome(await lost.outcome)
         assert refusal.status == 503
@@ -80,7 +80,7 @@ def test_a_lost_requests_deadline_passing_sends_what_waited_behind_it() -> None:
         admission.submit(b"first")  # on `busy`: it will not be idle
         lost = admission.submit(b"v", model="v", deadline=time.monotonic() + 0.05)
         assert busy.sent == [b"first", b"v"]
-        request, deliver = busy.held.pop()
+        _, deliver = busy.held.pop()
         deliver(WorkerExited("worker closed its output"))  # lost: waits for `busy` to idle
         behind = admission.submit(b"behind")
         assert free.sent == [] and not behind.outcome.done()  # held back by the lost one
