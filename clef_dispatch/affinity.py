@@ -7,21 +7,24 @@ document, is cheap only on the worker that read the state before. Spread round r
 workers, a state's requests would find their prefix cached one time in W, and every worker
 would spend its cache on the same states. But only a long state is worth keeping: the worker
 neither stores nor looks up a state span under `MIN_STATE_TOKENS` (256) tokens, whose prefill
-is cheap to redo, so a short state gains nothing from its worker and routing it there would
-only pile unrelated short requests onto one worker (they all start alike: `{"` and a field
-name).
+is cheap to redo, so a short state gains nothing from its worker, and routing it there would
+only pile unrelated short requests onto one worker (keyed by their first power-of-two bytes,
+they all start alike).
 
 The front does not tokenize (the tokenizer is the worker's), so the key is taken from the
 leading bytes of the request, as prefix-aware routers do: the model name (a fine-tuned variant
 changes every layer, so it never shares states with the base), the media (they sit before the
 state in the prompt; a digest of their text, sampled at both ends of each entry so a large
 image costs no full hash on the event loop) and the first `AFFINITY_BYTES` of the state as the
-worker renders it (text as is, any other JSON value as compact sorted JSON). A request gets a
-key only when that state is at least `AFFINITY_BYTES` long (about 256 tokens of text at four
-bytes a token: what the worker's prefix cache would store) or it carries media (pictures are
-hundreds of tokens and a vision-tower run, which the cache saves). A state that grows keeps its
-key once it is keyed. The key is a hint: two states that share their leading bytes but not more
-are sent to the same worker and simply miss its cache.
+worker renders it (text as is, any other JSON value as compact sorted JSON); a state shorter
+than that is keyed by its first power-of-two bytes, so a short state that grows keeps its key
+until its length doubles (an agent's early turns stay together) rather than changing it at
+every turn. A request gets a key only when its state could be one the worker's prefix cache
+keeps (`KEYED_STATE_BYTES`: a token is at least a byte, so a state of fewer bytes than
+`MIN_STATE_TOKENS` is surely too short) or it carries media (pictures are hundreds of tokens
+and a vision-tower run, which the cache saves). The key is a hint: two states that share their
+leading bytes but not more are sent to the same worker and simply miss its cache, and the load
+margin below bounds what such a collision (templated states) costs.
 
 The rule, applied after admission's other filters: among the ready workers that report a prefix
 cache turned on (their `ready` frame's `prefix_cache`), ranked by rendezvous hashing of the key
@@ -46,12 +49,12 @@ from typing import Any, Protocol, TypeVar
 # The smallest state span, in tokens, the worker's prefix cache stores or looks up
 # (clef_worker.prefix_cache.MIN_STATE_TOKENS; tests/test_balance.py keeps the two equal).
 MIN_STATE_TOKENS = 256
-# Bytes of text a token takes, for English text with the Qwen tokenizer: enough to judge from
-# bytes whether a state reaches MIN_STATE_TOKENS.
-BYTES_PER_TOKEN = 4
-# Leading bytes of the rendered state in the key, and the shortest state keyed: a state under
-# this is not one the worker keeps; one this long keeps its key as it grows.
-AFFINITY_BYTES = MIN_STATE_TOKENS * BYTES_PER_TOKEN
+# The shortest rendered state that gets a key: a token is at least a byte, so a shorter state
+# is shorter than MIN_STATE_TOKENS whatever the tokenizer, and no worker keeps it.
+KEYED_STATE_BYTES = MIN_STATE_TOKENS
+# Leading bytes of the rendered state in the key: about 256 tokens of English text, so a state
+# that grows by turns keeps its key from then on.
+AFFINITY_BYTES = 1024
 # The preferred worker may hold this share of its forward's requests more than the least
 # loaded one (at least one request more).
 LOAD_MARGIN_SHARE = 4
@@ -84,11 +87,11 @@ LaneT = TypeVar("LaneT", bound=AffinityLane)
 
 def prefix_key(request: Mapping[str, Any]) -> bytes | None:
     """The affinity key of a checked request: 16 bytes of BLAKE2b over its model name, media
-    and the first AFFINITY_BYTES of its rendered state; None (spread by load) for a state
-    shorter than that without media, which the worker's prefix cache would not keep."""
+    and the leading bytes of its rendered state (`leading_state_bytes`); None (spread by load)
+    for a state under KEYED_STATE_BYTES without media, which no worker's prefix cache keeps."""
     state = leading_state_bytes(request.get("state"))
     media = [field for field in _MEDIA if request.get(field)]
-    if len(state) < AFFINITY_BYTES and not media:
+    if len(state) < KEYED_STATE_BYTES and not media:
         return None
     digest = hashlib.blake2b(digest_size=16)
     model = request.get("model")
@@ -106,12 +109,16 @@ def prefix_key(request: Mapping[str, Any]) -> bytes | None:
 
 def leading_state_bytes(state: Any, limit: int = AFFINITY_BYTES) -> bytes:
     """The first `limit` bytes (UTF-8) of the state as the prompt carries it (text as is, any
-    other JSON value as compact, key-sorted JSON); all of a shorter state."""
+    other JSON value as compact, key-sorted JSON); of a shorter state, its first power-of-two
+    bytes (so a state that grows keeps its key until its length doubles)."""
     if isinstance(state, str):
         text = state[:limit]  # a character is at least one byte: enough characters
     else:
         text = json.dumps(state, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
-    return text.encode("utf-8", "surrogatepass")[:limit]
+    data = text.encode("utf-8", "surrogatepass")[:limit]
+    if 0 < len(data) < limit:
+        data = data[:1 << (len(data).bit_length() - 1)]
+    return data
 
 
 def _digest_media(digest: Any, value: Any) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from clef_dispatch import prefix_key
 from clef_dispatch.affinity import (
     AFFINITY_BYTES,
+    KEYED_STATE_BYTES,
     leading_state_bytes,
     preferred_lane,
     rendezvous_order,
@@ -53,17 +54,23 @@ def test_a_state_that_grows_keeps_its_key_and_other_questions_do_not_change_it()
     assert grown == first
 
 
-def test_only_a_state_the_worker_would_keep_or_media_get_a_key() -> None:
-    """A state under AFFINITY_BYTES (about MIN_STATE_TOKENS of text, below which the worker's
-    prefix cache stores nothing) has no key and is spread by load; one that reaches it is keyed
-    by its first AFFINITY_BYTES, in bytes, not characters; media are keyed whatever the state."""
-    short = "s" * (AFFINITY_BYTES - 1)
+def test_a_short_state_keeps_its_key_until_its_length_doubles() -> None:
+    start = "s" * 300
+    assert leading_state_bytes(start) == start[:256].encode()
+    assert prefix_key(_request(start)) == prefix_key(_request(start + "t" * 200))  # 500 bytes
+    assert prefix_key(_request(start)) != prefix_key(_request(start[:200] + "t" * 400))
+    assert leading_state_bytes("é" * 600) == ("é" * 512).encode()  # bytes, not characters
+    assert leading_state_bytes(LONG) == LONG[:AFFINITY_BYTES].encode()
+
+
+def test_only_a_state_a_worker_could_keep_or_media_get_a_key() -> None:
+    """A state under KEYED_STATE_BYTES (MIN_STATE_TOKENS bytes: surely fewer tokens than the
+    worker's prefix cache keeps) has no key and is spread by load; media are keyed whatever
+    the state."""
+    short = "s" * (KEYED_STATE_BYTES - 1)
     assert prefix_key(_request(short)) is None
     assert prefix_key(_request({"customer": "a", "items": [1, 2]})) is None
-    assert prefix_key(_request(short + "t")) == prefix_key(_request(short + "t" * 500))
-    assert leading_state_bytes("é" * 600) == ("é" * 512).encode()  # bytes, not characters
-    assert prefix_key(_request("é" * 600)) is not None
-    assert leading_state_bytes(LONG) == LONG[:AFFINITY_BYTES].encode()
+    assert prefix_key(_request(short + "s")) is not None
     assert prefix_key(_request("s", images=["data:image/png;base64,AAAA"])) is not None
 
 
