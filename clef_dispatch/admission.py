@@ -60,7 +60,7 @@ from clef_dispatch.ticket import (
     never_gone,
 )
 from clef_dispatch.urgency import BULK, CLASSES, INTERACTIVE, earliest
-from clef_dispatch.waiting import Counts, TicketQueue
+from clef_dispatch.waiting import CountReads, Counts, TicketQueue
 from clef_dispatch.worker_errors import WorkerFailure, WorkerLost, WorkerOutcome, WorkerUnavailable
 from clef_protocol.messages import INFERENCE_FAILED, Request
 from clef_protocol.options import RequestLimits
@@ -73,8 +73,9 @@ log = logging.getLogger("clef_dispatch.admission")
 BULK_EVERY = 8
 
 
-class Admission:
-    """The queue, and the hand-over of each ticket to the next worker with room."""
+class Admission(CountReads):
+    """The queue, and the hand-over of each ticket to the next worker with room (the gauges'
+    reads of its counts are `waiting.CountReads`)."""
 
     def __init__(self, *, capacity: int, retry_after: int, workers: Workers,
                  queue_timeout: float | None = None, resend_timeout: float = 300.0,
@@ -102,37 +103,6 @@ class Admission:
         self._idle.set()
         self._draining = False
         self._estimate = estimate or TokenEstimate(RequestLimits().max_length)
-
-    # The gauges' reads may run on the metrics port's thread while the loop changes the queues:
-    # each reads one int of `Counts` (never a container, nor two counts to combine), so a scrape
-    # sees the count of a state the loop really was in. Each ticket counts once: a suspect's
-    # ticket whose copy waits is in flight, not waiting (clef_dispatch/waiting.py).
-
-    @property
-    def tokens_waiting(self) -> int:
-        """Estimated tokens of the tickets waiting (resent ones included)."""
-        return self._counts.tokens_waiting
-
-    @property
-    def tokens_in_flight(self) -> int:
-        """Estimated tokens of the tickets sent to a worker and not yet answered."""
-        return self._counts.tokens_in_flight
-
-    @property
-    def tokens_outstanding(self) -> int:
-        """Estimated tokens of the tickets waiting or in flight, each once, in one read (the
-        sum of the two above, read one after the other, could count a ticket sent between the
-        reads twice or not at all)."""
-        return self._counts.tokens_outstanding
-
-    @property
-    def depth(self) -> int:
-        """Tickets waiting (not counting those in flight)."""
-        return self._counts.waiting
-
-    def depth_of(self, priority: str) -> int:
-        """Tickets of one class waiting (a resent ticket counts in its class)."""
-        return self._counts.waiting_in[priority]
 
     @property
     def draining(self) -> bool:

@@ -6,6 +6,7 @@ fake workers keeping a simulated prefix cache, then admission over fake lanes.""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -32,9 +33,9 @@ def test_sixteen_distinct_requests_held_at_once_spread_four_a_worker_over_http(
         tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     with Serve("--fake-prefix-cache", front_args=("--workers", "4")) as serve:
-        calls = [background(lambda i=i: serve.post(clef_body(state=f"customer {i} asks",
-                                                             hold_until=str(gate))))
-                 for i in range(16)]
+        bodies = [clef_body(state=f"customer {i} asks", hold_until=str(gate))
+                  for i in range(16)]
+        calls = [background(functools.partial(serve.post, body)) for body in bodies]
         health = serve.wait_health(lambda h: h["in_flight"] == 16)
         assert [worker["in_flight"] for worker in health["workers"]] == [4, 4, 4, 4]
         gate.touch()

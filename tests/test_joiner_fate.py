@@ -8,6 +8,7 @@ weights), then the cache's rules on their own."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import signal
 import time
 from collections.abc import Callable
@@ -92,6 +93,10 @@ async def _wait(answer: asyncio.Future[Outcome], on_gone: Callable[[], None]) ->
     return await answer
 
 
+def _always(answer: bool, model: str) -> bool:
+    return answer
+
+
 def _served(*weights: str) -> Callable[[str, str], bool]:
     return lambda model, fingerprint: fingerprint in weights
 
@@ -142,7 +147,7 @@ def test_a_landing_of_retired_weights_is_handed_to_nobody_else_nor_kept() -> Non
 def test_a_joiner_with_a_deadline_runs_alone_when_a_worker_would_take_it_now() -> None:
     async def scenario() -> None:
         for takes_now, how in ((True, MISS), (False, COALESCED)):
-            cache = AnswerCache(4, takes_now=lambda model, now=takes_now: now)
+            cache = AnswerCache(4, takes_now=functools.partial(_always, takes_now))
             key = identity("-", clef_request())
             first = cache.share(key, priority=INTERACTIVE, deadline=None,
                                 client_gone=lambda: False)

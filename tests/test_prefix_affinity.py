@@ -29,6 +29,13 @@ from tests.traffic_helpers import metric
 LONG = "x" * (2 * AFFINITY_BYTES)
 
 
+def _key(request: dict[str, Any]) -> bytes:
+    """The prefix key of a request long enough to have one."""
+    key = prefix_key(request)
+    assert key is not None
+    return key
+
+
 def _request(state: Any, **extra: Any) -> dict[str, Any]:
     return {"model": "clef-flash", "state": state, "questions": {"q": {"type": "noul"}},
             **extra}
@@ -39,7 +46,7 @@ def _states_preferring(names: list[str]) -> dict[str, str]:
     found: dict[str, str] = {}
     for i in range(1000):
         state = f"agent {i}: " + LONG
-        first = names[rendezvous_order(prefix_key(_request(state)), names)[0]]
+        first = names[rendezvous_order(_key(_request(state)), names)[0]]
         found.setdefault(first, state)
         if len(found) == len(names):
             return found
@@ -98,7 +105,7 @@ def test_rendezvous_keeps_every_other_key_in_place_when_a_worker_leaves() -> Non
     names = ["0", "1", "2", "3"]
     moved = 0
     for i in range(200):
-        key = prefix_key(_request(f"state {i}" + LONG))
+        key = _key(_request(f"state {i}" + LONG))
         before = names[rendezvous_order(key, names)[0]]
         after_names = [name for name in names if name != "2"]
         after = after_names[rendezvous_order(key, after_names)[0]]
@@ -113,7 +120,7 @@ def test_rendezvous_keeps_every_other_key_in_place_when_a_worker_leaves() -> Non
 
 def test_the_preferred_worker_is_chosen_while_it_has_room_then_the_second_in_its_order() -> None:
     lanes = [FakeLane(room=2, prefix_slot=name) for name in ("0", "1", "2")]
-    key = prefix_key(_request(LONG))
+    key = _key(_request(LONG))
     order = rendezvous_order(key, ["0", "1", "2"])
     first, second = lanes[order[0]], lanes[order[1]]
     assert preferred_lane(key, lanes, ()) is first
@@ -183,7 +190,7 @@ def test_without_keys_or_caches_requests_spread_and_a_key_stays_within_the_margi
             admission.submit(f"r{i}".encode(), affinity=key)
         return [len(lane.sent) for lane in lanes]
 
-    key = prefix_key(_request(LONG))
+    key = _key(_request(LONG))
     assert asyncio.run(scenario(("0", "1"), None)) == [2, 2]  # no key
     assert asyncio.run(scenario((None, None), key)) == [2, 2]  # no worker keeps a cache
     # Both keep one: the state's worker while within the margin (one of a forward of four).
