@@ -23,8 +23,9 @@ worker that is lost is sent again, once, before anything else, alone on an idle 
 waits for one nothing new is sent. The dispatch never waits on one request, though: a ticket
 whose model no ready worker serves (a variant removed while it was on the lost worker) is
 answered at once (`routing.no_worker_for`), and when a waiting ticket's deadline passes the
-dispatch runs again, so whatever it held back is sent. New tickets get 503 while no worker is ready (unless
-`wait_for_workers`: clef-batch's lines wait for a replacement rather than be answered 503). A
+dispatch runs again, so whatever it held back is sent. New tickets get 503 while no worker is
+ready (unless `wait_for_workers`: clef-batch's lines wait for a replacement rather than be
+answered 503). A
 suspect worker's tickets each get one copy, queued at the head of their class and sent by the
 ordinary rule below beside new traffic; the first answer wins.
 
