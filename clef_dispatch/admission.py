@@ -25,9 +25,8 @@ whose model no ready worker serves (a variant removed while it was on the lost w
 answered at once (`routing.no_worker_for`), and when a waiting ticket's deadline passes the
 dispatch runs again, so whatever it held back is sent. New tickets get 503 while no worker is
 ready (unless `wait_for_workers`: clef-batch's lines wait for a replacement rather than be
-answered 503). A
-suspect worker's tickets each get one copy, queued at the head of their class and sent by the
-ordinary rule below beside new traffic; the first answer wins.
+answered 503). A suspect worker's tickets each get one copy, queued at the head of their class
+and sent by the ordinary rule below beside new traffic; the first answer wins.
 
 Admission knows the workers only through the `Workers` and `Lane` protocols below and tells a
 503 from a 500 by the exceptions of `worker_errors`; it never imports the supervisor, the pool
