@@ -5,8 +5,8 @@ reaches a worker (admission.py keeps the timer): a client that gives up after N 
 from an answer computed after that, and the worker's time goes to someone still waiting. A
 request sharing an identical one's forward (answer_cache.py) is judged as it would be alone:
 504 at its own deadline only while that forward still waits for a worker (the forward goes on
-for the others), never once a worker holds it. The deadline runs from the end of the request head, the
-moment the front knows it, so a slow body upload counts against it too.
+for the others), never once a worker holds it. The deadline runs from the end of the request
+head, the moment the front knows it, so a slow body upload counts against it too.
 """
 
 from __future__ import annotations
