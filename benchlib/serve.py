@@ -212,6 +212,10 @@ class background:
         except BaseException as exc:  # handed to the test thread
             self._outcome["error"] = exc
 
+    def done(self) -> bool:
+        """Whether `fn` has returned (or raised)."""
+        return not self._thread.is_alive()
+
     def result(self, timeout: float = WAIT) -> Any:
         self._thread.join(timeout)
         if self._thread.is_alive():

@@ -107,7 +107,8 @@ def from_worker(answer: WorkerReply) -> Reply:
 
 
 # The status the HTTP API gives each kind of refusal (docs/http-contract.md rows 13-14, deadlines).
-REFUSAL_STATUS = {RefusalKind.UNAVAILABLE: 503, RefusalKind.EXPIRED: 504, RefusalKind.FAILED: 500}
+REFUSAL_STATUS = {RefusalKind.UNAVAILABLE: 503, RefusalKind.EXPIRED: 504, RefusalKind.FAILED: 500,
+                  RefusalKind.UNKNOWN_MODEL: 404}
 
 
 def from_outcome(outcome: Outcome) -> Reply:

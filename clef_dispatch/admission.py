@@ -20,10 +20,13 @@ a passed deadline wherever it is found: a ticket a worker holds is never expired
 
 Lost and suspect workers (clef_dispatch/resend.py owns those rules): a ticket in flight on a
 worker that is lost is sent again, once, before anything else, alone on an idle worker; while it
-waits for one nothing new is sent. New tickets get 503 while no worker is ready (unless
-`wait_for_workers`: clef-batch's lines wait for a replacement rather than be answered 503). A
-suspect worker's tickets each get one copy, queued at the head of their class and sent by the
-ordinary rule below beside new traffic; the first answer wins.
+waits for one nothing new is sent. The dispatch never waits on one request, though: a ticket
+whose model no ready worker serves (a variant removed while it was on the lost worker) is
+answered at once (`routing.no_worker_for`), and when a waiting ticket's deadline passes the
+dispatch runs again, so whatever it held back is sent. New tickets get 503 while no worker is
+ready (unless `wait_for_workers`: clef-batch's lines wait for a replacement rather than be
+answered 503). A suspect worker's tickets each get one copy, queued at the head of their class
+and sent by the ordinary rule below beside new traffic; the first answer wins.
 
 Admission knows the workers only through the `Workers` and `Lane` protocols below and tells a
 503 from a 500 by the exceptions of `worker_errors`; it never imports the supervisor, the pool
@@ -50,7 +53,7 @@ from clef_dispatch.deadline_heap import DeadlineHeap, Past, past_deadline
 from clef_dispatch.load import TokenEstimate
 from clef_dispatch.outcomes import EXPIRED_DETAIL, Answer, Refusal, RefusalKind
 from clef_dispatch.resend import Resends, Verdict, judge
-from clef_dispatch.routing import WorkerChoice, not_served, refuse, unserved
+from clef_dispatch.routing import WorkerChoice, no_worker_for, refuse, unserved
 from clef_dispatch.ticket import (
     AdmissionEvents,
     Lane,
@@ -60,7 +63,7 @@ from clef_dispatch.ticket import (
     never_gone,
 )
 from clef_dispatch.urgency import BULK, CLASSES, INTERACTIVE, earliest
-from clef_dispatch.waiting import Counts, TicketQueue
+from clef_dispatch.waiting import CountReads, Counts, TicketQueue
 from clef_dispatch.worker_errors import WorkerFailure, WorkerLost, WorkerOutcome, WorkerUnavailable
 from clef_protocol.messages import INFERENCE_FAILED, Request
 from clef_protocol.options import RequestLimits
@@ -73,8 +76,9 @@ log = logging.getLogger("clef_dispatch.admission")
 BULK_EVERY = 8
 
 
-class Admission:
-    """The queue, and the hand-over of each ticket to the next worker with room."""
+class Admission(CountReads):
+    """The queue, and the hand-over of each ticket to the next worker with room (the gauges'
+    reads of its counts are `waiting.CountReads`)."""
 
     def __init__(self, *, capacity: int, retry_after: int, workers: Workers,
                  queue_timeout: float | None = None, resend_timeout: float = 300.0,
@@ -95,42 +99,13 @@ class Admission:
                                     lambda: self._resends.lanes_alone)
         self._turn = 0  # admissions made while both classes waited (see BULK_EVERY)
         self._ids = itertools.count(1)
-        self._deadlines = DeadlineHeap(self._deadline_passed, self._update_idle)
+        # Once deadlines passed the dispatch runs: a ticket that expired may have held the
+        # others back (a lost one waiting for an idle worker).
+        self._deadlines = DeadlineHeap(self._deadline_passed, self.pump)
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
         self._estimate = estimate or TokenEstimate(RequestLimits().max_length)
-
-    # The gauges' reads may run on the metrics port's thread while the loop changes the queues:
-    # each reads one int of `Counts` (never a container, nor two counts to combine), so a scrape
-    # sees the count of a state the loop really was in. Each ticket counts once: a suspect's
-    # ticket whose copy waits is in flight, not waiting (clef_dispatch/waiting.py).
-
-    @property
-    def tokens_waiting(self) -> int:
-        """Estimated tokens of the tickets waiting (resent ones included)."""
-        return self._counts.tokens_waiting
-
-    @property
-    def tokens_in_flight(self) -> int:
-        """Estimated tokens of the tickets sent to a worker and not yet answered."""
-        return self._counts.tokens_in_flight
-
-    @property
-    def tokens_outstanding(self) -> int:
-        """Estimated tokens of the tickets waiting or in flight, each once, in one read (the
-        sum of the two above, read one after the other, could count a ticket sent between the
-        reads twice or not at all)."""
-        return self._counts.tokens_outstanding
-
-    @property
-    def depth(self) -> int:
-        """Tickets waiting (not counting those in flight)."""
-        return self._counts.waiting
-
-    def depth_of(self, priority: str) -> int:
-        """Tickets of one class waiting (a resent ticket counts in its class)."""
-        return self._counts.waiting_in[priority]
 
     @property
     def draining(self) -> bool:
@@ -167,7 +142,7 @@ class Admission:
         if reason is not None and self._wait_for_workers and not self._draining:
             reason = None
         if reason is None and unserved(model, self._workers):
-            reason = not_served(model)
+            return no_worker_for(model, self._workers, self._retry_after)
         lane = None
         if reason is None and not self._queued() and not self._resends.lost_waiting:
             lane = self._choice.lane_for(affinity, model)
@@ -256,38 +231,57 @@ class Admission:
 
     def pump(self) -> None:
         """Send waiting tickets while some worker has room: resent ones first, each alone on an
-        idle worker; then by class (see BULK_EVERY), oldest first within a class.
+        idle worker; then by class (see BULK_EVERY), oldest first within a class. A ticket
+        whose model no ready worker serves, while some worker is ready, is answered at once
+        (`routing.no_worker_for`: 503, or 404 once no worker lists the model), never waited
+        on: the dispatch never waits on one request.
 
-        Called after every reply and whenever a worker becomes ready.
+        Called after every reply, whenever a worker becomes ready, and after deadlines pass.
         """
         for ticket in self._resends.drop_answered():
             self._settle(ticket)
         while self._resends.lost_waiting:
-            lane = self._choice.idle_lane(self._resends.next_lost_model())
-            if lane is None:
+            model = self._resends.next_lost_model()
+            unservable = self._unservable(model)
+            lane = None if unservable else self._choice.idle_lane(model)
+            if lane is None and not unservable:
                 break
             ticket, why = self._resends.pop_lost()
-            if not self._still_wanted(ticket):
+            if lane is None:
+                log.warning("frame_id=%d request_id=%s lost with its worker, for model %r "
+                            "that no ready worker serves: answered, not sent again",
+                            ticket.frame_id, ticket.request_id, model)
+                refuse(ticket, False, no_worker_for(model, self._workers, self._retry_after))
+                self._settle(ticket)
+            elif not self._still_wanted(ticket):
                 self._settle(ticket)
             elif self._send(ticket, lane, alone=True):
                 self._resends.sent_again(why)
         if not self._resends.lost_waiting:  # a lost ticket waiting for an idle worker holds
             while self._queued() and self._choice.room_somewhere():  # the rest back
                 head = self._next_waiting(take=False)  # only to workers serving its model:
-                lane = self._choice.lane_for(head.affinity, head.model)  # if none ready does, 503
-                if lane is None and not unserved(head.model, self._workers):
+                lane = self._choice.lane_for(head.affinity, head.model)  # if none ready does,
+                if lane is None and not self._unservable(head.model):  # it is answered
                     break
                 ticket = self._next_waiting()
                 copy = self._resends.is_copy(ticket)
                 self._resends.leaving_queue(ticket)
                 if lane is None:
                     refuse(ticket, ticket in self._sent,
-                           self._unavailable(not_served(ticket.model)))
+                           no_worker_for(ticket.model, self._workers, self._retry_after))
                 if lane is None or not self._still_wanted(ticket):
                     self._settle(ticket)
                 elif self._send(ticket, lane) and copy:
                     self._resends.sent_again("suspect")
         self._update_idle()
+
+    def takes_now(self, model: str) -> bool:
+        """Whether a request for `model` admitted now would be sent to a worker at once
+        (nothing waits ahead of it and a worker serving it has room): answer sharing asks
+        before a request with its own deadline waits on another's forward."""
+        return (not self._draining and self._workers.unavailable_reason() is None
+                and not self._queued() and not self._resends.lost_waiting
+                and self._choice.takes_now(model))
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -324,6 +318,12 @@ class Admission:
             if not ticket.outcome.done():
                 ticket.outcome.set_result(Refusal(RefusalKind.EXPIRED, EXPIRED_DETAIL))
         return past is not Past.NOT_YET
+
+    def _unservable(self, model: str) -> bool:
+        """A variant no ready worker serves while some worker is ready: a ticket for it is
+        answered rather than waited on (with no worker ready at all, everything waits for the
+        replacement, as resent tickets do)."""
+        return self._workers.unavailable_reason() is None and unserved(model, self._workers)
 
     def _unqueue(self, ticket: Ticket) -> bool:
         """Take a waiting ticket (or a queued copy) out of its queue; False if none waited.
@@ -363,6 +363,7 @@ class Admission:
     def _send(self, ticket: Ticket, lane: Lane, *, alone: bool = False) -> bool:
         """Send `ticket` to `lane`; False if the worker refused it (nothing was sent)."""
         ticket.sent(time.monotonic())
+        ticket.weights = lane.weights_of(ticket.model)
         self._sent.setdefault(ticket, []).append(lane)
         self._settle(ticket)  # from its queue to the worker in one step
         if alone:

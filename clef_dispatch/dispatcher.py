@@ -256,6 +256,12 @@ class Dispatcher:
         now: an answer kept for repeats is served only while one does."""
         return self._pool.serves_weights(model, weights)
 
+    def takes_now(self, model: str) -> bool:
+        """Whether a request for `model` ("": the base) admitted now would go to a worker at
+        once: a request with its own deadline then runs on its own rather than wait on an
+        identical request's forward already under way (answer sharing)."""
+        return self._admission.takes_now(model)
+
     def variant_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The fine-tuned variants ready workers serve, and every variant a worker served at
         its last `ready` (the catalogue: listed and admitted, or 503 while none serving it is

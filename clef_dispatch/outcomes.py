@@ -7,9 +7,12 @@ and clef-batch records). A refusal's kind names why nothing (or nothing usable) 
 - `UNAVAILABLE`: not queued, or dropped from the queue: no warm worker, the queue is full, the
   server drains (the caller may retry after `retry_after` seconds);
 - `EXPIRED`: the request's deadline passed before a worker took it (or, for a request sharing
-  another's forward, before the shared answer came);
+  another's forward, before a worker took that one);
 - `FAILED`: the request was sent, and sent again alone, and its worker was lost both times
-  (the API's 500 `inference failed`).
+  (the API's 500 `inference failed`);
+- `UNKNOWN_MODEL`: no worker serves the model it names any more, ready or restarting (its
+  checkpoint was removed while the request waited, or while it was on a worker that was lost):
+  the API's 404, naming the model.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class RefusalKind(Enum):
     UNAVAILABLE = "unavailable"
     EXPIRED = "expired"
     FAILED = "failed"
+    UNKNOWN_MODEL = "unknown_model"
 
 
 @dataclass(frozen=True, slots=True)

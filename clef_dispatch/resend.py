@@ -4,7 +4,8 @@ No request lost to a worker's death: an answer is a pure function of the request
 flight on a worker that is lost (`WorkerLost`: died, stalled, hung, broke the protocol) are sent
 again, once, before anything else, each alone on an idle worker. A poison request thus kills at
 most two workers (the one it shared, the one it ran alone on) and gets a 500; its companions are
-answered. While a resent ticket waits for an idle worker nothing new is sent, so one drains.
+answered. While a resent ticket waits for an idle worker nothing new is sent, so one drains;
+one for a model no ready worker serves any more is answered instead (admission's pump).
 Resent tickets also wait through a restart of the last worker (bounded by their deadline, or
 `resend_timeout`).
 

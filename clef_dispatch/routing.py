@@ -5,7 +5,9 @@ checkpoint was added to or removed from a `--finetune` directory, or one worker 
 a crash), and a worker must never score a request as another model. So the worker choice is
 filtered by one predicate (`serving`), kept apart from how a worker is chosen among those that
 fit (the round robin of `ticket.LaneRing`, room, idleness); the base (model "") is served by
-every worker. A variant no ready worker serves is refused with 503 (`not_served`), never sent.
+every worker. A variant no ready worker serves is never sent: it is answered at once
+(`no_worker_for`), 503 while a restarting worker still lists it, 404 once none does, and the
+queue moves on.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from clef_dispatch.affinity import preferred_lane
-from clef_dispatch.outcomes import Refusal
+from clef_dispatch.outcomes import Refusal, RefusalKind
 from clef_dispatch.ticket import Lane, LaneRing, Ticket, Workers, has_room, is_idle
 
 
@@ -35,8 +37,19 @@ def not_served(model: str) -> str:
     return f"no ready worker serves model {model!r} now"
 
 
+def no_worker_for(model: str, workers: Workers, retry_after: int) -> Refusal:
+    """The answer to a request for a variant no ready worker serves: 503 (retry) while a
+    restarting worker served it at its last start, else 404 naming it (its checkpoint was
+    removed: every worker started since without it)."""
+    if workers.knows(model):
+        return Refusal(RefusalKind.UNAVAILABLE, not_served(model), retry_after)
+    return Refusal(RefusalKind.UNKNOWN_MODEL,
+                   f"unknown model {model!r}: no worker serves it any more (its checkpoint "
+                   "was removed)")
+
+
 def refuse(ticket: Ticket, held: bool, refusal: Refusal) -> None:
-    """Answer a waiting ticket whose model no ready worker serves with `refusal` (503); a
+    """Answer a waiting ticket whose model no ready worker serves with `refusal`; a
     suspect's copy (`held`: its original is on a worker) is only withdrawn, and the original
     is answered where it runs."""
     if held:
@@ -47,10 +60,10 @@ def refuse(ticket: Ticket, held: bool, refusal: Refusal) -> None:
 
 class WorkerChoice:
     """Which worker a ticket goes to: among those serving its model, first the prefix affinity
-    rule (affinity.py: the worker whose prefix cache may hold the state, when it has room),
-    then the next worker with room, round robin. Workers running a resent ticket alone
-    (`busy_alone`, resend.py's) take nothing else. Admission owns when a ticket is sent; this
-    owns where."""
+    rule (affinity.py: the worker whose prefix cache may hold a long state, when it has room
+    and is within a load margin of the least loaded), then the least loaded worker with room
+    (ties in round-robin order). Workers running a resent ticket alone (`busy_alone`,
+    resend.py's) take nothing else. Admission owns when a ticket is sent; this owns where."""
 
     def __init__(self, workers: Workers, ring: LaneRing,
                  busy_alone: Callable[[], Mapping[Lane, Ticket]]) -> None:
@@ -67,7 +80,13 @@ class WorkerChoice:
         preferred = preferred_lane(affinity, lanes, busy_alone)
         if preferred is not None:
             return preferred
-        return self._ring.pick(serving(model, has_room), busy_alone)
+        return self._ring.least_loaded(serving(model, has_room), busy_alone)
+
+    def takes_now(self, model: str) -> bool:
+        """Whether some worker serving `model` has room (nothing is chosen)."""
+        busy_alone = self._busy_alone()
+        return any(lane not in busy_alone and serving(model, has_room)(lane)
+                   for lane in self._workers.lanes)
 
     def room_somewhere(self) -> bool:
         """Whether some worker (not running a resent ticket alone) has room."""

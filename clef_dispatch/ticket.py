@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -37,7 +37,16 @@ class Lane(Protocol):
         None (affinity.py)."""
         ...
 
+    @property
+    def max_batch(self) -> int:
+        """Requests it may hold at once (its worker's `ready` says)."""
+        ...
+
     def serves(self, model: str) -> bool: ...
+
+    def weights_of(self, model: str) -> str | None:
+        """The fingerprint its worker serves `model` with (None: it does not serve it)."""
+        ...
 
 
 class Workers(Protocol):
@@ -49,6 +58,11 @@ class Workers(Protocol):
     def unavailable_reason(self) -> str | None: ...
 
     def serving(self, model: str) -> bool: ...
+
+    def knows(self, model: str) -> bool:
+        """Whether some worker, ready or restarting, served `model` at its last `ready` (the
+        catalogue still lists it)."""
+        ...
 
 
 def never_gone() -> bool:
@@ -87,6 +101,9 @@ class Ticket:
     # The model it names: a fine-tuned variant's name, or "" for the base. Only a worker that
     # serves it is sent the request (`serving`), so no other model ever scores it.
     model: str = ""
+    # The fingerprint the worker it was last sent to serves its model with (None: never sent):
+    # an identical request joins it only while those weights are served (answer sharing).
+    weights: str | None = None
     queued: bool = False  # has an entry in a queue (waiting.TicketQueue sets it)
     # Queue time is counted per send: the time waiting before each, never the time spent on
     # a worker that was then lost or suspect.
@@ -162,6 +179,12 @@ class TicketView:
         return ticket.started_at is not None and not ticket.outcome.done()
 
     @property
+    def weights(self) -> str | None:
+        """The fingerprint of the weights the worker it was last sent to serves its model with
+        (None: never sent): what answer sharing asks before a request joins it."""
+        return self._ticket.weights
+
+    @property
     def request_id(self) -> str:
         return self._ticket.request_id
 
@@ -203,23 +226,43 @@ class AdmissionEvents:
 
 
 class LaneRing:
-    """Which worker gets the next ticket: round robin from the one after the last used, among
-    those that fit and are not running a resent ticket alone."""
+    """Which worker gets the next ticket, among those that fit and are not running a resent
+    ticket alone: the first in round-robin order from the one after the last used (`pick`), or
+    the least loaded, ties in that order (`least_loaded`)."""
 
     def __init__(self, workers: Workers) -> None:
         self._workers = workers
         self._next = 0
 
     def pick(self, fits: Callable[[Lane], bool], busy_alone: Container[Lane]) -> Lane | None:
+        for index, lane in self._in_turn(fits, busy_alone):
+            self._next = (index + 1) % len(self._workers.lanes)
+            return lane
+        return None
+
+    def least_loaded(self, fits: Callable[[Lane], bool],
+                     busy_alone: Container[Lane]) -> Lane | None:
+        """The fitting worker holding the fewest requests; among equals the next in turn, so
+        requests answered one at a time still go round every worker."""
+        best: tuple[int, Lane] | None = None
+        for index, lane in self._in_turn(fits, busy_alone):
+            if best is None or lane.in_flight < best[1].in_flight:
+                best = (index, lane)
+        if best is None:
+            return None
+        self._next = (best[0] + 1) % len(self._workers.lanes)
+        return best[1]
+
+    def _in_turn(self, fits: Callable[[Lane], bool],
+                 busy_alone: Container[Lane]) -> Iterator[tuple[int, Lane]]:
+        """The fitting workers and their indexes, from the one after the last used."""
         lanes = self._workers.lanes
         count = len(lanes)
         for step in range(count):
             index = (self._next + step) % count
             lane = lanes[index]
             if lane not in busy_alone and fits(lane):
-                self._next = (index + 1) % count
-                return lane
-        return None
+                yield index, lane
 
 
 def has_room(lane: Lane) -> bool:

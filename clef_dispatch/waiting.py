@@ -115,3 +115,41 @@ class Counts:
             self.tokens_waiting += step * ticket.tokens
             self.waiting_in[ticket.priority] += step
             self.waiting += step
+
+
+class CountReads:
+    """The reads the gauges make of admission's `Counts` (admission inherits them).
+
+    They may run on the metrics port's thread while the loop changes the queues: each reads
+    one int of `Counts` (never a container, nor two counts to combine), so a scrape sees the
+    count of a state the loop really was in. Each ticket counts once: a suspect's ticket whose
+    copy waits is in flight, not waiting.
+    """
+
+    _counts: Counts
+
+    @property
+    def tokens_waiting(self) -> int:
+        """Estimated tokens of the tickets waiting (resent ones included)."""
+        return self._counts.tokens_waiting
+
+    @property
+    def tokens_in_flight(self) -> int:
+        """Estimated tokens of the tickets sent to a worker and not yet answered."""
+        return self._counts.tokens_in_flight
+
+    @property
+    def tokens_outstanding(self) -> int:
+        """Estimated tokens of the tickets waiting or in flight, each once, in one read (the
+        sum of the two above, read one after the other, could count a ticket sent between the
+        reads twice or not at all)."""
+        return self._counts.tokens_outstanding
+
+    @property
+    def depth(self) -> int:
+        """Tickets waiting (not counting those in flight)."""
+        return self._counts.waiting
+
+    def depth_of(self, priority: str) -> int:
+        """Tickets of one class waiting (a resent ticket counts in its class)."""
+        return self._counts.waiting_in[priority]

@@ -172,6 +172,11 @@ class WorkerPool:
         """Whether some ready worker serves `model` ("": the base)."""
         return any(lane.serves(model) for lane in self.ready_lanes())
 
+    def knows(self, model: str) -> bool:
+        """Whether some worker, ready or restarting, served the variant `model` at its last
+        `ready` (the catalogue still lists it: 503 rather than 404 while none is ready)."""
+        return any(model in lane.variants for lane in self.lanes)
+
     def serves_weights(self, model: str, weights: str) -> bool:
         """Whether some ready worker serves `model` with the fingerprint `weights`: what an
         answer kept for repeats must still be, to be served."""

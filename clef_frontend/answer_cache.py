@@ -11,11 +11,20 @@ scored it (a fine-tuned variant's name, "" for the base) and the fingerprint of 
 weights (the worker's `response` frame says it, from the fingerprints it reports in `ready`),
 and is served only while a ready worker serves that model with those weights (`serving`, asked
 at every hit). Whatever order workers restart in after weights are replaced in place, an answer
-of weights no ready worker serves is never returned from memory (it is dropped when found), and
-the answers of weights still served survive a rolling restart. (A request that joins an
-identical one already sent gets that forward's answer, as it would have had it been sent
-itself then; the rule governs what is served from memory.) Answers are never shared across
-keys, because a fast answer would tell one tenant what another asked.
+of weights no ready worker serves is never returned from memory (it is dropped when found, and
+never kept when it lands), and the answers of weights still served survive a rolling restart.
+Answers are never shared across keys, because a fast answer would tell one tenant what another
+asked.
+
+One rule for who may be served what, the same for a kept answer, a joiner and a landing: an
+answer from weights no ready worker serves goes to nobody but the request that was already on
+the worker computing it. So a request does not join a forward running on a worker that a roll
+has retired (the weights it computes with, `TicketView.weights`, are no longer served), and a
+forward that lands with such weights hands its joiners `NOT_SHARED` (each then runs on its
+own). Joining never changes a request's fate either: a joiner's own deadline applies only
+while the forward it waits for waits for a worker (as its own ticket's would: a request on a
+worker is never expired), and a request carrying its own deadline that a worker would take at
+once (`takes_now`) runs on its own rather than wait on a forward already under way.
 
 `AnswerCache` owns the whole of sharing: the decision (`share`: a kept answer is a `hit`, an
 identical request in flight is joined, `coalesced`, else this request is the first of its kind,
@@ -25,13 +34,14 @@ client, the first request's client leaving, the landing of the first request's o
 joiners and the LRU, and the joiner's admission on its own when the shared request was not
 answered. Rules:
 
-- Only a scored answer (a 200) is kept, and only a 200 is handed to joiners, waiting or late.
-  Anything else the shared request came to (a refusal of the queue or of its deadline, a
-  worker's own 500 or 422) is not the joiner's: each joiner is told `NOT_SHARED` and is admitted
-  on its own, so a worker's transient 500 costs a joiner nothing. One exception: the 500 of a
-  request that failed twice (its worker was lost with it, then the worker it ran alone on) is
-  handed over as it is, since admitting each joiner again would let a poison request kill two
-  more workers a joiner.
+- Only a scored answer (a 200) of weights still served is kept, and only such a 200 is handed
+  to joiners, waiting or late. Anything else the shared request came to (a refusal of the
+  queue or of its deadline, a worker's own 500 or 422, a 200 of retired weights) is not the
+  joiner's: each joiner is told `NOT_SHARED` and is admitted on its own, so a worker's
+  transient 500 costs a joiner nothing. One exception: the 500 of a request that failed twice
+  (its worker was lost with it, then the worker it ran alone on) is handed over as it is,
+  since admitting each joiner again would let a poison request kill two more workers a
+  joiner.
 - A joiner that is admitted on its own counts as a `miss`, not `coalesced`: the lookup counter
   says how each request's answer came (the pipeline counts it once the answer has come).
 - The kept answers are bounded twice: by count (`--answer-cache`) and by bytes
@@ -165,7 +175,6 @@ class Flight:
     on_all_gone: Callable[[], None] | None = None
     joiners: list[asyncio.Future[Outcome]] | None = None
     first_left: bool = False
-    generation: int = 0
 
     def join(self) -> asyncio.Future[Outcome]:
         mine: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
@@ -222,6 +231,12 @@ def _always(model: str, weights: str) -> bool:
     return True
 
 
+def _never(model: str) -> bool:
+    """The default `takes_now`: no worker would take a request at once (tests without
+    workers), so a joiner with a deadline joins as any other."""
+    return False
+
+
 @dataclass(frozen=True, slots=True)
 class Shared:
     """How one request gets its answer: `how` (HIT, COALESCED or MISS), the future it awaits
@@ -253,17 +268,21 @@ class AnswerCache:
 
     def __init__(self, entries: int, max_bytes: int = DEFAULT_CACHE_BYTES,
                  queue_timeout: float | None = None,
-                 serving: Callable[[str, str], bool] = _always) -> None:
+                 serving: Callable[[str, str], bool] = _always,
+                 takes_now: Callable[[str], bool] = _never) -> None:
         self.entries = entries
         self.max_bytes = max_bytes
         self._queue_timeout = queue_timeout
-        # Whether a ready worker serves a model ("": the base) with a fingerprint now: a kept
-        # answer may be served only then (the dispatcher's `serves_weights`).
+        # Whether a ready worker serves a model ("": the base) with a fingerprint now: an
+        # answer may be served from memory, or handed to a joiner, only then (the dispatcher's
+        # `serves_weights`).
         self.serving = serving
+        # Whether a request for a model would be sent to a worker at once if admitted now (the
+        # dispatcher's `takes_now`): a request with its own deadline then runs on its own.
+        self.takes_now = takes_now
         self._answers: OrderedDict[bytes, Kept] = OrderedDict()
         self._bytes = 0
         self._flights: dict[bytes, Flight] = {}
-        self._generation = 0  # bumped by `flush`: an answer begun before it is not kept
         self._joiners_waiting = 0
 
     @property
@@ -307,7 +326,8 @@ class AnswerCache:
                 if (isinstance(result, Answer) and result.ok  # landing: as good as kept
                         and self.may_serve(flight.model, result.reply.weights)):
                     return Shared(COALESCED, _done(result))
-            elif self._may_join(flight, priority, applies):
+            elif self._may_join(flight, priority, applies, own_deadline=deadline is not None,
+                                model=model):
                 self._joiners_waiting += 1  # until its wait ends (`answer`) or it leaves
                 return Shared(COALESCED, flight.join(), flight, deadline)
         return Shared(MISS, flight=Flight(key, client_gone, model=model, priority=priority,
@@ -318,15 +338,23 @@ class AnswerCache:
         that scored it with the weights that scored it."""
         return self.serving(model, weights)
 
-    @staticmethod
-    def _may_join(flight: Flight, priority: str, deadline: float | None) -> bool:
-        """Whether the flight's request, not yet answered, will be answered no later and no
-        lower than this one would be on its own (`deadline`: the one that applies to it): it is
-        at a worker, or it waits in a class no lower with a deadline no earlier."""
-        if flight.outcome is None or flight.ticket is None or flight.outcome.done():
+    def _may_join(self, flight: Flight, priority: str, deadline: float | None, *,
+                  own_deadline: bool, model: str) -> bool:
+        """Whether the flight's request, not yet answered, will answer this one as it would be
+        answered on its own (`deadline`: the one that applies to it; `own_deadline`: it carries
+        `X-Clef-Deadline-Ms`): at a worker whose weights are still served, unless this request
+        has a deadline of its own and a worker would take it at once; or waiting in a class no
+        lower with a deadline no earlier."""
+        ticket = flight.ticket
+        if flight.outcome is None or ticket is None or flight.outcome.done():
             return False  # not admitted yet, or given up
-        if flight.ticket.at_worker:
-            return True  # at a worker: its answer comes whatever happens
+        if ticket.at_worker:
+            weights = ticket.weights
+            if weights is not None and not self.may_serve(flight.model, weights):
+                return False  # on a worker a roll retired: its answer is that request's only
+            # Alone it would be on a worker now, its deadline moot: it does not wait on a
+            # forward already under way (that forward's answer would come no sooner).
+            return not (own_deadline and self.takes_now(model))
         if flight.priority != priority and priority == INTERACTIVE:
             return False
         if flight.deadline is None:
@@ -344,7 +372,6 @@ class AnswerCache:
         flight = shared.flight
         assert flight is not None and shared.how == MISS
         flight.outcome, flight.ticket = ticket.outcome, ticket
-        flight.generation = self._generation
 
         def give_up() -> None:
             self._forget(flight)
@@ -410,19 +437,14 @@ class AnswerCache:
                 joiner.cancel()
             return
         result = outcome.result()
-        handed = result if shareable(result) else NOT_SHARED
+        served = not isinstance(result, Answer) or self.may_serve(flight.model,
+                                                                   result.reply.weights)
+        handed = result if served and shareable(result) else NOT_SHARED
         for joiner in joiners:
             if not joiner.done():
                 joiner.set_result(handed)
-        if isinstance(result, Answer) and result.ok and flight.generation == self._generation:
+        if isinstance(result, Answer) and result.ok and served:
             self._keep(flight.key, Kept(result, flight.model))
-
-    def flush(self) -> None:
-        """Forget every kept answer; answers now on their way are handed to their callers but
-        not kept."""
-        self._answers.clear()
-        self._bytes = 0
-        self._generation += 1
 
     def prune(self) -> int:
         """Forget the kept answers no ready worker's weights made (called when a worker
@@ -462,13 +484,16 @@ class AnswerCache:
 
 def _watch_deadline(mine: asyncio.Future[Outcome], flight: Flight, deadline: float | None,
                     expired: Callable[[], None]) -> asyncio.TimerHandle | None:
-    """A joiner's own deadline: when it passes before the shared answer comes, the joiner
-    alone is refused (EXPIRED) and `expired` is told; the forward goes on for the others."""
+    """A joiner's own deadline, judged as its own ticket's would be (the one deadline rule,
+    clef_dispatch.past_deadline): when it passes while the shared request still waits for a
+    worker, the joiner alone is refused (EXPIRED) and `expired` is told, and the request goes
+    on for the others; while a worker holds the shared request the joiner is never expired,
+    as a request on a worker never is, and its answer is awaited."""
     if deadline is None or mine.done():
         return None
 
     def due() -> None:
-        if mine.done():
+        if mine.done() or (flight.ticket is not None and flight.ticket.at_worker):
             return
         expired()
         mine.set_result(Refusal(RefusalKind.EXPIRED, SHARED_EXPIRED_DETAIL))

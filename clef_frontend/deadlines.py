@@ -3,10 +3,10 @@
 A request that is still waiting for a worker when its deadline passes is answered 504 and never
 reaches a worker (admission.py keeps the timer): a client that gives up after N ms gains nothing
 from an answer computed after that, and the worker's time goes to someone still waiting. A
-request sharing an identical one's forward (answer_cache.py) is answered 504 at its own deadline
-even while that forward runs, since its client gives up then; the forward goes on for the
-others (pipeline.py keeps that timer). The deadline runs from the end of the request head, the
-moment the front knows it, so a slow body upload counts against it too.
+request sharing an identical one's forward (answer_cache.py) is judged as it would be alone:
+504 at its own deadline only while that forward still waits for a worker (the forward goes on
+for the others), never once a worker holds it. The deadline runs from the end of the request
+head, the moment the front knows it, so a slow body upload counts against it too.
 """
 
 from __future__ import annotations

@@ -64,9 +64,12 @@ class FrontServer:
         dispatch = self._dispatch
         self._health = Health(dispatch.snapshot, config.retry_after)
         self._api = api_surface(config, live=dispatch.variant_names)
-        # A kept answer is served only while a ready worker serves its model with its weights.
+        # A kept answer is served (and a forward's answer shared) only while a ready worker
+        # serves its model with its weights; a request with its own deadline that a worker
+        # would take at once runs on its own.
         self._cache = AnswerCache(config.answer_cache, config.answer_cache_bytes,
-                                  config.queue_timeout, serving=dispatch.serves_weights)
+                                  config.queue_timeout, serving=dispatch.serves_weights,
+                                  takes_now=dispatch.takes_now)
         self._metrics = Metrics(LiveState(
             queue_depth=dispatch.depth_of,
             in_flight=lambda: dispatch.in_flight,

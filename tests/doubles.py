@@ -78,6 +78,13 @@ class FakeLane:
     def serves(self, model: str) -> bool:
         return not model or model in self.variants
 
+    def weights_of(self, model: str) -> str | None:
+        return "" if self.serves(model) else None
+
+    @property
+    def max_batch(self) -> int:
+        return self.room
+
     @property
     def in_flight(self) -> int:
         return len(self.held)
@@ -107,6 +114,9 @@ class FakeWorkers:
 
     def serving(self, model: str) -> bool:
         return any(lane.ready and lane.serves(model) for lane in self.lanes)
+
+    def knows(self, model: str) -> bool:
+        return any(model in lane.variants for lane in self.lanes)
 
 
 class ScriptedExecutor:

@@ -40,6 +40,10 @@ default), so the front exports its `clef_worker_self_check_*` gauges.
 --weights-file PATH: the base's weights fingerprint is PATH's text as it was at start (`ready`'s
 `fingerprint` and `models`, and every response's `weights`): a test "replaces the weights" by
 rewriting the file and restarting workers.
+--fake-variants: serve as fine-tuned variants the checkpoints in the `--finetune` directories as
+they are at start (each subdirectory holding adapter/adapter_config.json, named after it, with
+the fingerprint `variant-NAME`); a request naming one is answered with its fingerprint: a test
+removes a checkpoint and restarts workers.
 """
 
 import os
@@ -97,7 +101,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fake-prefix-cache", action="store_true")
     parser.add_argument("--fake-prefix-cache-disagrees", action="store_true")
     parser.add_argument("--fake-self-check", action="store_true")
+    parser.add_argument("--fake-variants", action="store_true")
     return parser.parse_args()
+
+
+def fake_variants(args: argparse.Namespace) -> dict[str, str]:
+    """The checkpoints in the `--finetune` directories now, by name, with their fingerprints."""
+    if not args.fake_variants:
+        return {}
+    found: dict[str, str] = {}
+    for value in args.finetune:
+        for child in sorted(Path(value).iterdir()):
+            if (child / "adapter" / "adapter_config.json").is_file():
+                found[child.name] = f"variant-{child.name}"
+    return found
 
 
 class FakePrefixCache:
@@ -199,6 +216,7 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any],
     if request.get("cuda_error"):
         write_frame_blocking(out, messages.error(request_id, 500, "inference failed", 0.0))
         os._exit(messages.EXIT_EXECUTOR_BROKEN)
+    model = request.get("model")
     if "error" in request:
         status = int(request.get("error_status", 422))
         if status >= 500:
@@ -220,7 +238,8 @@ def answer(args: argparse.Namespace, out: BinaryIO, message: dict[str, Any],
     frame = messages.response(
         request_id, payload, worker_ms, input_tokens=len(message["body"]),
         truncated_tokens=int(request.get("truncated_tokens", 0)),
-        batch_size=int(request.get("batch_size", 1)), weights=args.weights,
+        batch_size=int(request.get("batch_size", 1)),
+        weights=args.variants.get(str(model), args.weights),
         prefix=None if prefix_cache is None else prefix_cache.answer(str(request.get("state"))))
     if "stages" in request:
         frame["stages"] = request["stages"]
@@ -265,6 +284,7 @@ def main() -> int:
     out, inp = _CHANNEL_OUT, _CHANNEL_IN
     args.weights = (Path(args.weights_file).read_text(encoding="utf-8").strip()
                     if args.weights_file else "")
+    args.variants = fake_variants(args)
     time.sleep(args.ready_delay)
     while args.ready_gate and not os.path.exists(args.ready_gate):
         time.sleep(0.01)  # held before `ready` until the test opens the gate
@@ -295,7 +315,9 @@ def main() -> int:
         prefix_cache=None if prefix_cache is None else prefix_cache.info(),
         self_check=messages.SelfCheck(True, "per-group", 2, 0.0, [], mode="on", bound=1e-4,
                                       ms=1.0) if args.fake_self_check else None,
-        fingerprint=args.weights, models={args.variant: args.weights} if args.weights else {},
+        fingerprint=args.weights,
+        models={**({args.variant: args.weights} if args.weights else {}), **args.variants},
+        finetunes=[{"name": name} for name in args.variants],
         **_policy_fields(args),
     )))
     reader = Reader(inp, out, args.silent_forwards)

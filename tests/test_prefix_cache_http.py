@@ -102,7 +102,9 @@ def test_two_real_workers_each_keep_their_own_states_and_reuse_them() -> None:
     loops: dict[str, list[bytes]] = {}
     for seed in range(1, 50):  # two agents whose states the rendezvous order puts apart
         requests = agent_loop(tokenizer, 300, 450, 150, seed=seed).requests
-        first = rendezvous_order(prefix_key(json.loads(requests[0])), ["0", "1"])[0]
+        key = prefix_key(json.loads(requests[0]))
+        assert key is not None  # a state the workers' caches keep
+        first = rendezvous_order(key, ["0", "1"])[0]
         loops.setdefault(str(first), requests)
         if len(loops) == 2:
             break

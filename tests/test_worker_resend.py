@@ -46,16 +46,20 @@ def test_sigkill_of_one_of_two_workers_under_c4_load_costs_clients_nothing(
 
 def test_a_poison_request_costs_at_most_two_workers_then_service_resumes(
         tmp_path: Path) -> None:
-    gate, log = tmp_path / "gate", tmp_path / "requests.log"
+    gate, log, gate_b = tmp_path / "gate", tmp_path / "requests.log", tmp_path / "gate_b"
     with Serve("--log-file", str(log),
                front_args=("--workers", "2", "--max-batch", "2")) as serve:
-        # a (poison, held) and c share worker 0; b runs on worker 1.
+        # a (poison, held) and c share worker 0; b runs on worker 1 (held meanwhile, so the
+        # least loaded worker for c is worker 0 again).
         poison = background(lambda: serve.post(clef_body(tag="a", crash=True,
                                                          hold_until=str(gate))))
         serve.wait_health(lambda h: h["in_flight"] == 1)
-        assert serve.post(clef_body(tag="b")).status == 200
+        other = background(lambda: serve.post(clef_body(tag="b", hold_until=str(gate_b))))
+        serve.wait_health(lambda h: h["workers"][1]["in_flight"] == 1)
         companion = background(lambda: serve.post(clef_body(tag="c", sleep=0.05)))
         serve.wait_health(lambda h: h["workers"][0]["in_flight"] == 2)
+        gate_b.touch()
+        assert other.result().status == 200
         gate.touch()
         refused = poison.result()
         assert (refused.status, refused.detail) == (500, "inference failed")
