@@ -359,13 +359,16 @@ def restart(server: Serve, timeout: float) -> dict[str, Any]:
         return {"error": "/health names no worker pid"}
     started = time.perf_counter()
     os.kill(int(old), signal.SIGKILL)
+    # The supervisor's ready line for a worker of another pid marks the moment (waiting on the
+    # log, not polling /health: a poll every few ms would crowd the log and the front).
+    server.wait_for(re.compile(rf"worker ready:.* pid=(?!{int(old)}\b)\d+"), timeout=timeout)
+    ready_s = round(time.perf_counter() - started, 2)
 
     def back(document: dict[str, Any]) -> bool:
         worker = (document.get("workers") or [{}])[0]
         return worker.get("status") == "ready" and worker.get("pid") not in (None, old)
 
     health = server.wait_health(back, timeout=timeout)
-    ready_s = round(time.perf_counter() - started, 2)
     check = (health.get("worker") or {}).get("self_check") or {}
     return {"ready_s": ready_s, "self_check_ms": check.get("ms"),
             "self_check_reused": check.get("reused"), "startup": startup_of(health),

@@ -173,6 +173,11 @@ def device_summary(ops: Sequence[DeviceOp], windows: Sequence[Interval],
     }
     splits = [split for window in windows
               if (split := replay_split(window, ops, graph_ids)) is not None]
+    if graph_ids and not splits:
+        # Graphs were launched but none of their kernels was traced (a profiler that does not
+        # see inside replays): a kernel count without them would pass for a few-kernel forward.
+        out["kernels_per_forward"] = None
+        out["note"] = "graph launches seen but no kernel of theirs traced: count unknown"
     if splits:
         def mean_ms(key: str) -> float:
             return round(sum(split[key] for split in splits) / len(splits) / 1000, 3)

@@ -6,7 +6,8 @@ at a time in priority order, each
 under its own time limit; a step whose limit does not fit in the time left is not started but
 skipped, and reported as such, so the most important numbers always come first and the command
 always ends inside its deadline. The first step pays the cold kernel compilation (Triton and
-fla autotuning with an empty cache), so it has the largest limit; later steps share its cache.
+fla autotuning with an empty cache, unless an earlier sitting's archive for this GPU, Triton and
+torch seeded it), so it has the largest limit; later steps share its cache.
 
 The plan fits: the required steps' limits add up to at most the deadline less the setup
 allowance and the reserve (`plan_fits`, checked by the dry run and the tests), so every required
@@ -19,9 +20,11 @@ whole command killed) still leaves what was measured: `steps.jsonl` (each step's
 exit code, reason and result, appended after each step), `logs.txt` (every step's stderr and,
 as it arrives, the stderr of the servers and workers the steps start: `CLEF_BENCH_SERVER_LOG`),
 the benches' partial results (they rewrite their `--out` after each phase, and a timed-out
-step's partial result counts in the summary), Triton's autotune results in one archive
-(`triton-autotune.tar`: every `*.autotune.json` of the kernel cache, rewritten after each step;
-a later sitting seeds its empty cache from `.gpu/triton-autotune.tar` when present), and the
+step's partial result counts in the summary), the kernel cache in one archive
+(`kernel-cache.tar.gz`: compiled kernels and autotune results, keyed by GPU, Triton and torch,
+rewritten after each step: benchlib/kernel_cache_archive.py; a later sitting seeds its cache
+from `.gpu/kernel-cache.tar.gz`, or the first sitting's `.gpu/triton-autotune.tar`, when
+present and built for its host), and the
 summary `h200-YYYY-MM-DD-summary.json` with the fixed fields of `SUMMARY_FIELDS` (null where a
 step did not run or failed), which also records the project's own commit, the graph shapes the
 H200 defaults plan, and `error` when the sitting could not start (`--error`: missing wheels, a

@@ -77,3 +77,6 @@ def test_the_replay_is_found_by_its_launch_and_the_idle_time_around_it_measured(
                                  "idle_after_ms": 0.028, "kernels_in_graph": 3.0,
                                  "kernels_outside_graph": 1.0}
     assert device_summary(ops, [Interval(0, 100)], set())["replay"] is None  # eager
+    # graphs launched, but the trace holds none of their kernels: no count is claimed
+    untraced = device_summary(ops, [Interval(0, 100)], {42})
+    assert untraced["kernels_per_forward"] is None and "no kernel" in untraced["note"]

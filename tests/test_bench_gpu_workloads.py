@@ -4,10 +4,12 @@ checked with the demo snapshot's tokenizer on CPU."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 
+from benchlib.flash_model import RequestSizer, make_request
 from benchlib.gpu_workloads import (
     DistinctStates,
     HitBodies,
@@ -18,15 +20,12 @@ from benchlib.gpu_workloads import (
 
 
 @pytest.fixture(scope="module")
-def sizer():  # type: ignore[no-untyped-def]
-    from benchlib.flash_model import RequestSizer
-
+def sizer() -> RequestSizer:
     return RequestSizer()
 
 
-def test_every_state_is_distinct_from_its_first_token_and_long_enough(sizer) -> None:  # type: ignore[no-untyped-def]
-    from benchlib.flash_model import make_request
-
+def test_every_state_is_distinct_from_its_first_token_and_long_enough(
+        sizer: RequestSizer) -> None:
     questions = make_request(sizer, 0, 1)["questions"]
     states = DistinctStates(sizer.encoder.tokenizer,
                             lambda request: len(sizer.encode(request).input_ids), questions)
@@ -41,14 +40,12 @@ def test_every_state_is_distinct_from_its_first_token_and_long_enough(sizer) -> 
     # no two share a prefix past the prompt before the state (shorter than one 64-token
     # cache block), so no cached block can be reused
     prompt = len(sizer.encode({**json.loads(bodies[0]), "state": ""}).input_ids)
-    for a, b in zip(encoded, encoded[1:], strict=False):
+    for a, b in itertools.combinations(encoded, 2):
         common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
         assert common < 64, (common, prompt)
 
 
-def test_hits_keep_the_stored_state_and_add_their_own_tokens(sizer) -> None:  # type: ignore[no-untyped-def]
-    from benchlib.flash_model import make_request
-
+def test_hits_keep_the_stored_state_and_add_their_own_tokens(sizer: RequestSizer) -> None:
     questions = make_request(sizer, 0, 1)["questions"]
     hits = HitBodies(sizer.encoder.tokenizer, questions, prefix_tokens=600, new_tokens=200)
     stored = json.loads(hits.store_body())["state"]
