@@ -15,7 +15,10 @@ of --tokens tokens, then profiles --requests more with torch.profiler and prints
   Gated DeltaNet kernels, convolution, elementwise, copies), and where a graph replays, the
   replay's span and the device's idle time before it (host staging, input copies, the launch)
   and after it (the eager head, output copies, the host's sync): the graph's kernels are the
-  ones whose correlation id is a `cudaGraphLaunch` call's (`replay_split`).
+  ones whose correlation id is a `cudaGraphLaunch` call's (`replay_split`);
+- the same over `--state-tokens` requests whose states are distinct and >= 256 tokens (`state`):
+  each stores its points in the prefix cache, as users' first requests do, so this is the
+  path a user's fresh request takes, not only the bare graph.
 
 On CPU (--quick, or --device cpu) there is no device timeline: the same tables list torch ops by
 self CPU time, and the busy/idle line is left out. The interval arithmetic is tested on CPU
@@ -194,13 +197,13 @@ def device_summary(ops: Sequence[DeviceOp], windows: Sequence[Interval],
     return out
 
 
-def profile_requests(executor: Any, body: bytes, requests: int, cuda: bool) -> Any:
+def profile_requests(executor: Any, bodies: Sequence[bytes], cuda: bool) -> Any:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        for _ in range(requests):
+        for body in bodies:
             with record_function(REQUEST_RANGE):
                 executor.answer(body)  # ends with a device-to-host copy: synchronised
         if cuda:
@@ -273,6 +276,25 @@ def markdown(mode: str, summary: dict[str, Any], cuda: bool) -> str:
     return "\n".join(lines)
 
 
+def profile_states(executor: Any, args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
+    """The same figures over requests of `--state-tokens` tokens whose states are distinct and
+    at least 256 tokens long (benchlib/gpu_workloads.py): each a fresh forward that stores its
+    points in the executor's prefix cache (on, as served), which is what users send."""
+    from benchlib.gpu_workloads import DistinctStates
+
+    states = DistinctStates(executor.encoder.tokenizer,
+                            lambda request: len(executor.encode(request).input_ids),
+                            make_request(executor, 0, 1)["questions"])
+    for _ in range(args.warm):
+        executor.answer(states.body(args.state_tokens))
+    bodies = [states.body(args.state_tokens) for _ in range(args.requests)]
+    started = time.perf_counter()
+    prof = profile_requests(executor, bodies, cuda)
+    wall_ms = (time.perf_counter() - started) * 1000
+    return {"tokens": args.state_tokens, "input_tokens": states.encoded_tokens(bodies[0]),
+            **summarise(prof, args.requests, wall_ms, cuda, args.top)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_arguments(parser)
@@ -281,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--questions", type=int, default=3)
     parser.add_argument("--warm", type=int, default=10)
     parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--state-tokens", type=int, default=400,
+                        help="also profile distinct states of this many tokens (0: skip)")
     parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args(argv)
     if args.quick:
@@ -308,11 +332,15 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.warm):
             executor.answer(body)
         started = time.perf_counter()
-        prof = profile_requests(executor, body, args.requests, cuda)
+        prof = profile_requests(executor, [body] * args.requests, cuda)
         wall_ms = (time.perf_counter() - started) * 1000
         summary = summarise(prof, args.requests, wall_ms, cuda, args.top)
         results["modes"][mode] = summary
         print(markdown(mode, summary, cuda) + "\n", flush=True)
+        if args.state_tokens:
+            summary["state"] = profile_states(executor, args, cuda)
+            print(markdown(f"{mode}, distinct {args.state_tokens}-token states",
+                           summary["state"], cuda) + "\n", flush=True)
         if args.out:
             with open(args.out, "w", encoding="utf-8") as handle:
                 handle.write(json.dumps(results, indent=1))

@@ -93,6 +93,8 @@ SUMMARY_FIELDS = (
     "p50_ms_hit_400_on_6600", "hit_reused_tokens_min",
     "kernels_per_forward", "device_ms_by_class", "replay_ms_370tok",
     "device_idle_before_replay_ms", "device_idle_after_replay_ms", "device_idle_fraction",
+    "profile_wall_ms_370tok", "kernels_per_forward_400tok_state",
+    "device_idle_fraction_400tok_state", "profile_wall_ms_400tok_state",
     "p50_ms_370tok", "p99_ms_370tok", "p99_samples_370tok",
     "fresh_len_max_ratio", "warmup_cold_s", "warmup_cached_s", "c1_rps", "c16_rps", "c32_rps",
     "mixed_c16_rps", "padded_p50_ms_370tok", "padded_p50_ms_1000tok", "padded_c16_rps",
@@ -123,7 +125,8 @@ DRY_RUN_NULL_FIELDS = ("p50_ms_1000tok_fresh", "p50_ms_7000tok_fresh", "padded_p
                        "replay_ms_7000tok_bucket", "fresh_7000_vs_replay",
                        "kernels_per_forward", "device_ms_by_class", "replay_ms_370tok",
                        "device_idle_before_replay_ms", "device_idle_after_replay_ms",
-                       "device_idle_fraction", "startup")
+                       "device_idle_fraction", "kernels_per_forward_400tok_state",
+                       "device_idle_fraction_400tok_state", "startup")
 # The steps whose servers' answer-cache hits are summed (every step that times HTTP).
 HTTP_STEPS = ("http_graphs_cold", "http_padded", "warmup_cached", "http_eager", "two_workers",
               "http_packed_at_padded_settings")
@@ -201,6 +204,15 @@ SOURCES: dict[str, tuple[str, tuple[str, ...], Callable[[Any], Any] | None]] = {
     "device_idle_after_replay_ms": (
         "profile", ("modes", "graphs", "replay", "idle_after_ms"), None),
     "device_idle_fraction": ("profile", ("modes", "graphs", "device_idle_fraction"), None),
+    "profile_wall_ms_370tok": ("profile", ("modes", "graphs", "wall_ms_per_request"), None),
+    # The same profile over distinct ~400-token states that store their points (the path a
+    # user's fresh request takes).
+    "kernels_per_forward_400tok_state": (
+        "profile", ("modes", "graphs", "state", "kernels_per_forward"), None),
+    "device_idle_fraction_400tok_state": (
+        "profile", ("modes", "graphs", "state", "device_idle_fraction"), None),
+    "profile_wall_ms_400tok_state": (
+        "profile", ("modes", "graphs", "state", "wall_ms_per_request"), None),
     "fresh_len_max_ratio": ("http_graphs_cold", ("fresh_max_ratio",), None),
     "warmup_cold_s": ("http_graphs_cold", ("warmup_ms",), _ms_to_s),
     "warmup_cached_s": ("warmup_cached", ("warmup_ms",), _ms_to_s),

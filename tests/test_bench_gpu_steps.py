@@ -121,8 +121,10 @@ COLD = {"latency": {"370": {"p50_ms": 18.5, "p99_ms": 22.0, "n": 300}},
 # bench_gpu_profile.py's result on CUDA, as much of it as the summary reads
 PROFILE = {"modes": {"graphs": {
     "kernels_per_forward": 900.0, "device_ms_by_class": {"gemm": 9.0, "norm": 1.0},
-    "device_idle_fraction": 0.2,
-    "replay": {"replay_ms": 12.0, "idle_before_ms": 1.5, "idle_after_ms": 3.0}}}}
+    "device_idle_fraction": 0.2, "wall_ms_per_request": 16.0,
+    "replay": {"replay_ms": 12.0, "idle_before_ms": 1.5, "idle_after_ms": 3.0},
+    "state": {"kernels_per_forward": 2400.0, "device_idle_fraction": 0.5,
+              "wall_ms_per_request": 90.0}}}}
 # gpu_parity.py's result, as much of it as the summary reads
 PARITY = {"dtype": "bfloat16",
           "modes": {"off": {"max_abs_probability_diff": 2.5e-3, "argmax_mismatches": []},
@@ -166,6 +168,8 @@ def test_the_summary_has_exactly_the_fields_from_the_steps_that_succeeded() -> N
         "kernels_per_forward": 900.0, "device_ms_by_class": {"gemm": 9.0, "norm": 1.0},
         "replay_ms_370tok": 12.0, "device_idle_before_replay_ms": 1.5,
         "device_idle_after_replay_ms": 3.0, "device_idle_fraction": 0.2,
+        "profile_wall_ms_370tok": 16.0, "kernels_per_forward_400tok_state": 2400.0,
+        "device_idle_fraction_400tok_state": 0.5, "profile_wall_ms_400tok_state": 90.0,
         "answer_cache_hits": 0,  # the failed step's servers are not counted either
         "padded_p50_ms_370tok": 25.0, "padded_p50_ms_1000tok": None, "padded_c16_rps": None,
         "padded_mixed_c16_rps": None,
