@@ -74,3 +74,25 @@ def test_a_length_is_set_against_the_smallest_bucket_that_holds_it() -> None:
     padded = {"(1, 512)": 9.0, "(4, 256)": 12.0, "(1, 1024)": 15.0}
     assert bucket_replay_ms(padded, 300) == ("(1, 512)", 9.0)
     assert replay_table("no such line") == {}
+
+
+def test_start_up_phases_are_read_wherever_health_puts_them() -> None:
+    from bench.bench_gpu_http import startup_of
+
+    phases = {"phases": {"imports": 8.0, "load": 9.0, "capture": 50.0}}
+    assert startup_of({"startup": phases}) == phases
+    assert startup_of({"worker": {"startup": phases}}) == phases
+    assert startup_of({"workers": [{"startup": phases}]}) == phases
+    assert startup_of({"worker": {}, "workers": [{}]}) is None
+
+
+def test_quick_mode_keeps_a_steps_choice_to_skip_fresh_states_and_hits() -> None:
+    """The later HTTP steps turn the fresh-state and hit phases off; quick mode shrinks them
+    to its 512 tokens only where they are on, so a dry run runs what the GPU run runs."""
+    from bench.bench_gpu_http import parse_args
+
+    on = parse_args(["--quick"])
+    assert on.state_lengths == [400] and on.hit == [260, 100] and on.restart == "on"
+    assert on.hit[0] >= 256  # a state long enough to store points
+    off = parse_args(["--quick", "--state-lengths", "--hit", "0", "0", "--restart", "off"])
+    assert off.state_lengths == [] and off.hit == [0, 0] and off.restart == "off"
