@@ -539,9 +539,10 @@ def failing_steps(outcomes: Sequence[Outcome], steps: Sequence[Step], *,
     """The steps that make the run exit 1: every failure, and every step past its limit except
     an optional one in a dry run. On a CPU host a dry run checks that each script runs and the
     summary fills; how long an optional step's CPU stand-in takes depends on what else the host
-    runs (the profile's eager stand-ins of 22 packed shapes once took 119 s against 180 on a
-    loaded 2-core host; its quick mode now builds the 16 up to its request's budget, 9 s on a
-    quiet one), which says nothing about the code. On the GPU every time-out counts."""
+    runs (the profile, optional then, once took 119 s of its 180 on a loaded 2-core host and
+    9 s on a quiet one), which says nothing about the code. A required step's time-out counts
+    in a dry run too: its doubled limit is the wiring check's bound. On the GPU every time-out
+    counts."""
     optional = {step.name for step in steps if step.optional}
     return [o.name for o in outcomes
             if o.status == "failed"
