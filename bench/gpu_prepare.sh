@@ -8,7 +8,14 @@
 # project's own HEAD when the project is its own git checkout (never the HEAD of a repository
 # that merely contains it), else "unknown".
 #
+# With SITTINGS=<the folder that keeps earlier sittings' outputs, one folder per sitting named
+# so that it sorts by date>, the newest sitting's kernel cache is copied to .gpu/ as the next
+# sitting's seed: its kernel-cache.tar.gz, or, from the first sitting, its triton-autotune.tar
+# (benchlib/kernel_cache_archive.py reads either; one built for another GPU, Triton or torch
+# seeds nothing).
+#
 #   bash bench/gpu_prepare.sh          # then send .gpu along with the checkout
+#   SITTINGS=/path/to/gpu-sittings bash bench/gpu_prepare.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -23,5 +30,15 @@ elif [ "$(git rev-parse --show-toplevel 2>/dev/null || true)" = "$(pwd -P)" ]; t
 else
   echo unknown
 fi > .gpu/COMMIT
+if [ -n "${SITTINGS:-}" ]; then
+  SEED=""
+  for DIR in $(ls -1d "$SITTINGS"/*/ 2>/dev/null | sort); do
+    for NAME in kernel-cache.tar.gz triton-autotune.tar; do
+      if [ -f "$DIR$NAME" ]; then SEED="$DIR$NAME"; break; fi
+    done
+  done
+  rm -f .gpu/kernel-cache.tar.gz .gpu/triton-autotune.tar  # an older seed must not win
+  if [ -n "$SEED" ]; then cp "$SEED" .gpu/ && echo "kernel-cache seed: $SEED"; fi
+fi
 ls .gpu/whl
 du -sh .gpu

@@ -14,8 +14,10 @@
 # checkout (benchlib/paths.py). Files land in $OUT (default /tmp/clef-gpu-out), five at most:
 # the summary h200-YYYY-MM-DD-summary.json (fields in benchlib/gpu_steps.py, null where a step
 # did not run), steps.jsonl (each step's status, time and result), logs.txt, env.txt (the
-# host and the versions, or the import that failed) and triton-autotune.tar (copy it to .gpu/ to
-# seed the next sitting). Missing wheels or a failed `import fla` run no step, but still leave
+# host and the versions, or the import that failed) and kernel-cache.tar.gz (the compiled
+# kernels and autotune results, keyed by GPU, Triton and torch: copy it to .gpu/ to seed the
+# next sitting; a first-sitting triton-autotune.tar there seeds too). Missing wheels or a
+# failed `import fla` run no step, but still leave
 # env.txt and a summary whose `error` says why. CLEF_COMMIT, when the launcher sets it, is the
 # commit the summary records. The steps, their limits and the summary are
 # benchlib/gpu_steps.py; DEADLINE (seconds) overrides the deadline, SCRATCH the steps' own folder.

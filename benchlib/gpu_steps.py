@@ -6,7 +6,8 @@ at a time in priority order, each
 under its own time limit; a step whose limit does not fit in the time left is not started but
 skipped, and reported as such, so the most important numbers always come first and the command
 always ends inside its deadline. The first step pays the cold kernel compilation (Triton and
-fla autotuning with an empty cache), so it has the largest limit; later steps share its cache.
+fla autotuning with an empty cache, unless an earlier sitting's archive for this GPU, Triton and
+torch seeded it), so it has the largest limit; later steps share its cache.
 
 The plan fits: the required steps' limits add up to at most the deadline less the setup
 allowance and the reserve (`plan_fits`, checked by the dry run and the tests), so every required
@@ -19,9 +20,11 @@ whole command killed) still leaves what was measured: `steps.jsonl` (each step's
 exit code, reason and result, appended after each step), `logs.txt` (every step's stderr and,
 as it arrives, the stderr of the servers and workers the steps start: `CLEF_BENCH_SERVER_LOG`),
 the benches' partial results (they rewrite their `--out` after each phase, and a timed-out
-step's partial result counts in the summary), Triton's autotune results in one archive
-(`triton-autotune.tar`: every `*.autotune.json` of the kernel cache, rewritten after each step;
-a later sitting seeds its empty cache from `.gpu/triton-autotune.tar` when present), and the
+step's partial result counts in the summary), the kernel cache in one archive
+(`kernel-cache.tar.gz`: compiled kernels and autotune results, keyed by GPU, Triton and torch,
+rewritten after each step: benchlib/kernel_cache_archive.py; a later sitting seeds its cache
+from `.gpu/kernel-cache.tar.gz`, or the first sitting's `.gpu/triton-autotune.tar`, when
+present and built for its host), and the
 summary `h200-YYYY-MM-DD-summary.json` with the fixed fields of `SUMMARY_FIELDS` (null where a
 step did not run or failed), which also records the project's own commit, the graph shapes the
 H200 defaults plan, and `error` when the sitting could not start (`--error`: missing wheels, a
@@ -50,13 +53,13 @@ import re
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchlib.kernel_cache_archive import ARCHIVE, archive_cache, cache_key, find_seed, seed_cache
 from benchlib.paths import FIXTURES, REPO
 from clef_frontend.build_info import git_commit
 
@@ -70,9 +73,9 @@ RESERVE_S = 10.0
 # gpu_session.sh's setup before the steps (installing the wheels, nvidia-smi, versions): the
 # deadline counts it, so the required steps must fit in what is left after it.
 SETUP_ALLOWANCE_S = 30.0
-AUTOTUNE_ARCHIVE = "triton-autotune.tar"  # in $OUT, and under .gpu/ to seed the next sitting
-SEED_AUTOTUNE = REPO / ".gpu" / AUTOTUNE_ARCHIVE
-AUTOTUNE_SUFFIX = ".autotune.json"
+# Where the next sitting's seed is looked for: the launcher copies the newest sitting's
+# kernel-cache.tar.gz (or, from the first sitting, triton-autotune.tar) there.
+SEED_FOLDERS = (REPO / ".gpu",)
 # fla's kernel configs shipped with the project: the l2norm default (see the module docs).
 FLA_CONFIGS = REPO / "bench" / "fla-configs"
 FLA_CACHE_MODE = "default"  # fla: use a shipped file's default_config, autotune the rest
@@ -82,9 +85,17 @@ LOG_TAIL_BYTES = 8 << 20
 STDOUT_TAIL_CHARS = 4000
 
 SUMMARY_FIELDS = (
-    "date", "commit", "error", "batch_layout", "graph_shapes_planned", "graph_shapes_captured",
-    "self_check", "self_check_ms", "self_check_problem", "ready_s", "answer_cache_hits",
-    "p50_ms_370tok", "p99_ms_370tok", "p99_samples_370tok", "p50_ms_1000tok", "p50_ms_7000tok",
+    "date", "commit", "error", "kernel_cache", "batch_layout", "graph_shapes_planned",
+    "graph_shapes_captured", "self_check", "self_check_ms", "self_check_problem", "ready_s",
+    "startup", "restart_ready_s", "restart_self_check_ms", "answer_cache_hits",
+    "p50_ms_400tok_state", "p50_ms_1000tok_fresh", "p50_ms_7000tok_fresh",
+    "replay_ms_7000tok_bucket", "fresh_7000_vs_replay", "fresh_reused_tokens_max",
+    "p50_ms_hit_400_on_6600", "hit_reused_tokens_min",
+    "kernels_per_forward", "device_ms_by_class", "replay_ms_370tok",
+    "device_idle_before_replay_ms", "device_idle_after_replay_ms", "device_idle_fraction",
+    "profile_wall_ms_370tok", "kernels_per_forward_400tok_state",
+    "device_idle_fraction_400tok_state", "profile_wall_ms_400tok_state",
+    "p50_ms_370tok", "p99_ms_370tok", "p99_samples_370tok",
     "fresh_len_max_ratio", "warmup_cold_s", "warmup_cached_s", "c1_rps", "c16_rps", "c32_rps",
     "mixed_c16_rps", "padded_p50_ms_370tok", "padded_p50_ms_1000tok", "padded_c16_rps",
     "padded_mixed_c16_rps", "padded_warmup_s", "padded_graph_shapes_captured",
@@ -97,17 +108,25 @@ SUMMARY_FIELDS = (
     "prefix_agent_loop_speedup", "prefix_fan_out_speedup", "prefix_unrelated_speedup",
     "prefix_agent_loop_max_abs_diff",
 )
-# Fields the script computes itself, not read from one step's result.
-OWN_FIELDS = ("date", "commit", "error", "graph_shapes_planned", "answer_cache_hits",
-              "self_check_problem")
+# Fields the script computes itself, not read from one step's result (`kernel_cache`: what
+# seeded the cache and what the archive left for the next sitting holds).
+OWN_FIELDS = ("date", "commit", "error", "kernel_cache", "graph_shapes_planned",
+              "answer_cache_hits", "self_check_problem")
 # Fields read from a step even when it failed: what the worker's start-up reported (its
 # self-check with each probe's figures, how long it took, the time to ready) is true whatever
 # went wrong after it, and is what a failure is diagnosed from.
-KEPT_ON_FAILURE = ("self_check", "self_check_ms", "ready_s")
-# Step fields a dry run leaves null by design: its quick HTTP steps time 370 tokens only. Every
-# other field read from a step that ran must come back filled (`unfilled`), so a bench whose
-# result keys drift fails the dry run in CI, not the one GPU sitting.
-DRY_RUN_NULL_FIELDS = ("p50_ms_1000tok", "p50_ms_7000tok", "padded_p50_ms_1000tok")
+KEPT_ON_FAILURE = ("self_check", "self_check_ms", "ready_s", "startup")
+# Step fields a dry run leaves null by design: its quick HTTP steps stay within 512 tokens (no
+# 1,000- or 7,000-token state), and on CPU the profile has no device timeline. The start-up
+# phases are null until the worker reports them in /health (read by key, wherever it puts
+# them). Every other field read from a step that ran must come back filled (`unfilled`), so a
+# bench whose result keys drift fails the dry run in CI, not the one GPU sitting.
+DRY_RUN_NULL_FIELDS = ("p50_ms_1000tok_fresh", "p50_ms_7000tok_fresh", "padded_p50_ms_1000tok",
+                       "replay_ms_7000tok_bucket", "fresh_7000_vs_replay",
+                       "kernels_per_forward", "device_ms_by_class", "replay_ms_370tok",
+                       "device_idle_before_replay_ms", "device_idle_after_replay_ms",
+                       "device_idle_fraction", "kernels_per_forward_400tok_state",
+                       "device_idle_fraction_400tok_state", "startup")
 # The steps whose servers' answer-cache hits are summed (every step that times HTTP).
 HTTP_STEPS = ("http_graphs_cold", "http_padded", "warmup_cached", "http_eager", "two_workers",
               "http_packed_at_padded_settings")
@@ -157,8 +176,43 @@ SOURCES: dict[str, tuple[str, tuple[str, ...], Callable[[Any], Any] | None]] = {
     "bf16_argmax_mismatches": ("parity_bf16", ("argmax_mismatches_vs_golden",), None),
     "packed_graphs_vs_packed_eager_max_prob_diff": (
         "parity_bf16", ("packed_graphs_vs_packed_eager", "max_abs_probability_diff"), None),
-    "p50_ms_1000tok": ("http_graphs_cold", ("latency", "1000", "p50_ms"), None),
-    "p50_ms_7000tok": ("http_graphs_cold", ("latency", "7000", "p50_ms"), None),
+    # What users send: distinct states >= 256 tokens, each a fresh forward that stores its
+    # points and can reuse none (bench_gpu_http.py's fresh-state phase), the longest set
+    # against the replay of the graph bucket that holds it.
+    "p50_ms_400tok_state": ("http_graphs_cold", ("state_latency", "400", "p50_ms"), None),
+    "p50_ms_1000tok_fresh": ("http_graphs_cold", ("state_latency", "1000", "p50_ms"), None),
+    "p50_ms_7000tok_fresh": ("http_graphs_cold", ("state_latency", "7000", "p50_ms"), None),
+    "replay_ms_7000tok_bucket": (
+        "http_graphs_cold", ("state_latency", "7000", "bucket_replay_ms"), None),
+    "fresh_7000_vs_replay": (
+        "http_graphs_cold", ("state_latency", "7000", "vs_bucket_replay"), None),
+    "fresh_reused_tokens_max": (
+        "http_graphs_cold", ("state_latency", "400", "reused_tokens_max"), None),
+    # A stored 6,600-token state, then requests adding ~400 new tokens each after it.
+    "p50_ms_hit_400_on_6600": ("http_graphs_cold", ("prefix_hit", "p50_ms"), None),
+    "hit_reused_tokens_min": ("http_graphs_cold", ("prefix_hit", "reused_tokens_min"), None),
+    # Start-up: the worker's phases as /health reports them, and a worker killed and restarted.
+    "startup": ("http_graphs_cold", ("startup",), None),
+    "restart_ready_s": ("http_graphs_cold", ("restart", "ready_s"), None),
+    "restart_self_check_ms": ("http_graphs_cold", ("restart", "self_check_ms"), None),
+    # The profile of one short request through its graph (bench_gpu_profile.py).
+    "kernels_per_forward": ("profile", ("modes", "graphs", "kernels_per_forward"), None),
+    "device_ms_by_class": ("profile", ("modes", "graphs", "device_ms_by_class"), None),
+    "replay_ms_370tok": ("profile", ("modes", "graphs", "replay", "replay_ms"), None),
+    "device_idle_before_replay_ms": (
+        "profile", ("modes", "graphs", "replay", "idle_before_ms"), None),
+    "device_idle_after_replay_ms": (
+        "profile", ("modes", "graphs", "replay", "idle_after_ms"), None),
+    "device_idle_fraction": ("profile", ("modes", "graphs", "device_idle_fraction"), None),
+    "profile_wall_ms_370tok": ("profile", ("modes", "graphs", "wall_ms_per_request"), None),
+    # The same profile over distinct ~400-token states that store their points (the path a
+    # user's fresh request takes).
+    "kernels_per_forward_400tok_state": (
+        "profile", ("modes", "graphs", "state", "kernels_per_forward"), None),
+    "device_idle_fraction_400tok_state": (
+        "profile", ("modes", "graphs", "state", "device_idle_fraction"), None),
+    "profile_wall_ms_400tok_state": (
+        "profile", ("modes", "graphs", "state", "wall_ms_per_request"), None),
     "fresh_len_max_ratio": ("http_graphs_cold", ("fresh_max_ratio",), None),
     "warmup_cold_s": ("http_graphs_cold", ("warmup_ms",), _ms_to_s),
     "warmup_cached_s": ("warmup_cached", ("warmup_ms",), _ms_to_s),
@@ -337,8 +391,8 @@ def answer_cache_hits(results: Mapping[str, Any]) -> int | None:
 
 
 def summarise(outcomes: Sequence[Outcome], date: str, commit: str,
-              graph_shapes_planned: int | None = None, error: str | None = None
-              ) -> dict[str, Any]:
+              graph_shapes_planned: int | None = None, error: str | None = None,
+              kernel_cache: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The summary's fields, from the results of the steps that succeeded or ran out of time
     (what a timed-out step measured before its limit stands: the benches write their results
     after each phase); None for the rest (a failed step's numbers are not reported: it may
@@ -349,6 +403,7 @@ def summarise(outcomes: Sequence[Outcome], date: str, commit: str,
     results = {o.name: o.result for o in outcomes if o.status in ("ok", "timed_out")}
     every = {o.name: o.result for o in outcomes if o.result is not None}
     summary: dict[str, Any] = {"date": date, "commit": commit, "error": error,
+                               "kernel_cache": None if kernel_cache is None else dict(kernel_cache),
                                "graph_shapes_planned": graph_shapes_planned,
                                "answer_cache_hits": answer_cache_hits(results),
                                "self_check_problem": self_check_problems(outcomes)}
@@ -377,29 +432,34 @@ def plan(*, dry_run: bool, python: str = sys.executable,
     `--quick` mode (CPU, small shapes), the flags after it kept but overridden where quick
     mode sets them.
 
-    Limits, from what each step does at the H200 defaults (the packed layout's 28 total-token
-    graphs, about 80k tokens of capture against the padded layout's 110 shapes and 509k
-    tokens that made an older first step overrun). The first step, estimated on paper (none
-    of it has been measured on a GPU yet; the summary's `ready_s` and `self_check_ms` will
-    say): building the 7.9 B model's random weights in memory (~10 s), a cold warm-up that
-    compiles fla's varlen kernels and captures the 28 graphs (~60-90 s), the cold self-check,
-    which compiles the fixed-length kernels of its eager reference that no graph uses
-    (~40-70 s), C1/C16/C32 and the mixed C16 for 6 s each (~30 s), 300 requests at 370 tokens
-    and ~40 at 1,000 and 7,000 (~15 s), four fresh lengths (~5 s): ~160-220 s, so 240 s. Its
-    phases run throughput first, latency by length after, fresh lengths last, so a time-out
-    loses the least-needed figures. The parity step loads the tiny snapshot twice in bf16 and
-    answers every golden case alone and in groups on each (90-110 s was read off an older
-    version against its 75 s limit); the padded step runs the padded layout at
-    `--max-length 1024` and a 6,144-token budget (66 shapes, ~122k tokens, enough for C16 at
-    370 tokens) with the same length mix, on the kernels and reference kernels the first step
-    compiled; the packed layout at those same settings is the first optional step, so packed
-    and padded are also compared at one budget and maximum length. Every HTTP server checks
-    itself with `--self-check report` (bench_gpu_http.py): recorded, never a fallback. Eager
-    over HTTP is optional (the parity step compares eager and graphs answer by answer). The
-    pytest steps fail on the GPU unless a test passed and none was skipped."""
+    The order follows what the last sitting (2026-12-04) could not measure: its latency
+    phases timed prefix hits (one body repeated, the cache on) and its profile, prefix and
+    eager steps never ran (31 s left). So the required steps are now what users send (the
+    first step's fresh states, prefix hits and distinct-state throughput), the profile and
+    the prefix cache on against off; the steps that ran last time come after those that did
+    not, in the time left.
+
+    Limits, from the last sitting's measured times where a step ran then. The first step:
+    135.8 s to ready cold (load 17 s, capture 52 s, self-check 63 s), then fresh states at
+    400 / 1,000 / 7,000 tokens (~60 requests, ~10 s), 17 prefix hits (~3 s), C1/C16/C32 and
+    the mixed C16 for 5 s each (~20 s), four fresh lengths four times (~5 s), 300 requests at
+    370 tokens (~8 s) and the worker killed and restarted with the kernel cache warm (36.6 s
+    to ready then): ~225 s, so 250 s; its last phase is the restart, so a time-out loses the
+    least. The profile: the model built in memory, the graphs up to 2,048 tokens captured
+    from the cache the first step left, 30 requests profiled (~40-60 s on paper), so 80 s.
+    The prefix step: two servers on the warm cache (~37 s each), 29 requests on each, the
+    long ones eager while the cached path is (~15 s): ~100 s, so the rest of the 520 s the
+    required steps may take, 190 s. The parity step took
+    88 s of its 125, the padded step 72 of 105, `warmup_cached` 47 of 50, packed at the
+    padded settings 58 of 60, `packed_unit` 39 of 60. Every HTTP server checks itself with
+    `--self-check report` (bench_gpu_http.py): recorded, never a fallback. The pytest steps
+    fail on the GPU unless a test passed and none was skipped."""
     quick = ("--quick",) if dry_run else ()
     scale = DRY_RUN_SCALE if dry_run else 1.0
     http = (python, "bench/bench_gpu_http.py", *quick, "--gdn-prefill", "fla")
+    # The HTTP steps after the first one measure their own setting, not users' traffic again:
+    # no fresh-state lengths, no prefix hits, no restart.
+    http_other = (*http, "--state-lengths", "--hit", "0", "0", "--restart", "off")
     pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider")
     # The padded step's settings (and the packed step compared with it at the same ones).
     small_settings = ("--max-length", "1024", "--max-batch-tokens", "6144", "--repeat", "30",
@@ -408,61 +468,45 @@ def plan(*, dry_run: bool, python: str = sys.executable,
     parity = (python, "bench/gpu_parity.py", *quick, "--fixtures", str(fixtures), "--device",
               "cuda", "--dtype", "bfloat16", "--gdn-prefill", "fla")
     return [
-        # Packed (the default): latency by length (p99 at 370 from 300 samples), fresh
-        # lengths, cold warm-up, graph memory, C1/C16/C32 and mixed lengths at C16, over HTTP.
+        # Packed (the default), what users send: cold start-up and its phases, fresh states
+        # by length, prefix hits, distinct-state throughput at C1/C16/C32 and mixed lengths
+        # at C16, fresh lengths, the short repeated body (p99 from 300 samples), and a worker
+        # killed and restarted.
         Step("http_graphs_cold", (*http, "--cuda-graphs", "on", "--repeat", "30",
-                                  "--p99-samples", "300", "--fresh", "4", "--seconds", "6",
-                                  "--mixed-concurrency", "16"), 240 * scale, graphs=True),
-        # Golden parity in bf16 against the float32 goldens, eager and graphs, graphs vs eager
-        # question by question, and on each executor the cases in mixed packed groups against
-        # alone; at the longest golden length. Written after each mode.
-        # Once capture is known to fail it runs eager alone: bf16 against fp32 through fla's
-        # kernels still says whether the kernels or the capture are wrong.
-        Step("parity_bf16", (*parity, "--cuda-graphs", "both"), 125 * scale, graphs=True,
-             without_graphs=(*parity, "--cuda-graphs", "off")),
-        # The padded layout beside it: p50 at 370 / 1,000 tokens, C16, mixed C16, its warm-up.
-        Step("http_padded", (*http, "--cuda-graphs", "on", "--batch-layout", "padded",
-                             *small_settings, "--lengths", "370", "1000"), 105 * scale,
-             graphs=True),
-        # Start-up again with the kernel cache the first step left.
-        Step("warmup_cached", (*http, "--cuda-graphs", "on", "--warmup-only"), 50 * scale,
-             graphs=True),
-        # Optional, in the time left: first packed at the padded step's budget and maximum
-        # length (its figures beside the padded ones, one setting apart: the layout); then the
-        # packed CUDA tests (fla's varlen kernels and
-        # varlen_attn on the tiny snapshot in bf16, never run on a GPU before; run even when
-        # capture failed: most of them capture nothing, and they place a fault), then the other
-        # CUDA-only unit tests, eager over HTTP, two workers, the profile.
-        Step("http_packed_at_padded_settings",
-             (*http, "--cuda-graphs", "on", "--batch-layout", "packed", *small_settings,
-              "--lengths", "370"), 60 * scale, graphs=True, optional=True),
-        Step("packed_unit", (*pytest, "tests/test_packed_cuda.py",
-                             "tests/test_packed_runner.py", "tests/test_prefix_cache_cuda.py",
-                             "-k", "cuda"),
-             60 * scale, writes_json=False, optional=True, tests_must_run=not dry_run),
+                                  "--p99-samples", "300", "--fresh", "4", "--seconds", "5",
+                                  "--mixed-concurrency", "16"), 250 * scale, graphs=True),
+        # Where a short request's time goes on the device: kernels per forward, device time
+        # by class, idle before and after the replay (graphs only: eager compiles the
+        # fixed-length kernels anew, and `http_eager` covers eager).
+        Step("profile", (python, "bench/bench_gpu_profile.py", *quick, "--gdn-prefill", "fla",
+                         "--modes", "graphs", "--requests", "30"), 80 * scale, graphs=True),
         # The prefix cache on the real shapes (random weights, bf16): the agent loop, the
         # fan-out and unrelated states, the cache on against --prefix-cache off, two servers
-        # (bench/bench_prefix_cache.py); after packed_unit, whose CUDA prefix tests say first
-        # whether the prefixed forward agrees on the GPU at all.
+        # (bench/bench_prefix_cache.py), answers within the self-check's bf16 bound.
         Step("prefix_cache", (python, "bench/bench_prefix_cache.py", *quick, "--device", "cuda",
                               "--dtype", "bfloat16", "--shape", "flash", "--tolerance", "1e-2",
                               "--agent", "2400", "6000", "300", "--fan-out", "7000", "8",
-                              "--unrelated", "8", "2000"), 240 * scale, optional=True),
+                              "--unrelated", "8", "2000"), 190 * scale),
+        # Optional, in the time left. First the bf16 parity, since the kernels change between
+        # sittings (answers before speed): bf16 eager and graphs against the float32 goldens,
+        # graphs vs eager question by question, packed groups against alone. Once capture is
+        # known to fail it runs eager alone: the kernels' bf16 figures still come back.
+        Step("parity_bf16", (*parity, "--cuda-graphs", "both"), 125 * scale, graphs=True,
+             without_graphs=(*parity, "--cuda-graphs", "off"), optional=True),
+        # Then the steps that never ran: the other CUDA-only unit tests, eager over HTTP,
+        # two workers, fine-tuned variants.
         Step("graphs_unit", (*pytest, "tests/test_graphs.py", "-k", "cuda"), 45 * scale,
              writes_json=False, graphs=True, optional=True, tests_must_run=not dry_run),
         Step("short_conv_unit", (*pytest, "tests/test_short_conv_cuda.py"), 40 * scale,
              writes_json=False, optional=True, tests_must_run=not dry_run),
-        # Eager over HTTP by length, beside graphs (the latency-by-length comparison).
-        Step("http_eager", (*http, "--cuda-graphs", "off", "--lengths", "370", "1000", "7000",
+        Step("http_eager", (*http_other, "--cuda-graphs", "off", "--lengths", "370",
                             "--repeat", "20", "--p99-samples", "0", "--fresh", "0",
                             "--concurrency", "16", "--seconds", "6", "--mixed-concurrency"),
              60 * scale, optional=True),
-        Step("two_workers", (*http, "--cuda-graphs", "on", "--workers-per-device", "2",
+        Step("two_workers", (*http_other, "--cuda-graphs", "on", "--workers-per-device", "2",
                              "--lengths", "--fresh", "0", "--concurrency", "16", "32",
                              "--mixed-concurrency"),
              120 * scale, graphs=True, optional=True),
-        Step("profile", (python, "bench/bench_gpu_profile.py", *quick, "--gdn-prefill", "fla",
-                         "--modes", "eager", "graphs"), 90 * scale, graphs=True, optional=True),
         # Fine-tuned variants' cost at Clef-Flash shapes: a forward of the base alone, with
         # variants loaded, all one variant and mixed (rank 64, as clef-finetune's default), and
         # the memory each variant adds (bench/bench_finetune.py, eager).
@@ -470,6 +514,23 @@ def plan(*, dry_run: bool, python: str = sys.executable,
                           "--shape", "flash", "--gdn-prefill", "fla", "--rank", "64",
                           "--variants", "2", "--group", "16", "--rounds", "5"),
              120 * scale, optional=True),
+        # Then those that ran last time: the packed CUDA tests (fla's varlen kernels and
+        # varlen_attn on the tiny snapshot in bf16, the prefix cache's CUDA tests; run even
+        # when capture failed: most capture nothing, and they place a fault), the padded
+        # layout (p50 at 370 / 1,000 tokens, C16, mixed C16, its warm-up), start-up with the
+        # kernel cache warm, and packed at the padded step's budget and maximum length.
+        Step("packed_unit", (*pytest, "tests/test_packed_cuda.py",
+                             "tests/test_packed_runner.py", "tests/test_prefix_cache_cuda.py",
+                             "-k", "cuda"),
+             60 * scale, writes_json=False, optional=True, tests_must_run=not dry_run),
+        Step("http_padded", (*http_other, "--cuda-graphs", "on", "--batch-layout", "padded",
+                             *small_settings, "--lengths", "370", "1000"), 105 * scale,
+             graphs=True, optional=True),
+        Step("warmup_cached", (*http_other, "--cuda-graphs", "on", "--warmup-only"),
+             50 * scale, graphs=True, optional=True),
+        Step("http_packed_at_padded_settings",
+             (*http_other, "--cuda-graphs", "on", "--batch-layout", "packed", *small_settings,
+              "--lengths", "370"), 60 * scale, graphs=True, optional=True),
     ]
 
 
@@ -478,9 +539,10 @@ def failing_steps(outcomes: Sequence[Outcome], steps: Sequence[Step], *,
     """The steps that make the run exit 1: every failure, and every step past its limit except
     an optional one in a dry run. On a CPU host a dry run checks that each script runs and the
     summary fills; how long an optional step's CPU stand-in takes depends on what else the host
-    runs (the profile's eager stand-ins of 22 packed shapes once took 119 s against 180 on a
-    loaded 2-core host; its quick mode now builds the 16 up to its request's budget, 9 s on a
-    quiet one), which says nothing about the code. On the GPU every time-out counts."""
+    runs (the profile, optional then, once took 119 s of its 180 on a loaded 2-core host and
+    9 s on a quiet one), which says nothing about the code. A required step's time-out counts
+    in a dry run too: its doubled limit is the wiring check's bound. On the GPU every time-out
+    counts."""
     optional = {step.name for step in steps if step.optional}
     return [o.name for o in outcomes
             if o.status == "failed"
@@ -515,45 +577,6 @@ def graph_shapes_planned() -> int | None:
         return len(packed_buckets(policy.max_batch_tokens, max_length))
     table = BucketTable.for_budget(max_length)
     return len(plan_shapes(table, policy.max_batch_tokens, graph_row_counts(policy.max_sequences)))
-
-
-def _archived_name(name: str) -> bool:
-    """An autotune result's relative path, never one that leaves the cache."""
-    path = Path(name)
-    return (name.endswith(AUTOTUNE_SUFFIX) and not path.is_absolute()
-            and ".." not in path.parts)
-
-
-def seed_autotune(cache: Path, archive: Path = SEED_AUTOTUNE) -> int:
-    """Unpack a previous sitting's autotune results into the kernel cache (same relative
-    paths), never over a file already there; returns how many files were seeded."""
-    if not archive.is_file():
-        return 0
-    count = 0
-    with tarfile.open(archive) as tar:
-        for member in tar.getmembers():
-            if not member.isfile() or not _archived_name(member.name):
-                continue
-            target = cache / member.name
-            source = tar.extractfile(member)
-            if target.exists() or source is None:
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(source.read())
-            count += 1
-    return count
-
-
-def archive_autotune(cache: Path, archive: Path) -> int:
-    """Every `*.autotune.json` of the kernel cache in one tar (relative paths; one file, where
-    the tree would be ~30 of the 8 the device returns); returns how many there are."""
-    sources = sorted(cache.rglob(f"*{AUTOTUNE_SUFFIX}")) if cache.is_dir() else []
-    temporary = archive.with_name(archive.name + ".tmp")
-    with tarfile.open(temporary, "w") as tar:
-        for source in sources:
-            tar.add(source, arcname=str(source.relative_to(cache)))
-    temporary.replace(archive)
-    return len(sources)
 
 
 def fla_config_env(env: Mapping[str, str], configs: Path = FLA_CONFIGS) -> dict[str, str]:
@@ -653,16 +676,18 @@ def main(argv: list[str] | None = None) -> int:
     fla_env = fla_config_env(env)
     env.update(fla_env)
     print(f"=== fla configs: {fla_env or 'as the launcher set them'}", flush=True)
-    # One kernel cache for every step, empty at the start but for the autotune results of an
-    # earlier sitting: the first step's warm-up is the cold figure, `warmup_cached` the warm.
+    # One kernel cache for every step, seeded from an earlier sitting's archive when it was
+    # built for this GPU, Triton and torch (else empty): the first step's start-up is the
+    # figure for that cache, `warmup_cached` the one with this sitting's.
     cache = args.scratch / "triton-cache"
     cache.mkdir(exist_ok=True)
     env.setdefault("TRITON_CACHE_DIR", str(cache))
     env.setdefault("FLA_CACHE_RESULTS", "1")
     cache = Path(env["TRITON_CACHE_DIR"])
-    seeded = seed_autotune(cache)
-    print(f"=== kernel cache {cache}: {seeded} autotune results seeded from {SEED_AUTOTUNE}",
-          flush=True)
+    key = cache_key()
+    seeded = seed_cache(cache, find_seed(SEED_FOLDERS), key)
+    print(f"=== kernel cache {cache} for {key}: {seeded}", flush=True)
+    kernel_cache: dict[str, Any] = {"key": key, "seed": seeded, "left": None}
     log = args.out / "logs.txt"
     env[SERVER_LOG_ENV] = str(log)
     steps_file = args.out / "steps.jsonl"
@@ -671,17 +696,17 @@ def main(argv: list[str] | None = None) -> int:
     def report(outcome: Outcome) -> None:
         with steps_file.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(asdict(outcome)) + "\n")
-        archive_autotune(cache, args.out / AUTOTUNE_ARCHIVE)
+        kernel_cache["left"] = archive_cache(cache, args.out / ARCHIVE, key)
         print(f"{outcome.status:<9} {outcome.name:<18} {outcome.seconds:6.1f} s  "
               f"{outcome.reason}", flush=True)
 
     outcomes = run_steps(steps, args.deadline - RESERVE_S, SubprocessRunner(args.scratch, log, env),
                          report=report)
     date = datetime.datetime.now(datetime.UTC).date().isoformat()
+    kernel_cache["left"] = archive_cache(cache, args.out / ARCHIVE, key)
     summary = summarise(outcomes, date, commit_id(), graph_shapes_planned(),
-                        error=args.error or None)
+                        error=args.error or None, kernel_cache=kernel_cache)
     (args.out / summary_name(date)).write_text(json.dumps(summary, indent=1) + "\n")
-    tuned = archive_autotune(cache, args.out / AUTOTUNE_ARCHIVE)
     _trim(log, LOG_TAIL_BYTES)
     print(json.dumps(summary, indent=1))
     failed = failing_steps(outcomes, steps, dry_run=args.dry_run)
@@ -691,8 +716,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"=== the dry run left fields null that its steps should fill: {empty}")
     skipped = [o.name for o in outcomes if o.status == "skipped"]
     print(f"=== {len(outcomes) - len(failed) - len(skipped)} ok, {len(failed)} failed "
-          f"{failed}, {len(skipped)} skipped {skipped}; {tuned} autotune results in "
-          f"{args.out / AUTOTUNE_ARCHIVE} (copy it to .gpu/ to seed the next sitting)")
+          f"{failed}, {len(skipped)} skipped {skipped}; kernel cache left in "
+          f"{args.out / ARCHIVE}: {kernel_cache['left']} (copy it to .gpu/ to seed the next "
+          "sitting)")
     return 1 if failed or empty or not fits or args.error else 0
 
 

@@ -152,6 +152,15 @@ def run_mixed_load(host: str, port: int, method: str, path: str, bodies: Sequenc
                                         connections, seconds, expect))
 
 
+def run_generated_load(host: str, port: int, method: str, path: str,
+                       body_for: Callable[[int], bytes], *, connections: int, seconds: float,
+                       expect: int = 200) -> LoadResult:
+    """Closed-loop load whose request n sends `body_for(n)`: a new body per request, so a
+    load of distinct requests needs no list of thousands made beforehand."""
+    return asyncio.run(_asyncio_load_of(host, port, method, path, body_for, connections,
+                                        seconds, expect))
+
+
 async def _asyncio_load_of(host: str, port: int, method: str, path: str,
                            body_for: Callable[[int], bytes], connections: int, seconds: float,
                            expect: int) -> LoadResult:

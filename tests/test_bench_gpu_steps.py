@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from benchlib.gpu_steps import (
-    AUTOTUNE_ARCHIVE,
     DEFAULT_DEADLINE_S,
     DRY_RUN_SCALE,
     FLA_CONFIGS,
@@ -23,7 +22,6 @@ from benchlib.gpu_steps import (
     Ran,
     Step,
     SubprocessRunner,
-    archive_autotune,
     commit_id,
     failing_steps,
     fla_config_env,
@@ -32,7 +30,6 @@ from benchlib.gpu_steps import (
     plan,
     plan_fits,
     run_steps,
-    seed_autotune,
     summarise,
     unfilled,
     unproven_tests,
@@ -103,8 +100,14 @@ def canned(name: str, status: str, result: object) -> Outcome:
     return Outcome(name, status, result=result)
 
 
-COLD = {"latency": {"370": {"p50_ms": 18.5, "p99_ms": 22.0, "n": 300},
-                    "1000": {"p50_ms": 27.0}, "7000": {"p50_ms": 240.0}},
+COLD = {"latency": {"370": {"p50_ms": 18.5, "p99_ms": 22.0, "n": 300}},
+        "state_latency": {"400": {"p50_ms": 14.0, "reused_tokens_max": 0},
+                          "1000": {"p50_ms": 27.0},
+                          "7000": {"p50_ms": 240.0, "bucket_replay_ms": 230.0,
+                                   "vs_bucket_replay": 1.04}},
+        "prefix_hit": {"p50_ms": 19.0, "reused_tokens_min": 6592},
+        "startup": {"phases": {"imports": 8.1, "load": 9.0}},
+        "restart": {"ready_s": 9.5, "self_check_ms": 900.0},
         "fresh_max_ratio": 1.3, "warmup_ms": 41234.0,
         "throughput": {"C1": {"req_per_s": 50.1}, "C16": {"req_per_s": 85.0},
                        "C32": {"req_per_s": 95.5}},
@@ -115,6 +118,13 @@ COLD = {"latency": {"370": {"p50_ms": 18.5, "p99_ms": 22.0, "n": 300},
                        "max_abs_diff": 1e-3, "fell_back_from": None},
         "self_check_ms": 812.4, "ready_s": 131.5,
         "answer_cache_hits": 0}
+# bench_gpu_profile.py's result on CUDA, as much of it as the summary reads
+PROFILE = {"modes": {"graphs": {
+    "kernels_per_forward": 900.0, "device_ms_by_class": {"gemm": 9.0, "norm": 1.0},
+    "device_idle_fraction": 0.2, "wall_ms_per_request": 16.0,
+    "replay": {"replay_ms": 12.0, "idle_before_ms": 1.5, "idle_after_ms": 3.0},
+    "state": {"kernels_per_forward": 2400.0, "device_idle_fraction": 0.5,
+              "wall_ms_per_request": 90.0}}}}
 # gpu_parity.py's result, as much of it as the summary reads
 PARITY = {"dtype": "bfloat16",
           "modes": {"off": {"max_abs_probability_diff": 2.5e-3, "argmax_mismatches": []},
@@ -135,25 +145,37 @@ def test_the_summary_has_exactly_the_fields_from_the_steps_that_succeeded() -> N
         # ran out of time after its latency phase: what it measured stands
         canned("http_padded", "timed_out", {"latency": {"370": {"p50_ms": 25.0}},
                                             "phase": "latency", "answer_cache_hits": 0}),
+        canned("profile", "ok", PROFILE),
         canned("prefix_cache", "ok", {"workloads": {
             "agent_loop": {"paired_speedup_after_first": 4.1, "max_abs_diff": 3e-3},
             "fan_out": {"paired_speedup_after_first": 6.2, "max_abs_diff": 1e-3},
             "unrelated": {"paired_speedup_after_first": 0.99, "max_abs_diff": 0.0}}}),
     ]
-    summary = summarise(outcomes, "2026-12-01", "abc123", 28)
+    cache = {"key": {"gpu": "NVIDIA H200"}, "seed": {"seeded": 3}, "left": {"complete": True}}
+    summary = summarise(outcomes, "2026-12-01", "abc123", 28, kernel_cache=cache)
     assert tuple(summary) == SUMMARY_FIELDS
     assert summary == {
-        "date": "2026-12-01", "commit": "abc123", "error": None, "batch_layout": "packed",
+        "date": "2026-12-01", "commit": "abc123", "error": None, "kernel_cache": cache,
+        "batch_layout": "packed",
         "graph_shapes_planned": 28, "graph_shapes_captured": 2,
         "self_check": COLD["self_check"], "self_check_ms": 812.4, "self_check_problem": None,
-        "ready_s": 131.5,
+        "ready_s": 131.5, "startup": {"phases": {"imports": 8.1, "load": 9.0}},
+        "restart_ready_s": 9.5, "restart_self_check_ms": 900.0,
+        "p50_ms_400tok_state": 14.0, "p50_ms_1000tok_fresh": 27.0,
+        "p50_ms_7000tok_fresh": 240.0, "replay_ms_7000tok_bucket": 230.0,
+        "fresh_7000_vs_replay": 1.04, "fresh_reused_tokens_max": 0,
+        "p50_ms_hit_400_on_6600": 19.0, "hit_reused_tokens_min": 6592,
+        "kernels_per_forward": 900.0, "device_ms_by_class": {"gemm": 9.0, "norm": 1.0},
+        "replay_ms_370tok": 12.0, "device_idle_before_replay_ms": 1.5,
+        "device_idle_after_replay_ms": 3.0, "device_idle_fraction": 0.2,
+        "profile_wall_ms_370tok": 16.0, "kernels_per_forward_400tok_state": 2400.0,
+        "device_idle_fraction_400tok_state": 0.5, "profile_wall_ms_400tok_state": 90.0,
         "answer_cache_hits": 0,  # the failed step's servers are not counted either
         "padded_p50_ms_370tok": 25.0, "padded_p50_ms_1000tok": None, "padded_c16_rps": None,
         "padded_mixed_c16_rps": None,
         "padded_warmup_s": None, "padded_graph_shapes_captured": None,
         "eager_p50_ms_370tok": None, "eager_c16_rps": None, "packed_groups_argmax_equal": True,
         "p50_ms_370tok": 18.5, "p99_ms_370tok": 22.0, "p99_samples_370tok": 300,
-        "p50_ms_1000tok": 27.0, "p50_ms_7000tok": 240.0,
         "fresh_len_max_ratio": 1.3, "warmup_cold_s": 41.23, "warmup_cached_s": 9.0,
         "c1_rps": 50.1, "c16_rps": 85.0, "c32_rps": 95.5, "mixed_c16_rps": 70.0,
         "two_workers_c16_rps": None,  # its step failed: its number is not reported
@@ -359,10 +381,15 @@ def test_the_plan_fits_one_ten_minute_command_and_names_existing_scripts(
     assert padded.argv[padded.argv.index("--batch-layout") + 1] == "padded"
     # `--out FILE` is appended to a step's argv: nothing may turn it into a positional
     assert all("--" not in step.argv for step in planned)
-    # packed at the padded step's budget and maximum length comes first among the optional
-    # steps, then the packed CUDA tests
+    # what users send, the profile and the prefix cache are required, in that order; among
+    # the optional steps the parity comes first, then those the last sitting never reached,
+    # then those it ran
+    required = [step.name for step in planned if not step.optional]
+    assert required == ["http_graphs_cold", "profile", "prefix_cache"]
     optional = [step.name for step in planned if step.optional]
-    assert optional[:2] == ["http_packed_at_padded_settings", "packed_unit"]
+    never_ran = ["graphs_unit", "short_conv_unit", "http_eager", "two_workers", "finetune"]
+    ran = ["packed_unit", "http_padded", "warmup_cached", "http_packed_at_padded_settings"]
+    assert optional == ["parity_bf16", *never_ran, *ran]
     same = next(step for step in planned if step.name == "http_packed_at_padded_settings")
     assert same.argv[same.argv.index("--batch-layout") + 1] == "packed"
     for flag in ("--max-length", "--max-batch-tokens", "--mixed-concurrency", "--concurrency"):
@@ -468,35 +495,6 @@ def test_the_commit_is_the_projects_own_never_an_enclosing_repositorys(tmp_path:
     head = subprocess.run(["git", "-C", str(outer), "rev-parse", "HEAD"],
                           capture_output=True, text=True, check=True).stdout.strip()
     assert commit_id(outer, {}) == head
-
-
-def test_autotune_results_come_back_in_one_archive_and_seed_the_next_cache(
-        tmp_path: Path) -> None:
-    import tarfile
-
-    cache, archive = tmp_path / "cache", tmp_path / AUTOTUNE_ARCHIVE
-    for folder in ("abc", "def"):
-        (cache / folder).mkdir(parents=True)
-        (cache / folder / "kernel.autotune.json").write_text(f'{{"BT": "{folder}"}}')
-        (cache / folder / "kernel.cubin").write_bytes(b"\0")
-    assert archive_autotune(cache, archive) == 2
-    with tarfile.open(archive) as tar:
-        assert sorted(tar.getnames()) == ["abc/kernel.autotune.json", "def/kernel.autotune.json"]
-    # the next sitting: an empty cache, seeded from what came back
-    fresh = tmp_path / "fresh"
-    assert seed_autotune(fresh, archive) == 2
-    assert (fresh / "def" / "kernel.autotune.json").read_text() == '{"BT": "def"}'
-    assert seed_autotune(fresh, archive) == 0  # never overwrites
-    assert seed_autotune(fresh, tmp_path / "none.tar") == 0
-    # an archive naming a path outside the cache, or another kind of file, seeds nothing
-    evil = tmp_path / "evil.tar"
-    with tarfile.open(evil, "w") as tar:
-        for name in ("../escape.autotune.json", "abc/kernel.cubin"):
-            source = tmp_path / "payload"
-            source.write_text("{}")
-            tar.add(source, arcname=name)
-    assert seed_autotune(tmp_path / "other", evil) == 0
-    assert not (tmp_path / "escape.autotune.json").exists()
 
 
 def test_the_subprocess_runner_reads_the_result_and_kills_a_step_at_its_limit(
