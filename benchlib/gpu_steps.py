@@ -59,6 +59,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchlib.gpu_targets import judge
 from benchlib.kernel_cache_archive import ARCHIVE, archive_cache, cache_key, find_seed, seed_cache
 from benchlib.paths import FIXTURES, REPO
 from clef_frontend.build_info import git_commit
@@ -106,12 +107,12 @@ SUMMARY_FIELDS = (
     "packed_at_padded_settings_p50_ms_370tok", "packed_at_padded_settings_c16_rps",
     "packed_at_padded_settings_mixed_c16_rps",
     "prefix_agent_loop_speedup", "prefix_fan_out_speedup", "prefix_unrelated_speedup",
-    "prefix_agent_loop_max_abs_diff",
+    "prefix_agent_loop_max_abs_diff", "targets",
 )
 # Fields the script computes itself, not read from one step's result (`kernel_cache`: what
 # seeded the cache and what the archive left for the next sitting holds).
 OWN_FIELDS = ("date", "commit", "error", "kernel_cache", "graph_shapes_planned",
-              "answer_cache_hits", "self_check_problem")
+              "answer_cache_hits", "self_check_problem", "targets")
 # Fields read from a step even when it failed: what the worker's start-up reported (its
 # self-check with each probe's figures, how long it took, the time to ready) is true whatever
 # went wrong after it, and is what a failure is diagnosed from.
@@ -410,6 +411,7 @@ def summarise(outcomes: Sequence[Outcome], date: str, commit: str,
     for name, (step, path, convert) in SOURCES.items():
         value = _dig((every if name in KEPT_ON_FAILURE else results).get(step), path)
         summary[name] = convert(value) if (convert and value is not None) else value
+    summary["targets"] = judge(summary)
     return {name: summary[name] for name in SUMMARY_FIELDS}
 
 
