@@ -90,7 +90,7 @@ def torch_norm(module: Any, update: Tensor, residual: Tensor | None) -> tuple[Te
 
 
 def torch_gated_norm(module: Any, x: Tensor, gate: Tensor) -> Tensor:
-    return module(x, gate)  # type: ignore[no-any-return]
+    return module(x, gate)
 
 
 def torch_rotary_table(rotary: Any, hidden: Tensor, positions: Tensor) -> Rotary:
@@ -112,7 +112,7 @@ def torch_decay(mixer: Any, a: Tensor) -> Tensor:
 
 
 def torch_mlp(mlp: Any, x: Tensor) -> Tensor:
-    return mlp(x)  # type: ignore[no-any-return]
+    return mlp(x)
 
 
 def torch_output_gate(output: Tensor, gate: Tensor) -> Tensor:
@@ -170,7 +170,7 @@ def fla_ops() -> FusedOps:
 
     def gated_norm(module: Any, x: Tensor, gate: Tensor) -> Tensor:
         activation = getattr(module, "activation", "silu")
-        return rms_norm_gated(x, gate, module.weight, None, activation=activation,  # type: ignore[no-any-return]
+        return rms_norm_gated(x, gate, module.weight, None, activation=activation,
                               eps=module.variance_epsilon)
 
     def rotary_table(rotary: Any, hidden: Tensor, positions: Tensor) -> Rotary:
@@ -187,16 +187,16 @@ def fla_ops() -> FusedOps:
         return query, key
 
     def decay(mixer: Any, a: Tensor) -> Tensor:
-        return fused_gdn_gate(a, mixer.A_log, mixer.dt_bias,  # type: ignore[no-any-return]
+        return fused_gdn_gate(a, mixer.A_log, mixer.dt_bias,
                               output_dtype=torch.float32)
 
     def mlp(module: Any, x: Tensor) -> Tensor:
         if getattr(module.config, "hidden_act", None) not in SWIGLU_ACTIVATIONS:
-            return module(x)  # type: ignore[no-any-return]
-        return module.down_proj(swiglu(module.gate_proj(x), module.up_proj(x)))  # type: ignore[no-any-return]
+            return module(x)
+        return module.down_proj(swiglu(module.gate_proj(x), module.up_proj(x)))
 
     def output_gate(output: Tensor, gate: Tensor) -> Tensor:
-        return sigmoidglu(gate, output)  # type: ignore[no-any-return]
+        return sigmoidglu(gate, output)
 
     return FusedOps(name="fla", norm=norm, gated_norm=gated_norm, rotary_table=rotary_table,
                     rotate=rotate, decay=decay, mlp=mlp, output_gate=output_gate)
