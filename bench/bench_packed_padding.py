@@ -5,8 +5,9 @@ they have now (clef_worker.gpu.packed_graphs, clef_worker.gpu.buckets).
 Not a test, and no forward runs: the figures follow from the bucket tables and the row layouts
 alone. For each group: its real tokens, the tokens its row needs (`aligned_total`), the bucket
 that holds them, the share of the bucket that is padding, and the modelled replay time spent
-on it (not modelled: the dense row's up to one extra Gated DeltaNet chunk per request), `(fixed + bucket) / (fixed + real) - 1` with the fixed part in token times (413: the
-H200's fit, 9.5 ms fixed and 23 us a token, 2026-12-04). Mixes: `c393`, groups of 1 to 16
+on it, `(fixed + bucket) / (fixed + real) - 1` with the fixed part in token times (413: the
+H200's fit, 9.5 ms fixed and 23 us a token, 2026-12-04; not modelled: the dense row's up to
+one extra Gated DeltaNet chunk per request). Mixes: `c393`, groups of 1 to 16
 requests of 385-401 tokens (the C16 phase of the first H200 sitting); `mixed`, groups of 1 to
 16 lengths drawn log-normally around 400 (90 to 2,000) up to the token budget; `single`, one
 request at every 97th length up to the budget.
