@@ -169,7 +169,7 @@ def measure() -> dict[str, Any]:
                                                           original))
     kernels = packed_layers.kernels_for(cpu, torch.float32, "fla")
     fla_utils = importlib.import_module(packed_layers.FLA_UTILS)
-    results: dict[str, Any] = {"names": list(kernels.names),
+    results: dict[str, Any] = {"names": list(kernels.names), "fused": kernels.fused.name,
                                "memo_off": getattr(fla_utils, packed_layers.FLA_MEMO_SWITCH),
                                "interpreter": os.environ.get("TRITON_INTERPRET"), "cases": []}
     for index, (lengths, values, expected) in enumerate(cases):

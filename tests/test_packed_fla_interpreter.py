@@ -50,6 +50,7 @@ def test_the_fla_path_is_the_one_measured(measured: dict[str, Any]) -> None:
     # fla's delta rule and convolution (attention has no CPU varlen kernel: not measured here)
     assert measured["names"][:2] == ["fla-varlen", "fla-varlen"]
     assert measured["memo_off"] is True  # kernels_for switched fla's index memo off
+    assert measured["fused"] == "fla"  # and chose fla's fused norms, rotary and gates
     assert [case["lengths"] for case in measured["cases"]] == [list(m) for m in MIXES]
 
 
