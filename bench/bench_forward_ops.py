@@ -48,6 +48,7 @@ NO_KERNEL = {
     "chunk", "unbind", "alias", "detach", "empty", "empty_like", "empty_strided", "lift_fresh",
     "view_as", "unfold", "diagonal", "narrow", "_to_copy_noop", "resolve_conj", "resolve_neg",
     "is_same_size", "sym_size", "sym_stride", "sym_numel", "dim", "size", "stride",
+    "reshape_as", "new_empty", "new_empty_strided", "contiguous_noop",
 }
 
 
