@@ -243,4 +243,3 @@ def test_wide_snapshot_golden_requests_are_unchanged_by_padding(
 def test_wide_snapshot_random_requests_are_unchanged_by_padding(
         wide_pair: tuple[NativeExecutor, NativeExecutor], request: dict[str, Any]) -> None:
     assert_same_answers(*wide_pair, request, 1024)
-
