@@ -8,8 +8,8 @@ The front keeps up to the worker's `max_sequences` requests in flight to it; the
 has already put interactive requests before bulk ones).
 
 Groups (`GroupCutter`): consecutive requests, in admission order, while the forward's token cost
-(`BatchingExecutor.batch_tokens`: the real tokens of a packed row, each aligned to 64 when a
-graph replays it; rows x bucket for a padded batch) stays within `--max-batch-tokens` and its
+(`BatchingExecutor.batch_tokens`: the real tokens of a packed row, laid back to back also
+when a graph replays it; rows x bucket for a padded batch) stays within `--max-batch-tokens` and its
 requests within `--max-batch`. Work-conserving: a lone request runs at once, a group is never
 held back to wait for company (only `--batch-window-ms`, default 0, waits). The layouts
 themselves (packed with cumulative offsets, or right-padded rows) are the runner's

@@ -123,8 +123,8 @@ class BatchPolicy:
     for company. The defaults are CUDA's (tests build policies directly)."""
 
     layout: str = PACKED
-    # Tokens per forward: real tokens when packed (each request aligned to 64 when graphs
-    # replay it, clef_worker.gpu.packed_graphs), rows x bucket length when padded.
+    # Tokens per forward: real tokens when packed (back to back also when graphs replay
+    # them, clef_worker.gpu.packed_graphs), rows x bucket length when padded.
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     max_sequences: int = DEFAULT_MAX_BATCH_CUDA  # requests per forward
     window_ms: float = 0.0

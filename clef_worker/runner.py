@@ -14,8 +14,8 @@ Layouts (the batch policy's, clef_worker.policy):
 
 - **packed**: the requests' tokens end to end in one row with cumulative offsets
   (clef_worker.model.packed); no padding. A graph bucket (clef_worker.gpu.packed_graphs) holds
-  the requests at 64-aligned offsets; the head then reads each request's rows from its offset
-  (one gather), and eagerly the row is already the requests' real tokens end to end.
+  the requests back to back, padding after them; the head then reads each request's rows from
+  its offset (one gather), and eagerly the row is already the requests' real tokens end to end.
 - **padded**: right-padded `[rows, bucket]` forwards as `GraphRunner.plan` chooses them.
 - **per-group** (CPU's `auto`, eager only): each group padded when its lengths are uniform
   enough, else packed (`clef_worker.policy.group_layout`, the one place that decides).
@@ -234,8 +234,8 @@ class ModelRunner:
 
     def batch_tokens(self, lengths: Sequence[int]) -> int:
         """A forward's cost against `--max-batch-tokens`, in the layout the group would run
-        in: packed, its real tokens (each aligned to 64 when graphs replay it); padded, rows x
-        the longest's bucket."""
+        in: packed, its real tokens (`aligned_total`: back to back when graphs replay them);
+        padded, rows x the longest's bucket."""
         if self.packs(lengths):
             return aligned_total(lengths) if self.graphs is not None else sum(lengths)
         longest = max(lengths)

@@ -152,13 +152,24 @@ def measure() -> dict[str, Any]:
             expected = run(packed_layers.LOOPED, real, PackedLayout.from_lengths(lengths, cpu),
                            weight, bias)
         cases.append((lengths, values, expected))
+    # The dense static row (sequences back to back, spare chunk pairs on an empty slot).
+    dense = StaticPackedLayout(STATIC_TOKENS, STATIC_SEQUENCES, cpu, align=1)
+    dense_cases = []
+    for index, lengths in enumerate(MIXES):
+        layout = dense.fill(lengths)
+        values = inputs(layout.total_tokens, seed=10 + index)
+        real = gather(values, layout.spans(), lengths)
+        with torch.inference_mode():
+            expected = run(packed_layers.LOOPED, real, PackedLayout.from_lengths(lengths, cpu),
+                           weight, bias)
+        dense_cases.append((lengths, values, expected))
 
     swap.replace(modeling, short_conv.FUNCTION_NAME,
                  lambda original: short_conv.FlaShortConv(short_conv.load_fla_kernel(),
                                                           original))
     kernels = packed_layers.kernels_for(cpu, torch.float32, "fla")
     fla_utils = importlib.import_module(packed_layers.FLA_UTILS)
-    results: dict[str, Any] = {"names": list(kernels.names),
+    results: dict[str, Any] = {"names": list(kernels.names), "fused": kernels.fused.name,
                                "memo_off": getattr(fla_utils, packed_layers.FLA_MEMO_SWITCH),
                                "interpreter": os.environ.get("TRITON_INTERPRET"), "cases": []}
     for index, (lengths, values, expected) in enumerate(cases):
@@ -170,6 +181,19 @@ def measure() -> dict[str, Any]:
         outputs = [gather({"out": out}, layout.spans(), lengths)["out"] for out in got]
         results["cases"].append({
             "layout": "packed" if index == 0 else "static",
+            "lengths": list(lengths), "offsets": list(layout.cu_seqlens_host),
+            "chunk_indices": layout.chunk_indices.tolist(),
+            "delta_max_abs_diff": float((outputs[0] - expected[0]).abs().max()),
+            "conv_max_abs_diff": float((outputs[1] - expected[1]).abs().max()),
+            "finite": bool(all(torch.isfinite(out).all() for out in got)),
+        })
+    results["dense"] = []
+    for lengths, values, expected in dense_cases:
+        layout = dense.fill(lengths)
+        with torch.inference_mode():
+            got = run(kernels, values, layout, weight, bias)
+        outputs = [gather({"out": out}, layout.spans(), lengths)["out"] for out in got]
+        results["dense"].append({
             "lengths": list(lengths), "offsets": list(layout.cu_seqlens_host),
             "chunk_indices": layout.chunk_indices.tolist(),
             "delta_max_abs_diff": float((outputs[0] - expected[0]).abs().max()),

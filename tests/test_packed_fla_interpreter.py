@@ -50,6 +50,7 @@ def test_the_fla_path_is_the_one_measured(measured: dict[str, Any]) -> None:
     # fla's delta rule and convolution (attention has no CPU varlen kernel: not measured here)
     assert measured["names"][:2] == ["fla-varlen", "fla-varlen"]
     assert measured["memo_off"] is True  # kernels_for switched fla's index memo off
+    assert measured["fused"] == "fla"  # and chose fla's fused norms, rotary and gates
     assert [case["lengths"] for case in measured["cases"]] == [list(m) for m in MIXES]
 
 
@@ -75,6 +76,34 @@ def test_flas_kernels_equal_the_per_sequence_torch_path(measured: dict[str, Any]
     through the torch path: nothing crosses a boundary, and the static row refilled in place
     for each later mix gives that mix's answers (not an earlier fill's)."""
     case = measured["cases"][index]
+    assert case["finite"]
+    assert case["delta_max_abs_diff"] <= BOUND, case
+    assert case["conv_max_abs_diff"] <= BOUND, case
+
+
+def test_the_dense_static_row_pads_flas_chunks_with_an_empty_slot(
+        measured: dict[str, Any]) -> None:
+    """The dense row (`align=1`, what the packed graphs run): sequences back to back, the
+    tail, and always one empty slot at the end; the chunk pairs are fla's for those offsets,
+    then pairs of the empty slot up to the fixed capacity (a chunk per 64 tokens plus one per
+    request)."""
+    capacity = STATIC_TOKENS // FLA_CHUNK + STATIC_SEQUENCES
+    for case, lengths in zip(measured["dense"], MIXES, strict=True):
+        offsets = case["offsets"]
+        assert len(offsets) == STATIC_SEQUENCES + 3 and offsets[-2:] == [STATIC_TOKENS] * 2
+        assert offsets[:len(lengths) + 1] == [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+        real = expected_chunk_indices(offsets)
+        assert case["chunk_indices"][:len(real)] == real
+        spare = case["chunk_indices"][len(real):]
+        assert len(real) + len(spare) == capacity
+        assert spare == [[STATIC_SEQUENCES + 1, 0]] * len(spare)
+
+
+@pytest.mark.parametrize("index", range(len(MIXES)))
+def test_flas_kernels_on_the_dense_static_row_equal_the_per_sequence_torch_path(
+        measured: dict[str, Any], index: int) -> None:
+    """Unaligned sequences and spare chunk pairs change nothing at any real token."""
+    case = measured["dense"][index]
     assert case["finite"]
     assert case["delta_max_abs_diff"] <= BOUND, case
     assert case["conv_max_abs_diff"] <= BOUND, case

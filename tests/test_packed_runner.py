@@ -23,6 +23,7 @@ from clef_worker.assembly import assemble_snapshot
 from clef_worker.batching import answer_groups
 from clef_worker.gpu.graphs import EagerCapturer
 from clef_worker.gpu.packed_graphs import (
+    PACK_ALIGN,
     PackedGraphRunner,
     aligned_offsets,
     aligned_total,
@@ -129,16 +130,22 @@ def test_every_golden_case_in_mixed_packed_groups_answers_as_alone(
         assert isinstance(graphs, PackedGraphRunner) and graphs.stats.replays
 
 
-def test_the_static_row_aligns_every_request_and_reads_it_back_from_its_offset(
+def test_the_static_row_packs_requests_back_to_back_and_reads_each_from_its_offset(
         static_runner: ModelRunner) -> None:
+    """The dense row (`PACK_ALIGN`): no request is padded to fla's chunk, so a group costs its
+    own tokens against the budget and the buckets."""
     graphs = static_runner.graphs
     assert isinstance(graphs, PackedGraphRunner)
+    assert PACK_ALIGN == 1
+    assert all(static.layout.align == PACK_ALIGN for static in graphs.static.values())
     ids = [[5] * 70, [6] * 1, [7] * 64]
-    assert aligned_offsets([70, 1, 64]) == [0, 128, 192]
-    assert aligned_total([70, 1, 64]) == 256
-    assert graphs.bucket_for([70, 1, 64]) == 512
-    row, real = graphs.host_ids(ids, 512)
-    assert row.shape == (512,) and real.tolist() == [*range(70), 128, *range(192, 256)]
+    assert aligned_offsets([70, 1, 64]) == [0, 70, 71]
+    assert aligned_total([70, 1, 64]) == 135
+    assert aligned_total([70, 1, 64], align=64) == 256  # what chunk alignment would cost
+    bucket = graphs.bucket_for([70, 1, 64])
+    assert bucket == min(b for b in STATIC_BUCKETS if b >= 135)
+    row, real = graphs.host_ids(ids, bucket)
+    assert row.shape == (bucket,) and real.tolist() == list(range(135))
     assert row[real].tolist() == [5] * 70 + [6] + [7] * 64
     assert set(row.tolist()) - {5, 6, 7} == {graphs.pad_id}
     # more requests than a static row holds, or more tokens than the largest bucket: eager

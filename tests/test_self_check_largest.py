@@ -105,10 +105,10 @@ def test_a_group_the_forced_shape_cannot_hold_is_refused(tiny_snapshot: Path) ->
     a ValueError that says which, never a silent run in another shape."""
     packed = bucketed(tiny_snapshot)
     requests = self_check.Requests(packed)
-    group = [requests.make(300), requests.make(200)]  # 320 + 256 aligned tokens
+    group = [requests.make(300), requests.make(200)]  # 500 tokens back to back
     runner = packed.runner
-    with pytest.raises(ValueError, match="take 576 aligned tokens, more than the 512-token"):
-        runner.run(group, shape=(1, 512))
+    with pytest.raises(ValueError, match="take 500 aligned tokens, more than the 448-token"):
+        runner.run(group, shape=(1, 448))
     with pytest.raises(ValueError, match="no 1088-token packed bucket was built"):
         runner.run(group, shape=(1, 1088))
     with pytest.raises(ValueError, match=r"a packed bucket is one row: \[1, tokens\]"):

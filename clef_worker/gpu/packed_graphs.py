@@ -7,12 +7,18 @@ replays any mix of lengths: at the H200 defaults (16,384 tokens, 16 requests) th
 where padded `[rows, bucket]` graphs needed about 110.
 
 A graph replays fixed kernel grids at fixed addresses, so each bucket owns a static ids buffer
-and a `StaticPackedLayout` (h26m's, clef_worker.model.packed): every request is aligned to fla's
-chunk of 64 tokens, a dummy tail sequence fills the bucket, and the offsets are rewritten in
-place before each replay. The group's token cost against `--max-batch-tokens` is therefore its
-aligned total (`aligned_total`), so every group the batcher forms fits the largest bucket. The
-runner lays the ids out at the aligned offsets on the host (`host_ids`) and reads each request's
-rows back from its offset (`real_rows`).
+and a dense `StaticPackedLayout` (clef_worker.model.packed, `align=1`): the requests back to
+back, a dummy tail sequence filling the bucket, and fla's chunk pairs padded to a fixed count
+with pairs of an empty slot; the offsets are rewritten in place before each replay. (Aligning
+every request to fla's 64-token chunk also fixes the grid, but a ~393-token request then takes
+448 tokens: 12 % more work in every layer, where the dense row adds at most one chunk per
+request to the Gated DeltaNet kernels alone.) `PACK_ALIGN` names the choice; the group's token
+cost against `--max-batch-tokens` is its total under it (`aligned_total`), so every group the
+batcher forms fits the largest bucket. The runner lays the ids out at those offsets on the host
+(`host_ids`) and reads each request's rows back from its offset (`real_rows`).
+
+The buckets are spaced by what padding costs in time (`cost_bucket_lengths`): 29 at the H200
+defaults, from 64 tokens by 64 to 192, then 128 up to ~900, then about 1.12x.
 
 As with the padded graphs, capture happens at warm-up only (`build_all`, largest first, in one
 memory pool through a `Capturer`); a forward no bucket holds runs eagerly and unpadded.
@@ -29,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clef_worker.gpu.buckets import bucket_lengths
+from clef_worker.gpu.buckets import cost_bucket_lengths
 from clef_worker.gpu.graphs import Capturer, Forward
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.lora import AdapterSelection
@@ -38,12 +44,16 @@ from clef_worker.model.packed import FLA_CHUNK, StaticPackedLayout, aligned_leng
 log = logging.getLogger(__name__)
 
 
-def aligned_total(lengths: Sequence[int], align: int = FLA_CHUNK) -> int:
+# How requests are placed in a packed bucket's static row: back to back (see the module docs).
+PACK_ALIGN = 1
+
+
+def aligned_total(lengths: Sequence[int], align: int = PACK_ALIGN) -> int:
     """Tokens a static packed row needs for these requests (each aligned to `align`)."""
     return sum(aligned_length(int(length), align) for length in lengths)
 
 
-def aligned_offsets(lengths: Sequence[int], align: int = FLA_CHUNK) -> list[int]:
+def aligned_offsets(lengths: Sequence[int], align: int = PACK_ALIGN) -> list[int]:
     """Where each request starts in a static packed row."""
     starts, first = [], 0
     for length in lengths:
@@ -54,13 +64,13 @@ def aligned_offsets(lengths: Sequence[int], align: int = FLA_CHUNK) -> list[int]
 
 def packed_buckets(max_batch_tokens: int, max_length: int, graph_max_length: int = 0,
                    align: int = FLA_CHUNK) -> tuple[int, ...]:
-    """The total-token buckets to capture: the bucket table (multiples of 64 to 1,024, then
-    about 1.25x) up to the largest forward the policy forms, the budget or one request of
-    `max_length` (aligned), cut at `graph_max_length` when given."""
+    """The total-token buckets to capture: the cost-spaced table (multiples of `align`, 64) up
+    to the largest forward the policy forms, the budget or one request of `max_length`
+    (rounded up to `align`), cut at `graph_max_length` when given."""
     largest = max(aligned_length(max_batch_tokens, align), aligned_length(max_length, align))
     if graph_max_length:
         largest = min(largest, aligned_length(graph_max_length, align))
-    return bucket_lengths(largest, step=align)
+    return cost_bucket_lengths(largest, step=align)
 
 
 @dataclass
@@ -167,7 +177,7 @@ class PackedGraphRunner:
     def _build(self, tokens: int) -> None:
         device = self.backbone.device
         input_ids = torch.full((tokens,), self.pad_id, dtype=torch.long, device=device)
-        layout = StaticPackedLayout(tokens, self.max_sequences, device)
+        layout = StaticPackedLayout(tokens, self.max_sequences, device, align=PACK_ALIGN)
         backbone = self.backbone
         selection = self.selection
         slots = (torch.zeros(tokens, dtype=torch.long, device=device)

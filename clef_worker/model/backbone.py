@@ -297,8 +297,9 @@ class Backbone:
 
         if self.packed_kernels is None:
             self.packed_kernels = kernels_for(self.device, self.dtype, self.gdn_path)
-            log.info("packed rows: delta rule %s, short convolution %s, attention %s%s",
-                     *self.packed_kernels.names,
+            log.info("packed rows: delta rule %s, short convolution %s, attention %s, "
+                     "norms/rotary/gates %s%s", *self.packed_kernels.names,
+                     self.packed_kernels.fused.name,
                      "" if self.packed_kernels.graph_safe else " (offsets read on the host)")
         return packed_forward(self.model, input_ids, layout, self.packed_kernels)
 

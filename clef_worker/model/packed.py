@@ -77,15 +77,25 @@ def segmented_arange(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return segment, np.arange(len(segment)) - starts[segment]
 
 
-def staged_values(offsets: Sequence[int], chunk: int = FLA_CHUNK) -> tuple[Tensor, int, int]:
+def staged_values(offsets: Sequence[int], chunk: int = FLA_CHUNK,
+                  capacity: int = 0) -> tuple[Tensor, int, int]:
     """The offsets, fla's chunk indices (flattened) and every token's position, back to back in
-    one int64 host tensor; also the number of offsets and of chunks. Vectorised in numpy: a
-    layout is built on the request path, and torch's intra-op threads cost more than they save
-    on arrays this small (30 ms instead of 0.3 ms for 16,384 tokens on a busy 2-core host)."""
+    one int64 host tensor; also the number of offsets and of chunk pairs. With a `capacity`
+    above the chunk count, the pairs are padded to it with chunk 0 of the last sequence, which
+    must be empty (each kernel masks a chunk past its sequence's end: the pair computes
+    nothing). Vectorised in numpy: a layout is built on the request path, and torch's intra-op
+    threads cost more than they save on arrays this small (30 ms instead of 0.3 ms for 16,384
+    tokens on a busy 2-core host)."""
     cu = np.asarray(offsets, dtype=np.int64)
     lengths = np.diff(cu)
     sequence, within = segmented_arange((lengths + chunk - 1) // chunk)
     _, positions = segmented_arange(lengths)
+    spare = max(0, capacity - len(sequence))
+    if spare:
+        if lengths[-1]:
+            raise AssertionError("internal: spare chunk pairs need an empty last sequence")
+        sequence = np.concatenate([sequence, np.full(spare, len(lengths) - 1)])
+        within = np.concatenate([within, np.zeros(spare, dtype=within.dtype)])
     pairs = np.stack([sequence, within], 1).reshape(-1)
     host = np.concatenate([cu, pairs, positions]).astype(np.int64)
     return torch.from_numpy(host), len(cu), len(sequence)
@@ -161,31 +171,43 @@ class PackedLayout:
 
 class StaticPackedLayout:
     """Buffers for a packed row of exactly `total_tokens` tokens with at most `max_sequences`
-    sequences, every sequence aligned to a multiple of `align` (fla's chunk, 64) and a dummy tail
-    sequence filling the bucket; `fill(lengths)` writes the offsets in place (host -> device copy
-    only) so a captured graph replays with new offsets.
+    sequences and a dummy tail sequence filling the bucket; `fill(lengths)` writes the offsets
+    in place (host -> device copy only) so a captured graph replays with new offsets.
 
-    Shapes that never change for a given (total_tokens, max_sequences): `cu_seqlens` has
-    `max_sequences + 2` entries (the real sequences, the tail, then empty slots at the end),
-    `chunk_indices` has `total_tokens / 64` pairs (`align` is a multiple of fla's chunk),
-    `positions` has `total_tokens` entries, `max_seqlen` is `total_tokens`.
+    Two ways to keep fla's grid fixed. `align` a multiple of fla's chunk (64): every sequence
+    starts on a chunk, so the chunk count is always `total_tokens / 64` (a ~393-token request
+    then takes 448 tokens). `align=1` (dense): sequences back to back, and the chunk pairs
+    padded to `total_tokens / 64 + max_sequences` (each sequence adds at most one partial chunk)
+    with pairs of an always-empty last slot, which compute nothing; only the Gated DeltaNet's
+    chunked kernels see those extra chunks, every other layer runs the real tokens.
+
+    Shapes that never change for a given (total_tokens, max_sequences, align): `cu_seqlens` has
+    `max_sequences + 2` entries aligned, `+ 3` dense (the real sequences, the tail, then empty
+    slots at the end), `chunk_indices` as above, `positions` has `total_tokens` entries,
+    `max_seqlen` is `total_tokens`.
     """
 
     def __init__(self, total_tokens: int, max_sequences: int, device: torch.device,
                  align: int = FLA_CHUNK):
-        if align < FLA_CHUNK or align % FLA_CHUNK:
-            raise ValueError(f"align {align}: must be a multiple of fla's chunk, {FLA_CHUNK}")
-        if total_tokens < align or total_tokens % align:
+        if align != 1 and (align < FLA_CHUNK or align % FLA_CHUNK):
+            raise ValueError(f"align {align}: must be 1 or a multiple of fla's chunk, "
+                             f"{FLA_CHUNK}")
+        unit = FLA_CHUNK if align == 1 else align
+        if total_tokens < unit or total_tokens % unit:
             raise ValueError(f"total_tokens {total_tokens}: must be a positive multiple of "
-                             f"align {align}")
+                             f"{unit}")
         if max_sequences < 1:
             raise ValueError(f"max_sequences {max_sequences}: must be at least 1")
         self.total_tokens = total_tokens
         self.max_sequences = max_sequences
         self.align = align
         self.device = device
-        self.cu_seqlens = torch.empty(max_sequences + 2, dtype=torch.int32, device=device)
-        self.chunk_indices = torch.empty(total_tokens // FLA_CHUNK, 2, dtype=torch.int32,
+        dense = align == 1
+        # dense: one more slot, always empty, for the spare chunk pairs to point at
+        self.slots = max_sequences + (3 if dense else 2)
+        self.chunk_capacity = total_tokens // FLA_CHUNK + (max_sequences if dense else 0)
+        self.cu_seqlens = torch.empty(self.slots, dtype=torch.int32, device=device)
+        self.chunk_indices = torch.empty(self.chunk_capacity, 2, dtype=torch.int32,
                                          device=device)
         self.positions = torch.empty(total_tokens, dtype=torch.int64, device=device)
         self.cu_seqlens_host: tuple[int, ...] = ()
@@ -194,7 +216,7 @@ class StaticPackedLayout:
 
     def offsets_for(self, lengths: Sequence[int]) -> tuple[int, ...]:
         """The static row's offsets for these real lengths: each aligned, then the tail, then
-        empty slots; always `max_sequences + 2` entries ending at `total_tokens`."""
+        empty slots; always `self.slots` entries ending at `total_tokens`."""
         check_lengths(lengths)
         if len(lengths) > self.max_sequences:
             raise ValueError(f"{len(lengths)} sequences do not fit a static row of at most "
@@ -203,15 +225,14 @@ class StaticPackedLayout:
         if offsets[-1] > self.total_tokens:
             raise ValueError(f"lengths {list(lengths)} take {offsets[-1]} aligned tokens, more "
                              f"than the static row's {self.total_tokens}")
-        slots = self.max_sequences + 2
-        return (*offsets, *([self.total_tokens] * (slots - len(offsets))))
+        return (*offsets, *([self.total_tokens] * (self.slots - len(offsets))))
 
     def fill(self, lengths: Sequence[int]) -> PackedLayout:
         """Write the offsets for these real lengths into the buffers (in place) and return the
         layout to run with: fresh views of the buffers (see the module docs on fla's memo)."""
         offsets = self.offsets_for(lengths)
-        host, count, chunks = staged_values(offsets)
-        if chunks != self.total_tokens // FLA_CHUNK:
+        host, count, chunks = staged_values(offsets, capacity=self.chunk_capacity)
+        if chunks != self.chunk_capacity:
             raise AssertionError(f"internal: {chunks} chunks in a static row of "
                                  f"{self.total_tokens} tokens")
         staged = to_device(host, self.device)

@@ -55,6 +55,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from clef_worker.model import gated_delta, short_conv
+from clef_worker.model.fused import TORCH, FusedOps, fused_ops_for
 from clef_worker.model.module_names import FLA_KERNEL_MODULE, MODELING_MODULE
 from clef_worker.model.packed import PackedLayout
 
@@ -91,6 +92,9 @@ class PackedKernels:
     attention: Attention  # q [1, Hq, T, d], k, v [1, Hkv, T, d] -> [1, T, Hq, d]
     names: tuple[str, str, str]  # (delta rule, conv, attention), for logs and `ready`
     graph_safe: bool  # no host read of offsets anywhere: one graph per bucket can replay
+    # The norms, rotary, gates and MLP activation (clef_worker.model.fused): fla's fused
+    # kernels on the fla path, the modules' own ops otherwise.
+    fused: FusedOps = TORCH
 
 
 # -------------------------------------------------------------------------------------------
@@ -274,9 +278,10 @@ LOOPED = PackedKernels(delta_rule=looped_delta_rule, conv=looped_conv, attention
 
 
 def fla_kernels(delta_kernel: Callable[..., Any], conv_kernel: Callable[..., Any] | None,
-                attention_kernel: Callable[..., Any] | None) -> PackedKernels:
+                attention_kernel: Callable[..., Any] | None,
+                fused: FusedOps = TORCH) -> PackedKernels:
     """The CUDA set: fla's varlen delta rule, fla's varlen convolution (masked torch when None),
-    `varlen_attn` (per-sequence when None)."""
+    `varlen_attn` (per-sequence when None), and the given elementwise ops."""
     graph_safe = (accepts(delta_kernel, "chunk_indices") and attention_kernel is not None
                   and (conv_kernel is None or accepts(conv_kernel, "chunk_indices")))
     return PackedKernels(
@@ -287,6 +292,7 @@ def fla_kernels(delta_kernel: Callable[..., Any], conv_kernel: Callable[..., Any
         names=("fla-varlen", "masked-torch" if conv_kernel is None else "fla-varlen",
                "per-sequence" if attention_kernel is None else "varlen_attn"),
         graph_safe=graph_safe,
+        fused=fused,
     )
 
 
@@ -334,7 +340,8 @@ def kernels_for(device: torch.device, dtype: torch.dtype, gdn_path: str) -> Pack
     disable_fla_memo()
     adapter = short_conv.installed(modeling_module())
     conv = adapter.kernel if adapter is not None else None
-    kernels = fla_kernels(delta, conv, load_varlen_attention(device, dtype))
+    kernels = fla_kernels(delta, conv, load_varlen_attention(device, dtype),
+                          fused_ops_for(gdn_path))
     if not kernels.graph_safe:
         log.warning("packed kernels %s read offsets on the host: packed rows cannot be captured",
                     kernels.names)
@@ -354,21 +361,24 @@ def gated_delta_net(mixer: Any, x: Tensor, layout: PackedLayout, kernels: Packed
     a = mixer.in_proj_a(x)
     mixed = kernels.conv(mixed, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias,
                          mixer.activation, layout)
-    query, key, value, g, beta = delta_rule_inputs(mixer, mixed, a, b, rows, length)
+    query, key, value, g, beta = delta_rule_inputs(mixer, mixed, a, b, rows, length,
+                                                   kernels.fused)
     core = kernels.delta_rule(query, key, value, g, beta, layout)
-    core = mixer.norm(core.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
+    core = kernels.fused.gated_norm(mixer.norm, core.reshape(-1, mixer.head_v_dim),
+                                    z.reshape(-1, mixer.head_v_dim))
     return mixer.out_proj(core.reshape(rows, length, -1))
 
 
 def full_attention(module: Any, x: Tensor, rotary: tuple[Tensor, Tensor], layout: PackedLayout,
                    kernels: PackedKernels) -> Tensor:
     """transformers' `Qwen3_5Attention.forward` (no cache) over a packed row."""
-    query, key, value, gate = attention_inputs(module, x, rotary)
-    return attention_output(module, kernels.attention(module, query, key, value, layout), gate)
+    query, key, value, gate = attention_inputs(module, x, rotary, kernels.fused)
+    return attention_output(module, kernels.attention(module, query, key, value, layout), gate,
+                            kernels.fused)
 
 
-def delta_rule_inputs(mixer: Any, mixed: Tensor, a: Tensor, b: Tensor, rows: int,
-                      length: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def delta_rule_inputs(mixer: Any, mixed: Tensor, a: Tensor, b: Tensor, rows: int, length: int,
+                      fused: FusedOps = TORCH) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The Gated DeltaNet rule's inputs from the convolved projection and the gate
     projections: query, key, value (`[rows, length, heads, dim]`), the decay `g` and `beta`.
     One copy for the packed forward and the prefixed one (clef_worker.model.prefix_forward),
@@ -378,12 +388,11 @@ def delta_rule_inputs(mixer: Any, mixed: Tensor, a: Tensor, b: Tensor, rows: int
     query = query.reshape(rows, length, -1, mixer.head_k_dim)
     key = key.reshape(rows, length, -1, mixer.head_k_dim)
     value = value.reshape(rows, length, -1, mixer.head_v_dim)
-    g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
-    return query, key, value, g, b.sigmoid()
+    return query, key, value, fused.decay(mixer, a), b.sigmoid()
 
 
-def attention_inputs(module: Any, x: Tensor,
-                     rotary: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def attention_inputs(module: Any, x: Tensor, rotary: tuple[Tensor, Tensor],
+                     fused: FusedOps = TORCH) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The first half of transformers' `Qwen3_5Attention.forward`: the query, key and value
     (`[rows, heads, tokens, head_dim]`, normed, rotated) and the output gate
     (`[rows, tokens, heads * head_dim]`). One copy for the packed forward and the prefixed
@@ -393,19 +402,18 @@ def attention_inputs(module: Any, x: Tensor,
     query, gate = torch.chunk(
         module.q_proj(x).view(*input_shape, -1, module.head_dim * 2), 2, dim=-1)
     gate = gate.reshape(*input_shape, -1)
-    query = module.q_norm(query.view(hidden_shape)).transpose(1, 2)
-    key = module.k_norm(module.k_proj(x).view(hidden_shape)).transpose(1, 2)
+    query, _ = fused.norm(module.q_norm, query.view(hidden_shape), None)
+    key, _ = fused.norm(module.k_norm, module.k_proj(x).view(hidden_shape), None)
+    query, key = fused.rotate(query, key, rotary)  # `[rows, tokens, heads, head_dim]`
     value = module.v_proj(x).view(hidden_shape).transpose(1, 2)
-    cos, sin = rotary
-    query, key = modeling_module().apply_rotary_pos_emb(query, key, cos, sin)
-    return query, key, value, gate
+    return query.transpose(1, 2), key.transpose(1, 2), value, gate
 
 
-def attention_output(module: Any, output: Tensor, gate: Tensor) -> Tensor:
+def attention_output(module: Any, output: Tensor, gate: Tensor,
+                     fused: FusedOps = TORCH) -> Tensor:
     """The second half: the attention output (`[rows, tokens, heads, head_dim]`) gated and
     projected back to the hidden size."""
-    output = output.reshape(*gate.shape[:-1], -1).contiguous() * torch.sigmoid(gate)
-    return module.o_proj(output)
+    return module.o_proj(fused.output_gate(output.reshape(*gate.shape[:-1], -1), gate))
 
 
 def packed_forward(model: Any, input_ids: Tensor, layout: PackedLayout,
@@ -414,15 +422,28 @@ def packed_forward(model: Any, input_ids: Tensor, layout: PackedLayout,
     if input_ids.dim() != 1 or input_ids.shape[0] != layout.total_tokens:
         raise ValueError(f"packed input_ids must be [{layout.total_tokens}] (the layout's "
                          f"tokens), got {list(input_ids.shape)}")
+    fused = kernels.fused
     hidden = model.embed_tokens(input_ids).unsqueeze(0)
-    rotary = model.rotary_emb(hidden, layout.positions.unsqueeze(0))
+    rotary = fused.rotary_table(model.rotary_emb, hidden, layout.positions)
+    # Each residual add is done by the norm that follows it (`fused.norm(module, update,
+    # residual)` returns the normed sum and the sum): one kernel on the fla path.
+    update: Tensor | None = None
     for layer in model.layers[: model.config.num_hidden_layers]:
-        residual = hidden
-        mixed = layer.input_layernorm(hidden)
+        mixed, hidden = add_norm(fused, layer.input_layernorm, hidden, update)
         if layer.block_type == "linear_attention":
-            mixed = gated_delta_net(layer.linear_attn, mixed, layout, kernels)
+            update = gated_delta_net(layer.linear_attn, mixed, layout, kernels)
         else:
-            mixed = full_attention(layer.self_attn, mixed, rotary, layout, kernels)
-        hidden = residual + mixed
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return model.norm(hidden)[0]
+            update = full_attention(layer.self_attn, mixed, rotary, layout, kernels)
+        mixed, hidden = fused.norm(layer.post_attention_layernorm, update, hidden)
+        update = fused.mlp(layer.mlp, mixed)
+    normed, _ = add_norm(fused, model.norm, hidden, update)
+    return normed[0]
+
+
+def add_norm(fused: FusedOps, module: Any, hidden: Tensor,
+             update: Tensor | None) -> tuple[Tensor, Tensor]:
+    """`(module(hidden + update), hidden + update)`; before the first layer there is no
+    update yet."""
+    if update is None:
+        return fused.norm(module, hidden, None)
+    return fused.norm(module, update, hidden)
