@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 
 from benchlib.timing import best_ms
 from clef_worker.model import gated_delta
-from clef_worker.model.backbone import MODELING_MODULE, block_fla
+from clef_worker.model.kernel_choice import block_fla
+from clef_worker.model.module_names import MODELING_MODULE
 
 SHAPES = {"tiny": (2, 4, 16), "release": (16, 32, 128)}  # key heads, value heads, head width
 

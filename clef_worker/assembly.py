@@ -42,17 +42,15 @@ from clef_worker.gpu.graphs import (
 from clef_worker.gpu.kernel_cache import prepare_kernel_cache
 from clef_worker.gpu.packed_graphs import PackedGraphRunner, packed_buckets
 from clef_worker.media.vision import VisionTower, has_vision, load_vision
-from clef_worker.model.backbone import (
+from clef_worker.model.backbone import Backbone, load_backbone, read_tensors
+from clef_worker.model.encoding import Encoder
+from clef_worker.model.head import JointSchemaHead
+from clef_worker.model.kernel_choice import (
     DTYPE_NAMES,
-    Backbone,
     bind_gdn_path,
-    load_backbone,
-    read_tensors,
     resolve_device,
     resolve_dtype,
 )
-from clef_worker.model.encoding import Encoder
-from clef_worker.model.head import JointSchemaHead
 from clef_worker.model.lora import SEGMENTS, STACKED, AdapterSelection
 from clef_worker.model.packed_layers import kernels_for
 from clef_worker.model.short_conv import bind_short_conv

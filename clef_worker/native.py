@@ -33,12 +33,10 @@ from clef_worker.errors import (
 from clef_worker.executor import Answer
 from clef_worker.media.vision import PreparedMedia, VisionTower
 from clef_worker.model.answers import build_response, serialize
-from clef_worker.model.backbone import (
-    DTYPE_NAMES,
-    Backbone,
-)
+from clef_worker.model.backbone import Backbone
 from clef_worker.model.encoding import Encoder, Encoding
 from clef_worker.model.head import JointSchemaHead
+from clef_worker.model.kernel_choice import DTYPE_NAMES
 from clef_worker.model.lora import BASE_SLOT
 from clef_worker.model.short_conv import TORCH_PATH
 from clef_worker.model.snapshot import Snapshot

@@ -58,15 +58,15 @@ from clef_worker import warmup
 from clef_worker.errors import StartupError, broken_device_is_fatal
 from clef_worker.executor import Answer
 from clef_worker.model.answers import serialize
-from clef_worker.model.backbone import (
+from clef_worker.model.encoding import BUDGET, Encoder
+from clef_worker.model.kernel_choice import (
     DTYPE_NAMES,
-    MODELING_MODULE,
     check_bound_gdn_path,
     choose_gdn_path,
     resolve_device,
     resolve_dtype,
 )
-from clef_worker.model.encoding import BUDGET, Encoder
+from clef_worker.model.module_names import MODELING_MODULE
 from clef_worker.model.snapshot import open_snapshot
 from clef_worker.policy import DEFAULT_FLAGS, BatchFlags, BatchPolicy
 from clef_worker.versions import package_versions

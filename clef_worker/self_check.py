@@ -108,8 +108,8 @@ from clef_protocol.validation import validate_request
 from clef_worker.batching import GroupCutter
 from clef_worker.errors import StartupError
 from clef_worker.gpu.packed_graphs import PackedGraphRunner, aligned_total
-from clef_worker.model.backbone import DTYPE_NAMES
 from clef_worker.model.encoding import Encoding
+from clef_worker.model.kernel_choice import DTYPE_NAMES
 from clef_worker.policy import PACKED, PADDED, PER_GROUP
 from clef_worker.runner import RowResult
 from clef_worker.variant_probe import probe_slots, reference_runner

@@ -231,7 +231,7 @@ def test_an_importable_fla_sends_the_layout_to_a_child(tmp_path: Path) -> None:
     (fake / "fla" / "__init__.py").write_text("raise RuntimeError('fla imported in-process')\n")
     code = (
         "import sys\n"
-        "from clef_worker.model.backbone import MODELING_MODULE\n"
+        "from clef_worker.model.module_names import MODELING_MODULE\n"
         "from clef_worker.demo import generate_snapshot, layout\n"
         "assert not layout._modelling_import_is_harmless()\n"
         "generate_snapshot(sys.argv[1])\n"

@@ -64,7 +64,7 @@ def test_fla_refused_on_cpu_and_premise(fake_fla: Path, tiny_snapshot: Path) -> 
     result = _python(fake_fla, f"""
         import importlib.util
         assert importlib.util.find_spec("fla") is not None, "the fake fla must be importable"
-        from clef_worker.model.backbone import bound_gdn_path
+        from clef_worker.model.kernel_choice import bound_gdn_path
         from clef_worker.errors import StartupError
         from clef_worker.assembly import assemble_snapshot
         try:

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import pytest
 import torch
 from torch.nn import functional as F
 
 from clef_worker.model import fused
-from clef_worker.model.backbone import bind_gdn_path
 from clef_worker.model.fused import TORCH, UnitWeights, fused_ops_for
+from clef_worker.model.kernel_choice import bind_gdn_path
 from tests.fused_interpreter import TOKENS, build_model
 
 
@@ -31,7 +32,8 @@ def randn(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def layer_of(model: torch.nn.Module, kind: str) -> torch.nn.Module:
+def layer_of(model: Any, kind: str) -> Any:
+    """A decoder layer of `kind` (transformers' layers are untyped for mypy)."""
     return next(layer for layer in model.layers if layer.block_type == kind)
 
 

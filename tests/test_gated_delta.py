@@ -15,15 +15,15 @@ from hypothesis import strategies as st
 
 from clef_worker.errors import StartupError
 from clef_worker.model import gated_delta
-from clef_worker.model.backbone import (
-    MODELING_MODULE,
+from clef_worker.model.gated_delta import chunk_size_for, chunked_gated_delta_rule
+from clef_worker.model.kernel_choice import (
     bind_gdn_path,
     bound_gdn_path,
     check_bound_gdn_path,
     choose_gdn_path,
     fallback_wrapper,
 )
-from clef_worker.model.gated_delta import chunk_size_for, chunked_gated_delta_rule
+from clef_worker.model.module_names import MODELING_MODULE
 
 
 def recurrent_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from clef_protocol.options import add_model_arguments, worker_argv
 from clef_worker.errors import StartupError
 from clef_worker.model import short_conv, swap
-from clef_worker.model.backbone import MODELING_MODULE
+from clef_worker.model.module_names import MODELING_MODULE
 from clef_worker.model.short_conv import (
     FLA_CONV_MODULE,
     FLA_PATH,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from clef_worker.model import short_conv
-from clef_worker.model.backbone import MODELING_MODULE
+from clef_worker.model.module_names import MODELING_MODULE
 from tests.ci_policy import requires_cuda
 
 # fla-core is in the test extra, so only the GPU may be missing (the one skip CI allows).

@@ -18,8 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from clef_worker.model.backbone import KERNEL_PACKAGES, MODELING_MODULE
 from clef_worker.model.head import HeadConfig
+from clef_worker.model.kernel_choice import KERNEL_PACKAGES
+from clef_worker.model.module_names import MODELING_MODULE
 
 # A tensor to generate: name -> (shape, kind). `kind` picks the initialisation (see _draw).
 Layout = dict[str, tuple[tuple[int, ...], str]]

@@ -8,7 +8,7 @@ activation. fla-core (the `cuda` extra, already imported for the delta rule) shi
 convolution as one Triton kernel with the activation fused. What that saves on a GPU is not
 measured yet (docs/benchmarks.md).
 
-`bind_short_conv` runs right after `clef_worker.model.backbone.bind_gdn_path` and replaces the
+`bind_short_conv` runs right after `clef_worker.model.kernel_choice.bind_gdn_path` and replaces the
 module-level `causal_conv1d_fn` of transformers' Qwen3.5 module, which
 `Qwen3_5GatedDeltaNet.forward` looks up at call time, with `FlaShortConv`, only when the device
 is CUDA, the fla Gated DeltaNet path was chosen and `fla.modules.convolution` imports (through
