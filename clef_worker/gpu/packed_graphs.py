@@ -31,9 +31,16 @@ from torch import Tensor
 
 from clef_worker.gpu.buckets import bucket_lengths
 from clef_worker.gpu.graphs import Capturer, Forward
+from clef_worker.gpu.state_buffers import RowSequence, StateBuffers, StateShapes, fresh
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.lora import AdapterSelection
 from clef_worker.model.packed import FLA_CHUNK, StaticPackedLayout, aligned_length
+from clef_worker.model.stateful import (
+    StateKernels,
+    StateOutputs,
+    stateful_forward,
+    stateful_kernels_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +89,8 @@ class PackedStats:
     built: list[int] = field(default_factory=list)  # buckets in build order
     replays: dict[int, int] = field(default_factory=dict)
     capture_ms: float = 0.0
+    # Replays whose row continued cached prefixes or stored points (clef_worker.prefix_graphed).
+    state_replays: int = 0
 
 
 class PackedGraphRunner:
@@ -100,6 +109,12 @@ class PackedGraphRunner:
         self.static: dict[int, PackedStatic] = {}
         self.costs_ms: dict[int, float] = {}
         self.stats = PackedStats()
+        # The state inputs every bucket reads (clef_worker.gpu.state_buffers), made at build
+        # time; their keys hold twice the largest bucket: a full row beside one cached prefix
+        # as long as the longest request.
+        self.states: StateBuffers | None = None
+        self.state_kernels: StateKernels | None = None
+        self.outputs = StateOutputs([], [])  # the last replay's final states (static on CUDA)
 
     @property
     def graphs(self) -> bool:
@@ -154,6 +169,13 @@ class PackedGraphRunner:
     def build_all(self) -> list[int]:
         """Build (capture) every planned bucket, largest first; the only place one is built."""
         started = time.perf_counter()
+        if self.states is None and self.planned:
+            backbone = self.backbone
+            largest = max(self.planned)
+            self.states = StateBuffers(StateShapes.of(backbone.model), self.max_sequences + 1,
+                                       largest, 2 * largest, backbone.device, backbone.dtype)
+            self.state_kernels = stateful_kernels_for(backbone.device, backbone.dtype,
+                                                      backbone.gdn_path)
         self.capturer.begin()
         try:
             with torch.inference_mode():
@@ -173,11 +195,22 @@ class PackedGraphRunner:
         slots = (torch.zeros(tokens, dtype=torch.long, device=device)
                  if selection is not None else None)
 
+        states, kernels = self.states, self.state_kernels
+        assert states is not None and kernels is not None
+
+        def stateful() -> Tensor:
+            hidden, self.outputs = stateful_forward(backbone.model, input_ids, layout.layout(),
+                                                    kernels, states.inputs(tokens))
+            return hidden
+
+        states.clear_rows()
+        states.fill(layout.layout(), fresh([tokens]))
+
         def forward() -> Tensor:
             if selection is None or slots is None:
-                return backbone.packed_hidden_state(input_ids, layout.layout())
+                return stateful()
             with selection.replaying(slots):
-                return backbone.packed_hidden_state(input_ids, layout.layout())
+                return stateful()
 
         self.static[tokens] = PackedStatic(tokens, input_ids, layout,
                                            self.capturer.capture(forward), slots)
@@ -201,15 +234,24 @@ class PackedGraphRunner:
     # -- running -----------------------------------------------------------------------------
 
     def run(self, ids: Tensor, lengths: Sequence[int], bucket: int,
-            slots: Tensor | None = None) -> Tensor:
+            slots: Tensor | None = None,
+            sequences: Sequence[RowSequence] | None = None) -> Tensor:
         """Last hidden state [bucket, H] of a packed row laid out by `host_ids` (on the
         device): the offsets are written into the bucket's static layout, the ids into its
         buffer, and its graph replays. A view of a static buffer: use it before the next
-        replay."""
+        replay. `sequences`: how each continues a cached prefix, its state rows and cached
+        keys already written (clef_worker.prefix_graphed); None: every sequence fresh."""
         static = self.static[bucket]
         if ids.shape != (bucket,):
             raise ValueError(f"ids of shape {tuple(ids.shape)} for the {bucket}-token bucket")
-        static.layout.fill(lengths)
+        layout = static.layout.fill(lengths)
+        assert self.states is not None
+        if sequences is None:
+            self.states.clear_rows()
+            self.states.fill(layout, fresh(lengths))
+        else:
+            self.states.fill(layout, sequences)
+            self.stats.state_replays += 1
         static.input_ids.copy_(ids, non_blocking=True)
         if static.slots is not None:
             if slots is None:
