@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -66,7 +67,8 @@ from clef_worker.model.packed import PackedLayout
 from clef_worker.model.prefix_forward import MediaInputs
 from clef_worker.policy import PACKED, PADDED, group_layout
 from clef_worker.prefix_cache import CacheKey, PrefixCache, ids_array
-from clef_worker.prefix_run import plan_group, run_group
+from clef_worker.prefix_graphed import Member, graphable, run_members
+from clef_worker.prefix_run import GroupPlan, plan_group, run_group
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +217,10 @@ class ModelRunner:
         self.graphs = graphs
         self.layout = layout
         self.prefix_cache = prefix_cache
+        # Prefix-cache groups by the path they took: "graphed" (the packed buckets' replays,
+        # clef_worker.prefix_graphed) or "eager" (the prefixed forward); a group split between
+        # both counts once in each.
+        self.prefix_paths: Counter[str] = Counter()
         if graphs is not None and (layout not in (PACKED, PADDED) or isinstance(
                 graphs, PackedGraphRunner) != (layout == PACKED)):
             raise ValueError(f"a {layout} runner cannot use {type(graphs).__name__}")
@@ -385,10 +391,7 @@ class ModelRunner:
             if plans is not None:
                 assert self.prefix_cache is not None
                 real_ids = self._real_ids(staged, moved[:count])
-                hidden = run_group(self.backbone, self.prefix_cache, plans, staged.lengths,
-                                   real_ids, staged.cache_keys, staged.host_ids,
-                                   lambda spans: self._selected(staged, spans),
-                                   self._media_inputs(staged))
+                hidden = self._prefixed_hidden(staged, plans, real_ids)
                 reused = plans.reused
             elif staged.packed:
                 hidden, real_ids = self._packed_hidden(staged, moved[:count])
@@ -416,6 +419,43 @@ class ModelRunner:
                        strict=True)]
         return RunOutput(results, {"forward_ms": forward_ms, "head_ms": head_ms},
                          hidden if keep_hidden else None)
+
+    def _prefixed_hidden(self, staged: Staged, plan: GroupPlan, real_ids: Tensor) -> Tensor:
+        """A prefix-cache group's final hidden states end to end: the members that fit the
+        packed buckets replay them in rounds (clef_worker.prefix_graphed); a media request and
+        members too long for the buckets run the eager prefixed forward (clef_worker.prefix_run)
+        by themselves, never taking the others with them."""
+        assert self.prefix_cache is not None
+        graphs = self.graphs
+        slots = staged.slots or [BASE_SLOT] * len(staged.lengths)
+        members = []
+        if isinstance(graphs, PackedGraphRunner) and staged.media is None:
+            members = [Member(i, hit, length, points, slots[i]) for i, (hit, length, points)
+                       in enumerate(zip(plan.hits, staged.lengths, plan.points, strict=True))
+                       if graphable(graphs, hit.tokens, length)]
+        parts: dict[int, Tensor] = {}
+        if members:
+            assert isinstance(graphs, PackedGraphRunner)
+            parts = run_members(graphs, self.prefix_cache, members, staged.cache_keys,
+                                staged.host_ids)
+            self.prefix_paths["graphed"] += 1
+        rest = [i for i in range(len(staged.lengths)) if i not in parts]
+        if rest:
+            starts = [0, *np.cumsum(staged.lengths).tolist()]
+            ids = torch.cat([real_ids[starts[i]:starts[i + 1]] for i in rest])
+            hidden = run_group(
+                self.backbone, self.prefix_cache,
+                GroupPlan([plan.hits[i] for i in rest], [plan.points[i] for i in rest]),
+                [staged.lengths[i] for i in rest], ids,
+                [staged.cache_keys[i] for i in rest], [staged.host_ids[i] for i in rest],
+                lambda spans: self._selected(staged, spans, rest), self._media_inputs(staged))
+            at = 0
+            for i in rest:
+                parts[i] = hidden[at:at + staged.lengths[i]]
+                at += staged.lengths[i]
+            self.prefix_paths["eager"] += 1
+        ordered = [parts[i] for i in range(len(staged.lengths))]
+        return ordered[0] if len(ordered) == 1 else torch.cat(ordered)
 
     def _variant_heads(self, heads: VariantHeads, hidden: Tensor, real_ids: Tensor
                        ) -> list[HeadOutput]:

@@ -1,0 +1,185 @@
+"""A prefix-cache group through the packed buckets' graphs, in rounds that end at points.
+
+Why: a group where a member continues a cached prefix or stores points used to leave the
+captured graphs for the eager prefixed forward (clef_worker.model.prefix_forward: per-sequence
+loops, host syncs, masked attention over repeated keys). Every bucket's forward takes state inputs
+(clef_worker.model.stateful, clef_worker.gpu.state_buffers), so such a group replays the same
+graphs as a plain one:
+
+- **Round r** holds every member's r-th segment, its tokens cut at its points: a member that
+  stores nothing (plain, or a hit that adds no point) runs whole in round 0, from its cached
+  states or from zero rows. Points and cached starts are multiples of 64, so a segment that
+  ends at a point carries no alignment padding, and the final states the replay leaves for it
+  are exactly the states at the point: kept for the cache and written as its rows for the next
+  round. A member's keys before its segment (cached, then earlier rounds') are copied into the
+  key buffers ahead of it; the new ones are read back after the replay.
+- **No host read of the device**: ids and indices are built on the host from the staged ids and
+  copied without blocking; state rows and keys move device to device.
+- **What does not fit** a bucket (more new tokens than the largest, or more keys than the
+  buffers hold) is left to the caller: `graphable` says which members can go.
+
+The answer of each member is its cached final hidden states followed by the new ones, as the
+eager path returns it; the cache stores what the rounds captured (`PrefixCache.store`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from clef_worker.gpu.packed_graphs import PackedGraphRunner, aligned_offsets
+from clef_worker.gpu.state_buffers import RowSequence
+from clef_worker.model.packed import aligned_length, to_device
+from clef_worker.model.prefix_forward import Captured
+from clef_worker.prefix_cache import CacheKey, Hit, PrefixCache
+
+ALIGN = 64
+
+
+@dataclass
+class Member:
+    """One request of the group as the rounds see it."""
+
+    index: int  # in the group
+    hit: Hit
+    length: int
+    points: tuple[int, ...]
+    slot: int = 0  # its variant's slot
+    recurrent: Tensor | None = None  # [layers, Hv, dk, dv]: its state before its next segment
+    conv: Tensor | None = None  # [layers, K-1, D]
+    keys: list[Tensor] = field(default_factory=list)  # [attention layers, n, Hkv, d] parts
+    values: list[Tensor] = field(default_factory=list)
+    hidden: list[Tensor] = field(default_factory=list)
+    captured: Captured | None = None
+    key_at: int = 0  # where its keys start in the key buffers this round
+
+    @property
+    def start(self) -> int:
+        return self.hit.tokens
+
+    def segments(self) -> list[tuple[int, int]]:
+        cuts = [self.start, *(p for p in self.points if self.start < p < self.length),
+                self.length]
+        return list(itertools.pairwise(cuts))
+
+
+def graphable(graphs: PackedGraphRunner, start: int, length: int) -> bool:
+    """Whether a member's new tokens fit the largest bucket and its keys the key buffers beside
+    a full row."""
+    states = graphs.states
+    if states is None or not graphs.static:
+        return False
+    largest = max(graphs.static)
+    return (aligned_length(length - start, ALIGN) <= largest
+            and aligned_length(length, ALIGN) <= states.capacity - largest)
+
+
+def batches(graphs: PackedGraphRunner, members: Sequence[Member]) -> list[list[Member]]:
+    """Members in order, split where the next would overflow a round (the largest bucket, the
+    key buffers, the sequences a row holds)."""
+    assert graphs.states is not None
+    largest = max(graphs.static)
+    room = graphs.states.capacity - largest
+    out: list[list[Member]] = []
+    tokens = keys = 0
+    for member in members:
+        new = aligned_length(member.length - member.start, ALIGN)
+        own = aligned_length(member.length, ALIGN)
+        if out and (tokens + new <= largest and keys + own <= room
+                    and len(out[-1]) < graphs.max_sequences):
+            out[-1].append(member)
+            tokens, keys = tokens + new, keys + own
+        else:
+            out.append([member])
+            tokens, keys = new, own
+    return out
+
+
+def run_members(graphs: PackedGraphRunner, cache: PrefixCache, members: Sequence[Member],
+                keys: Sequence[CacheKey | None], host_ids: Sequence[np.ndarray]
+                ) -> dict[int, Tensor]:
+    """Every member's final hidden states `[length, H]` (cached then new) by group index;
+    stores what each captured."""
+    for member in members:
+        state = member.hit.state()
+        if state is not None:
+            member.recurrent = torch.stack(state.recurrent)
+            member.conv = torch.stack(state.conv)
+            member.keys = [torch.stack(state.keys).transpose(1, 2)]
+            member.values = [torch.stack(state.values).transpose(1, 2)]
+        member.captured = Captured(member.points, [], [])
+    for batch in batches(graphs, members):
+        for round_index in itertools.count():
+            active = [(m, m.segments()[round_index]) for m in batch
+                      if round_index < len(m.segments())]
+            if not active:
+                break
+            _run_round(graphs, active, host_ids)
+    out = {}
+    for member in members:
+        new = torch.cat(member.hidden) if len(member.hidden) > 1 else member.hidden[0]
+        cached = member.hit.hidden()
+        out[member.index] = new if cached is None else torch.cat([cached, new.to(cached.dtype)])
+        key = keys[member.index]
+        captured = member.captured
+        assert captured is not None
+        if key is not None and member.points:
+            skip = 1 if member.hit.chain else 0  # the cached part, not the member's to store
+            captured.keys = list(torch.cat(member.keys[skip:], dim=1).transpose(1, 2).unbind(0))
+            captured.values = list(torch.cat(member.values[skip:], dim=1).transpose(1, 2)
+                                   .unbind(0))
+            cache.store(key, host_ids[member.index], member.hit, captured, new)
+    return out
+
+
+def _run_round(graphs: PackedGraphRunner, active: Sequence[tuple[Member, tuple[int, int]]],
+               host_ids: Sequence[np.ndarray]) -> None:
+    """One replay of the members' segments (module docs)."""
+    states = graphs.states
+    assert states is not None
+    lengths = [end - start for _, (start, end) in active]
+    bucket = graphs.bucket_for(lengths)
+    if bucket is None:
+        raise ValueError(f"segments of {lengths} tokens fit no built bucket")
+    states.clear_rows()
+    key_at = 0
+    for slot, (member, (start, end)) in enumerate(active):
+        if member.recurrent is not None and member.conv is not None:
+            states.recurrent[:, slot].copy_(member.recurrent, non_blocking=True)
+            states.conv[:, slot].copy_(member.conv, non_blocking=True)
+            states.dirty.add(slot)
+        if start:
+            states.keys[:, key_at:key_at + start].copy_(torch.cat(member.keys, dim=1))
+            states.values[:, key_at:key_at + start].copy_(torch.cat(member.values, dim=1))
+        member.key_at = key_at
+        key_at += start + aligned_length(end - start, ALIGN)
+    row, _ = graphs.host_ids([host_ids[m.index][a:b].tolist() for m, (a, b) in active],
+                             bucket)
+    device = states.device
+    variant = (to_device(graphs.host_slots(lengths, [m.slot for m, _ in active], bucket),
+                         device) if graphs.selection is not None else None)
+    rope = [m.hit.chain[-1].rope_delta if m.hit.chain else 0 for m, _ in active]
+    hidden = graphs.run(to_device(row, device), lengths, bucket, variant,
+                        [RowSequence(end - start, start + delta, start)
+                         for (_, (start, end)), delta in zip(active, rope, strict=True)])
+    finals = torch.stack(graphs.outputs.recurrent, dim=1)  # [slots, layers, ...]
+    tails = torch.stack(graphs.outputs.conv, dim=1)
+    for slot, ((member, (start, end)), at) in enumerate(
+            zip(active, aligned_offsets(lengths), strict=True)):
+        member.hidden.append(hidden[at:at + end - start].clone())
+        first = member.key_at + start
+        member.keys.append(states.keys[:, first:first + end - start].clone())
+        member.values.append(states.values[:, first:first + end - start].clone())
+        if end in member.points:
+            member.recurrent = finals[slot].clone()
+            member.conv = tails[slot].clone()
+            assert member.captured is not None
+            member.captured.recurrent.append(list(member.recurrent.unbind(0)))
+            member.captured.conv.append(list(member.conv.unbind(0)))
+            member.captured.rope_deltas.append(
+                member.hit.chain[-1].rope_delta if member.hit.chain else 0)
