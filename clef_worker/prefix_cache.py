@@ -81,6 +81,31 @@ HASH_BYTES = 16
 END_MARGIN = 16
 
 
+# On CUDA a state is stored only at its end point and only from this many state tokens: each
+# point stored costs one more replay of the packed buckets (the round that ends at it,
+# clef_worker.prefix_graphed) and 49 MiB of recurrent state, so interior block points (rarely
+# reused: an agent's next turn continues from the end) and short states (cheap to recompute)
+# are not worth it there. Both are switches (`StorePolicy`) for a sitting to revisit with
+# measured figures.
+MIN_STATE_TOKENS_CUDA = 1024
+
+
+@dataclass(frozen=True)
+class StorePolicy:
+    """Which points a request stores: only its last (`end_only`), and none for a state
+    shorter than `min_state_tokens`."""
+
+    end_only: bool = False
+    min_state_tokens: int = MIN_STATE_TOKENS
+
+
+def default_store_policy(device: str) -> StorePolicy:
+    """What a worker on `device` stores (see above)."""
+    if device.startswith("cuda"):
+        return StorePolicy(end_only=True, min_state_tokens=MIN_STATE_TOKENS_CUDA)
+    return StorePolicy()
+
+
 def default_block_tokens(device: str) -> int:
     """Tokens between two cached points for a worker on `device`."""
     return BLOCK_TOKENS_CUDA if device.startswith("cuda") else BLOCK_TOKENS
@@ -174,12 +199,15 @@ class PrefixCache:
     """Blocks by key, least recently used first; counts what it served (module docs)."""
 
     def __init__(self, capacity_bytes: int, *, block_tokens: int = BLOCK_TOKENS,
-                 align: int = POINT_ALIGN, enabled: bool = True, disabled_reason: str = ""):
+                 align: int = POINT_ALIGN, enabled: bool = True, disabled_reason: str = "",
+                 policy: StorePolicy = StorePolicy()):
         if block_tokens < align or block_tokens % align:
             raise ValueError(f"block_tokens {block_tokens}: must be a multiple of {align}")
         self.capacity_bytes = capacity_bytes
         self.block_tokens = block_tokens
         self.align = align
+        self.end_only = policy.end_only
+        self.min_state_tokens = policy.min_state_tokens
         self.enabled = enabled and capacity_bytes > 0
         self.disabled_reason = disabled_reason if not self.enabled else ""
         if not self.enabled and not self.disabled_reason:
@@ -226,8 +254,9 @@ class PrefixCache:
         """Where a request whose first `start` tokens are cached stores its states: every
         block end after `start` up to its state's end, and a point `END_MARGIN` tokens before
         that end rounded down to `align`; none before `media_end` (a suffix from there would
-        need the vision tower). A state shorter than `MIN_STATE_TOKENS` stores nothing."""
-        if not self.enabled or state_end < MIN_STATE_TOKENS:
+        need the vision tower). A state shorter than `min_state_tokens` stores nothing; with
+        `end_only`, only the last point is stored."""
+        if not self.enabled or state_end < self.min_state_tokens:
             return ()
         if media_end:
             return tuple(p for p in self.points(start, state_end) if p >= media_end)
@@ -236,7 +265,7 @@ class PrefixCache:
                             self.block_tokens))
         if last > start and (not points or points[-1] != last):
             points.append(last)
-        return tuple(points)
+        return tuple(points[-1:]) if self.end_only else tuple(points)
 
     # -- lookup -------------------------------------------------------------------------------
 

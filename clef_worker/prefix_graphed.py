@@ -25,8 +25,11 @@ eager path returns it; the cache stores what the rounds captured (`PrefixCache.s
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,8 +38,9 @@ from torch import Tensor
 from clef_worker.gpu.packed_graphs import PackedGraphRunner, aligned_offsets
 from clef_worker.gpu.state_buffers import RowSequence
 from clef_worker.model.packed import aligned_length, to_device
-from clef_worker.model.prefix_forward import Captured
+from clef_worker.model.prefix_forward import Captured, MediaInputs
 from clef_worker.prefix_cache import CacheKey, Hit, PrefixCache
+from clef_worker.prefix_run import GroupPlan, run_group
 
 ALIGN = 64
 
@@ -183,3 +187,57 @@ def _run_round(graphs: PackedGraphRunner, active: Sequence[tuple[Member, tuple[i
             member.captured.conv.append(list(member.conv.unbind(0)))
             member.captured.rope_deltas.append(
                 member.hit.chain[-1].rope_delta if member.hit.chain else 0)
+
+
+@dataclass(frozen=True)
+class GroupRun:
+    """What the runner hands over for a prefix-cache group (clef_worker.runner)."""
+
+    backbone: Any
+    cache: PrefixCache
+    plan: GroupPlan
+    lengths: Sequence[int]
+    real_ids: Tensor  # the group's ids end to end, on the device
+    keys: Sequence[CacheKey | None]
+    host_ids: Sequence[np.ndarray]
+    slots: Sequence[int]  # each member's variant slot
+    media: bool  # a lone media request: always the eager path
+    # The adapter selection for the eager path's spans of these members.
+    selected: Callable[[list[tuple[int, int]], list[int]], AbstractContextManager[Any]]
+    media_inputs: Callable[[Tensor], MediaInputs] | None = None
+
+
+def prefixed_hidden(group: GroupRun, graphs: PackedGraphRunner | None,
+                    paths: Counter[str]) -> Tensor:
+    """The group's final hidden states end to end: the members that fit the packed buckets
+    replay them in rounds; a media request and members too long for the buckets run the eager
+    prefixed forward (clef_worker.prefix_run) by themselves, never taking the others with
+    them. `paths` counts the groups by path ("graphed", "eager"; a split group in both)."""
+    plan, lengths = group.plan, group.lengths
+    members = []
+    if graphs is not None and not group.media:
+        members = [Member(i, hit, length, points, group.slots[i]) for i, (hit, length, points)
+                   in enumerate(zip(plan.hits, lengths, plan.points, strict=True))
+                   if graphable(graphs, hit.tokens, length)]
+    parts: dict[int, Tensor] = {}
+    if members:
+        assert graphs is not None
+        parts = run_members(graphs, group.cache, members, group.keys, group.host_ids)
+        paths["graphed"] += 1
+    rest = [i for i in range(len(lengths)) if i not in parts]
+    if rest:
+        starts = [0, *itertools.accumulate(lengths)]
+        ids = torch.cat([group.real_ids[starts[i]:starts[i + 1]] for i in rest])
+        hidden = run_group(
+            group.backbone, group.cache,
+            GroupPlan([plan.hits[i] for i in rest], [plan.points[i] for i in rest]),
+            [lengths[i] for i in rest], ids, [group.keys[i] for i in rest],
+            [group.host_ids[i] for i in rest], lambda spans: group.selected(spans, rest),
+            group.media_inputs)
+        at = 0
+        for i in rest:
+            parts[i] = hidden[at:at + lengths[i]]
+            at += lengths[i]
+        paths["eager"] += 1
+    ordered = [parts[i] for i in range(len(lengths))]
+    return ordered[0] if len(ordered) == 1 else torch.cat(ordered)

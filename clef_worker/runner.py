@@ -67,8 +67,8 @@ from clef_worker.model.packed import PackedLayout
 from clef_worker.model.prefix_forward import MediaInputs
 from clef_worker.policy import PACKED, PADDED, group_layout
 from clef_worker.prefix_cache import CacheKey, PrefixCache, ids_array
-from clef_worker.prefix_graphed import Member, graphable, run_members
-from clef_worker.prefix_run import GroupPlan, plan_group, run_group
+from clef_worker.prefix_graphed import GroupRun, prefixed_hidden
+from clef_worker.prefix_run import GroupPlan, plan_group
 
 log = logging.getLogger(__name__)
 
@@ -421,41 +421,17 @@ class ModelRunner:
                          hidden if keep_hidden else None)
 
     def _prefixed_hidden(self, staged: Staged, plan: GroupPlan, real_ids: Tensor) -> Tensor:
-        """A prefix-cache group's final hidden states end to end: the members that fit the
-        packed buckets replay them in rounds (clef_worker.prefix_graphed); a media request and
-        members too long for the buckets run the eager prefixed forward (clef_worker.prefix_run)
-        by themselves, never taking the others with them."""
+        """A prefix-cache group's final hidden states end to end (clef_worker.prefix_graphed:
+        the packed buckets' replays where they fit, the eager prefixed forward for the rest)."""
         assert self.prefix_cache is not None
-        graphs = self.graphs
-        slots = staged.slots or [BASE_SLOT] * len(staged.lengths)
-        members = []
-        if isinstance(graphs, PackedGraphRunner) and staged.media is None:
-            members = [Member(i, hit, length, points, slots[i]) for i, (hit, length, points)
-                       in enumerate(zip(plan.hits, staged.lengths, plan.points, strict=True))
-                       if graphable(graphs, hit.tokens, length)]
-        parts: dict[int, Tensor] = {}
-        if members:
-            assert isinstance(graphs, PackedGraphRunner)
-            parts = run_members(graphs, self.prefix_cache, members, staged.cache_keys,
-                                staged.host_ids)
-            self.prefix_paths["graphed"] += 1
-        rest = [i for i in range(len(staged.lengths)) if i not in parts]
-        if rest:
-            starts = [0, *np.cumsum(staged.lengths).tolist()]
-            ids = torch.cat([real_ids[starts[i]:starts[i + 1]] for i in rest])
-            hidden = run_group(
-                self.backbone, self.prefix_cache,
-                GroupPlan([plan.hits[i] for i in rest], [plan.points[i] for i in rest]),
-                [staged.lengths[i] for i in rest], ids,
-                [staged.cache_keys[i] for i in rest], [staged.host_ids[i] for i in rest],
-                lambda spans: self._selected(staged, spans, rest), self._media_inputs(staged))
-            at = 0
-            for i in rest:
-                parts[i] = hidden[at:at + staged.lengths[i]]
-                at += staged.lengths[i]
-            self.prefix_paths["eager"] += 1
-        ordered = [parts[i] for i in range(len(staged.lengths))]
-        return ordered[0] if len(ordered) == 1 else torch.cat(ordered)
+        graphs = self.graphs if isinstance(self.graphs, PackedGraphRunner) else None
+        return prefixed_hidden(
+            GroupRun(self.backbone, self.prefix_cache, plan, staged.lengths, real_ids,
+                     staged.cache_keys, staged.host_ids,
+                     staged.slots or [BASE_SLOT] * len(staged.lengths), staged.media is not None,
+                     lambda spans, members: self._selected(staged, spans, members),
+                     self._media_inputs(staged)),
+            graphs, self.prefix_paths)
 
     def _variant_heads(self, heads: VariantHeads, hidden: Tensor, real_ids: Tensor
                        ) -> list[HeadOutput]:

@@ -21,7 +21,7 @@ from clef_worker.gpu import packed_graphs
 from clef_worker.gpu.packed_graphs import PackedGraphRunner
 from clef_worker.gpu.sync_guard import NoSyncMode, SyncError, guarded
 from clef_worker.native import NativeExecutor, Prepared
-from clef_worker.prefix_cache import Hit
+from clef_worker.prefix_cache import Hit, PrefixCache, default_store_policy
 from clef_worker.prefix_graphed import Member, batches
 from clef_worker.variant_probe import reference_runner
 
@@ -148,3 +148,12 @@ def test_members_split_where_a_round_would_overflow(executor: NativeExecutor) ->
     sizes = [[m.index for m in batch] for batch in batches(graphs, members)]
     assert sizes == [[0, 1], [2], [3]]
     assert np.all([len(batch) <= graphs.max_sequences for batch in sizes])
+
+
+def test_cuda_stores_only_the_state_end_of_long_enough_states() -> None:
+    cpu = PrefixCache(1 << 20, block_tokens=256, policy=default_store_policy("cpu"))
+    cuda = PrefixCache(1 << 20, block_tokens=2048, policy=default_store_policy("cuda:0"))
+    assert cpu.points(0, 700) == (256, 512, 640)
+    assert cuda.points(0, 7000) == (6976,)
+    assert cuda.points(0, 900) == ()  # a short state: cheaper to recompute than to keep
+    assert cuda.points(4096, 7000) == (6976,)

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from clef_worker.model.packed import PackedLayout, aligned_length, segmented_arange, to_device
 from clef_worker.model.stateful import StateInputs

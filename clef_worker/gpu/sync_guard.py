@@ -69,7 +69,7 @@ class NoSyncMode(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.overloadpacket._qualified_op_name.replace("::", ".")
         overload = func._overloadname
-        if name in FORBIDDEN or DATA_SIZED.get(name, None) == overload.split(".")[0] \
+        if name in FORBIDDEN or DATA_SIZED.get(name) == overload.split(".")[0] \
                 or _host_copy(func, args, kwargs):
             raise SyncError(f"{name}.{overload} inside a function a CUDA graph records: it "
                             "syncs with the host or sizes its output by the data")
