@@ -54,10 +54,13 @@ class Member:
     length: int
     points: tuple[int, ...]
     slot: int = 0  # its variant's slot
-    recurrent: Tensor | None = None  # [layers, Hv, dk, dv]: its state before its next segment
-    conv: Tensor | None = None  # [layers, K-1, D]
-    keys: list[Tensor] = field(default_factory=list)  # [attention layers, n, Hkv, d] parts
-    values: list[Tensor] = field(default_factory=list)
+    # Its states before its next segment, per Gated DeltaNet layer: [Hv, dk, dv] and [K-1, D].
+    recurrent: Sequence[Tensor] = ()
+    conv: Sequence[Tensor] = ()
+    # Its keys and values so far in parts (each cached block, then each round), per attention
+    # layer `[n, Hkv, d]` (views of the blocks' `[Hkv, n, d]`: copied once, into the buffers).
+    keys: list[list[Tensor]] = field(default_factory=list)
+    values: list[list[Tensor]] = field(default_factory=list)
     hidden: list[Tensor] = field(default_factory=list)
     captured: Captured | None = None
     key_at: int = 0  # where its keys start in the key buffers this round
@@ -110,12 +113,12 @@ def run_members(graphs: PackedGraphRunner, cache: PrefixCache, members: Sequence
     """Every member's final hidden states `[length, H]` (cached then new) by group index;
     stores what each captured."""
     for member in members:
-        state = member.hit.state()
-        if state is not None:
-            member.recurrent = torch.stack(state.recurrent)
-            member.conv = torch.stack(state.conv)
-            member.keys = [torch.stack(state.keys).transpose(1, 2)]
-            member.values = [torch.stack(state.values).transpose(1, 2)]
+        if member.hit.chain:
+            last = member.hit.chain[-1]
+            member.recurrent, member.conv = last.recurrent, last.conv
+            member.keys = [[k.transpose(0, 1) for k in block.keys] for block in member.hit.chain]
+            member.values = [[v.transpose(0, 1) for v in block.values]
+                             for block in member.hit.chain]
         member.captured = Captured(member.points, [], [])
     for batch in batches(graphs, members):
         for round_index in itertools.count():
@@ -133,10 +136,9 @@ def run_members(graphs: PackedGraphRunner, cache: PrefixCache, members: Sequence
         captured = member.captured
         assert captured is not None
         if key is not None and member.points:
-            skip = 1 if member.hit.chain else 0  # the cached part, not the member's to store
-            captured.keys = list(torch.cat(member.keys[skip:], dim=1).transpose(1, 2).unbind(0))
-            captured.values = list(torch.cat(member.values[skip:], dim=1).transpose(1, 2)
-                                   .unbind(0))
+            own = len(member.hit.chain)  # the cached parts are not the member's to store
+            captured.keys = _joined(member.keys[own:])
+            captured.values = _joined(member.values[own:])
             cache.store(key, host_ids[member.index], member.hit, captured, new)
     return out
 
@@ -153,13 +155,19 @@ def _run_round(graphs: PackedGraphRunner, active: Sequence[tuple[Member, tuple[i
     states.clear_rows()
     key_at = 0
     for slot, (member, (start, end)) in enumerate(active):
-        if member.recurrent is not None and member.conv is not None:
-            states.recurrent[:, slot].copy_(member.recurrent, non_blocking=True)
-            states.conv[:, slot].copy_(member.conv, non_blocking=True)
+        if member.recurrent:
+            torch._foreach_copy_(list(states.recurrent[:, slot].unbind(0)), list(member.recurrent))
+            torch._foreach_copy_(list(states.conv[:, slot].unbind(0)), list(member.conv))
             states.dirty.add(slot)
-        if start:
-            states.keys[:, key_at:key_at + start].copy_(torch.cat(member.keys, dim=1))
-            states.values[:, key_at:key_at + start].copy_(torch.cat(member.values, dim=1))
+        for buffer, parts in ((states.keys, member.keys), (states.values, member.values)):
+            at, targets, sources = key_at, [], []
+            for part in parts:
+                rows = part[0].shape[0]
+                targets += list(buffer[:, at:at + rows].unbind(0))
+                sources += part
+                at += rows
+            if targets:
+                torch._foreach_copy_(targets, sources)
         member.key_at = key_at
         key_at += start + aligned_length(end - start, ALIGN)
     row, _ = graphs.host_ids([host_ids[m.index][a:b].tolist() for m, (a, b) in active],
@@ -171,20 +179,21 @@ def _run_round(graphs: PackedGraphRunner, active: Sequence[tuple[Member, tuple[i
     hidden = graphs.run(to_device(row, device), lengths, bucket, variant,
                         [RowSequence(end - start, start + delta, start)
                          for (_, (start, end)), delta in zip(active, rope, strict=True)])
-    finals = torch.stack(graphs.outputs.recurrent, dim=1)  # [slots, layers, ...]
-    tails = torch.stack(graphs.outputs.conv, dim=1)
     for slot, ((member, (start, end)), at) in enumerate(
             zip(active, aligned_offsets(lengths), strict=True)):
         member.hidden.append(hidden[at:at + end - start].clone())
         first = member.key_at + start
-        member.keys.append(states.keys[:, first:first + end - start].clone())
-        member.values.append(states.values[:, first:first + end - start].clone())
+        member.keys.append(list(states.keys[:, first:first + end - start].clone().unbind(0)))
+        member.values.append(list(states.values[:, first:first + end - start].clone()
+                                  .unbind(0)))
         if end in member.points:
-            member.recurrent = finals[slot].clone()
-            member.conv = tails[slot].clone()
+            # The states at the point: this slot's rows of the replay's outputs, copied out
+            # (the next replay overwrites them), one copy per kind.
+            member.recurrent = torch.stack([r[slot] for r in graphs.outputs.recurrent]).unbind(0)
+            member.conv = torch.stack([c[slot] for c in graphs.outputs.conv]).unbind(0)
             assert member.captured is not None
-            member.captured.recurrent.append(list(member.recurrent.unbind(0)))
-            member.captured.conv.append(list(member.conv.unbind(0)))
+            member.captured.recurrent.append(list(member.recurrent))
+            member.captured.conv.append(list(member.conv))
             member.captured.rope_deltas.append(
                 member.hit.chain[-1].rope_delta if member.hit.chain else 0)
 
@@ -241,3 +250,10 @@ def prefixed_hidden(group: GroupRun, graphs: PackedGraphRunner | None,
         paths["eager"] += 1
     ordered = [parts[i] for i in range(len(lengths))]
     return ordered[0] if len(ordered) == 1 else torch.cat(ordered)
+
+
+def _joined(parts: Sequence[Sequence[Tensor]]) -> list[Tensor]:
+    """Per attention layer, the parts' `[n, Hkv, d]` rows joined, as the cache keeps them
+    (`[Hkv, n, d]`)."""
+    return [torch.cat([part[layer] for part in parts]).transpose(0, 1)
+            for layer in range(len(parts[0]))]
