@@ -284,6 +284,8 @@ class PrefixCache:
                 break
             chain.append(found)
             parent, position = found.key, found.end
+        while chain and not chain[-1].recurrent:
+            chain.pop()  # a point superseded by a later one of its state: passed through only
         if chain and chain[-1].end < key.media_end:
             chain = []  # inside the media: never reused (stored chains do not end there)
         if chain:
@@ -341,8 +343,21 @@ class PrefixCache:
                 self.bytes += block.nbytes
             stored.append(block)
             parent, previous = block_id, point
+        if self.end_only and hit.chain and len(stored) > len(hit.chain):
+            self._supersede(hit.chain[-1])
         self._touch(stored)
         self._evict()
+
+    def _supersede(self, block: Block) -> None:
+        """Drop a point's recurrent state and convolution tail once its state has grown past
+        it (the request that reused it stored a later point): an agent's next turn continues
+        from the newer point, so the 49 MiB of state would only crowd the cache. The block
+        keeps its keys, values and hidden states, which the newer point's chain needs; a
+        lookup passes through it but never ends there."""
+        freed = _nbytes([*block.recurrent, *block.conv])
+        block.recurrent, block.conv = [], []
+        block.nbytes -= freed
+        self.bytes -= freed
 
     def _children_of(self, parent: bytes) -> set[bytes]:
         if parent in self.blocks:

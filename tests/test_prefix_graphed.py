@@ -20,8 +20,15 @@ from clef_worker.assembly import assemble_snapshot
 from clef_worker.gpu import packed_graphs
 from clef_worker.gpu.packed_graphs import PackedGraphRunner
 from clef_worker.gpu.sync_guard import NoSyncMode, SyncError, guarded
+from clef_worker.model.prefix_forward import Captured
 from clef_worker.native import NativeExecutor, Prepared
-from clef_worker.prefix_cache import Hit, PrefixCache, default_store_policy
+from clef_worker.prefix_cache import (
+    CacheKey,
+    Hit,
+    PrefixCache,
+    default_store_policy,
+    root_key,
+)
 from clef_worker.prefix_graphed import Member, batches
 from clef_worker.variant_probe import reference_runner
 
@@ -157,3 +164,33 @@ def test_cuda_stores_only_the_state_end_of_long_enough_states() -> None:
     assert cuda.points(0, 7000) == (6976,)
     assert cuda.points(0, 900) == ()  # a short state: cheaper to recompute than to keep
     assert cuda.points(4096, 7000) == (6976,)
+
+
+def test_a_grown_state_supersedes_its_older_point() -> None:
+    """With end-only storing (CUDA's), the point a request continued from gives up its
+    recurrent state once the request stores a later one; lookups pass through it."""
+    cache = PrefixCache(1 << 30, block_tokens=2048, policy=default_store_policy("cuda:0"))
+    root = root_key("")
+    ids = np.arange(4000, dtype=np.int64)
+
+    def store(state_end: int) -> Hit:
+        key = CacheKey(root, state_end)
+        hit = cache.lookup(key, ids)
+        points = cache.points(hit.tokens, state_end)
+        captured = Captured(points, [[torch.ones(2, 4, 4)] for _ in points],
+                            [[torch.ones(3, 8)] for _ in points],
+                            [torch.ones(1, state_end - hit.tokens, 4)],
+                            [torch.ones(1, state_end - hit.tokens, 4)], [0] * len(points))
+        cache.store(key, ids, hit, captured, torch.ones(state_end - hit.tokens, 8))
+        return hit
+
+    store(1100)
+    before = cache.bytes
+    assert store(2100).tokens == 1024  # the first turn's point reused
+    first, second = sorted(cache.blocks.values(), key=lambda block: block.end)
+    assert first.recurrent == [] and second.recurrent
+    assert cache.bytes < before + second.nbytes + 1  # the first point's state was freed
+    hit = cache.lookup(CacheKey(root, 3000), ids)
+    assert [block.end for block in hit.chain] == [1024, 2048]
+    # Ending inside the superseded block is no hit at all.
+    assert cache.lookup(CacheKey(root, 1100), ids[:1100]).tokens == 0
