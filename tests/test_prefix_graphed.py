@@ -18,6 +18,7 @@ from benchlib.golden import PROBABILITY_TOLERANCE
 from clef_worker import prefix_run
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.gpu import packed_graphs
+from clef_worker.gpu.graphs import EagerCapturer
 from clef_worker.gpu.packed_graphs import PackedGraphRunner
 from clef_worker.gpu.sync_guard import NoSyncMode, SyncError, guarded
 from clef_worker.model.prefix_forward import Captured
@@ -30,6 +31,7 @@ from clef_worker.prefix_cache import (
     root_key,
 )
 from clef_worker.prefix_graphed import Member, batches
+from clef_worker.runner import ModelRunner
 from clef_worker.variant_probe import reference_runner
 
 BOUND = PROBABILITY_TOLERANCE
@@ -194,3 +196,28 @@ def test_a_grown_state_supersedes_its_older_point() -> None:
     assert [block.end for block in hit.chain] == [1024, 2048]
     # Ending inside the superseded block is no hit at all.
     assert cache.lookup(CacheKey(root, 1100), ids[:1100]).tokens == 0
+
+
+def test_buckets_fall_back_to_the_plain_forward_if_the_stateful_one_fails(
+        executor: NativeExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker still starts, and answers, when the forward with state inputs cannot run:
+    the buckets are built without them and prefix-cache groups take the eager path."""
+
+    def broken(*_: Any, **__: Any) -> None:
+        raise RuntimeError("no kernel for this")
+
+    monkeypatch.setattr(packed_graphs, "stateful_forward", broken)
+    graphs = PackedGraphRunner(executor.backbone, (512, 1024), 4, executor.pad_id,
+                               EagerCapturer())
+    assert graphs.build_all() == [1024, 512]
+    assert graphs.states is None
+    cache = PrefixCache(1 << 30)
+    runner = ModelRunner(executor.backbone, executor.head, executor.pad_id, graphs=graphs,
+                         layout="packed", prefix_cache=cache)
+    prepared = executor.prepare(_request(_events(16), QUESTIONS))
+    staged = runner.stage([prepared.encoding],
+                          cache_keys=[executor.prefix_key(prepared.encoding)])
+    [row] = runner.run_staged(staged).rows
+    assert runner.prefix_paths == {"eager": 1} and cache.blocks
+    want = _uncached(executor, prepared)
+    assert max(abs(a - b) for a, b in zip(row.probabilities, want, strict=True)) <= BOUND

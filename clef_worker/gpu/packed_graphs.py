@@ -97,7 +97,8 @@ class PackedGraphRunner:
     """Runs the text stack over packed rows at built total-token buckets."""
 
     def __init__(self, backbone: Backbone, buckets: Sequence[int], max_sequences: int,
-                 pad_id: int, capturer: Capturer, selection: AdapterSelection | None = None):
+                 pad_id: int, capturer: Capturer, selection: AdapterSelection | None = None,
+                 state_inputs: bool = True):
         self.backbone = backbone
         # Fine-tuned variants: each bucket's forward runs the stacked LoRA path over a static
         # slot buffer (`host_slots` fills it per group), so one capture serves every mix.
@@ -115,6 +116,8 @@ class PackedGraphRunner:
         self.states: StateBuffers | None = None
         self.state_kernels: StateKernels | None = None
         self.outputs = StateOutputs([], [])  # the last replay's final states (static on CUDA)
+        # False: the buckets' forward without state inputs (prefix-cache groups eager).
+        self.state_inputs = state_inputs
 
     @property
     def graphs(self) -> bool:
@@ -169,7 +172,7 @@ class PackedGraphRunner:
     def build_all(self) -> list[int]:
         """Build (capture) every planned bucket, largest first; the only place one is built."""
         started = time.perf_counter()
-        if self.states is None and self.planned:
+        if self.state_inputs and self.states is None and self.planned:
             backbone = self.backbone
             largest = max(self.planned)
             self.states = StateBuffers(StateShapes.of(backbone.model), self.max_sequences + 1,
@@ -179,12 +182,28 @@ class PackedGraphRunner:
         self.capturer.begin()
         try:
             with torch.inference_mode():
-                for tokens in sorted(self.planned, reverse=True):
-                    self._build(tokens)
+                try:
+                    self._build_every()
+                except Exception:
+                    if self.states is None:
+                        raise
+                    # Never a worker that cannot start for the sake of the prefix cache: the
+                    # buckets without state inputs, prefix-cache groups eager (as before).
+                    log.exception("the packed forward with state inputs failed: buckets are "
+                                  "built without them; prefix-cache groups run the eager "
+                                  "prefixed forward")
+                    self.states = self.state_kernels = None
+                    self.static.clear()
+                    self.stats.built.clear()
+                    self._build_every()
         finally:
             self.capturer.end()
         self.stats.capture_ms += (time.perf_counter() - started) * 1000
         return list(self.stats.built)
+
+    def _build_every(self) -> None:
+        for tokens in sorted(self.planned, reverse=True):
+            self._build(tokens)
 
     def _build(self, tokens: int) -> None:
         device = self.backbone.device
@@ -196,15 +215,17 @@ class PackedGraphRunner:
                  if selection is not None else None)
 
         states, kernels = self.states, self.state_kernels
-        assert states is not None and kernels is not None
 
         def stateful() -> Tensor:
+            if states is None or kernels is None:
+                return backbone.packed_hidden_state(input_ids, layout.layout())
             hidden, self.outputs = stateful_forward(backbone.model, input_ids, layout.layout(),
                                                     kernels, states.inputs(tokens))
             return hidden
 
-        states.clear_rows()
-        states.fill(layout.layout(), fresh([tokens]))
+        if states is not None:
+            states.clear_rows()
+            states.fill(layout.layout(), fresh([tokens]))
 
         def forward() -> Tensor:
             if selection is None or slots is None:
@@ -245,8 +266,10 @@ class PackedGraphRunner:
         if ids.shape != (bucket,):
             raise ValueError(f"ids of shape {tuple(ids.shape)} for the {bucket}-token bucket")
         layout = static.layout.fill(lengths)
-        assert self.states is not None
-        if sequences is None:
+        if self.states is None:
+            if sequences is not None:
+                raise ValueError("these buckets were built without state inputs")
+        elif sequences is None:
             self.states.clear_rows()
             self.states.fill(layout, fresh(lengths))
         else:
