@@ -13,7 +13,9 @@ tokens are placeholders: the pixels are not in the ids). Blocks end at every mul
 `block_tokens` and, for the last one of a request, `END_MARGIN` tokens before the end of its
 state span, rounded down to `align` tokens (so a request asking other questions about the same
 state reuses nearly all of it, and the torch scan hands out the state there for free: points
-are multiples of its chunk).
+are multiples of its chunk). On CUDA only that last point is stored (`StorePolicy`: each point costs
+a replay round and 49 MiB of recurrent state), and a point whose state has grown past it gives
+its recurrent state up: a lookup passes through such a block but never ends there.
 
 Media requests (`system prompt + media + state + ...`): the root folds in the media's digest
 (`PreparedMedia.digest`, over the decoded pixels), because the media tokens are placeholders

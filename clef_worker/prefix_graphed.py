@@ -25,6 +25,7 @@ eager path returns it; the cache stores what the rounds captured (`PrefixCache.s
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -43,6 +44,7 @@ from clef_worker.prefix_cache import CacheKey, Hit, PrefixCache
 from clef_worker.prefix_run import GroupPlan, run_group
 
 ALIGN = 64
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -233,6 +235,9 @@ def prefixed_hidden(group: GroupRun, graphs: PackedGraphRunner | None,
         assert graphs is not None
         parts = run_members(graphs, group.cache, members, group.keys, group.host_ids)
         paths["graphed"] += 1
+        if paths["graphed"] == 1:
+            log.info("prefix-cache groups replay the packed buckets (first: %d requests, "
+                     "%d reused tokens)", len(members), sum(m.start for m in members))
     rest = [i for i in range(len(lengths)) if i not in parts]
     if rest:
         starts = [0, *itertools.accumulate(lengths)]
@@ -248,6 +253,10 @@ def prefixed_hidden(group: GroupRun, graphs: PackedGraphRunner | None,
             parts[i] = hidden[at:at + lengths[i]]
             at += lengths[i]
         paths["eager"] += 1
+        if paths["eager"] == 1:
+            log.info("a prefix-cache group ran the eager prefixed forward (first: %d requests; "
+                     "%s)", len(rest), "no packed buckets" if graphs is None else
+                     "media" if group.media else "too long for the buckets")
     ordered = [parts[i] for i in range(len(lengths))]
     return ordered[0] if len(ordered) == 1 else torch.cat(ordered)
 
