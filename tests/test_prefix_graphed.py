@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from benchlib.golden import PROBABILITY_TOLERANCE
+from benchlib.paths import FINETUNE_FIXTURES
+from clef_protocol.finetune import resolve_finetunes
 from clef_worker import prefix_run
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.gpu import packed_graphs
@@ -49,8 +51,8 @@ def executor(tiny_snapshot: Path) -> NativeExecutor:
     return built
 
 
-def _request(state: Any, questions: dict[str, Any]) -> bytes:
-    return json.dumps({"model": "clef-flash", "state": state, "questions": questions}).encode()
+def _request(state: Any, questions: dict[str, Any], model: str = "clef-flash") -> bytes:
+    return json.dumps({"model": model, "state": state, "questions": questions}).encode()
 
 
 def _events(count: int, tag: str = "") -> dict[str, Any]:
@@ -221,3 +223,25 @@ def test_buckets_fall_back_to_the_plain_forward_if_the_stateful_one_fails(
     assert runner.prefix_paths == {"eager": 1} and cache.blocks
     want = _uncached(executor, prepared)
     assert max(abs(a - b) for a, b in zip(row.probabilities, want, strict=True)) <= BOUND
+
+
+def test_a_variant_continues_its_own_prefix_through_the_buckets(
+        tiny_snapshot: Path, no_eager: None) -> None:
+    """The buckets' per-position variant slots are written for each round's layout."""
+    built = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32", cuda_graphs="on",
+                              batch_layout="packed", graph_max_length=1024,
+                              finetunes=tuple(resolve_finetunes([str(FINETUNE_FIXTURES)])))
+    graphs = built.runner.graphs
+    assert isinstance(graphs, PackedGraphRunner) and graphs.selection is not None
+    graphs.build_all()
+    first = built.prepare(_request(_events(16), QUESTIONS, model="tiny-alpha"))
+    assert first.slot != 0
+    built.answer_prepared([first])
+    group = [built.prepare(_request(_events(16), OTHER, model="tiny-alpha")),
+             built.prepare(_request(_events(16), OTHER))]  # the base: its own (no) prefix
+    output = built.runner.run_staged(built.stage(group)[1])
+    assert [row.reused_tokens > 0 for row in output.rows] == [True, False]
+    assert built.runner.prefix_paths["graphed"] >= 2
+    for prepared, row in zip(group, output.rows, strict=True):
+        want = _uncached(built, prepared)
+        assert max(abs(a - b) for a, b in zip(row.probabilities, want, strict=True)) <= BOUND
