@@ -1,13 +1,14 @@
 """The fixed-address state inputs every packed bucket's forward reads (clef_worker.model.stateful).
 
 Why one set for all buckets: graphs replay one at a time on the worker's thread, so the recurrent
-state rows, convolution tails and key/value buffers can be shared by every bucket (only the
-per-token index buffers are cut to a bucket's length, always from the same start, so each
-bucket's views keep their addresses). A plain group fills them as "fresh": zero state rows
-(exactly the plain forward's start), each sequence's keys only its own (`fill`); a group that
-continues cached prefixes or stores points writes its rows and cached keys first
-(clef_worker.prefix_graphed), then fills the indices with each sequence's cached length and
-rotary start.
+state rows, convolution tails and key/value buffers can be shared by every bucket. The index
+buffers are each bucket's own (`RowIndex`, a few ints a token): a replay without a new fill
+(warm-up's `replay_all`, a forced shape) must read indices made for its own row, never another
+bucket's, which on CUDA would index past its rows. A plain group fills them as "fresh": zero
+state rows (exactly the plain forward's start), each sequence's keys only its own (`fill`);
+a group that continues cached prefixes or stores points writes its rows and cached keys
+first (clef_worker.prefix_graphed), then fills the indices with each sequence's cached
+length and rotary start.
 
 Sizes: `slots` is the static row's sequence count (`max_sequences` + the dummy tail); the key
 buffers hold `capacity` rows, the largest bucket plus the cached keys a group may bring (a group
@@ -68,6 +69,17 @@ class RowSequence:
     prior_keys: int = 0
 
 
+class RowIndex:
+    """One bucket's index buffers (StateInputs' per-token and per-sequence indices)."""
+
+    def __init__(self, tokens: int, slots: int, tails: int, device: torch.device):
+        self.key_index = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.rotary_positions = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.key_offsets = torch.zeros(slots + 1, dtype=torch.int32, device=device)
+        self.tail_index = torch.zeros(tails, dtype=torch.long, device=device)
+        self.key_offsets_host: tuple[int, ...] = (0,) * (slots + 1)
+
+
 class StateBuffers:
     """The shared state inputs (module docs)."""
 
@@ -85,22 +97,27 @@ class StateBuffers:
         self.keys = torch.zeros(s.attention_layers, capacity, s.kv_heads, s.head_dim,
                                 dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
-        self.key_index = torch.zeros(tokens, dtype=torch.long, device=device)
-        self.rotary_positions = torch.zeros(tokens, dtype=torch.long, device=device)
-        self.key_offsets = torch.zeros(slots + 1, dtype=torch.int32, device=device)
-        self.tail_index = torch.zeros(slots * (s.conv_width - 1), dtype=torch.long,
-                                      device=device)
-        self.key_offsets_host: tuple[int, ...] = (0,) * (slots + 1)
+        self.indices: dict[int, RowIndex] = {}  # per bucket (tokens)
         self.dirty: set[int] = set()  # state rows holding something other than zeros
+
+    def index(self, tokens: int) -> RowIndex:
+        """A bucket's own index buffers (made on first use): each bucket keeps the indices of
+        its last fill, so a replay of it without a new fill (warm-up's) reads its own rows."""
+        if tokens not in self.indices:
+            self.indices[tokens] = RowIndex(tokens, self.slots,
+                                            self.slots * (self.shapes.conv_width - 1),
+                                            self.device)
+        return self.indices[tokens]
 
     def inputs(self, tokens: int) -> StateInputs:
         """A bucket's view of the buffers (same addresses for every call)."""
+        index = self.index(tokens)
         return StateInputs(
             recurrent=list(self.recurrent.unbind(0)), conv=list(self.conv.unbind(0)),
             keys=list(self.keys.unbind(0)), values=list(self.values.unbind(0)),
-            key_index=self.key_index[:tokens], key_offsets=self.key_offsets[:],
-            key_offsets_host=self.key_offsets_host, max_keys=self.capacity,
-            rotary_positions=self.rotary_positions[:tokens], tail_index=self.tail_index[:])
+            key_index=index.key_index[:], key_offsets=index.key_offsets[:],
+            key_offsets_host=index.key_offsets_host, max_keys=self.capacity,
+            rotary_positions=index.rotary_positions[:], tail_index=index.tail_index[:])
 
     def clear_rows(self) -> None:
         """Zero the state rows a previous group wrote (fresh sequences start from zero)."""
@@ -137,13 +154,14 @@ class StateBuffers:
         tail_index = (last[:, None] + np.arange(width)[None, :]).reshape(-1)
         tail_index = np.minimum(tail_index, max(int(offsets[-1]) - 1, 0))
         tokens = int(offsets[-1])
+        index = self.index(tokens)
         host = np.concatenate([key_index, positions, key_offsets, tail_index]).astype(np.int64)
         staged = to_device(torch.from_numpy(host), self.device)
-        self.key_index[:tokens].copy_(staged[:tokens])
-        self.rotary_positions[:tokens].copy_(staged[tokens:2 * tokens])
-        self.key_offsets.copy_(staged[2 * tokens:2 * tokens + self.slots + 1])
-        self.tail_index.copy_(staged[2 * tokens + self.slots + 1:])
-        self.key_offsets_host = tuple(int(k) for k in key_offsets)
+        index.key_index.copy_(staged[:tokens])
+        index.rotary_positions.copy_(staged[tokens:2 * tokens])
+        index.key_offsets.copy_(staged[2 * tokens:2 * tokens + self.slots + 1])
+        index.tail_index.copy_(staged[2 * tokens + self.slots + 1:])
+        index.key_offsets_host = tuple(int(k) for k in key_offsets)
 
 
 def fresh(lengths: Sequence[int]) -> list[RowSequence]:
