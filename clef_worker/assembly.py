@@ -57,7 +57,12 @@ from clef_worker.model.short_conv import bind_short_conv
 from clef_worker.model.snapshot import Snapshot, open_snapshot
 from clef_worker.native import NativeExecutor
 from clef_worker.policy import PACKED, PADDED, PER_GROUP, BatchPolicy
-from clef_worker.prefix_cache import PrefixCache, default_block_tokens, default_capacity
+from clef_worker.prefix_cache import (
+    PrefixCache,
+    default_block_tokens,
+    default_capacity,
+    default_store_policy,
+)
 from clef_worker.runner import ModelRunner
 from clef_worker.variants import load_variants
 
@@ -148,7 +153,8 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
                          selection if variants else None,
                          PrefixCache(settings.prefix_cache_bytes or default_capacity(str(target)),
                                      block_tokens=default_block_tokens(str(target)),
-                                     enabled=settings.prefix_cache == "on"))
+                                     enabled=settings.prefix_cache == "on",
+                                     policy=default_store_policy(str(target))))
     executor = NativeExecutor(snapshot=snapshot, encoder=encoder, runner=runner, limits=limits,
                               short_conv=conv_path, policy=policy, variants=variants)
     executor.kernel_cache = kernels.state if kernels is not None else ""

@@ -13,7 +13,9 @@ tokens are placeholders: the pixels are not in the ids). Blocks end at every mul
 `block_tokens` and, for the last one of a request, `END_MARGIN` tokens before the end of its
 state span, rounded down to `align` tokens (so a request asking other questions about the same
 state reuses nearly all of it, and the torch scan hands out the state there for free: points
-are multiples of its chunk).
+are multiples of its chunk). On CUDA only that last point is stored (`StorePolicy`: each point costs
+a replay round and 49 MiB of recurrent state), and a point whose state has grown past it gives
+its recurrent state up: a lookup passes through such a block but never ends there.
 
 Media requests (`system prompt + media + state + ...`): the root folds in the media's digest
 (`PreparedMedia.digest`, over the decoded pixels), because the media tokens are placeholders
@@ -79,6 +81,31 @@ HASH_BYTES = 16
 # from its previous version only in its last few tokens (a JSON array's closing `]}` followed by
 # a new event), so a point right at the end would rarely be reusable by the next turn.
 END_MARGIN = 16
+
+
+# On CUDA a state is stored only at its end point and only from this many state tokens: each
+# point stored costs one more replay of the packed buckets (the round that ends at it,
+# clef_worker.prefix_graphed) and 49 MiB of recurrent state, so interior block points (rarely
+# reused: an agent's next turn continues from the end) and short states (cheap to recompute)
+# are not worth it there. Both are switches (`StorePolicy`) for a sitting to revisit with
+# measured figures.
+MIN_STATE_TOKENS_CUDA = 1024
+
+
+@dataclass(frozen=True)
+class StorePolicy:
+    """Which points a request stores: only its last (`end_only`), and none for a state
+    shorter than `min_state_tokens`."""
+
+    end_only: bool = False
+    min_state_tokens: int = MIN_STATE_TOKENS
+
+
+def default_store_policy(device: str) -> StorePolicy:
+    """What a worker on `device` stores (see above)."""
+    if device.startswith("cuda"):
+        return StorePolicy(end_only=True, min_state_tokens=MIN_STATE_TOKENS_CUDA)
+    return StorePolicy()
 
 
 def default_block_tokens(device: str) -> int:
@@ -174,12 +201,15 @@ class PrefixCache:
     """Blocks by key, least recently used first; counts what it served (module docs)."""
 
     def __init__(self, capacity_bytes: int, *, block_tokens: int = BLOCK_TOKENS,
-                 align: int = POINT_ALIGN, enabled: bool = True, disabled_reason: str = ""):
+                 align: int = POINT_ALIGN, enabled: bool = True, disabled_reason: str = "",
+                 policy: StorePolicy = StorePolicy()):
         if block_tokens < align or block_tokens % align:
             raise ValueError(f"block_tokens {block_tokens}: must be a multiple of {align}")
         self.capacity_bytes = capacity_bytes
         self.block_tokens = block_tokens
         self.align = align
+        self.end_only = policy.end_only
+        self.min_state_tokens = policy.min_state_tokens
         self.enabled = enabled and capacity_bytes > 0
         self.disabled_reason = disabled_reason if not self.enabled else ""
         if not self.enabled and not self.disabled_reason:
@@ -226,8 +256,9 @@ class PrefixCache:
         """Where a request whose first `start` tokens are cached stores its states: every
         block end after `start` up to its state's end, and a point `END_MARGIN` tokens before
         that end rounded down to `align`; none before `media_end` (a suffix from there would
-        need the vision tower). A state shorter than `MIN_STATE_TOKENS` stores nothing."""
-        if not self.enabled or state_end < MIN_STATE_TOKENS:
+        need the vision tower). A state shorter than `min_state_tokens` stores nothing; with
+        `end_only`, only the last point is stored."""
+        if not self.enabled or state_end < self.min_state_tokens:
             return ()
         if media_end:
             return tuple(p for p in self.points(start, state_end) if p >= media_end)
@@ -236,7 +267,7 @@ class PrefixCache:
                             self.block_tokens))
         if last > start and (not points or points[-1] != last):
             points.append(last)
-        return tuple(points)
+        return tuple(points[-1:]) if self.end_only else tuple(points)
 
     # -- lookup -------------------------------------------------------------------------------
 
@@ -255,6 +286,8 @@ class PrefixCache:
                 break
             chain.append(found)
             parent, position = found.key, found.end
+        while chain and not chain[-1].recurrent:
+            chain.pop()  # a point superseded by a later one of its state: passed through only
         if chain and chain[-1].end < key.media_end:
             chain = []  # inside the media: never reused (stored chains do not end there)
         if chain:
@@ -312,8 +345,21 @@ class PrefixCache:
                 self.bytes += block.nbytes
             stored.append(block)
             parent, previous = block_id, point
+        if self.end_only and hit.chain and len(stored) > len(hit.chain):
+            self._supersede(hit.chain[-1])
         self._touch(stored)
         self._evict()
+
+    def _supersede(self, block: Block) -> None:
+        """Drop a point's recurrent state and convolution tail once its state has grown past
+        it (the request that reused it stored a later point): an agent's next turn continues
+        from the newer point, so the 49 MiB of state would only crowd the cache. The block
+        keeps its keys, values and hidden states, which the newer point's chain needs; a
+        lookup passes through it but never ends there."""
+        freed = _nbytes([*block.recurrent, *block.conv])
+        block.recurrent, block.conv = [], []
+        block.nbytes -= freed
+        self.bytes -= freed
 
     def _children_of(self, parent: bytes) -> set[bytes]:
         if parent in self.blocks:

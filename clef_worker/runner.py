@@ -22,11 +22,12 @@ Layouts (the batch policy's, clef_worker.policy):
 
 **Prefix cache** (clef_worker.prefix_cache, when the runner has one; clef_worker.prefix_run
 runs it): at run time each request of the group is looked up by its token ids; when any
-member reuses a cached prefix or has states to store (a state span of at least 256 tokens),
-the group runs through the prefixed forward instead (clef_worker.model.prefix_forward: only
-the new tokens, end to end, each from its cached states, eagerly), the head reads the cached
-hidden states joined before the new ones, and the blocks each member captured are stored. A
-group where no member does either runs as above (graphs included).
+member reuses a cached prefix or has states to store, only the new tokens run, each from its
+cached states: through the packed buckets' replays in rounds that end at the points
+(clef_worker.prefix_graphed), or, without buckets (and for a media request or a member too
+long for them), through the eager prefixed forward (clef_worker.model.prefix_forward); the
+head reads the cached hidden states joined before the new ones, and the blocks each member
+captured are stored. A group where no member does either runs as above.
 
 Media requests run alone, eagerly. Through the prefix cache too, keyed by their media's digest
 as well: one that reuses a prefix (always covering all its media) runs only its text after it,
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -66,7 +68,8 @@ from clef_worker.model.packed import PackedLayout
 from clef_worker.model.prefix_forward import MediaInputs
 from clef_worker.policy import PACKED, PADDED, group_layout
 from clef_worker.prefix_cache import CacheKey, PrefixCache, ids_array
-from clef_worker.prefix_run import plan_group, run_group
+from clef_worker.prefix_graphed import GroupRun, prefixed_hidden
+from clef_worker.prefix_run import GroupPlan, plan_group
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +218,10 @@ class ModelRunner:
         self.graphs = graphs
         self.layout = layout
         self.prefix_cache = prefix_cache
+        # Prefix-cache groups by the path they took: "graphed" (the packed buckets' replays,
+        # clef_worker.prefix_graphed) or "eager" (the prefixed forward); a group split between
+        # both counts once in each.
+        self.prefix_paths: Counter[str] = Counter()
         if graphs is not None and (layout not in (PACKED, PADDED) or isinstance(
                 graphs, PackedGraphRunner) != (layout == PACKED)):
             raise ValueError(f"a {layout} runner cannot use {type(graphs).__name__}")
@@ -385,10 +392,7 @@ class ModelRunner:
             if plans is not None:
                 assert self.prefix_cache is not None
                 real_ids = self._real_ids(staged, moved[:count])
-                hidden = run_group(self.backbone, self.prefix_cache, plans, staged.lengths,
-                                   real_ids, staged.cache_keys, staged.host_ids,
-                                   lambda spans: self._selected(staged, spans),
-                                   self._media_inputs(staged))
+                hidden = self._prefixed_hidden(staged, plans, real_ids)
                 reused = plans.reused
             elif staged.packed:
                 hidden, real_ids = self._packed_hidden(staged, moved[:count])
@@ -416,6 +420,19 @@ class ModelRunner:
                        strict=True)]
         return RunOutput(results, {"forward_ms": forward_ms, "head_ms": head_ms},
                          hidden if keep_hidden else None)
+
+    def _prefixed_hidden(self, staged: Staged, plan: GroupPlan, real_ids: Tensor) -> Tensor:
+        """A prefix-cache group's final hidden states end to end (clef_worker.prefix_graphed:
+        the packed buckets' replays where they fit, the eager prefixed forward for the rest)."""
+        assert self.prefix_cache is not None
+        graphs = self.graphs if isinstance(self.graphs, PackedGraphRunner) else None
+        return prefixed_hidden(
+            GroupRun(self.backbone, self.prefix_cache, plan, staged.lengths, real_ids,
+                     staged.cache_keys, staged.host_ids,
+                     staged.slots or [BASE_SLOT] * len(staged.lengths), staged.media is not None,
+                     lambda spans, members: self._selected(staged, spans, members),
+                     self._media_inputs(staged)),
+            graphs, self.prefix_paths)
 
     def _variant_heads(self, heads: VariantHeads, hidden: Tensor, real_ids: Tensor
                        ) -> list[HeadOutput]:

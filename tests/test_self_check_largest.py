@@ -23,9 +23,9 @@ from clef_protocol import messages
 from clef_protocol.options import RequestLimits
 from clef_worker import self_check
 from clef_worker.assembly import assemble_snapshot
+from clef_worker.gpu import packed_graphs
 from clef_worker.gpu.graphs import GraphRunner
 from clef_worker.gpu.packed_graphs import PackedGraphRunner, aligned_total
-from clef_worker.model.backbone import Backbone
 from clef_worker.native import NativeExecutor
 from clef_worker.variant_probe import reference_runner
 from tests.worker_start import start_worker
@@ -195,13 +195,13 @@ def padding_leak(monkeypatch: pytest.MonkeyPatch) -> None:
     """In the largest packed bucket only: every token's hidden state picks up the last
     position's, which is always padding after the requests (a kernel that reads past the
     last sequence's boundary)."""
-    real = Backbone.packed_hidden_state
+    real = packed_graphs.stateful_forward  # the forward every packed bucket runs
 
-    def leaky(self: Backbone, input_ids: torch.Tensor, layout: Any) -> torch.Tensor:
-        out = real(self, input_ids, layout)
-        return out + out[-1:] if input_ids.numel() == LARGEST else out
+    def leaky(model: Any, input_ids: torch.Tensor, *args: Any) -> tuple[torch.Tensor, Any]:
+        out, states = real(model, input_ids, *args)
+        return (out + out[-1:] if input_ids.numel() == LARGEST else out), states
 
-    monkeypatch.setattr(Backbone, "packed_hidden_state", leaky)
+    monkeypatch.setattr(packed_graphs, "stateful_forward", leaky)
 
 
 @pytest.mark.parametrize("fault", ["offset_fault", "padding_leak"])

@@ -37,9 +37,16 @@ from torch import Tensor
 
 from clef_worker.gpu.buckets import cost_bucket_lengths
 from clef_worker.gpu.graphs import Capturer, Forward
+from clef_worker.gpu.state_buffers import RowSequence, StateBuffers, StateShapes, fresh
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.lora import AdapterSelection
 from clef_worker.model.packed import FLA_CHUNK, StaticPackedLayout, aligned_length
+from clef_worker.model.stateful import (
+    StateKernels,
+    StateOutputs,
+    stateful_forward,
+    stateful_kernels_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +99,16 @@ class PackedStats:
     built: list[int] = field(default_factory=list)  # buckets in build order
     replays: dict[int, int] = field(default_factory=dict)
     capture_ms: float = 0.0
+    # Replays whose row continued cached prefixes or stored points (clef_worker.prefix_graphed).
+    state_replays: int = 0
 
 
 class PackedGraphRunner:
     """Runs the text stack over packed rows at built total-token buckets."""
 
     def __init__(self, backbone: Backbone, buckets: Sequence[int], max_sequences: int,
-                 pad_id: int, capturer: Capturer, selection: AdapterSelection | None = None):
+                 pad_id: int, capturer: Capturer, selection: AdapterSelection | None = None,
+                 state_inputs: bool = True):
         self.backbone = backbone
         # Fine-tuned variants: each bucket's forward runs the stacked LoRA path over a static
         # slot buffer (`host_slots` fills it per group), so one capture serves every mix.
@@ -110,6 +120,14 @@ class PackedGraphRunner:
         self.static: dict[int, PackedStatic] = {}
         self.costs_ms: dict[int, float] = {}
         self.stats = PackedStats()
+        # The state inputs every bucket reads (clef_worker.gpu.state_buffers), made at build
+        # time; their keys hold twice the largest bucket: a full row beside one cached prefix
+        # as long as the longest request.
+        self.states: StateBuffers | None = None
+        self.state_kernels: StateKernels | None = None
+        self.outputs = StateOutputs([], [])  # the last replay's final states (static on CUDA)
+        # False: the buckets' forward without state inputs (prefix-cache groups eager).
+        self.state_inputs = state_inputs
 
     @property
     def graphs(self) -> bool:
@@ -164,15 +182,38 @@ class PackedGraphRunner:
     def build_all(self) -> list[int]:
         """Build (capture) every planned bucket, largest first; the only place one is built."""
         started = time.perf_counter()
+        if self.state_inputs and self.states is None and self.planned:
+            backbone = self.backbone
+            largest = max(self.planned)
+            self.states = StateBuffers(StateShapes.of(backbone.model), self.max_sequences + 1,
+                                       largest, 2 * largest, backbone.device, backbone.dtype)
+            self.state_kernels = stateful_kernels_for(backbone.device, backbone.dtype,
+                                                      backbone.gdn_path)
         self.capturer.begin()
         try:
             with torch.inference_mode():
-                for tokens in sorted(self.planned, reverse=True):
-                    self._build(tokens)
+                try:
+                    self._build_every()
+                except Exception:
+                    if self.states is None:
+                        raise
+                    # Never a worker that cannot start for the sake of the prefix cache: the
+                    # buckets without state inputs, prefix-cache groups eager (as before).
+                    log.exception("the packed forward with state inputs failed: buckets are "
+                                  "built without them; prefix-cache groups run the eager "
+                                  "prefixed forward")
+                    self.states = self.state_kernels = None
+                    self.static.clear()
+                    self.stats.built.clear()
+                    self._build_every()
         finally:
             self.capturer.end()
         self.stats.capture_ms += (time.perf_counter() - started) * 1000
         return list(self.stats.built)
+
+    def _build_every(self) -> None:
+        for tokens in sorted(self.planned, reverse=True):
+            self._build(tokens)
 
     def _build(self, tokens: int) -> None:
         device = self.backbone.device
@@ -183,11 +224,24 @@ class PackedGraphRunner:
         slots = (torch.zeros(tokens, dtype=torch.long, device=device)
                  if selection is not None else None)
 
+        states, kernels = self.states, self.state_kernels
+
+        def stateful() -> Tensor:
+            if states is None or kernels is None:
+                return backbone.packed_hidden_state(input_ids, layout.layout())
+            hidden, self.outputs = stateful_forward(backbone.model, input_ids, layout.layout(),
+                                                    kernels, states.inputs(tokens))
+            return hidden
+
+        if states is not None:
+            states.clear_rows()
+            states.fill(layout.layout(), fresh([tokens]))
+
         def forward() -> Tensor:
             if selection is None or slots is None:
-                return backbone.packed_hidden_state(input_ids, layout.layout())
+                return stateful()
             with selection.replaying(slots):
-                return backbone.packed_hidden_state(input_ids, layout.layout())
+                return stateful()
 
         self.static[tokens] = PackedStatic(tokens, input_ids, layout,
                                            self.capturer.capture(forward), slots)
@@ -211,15 +265,26 @@ class PackedGraphRunner:
     # -- running -----------------------------------------------------------------------------
 
     def run(self, ids: Tensor, lengths: Sequence[int], bucket: int,
-            slots: Tensor | None = None) -> Tensor:
+            slots: Tensor | None = None,
+            sequences: Sequence[RowSequence] | None = None) -> Tensor:
         """Last hidden state [bucket, H] of a packed row laid out by `host_ids` (on the
         device): the offsets are written into the bucket's static layout, the ids into its
         buffer, and its graph replays. A view of a static buffer: use it before the next
-        replay."""
+        replay. `sequences`: how each continues a cached prefix, its state rows and cached
+        keys already written (clef_worker.prefix_graphed); None: every sequence fresh."""
         static = self.static[bucket]
         if ids.shape != (bucket,):
             raise ValueError(f"ids of shape {tuple(ids.shape)} for the {bucket}-token bucket")
-        static.layout.fill(lengths)
+        layout = static.layout.fill(lengths)
+        if self.states is None:
+            if sequences is not None:
+                raise ValueError("these buckets were built without state inputs")
+        elif sequences is None:
+            self.states.clear_rows()
+            self.states.fill(layout, fresh(lengths))
+        else:
+            self.states.fill(layout, sequences)
+            self.stats.state_replays += 1
         static.input_ids.copy_(ids, non_blocking=True)
         if static.slots is not None:
             if slots is None:
