@@ -43,7 +43,7 @@ from clef_worker.allocator import keep_freed_memory
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.model.answers import build_response, serialize
 from clef_worker.model.gated_delta import chunk_size_for
-from clef_worker.model.head import HeadBatch, RecordSpans
+from clef_worker.model.head_batch import HeadBatch, RecordSpans
 from clef_worker.native import NativeExecutor
 
 

@@ -62,7 +62,8 @@ from clef_worker.gpu.transfer import move_staged, stage_host
 from clef_worker.media.vision import PreparedMedia, VisionTower
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.encoding import Encoding
-from clef_worker.model.head import HeadBatch, HeadOutput, JointSchemaHead, RecordSpans
+from clef_worker.model.head import HeadOutput, JointSchemaHead
+from clef_worker.model.head_batch import HeadBatch, RecordSpans
 from clef_worker.model.lora import BASE_SLOT, AdapterSelection
 from clef_worker.model.packed import PackedLayout
 from clef_worker.model.prefix_forward import MediaInputs

@@ -14,14 +14,8 @@ from hypothesis import strategies as st
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from clef_worker.model.head import (
-    EvidenceLayer,
-    HeadBatch,
-    HeadConfig,
-    HeadIndex,
-    JointSchemaHead,
-    RecordSpans,
-)
+from clef_worker.model.head import EvidenceLayer, HeadConfig, JointSchemaHead
+from clef_worker.model.head_batch import HeadBatch, HeadIndex, RecordSpans
 
 FLOAT32_EPS = torch.finfo(torch.float32).eps  # 2**-23
 
