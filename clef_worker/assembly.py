@@ -61,7 +61,7 @@ from clef_worker.native import NativeExecutor
 from clef_worker.policy import PACKED, PADDED, PER_GROUP, BatchPolicy
 from clef_worker.prefix_cache import PrefixCache, default_block_tokens
 from clef_worker.runner import ModelRunner
-from clef_worker.variants import load_variants
+from clef_worker.variants import load_variants, refuse_variant
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,8 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
     vision = load_media(snapshot, encoder, backbone, settings.media)
     selection = AdapterSelection(STACKED if target.type == "cuda" else SEGMENTS)
     variants = load_variants(list(settings.finetunes), backbone, head, selection,
-                             settings.base_names or (settings.variant,), snapshot.root)
+                             settings.base_names or (settings.variant,), snapshot.root,
+                             on_refused=refuse_variant)
     pad_id = pad_token_id(encoder.tokenizer.token_to_id("<|endoftext|>"), snapshot.text_config)
     if policy.packed and capture:
         policy = packed_or_padded(backbone, policy, explicit=settings.batch_layout == PACKED)
