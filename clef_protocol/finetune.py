@@ -113,7 +113,8 @@ def scan_finetunes(values: list[str] | None, served: tuple[str, ...] = ()
                                               "base's): refused, the base keeps its name",
                                        in_directory))
             elif candidate in taken:
-                refused.append(Refusal(value, f"the name {candidate!r} is given twice "
+                entry = f"{checkpoint.name}: " if in_directory else ""
+                refused.append(Refusal(value, f"{entry}the name {candidate!r} is given twice "
                                               "(the first is served)", in_directory))
             else:
                 taken.add(candidate)

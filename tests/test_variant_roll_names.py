@@ -8,7 +8,9 @@ worker's CPU defaults):
 - a directory left empty serves the base alone: at start, and after the last checkpoint is
   removed (the roll succeeds, the removed variant is 404 and gone from `/v1/models`, and a
   crash afterwards is only a restart, never an outage); a bad entry is refused on its own while
-  the others are served.
+  the others are served;
+- a checkpoint whose `adapter/` is a symbolic link: adapter files replaced through the link
+  are new weights (a new fingerprint, no kept answer of the old ones).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from benchlib.paths import FINETUNE_FIXTURES, FINETUNE_REFERENCE
 from clef_protocol.options import RequestLimits
 from tests.conftest import TINY_SNAPSHOT
 from tests.frontend_helpers import Response, Serve
-from tests.traffic_helpers import restart_worker, wait_until, workers_of
+from tests.traffic_helpers import metric, restart_worker, wait_until, workers_of
 
 MAX_LENGTH = RequestLimits().max_length
 REFERENCE = [json.loads(line) for line in FINETUNE_REFERENCE.read_text().splitlines() if line]
@@ -132,3 +134,28 @@ def test_an_empty_directory_serves_the_base_and_a_bad_entry_only_itself(
         assert_response_matches(response.json(), beta["response"])
         restart_worker(serve, 0)
         assert sorted(workers_of(serve)[0]["models"]) == ["clef-flash", "tiny-beta"]
+
+
+def test_adapter_files_replaced_through_a_symlink_are_new_weights(tmp_path: Path) -> None:
+    directory, adapters = tmp_path / "finetune", tmp_path / "adapters"
+    shutil.copytree(FINETUNE_FIXTURES / "tiny-alpha", directory / "tiny-alpha")
+    shutil.move(str(directory / "tiny-alpha" / "adapter"), str(adapters))
+    (directory / "tiny-alpha" / "adapter").symlink_to(adapters, target_is_directory=True)
+    row = ROWS[("tiny-alpha", "invoice")]
+    with _serve(directory) as serve:
+        before = _post(serve, row["request"])
+        assert before.status == 200
+        assert_response_matches(before.json(), row["response"])
+        old = workers_of(serve)[0]["models"]["tiny-alpha"]
+        assert before.header("Clef-Weights") == old[:16]
+        assert _post(serve, row["request"]).body == before.body  # kept: a hit
+        hits = metric(serve, "clef_answer_cache_total", result="hit")
+        for name in ("adapter_config.json", "adapter_model.safetensors"):  # through the link
+            shutil.copyfile(FINETUNE_FIXTURES / "tiny-beta" / "adapter" / name, adapters / name)
+        restart_worker(serve, 0)
+        new = workers_of(serve)[0]["models"]["tiny-alpha"]
+        assert new != old
+        after = _post(serve, row["request"])
+        assert after.status == 200 and after.body != before.body
+        assert after.header("Clef-Weights") == new[:16]
+        assert metric(serve, "clef_answer_cache_total", result="hit") == hits  # not from memory
