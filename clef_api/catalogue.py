@@ -13,8 +13,9 @@ With fine-tuned variants the catalogue follows the workers (`live`): a variant i
 admitted while a ready worker serves it; one that a worker served at its last start but no
 ready worker serves now (they are restarting) is answered 503 with `Retry-After`; one that no
 worker serves at all (its checkpoint was removed and every worker restarted) is 404 `unknown
-model`, like any name never served. The `--finetune` names resolved at start only say that
-variants are served at all (a body's `model` then chooses the model).
+model`, like any name never served. `--finetune` given (`finetune`) says that variants are
+served at all (a body's `model` then chooses the model), even while none is: a directory of
+checkpoints may be empty at start and filled before a roll.
 """
 
 from __future__ import annotations
@@ -56,10 +57,19 @@ class Catalogue:
     # worker at its last start); None: the configured `variants` are all served (clef-batch).
     live: Callable[[], tuple[tuple[str, ...], tuple[str, ...]]] | None = None
     retry_after: int = 1  # the Retry-After of a 503 for a variant no ready worker serves
+    # `--finetune` was given: a body's `model` chooses the model even while no variant is
+    # served (a directory left empty serves the base alone until a checkpoint is added).
+    finetune: bool = False
 
     def __post_init__(self) -> None:
         if not self.names:
             raise ValueError("at least one served model name is required")
+
+    @property
+    def chooses_model(self) -> bool:
+        """Whether a body's `model` chooses what scores it (variants configured), rather than
+        being echoed whatever it is."""
+        return self.finetune or bool(self.variants)
 
     @property
     def served(self) -> str:
@@ -101,7 +111,7 @@ class Catalogue:
         (422), since the worker scores by the body's `model`. A variant known to the workers but
         served by no ready worker now is 503 with Retry-After. Without variants any name is
         accepted and echoed, as the reference does."""
-        if not self.variants or not isinstance(model, str):
+        if not self.chooses_model or not isinstance(model, str):
             return None
         serving, known = self._variants()
         if model not in self.names and model not in serving:

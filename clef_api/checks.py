@@ -87,7 +87,7 @@ class RequestRules:
             validate_request(request, self.limits)
         except RequestInvalid as exc:
             return responses.error(422, str(exc))
-        if not self.catalogue.variants:  # any name is accepted: skip the path's parse
+        if not self.catalogue.chooses_model:  # any name is accepted: skip the path's parse
             return request
         # With fine-tuned variants served, the body's model must be one this server serves.
         return self.catalogue.check_body_model(request.get("model"),

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -39,7 +39,7 @@ from clef_dispatch.worker_errors import (
     WorkerUnavailable,
     failure_reason,
 )
-from clef_protocol.messages import PrefixStats, ReadyInfo, Request, WorkerReply
+from clef_protocol.messages import PrefixStats, ReadyInfo, Request, Weights, WorkerReply
 
 log = logging.getLogger("clef_dispatch.supervisor")
 
@@ -105,9 +105,10 @@ class Supervisor:
         # The prefix cache's figures as the current worker's latest reply left them (None
         # before its first reply that carried them): /health and the metrics read them here.
         self.prefix_stats: PrefixStats | None = None
-        # The fine-tuned variants its worker serves, by name, with their fingerprints (from its
-        # last `ready`; kept while it restarts, so the front still knows the names).
-        self.variants: dict[str, str] = {}
+        # What its worker serves, by fingerprint (the `Weights` of its last `ready`: the one
+        # description routing, the catalogue, the answer cache and clef-batch read; kept while
+        # it restarts, so the front still knows the variants' names).
+        self.weights = Weights()
         self.restarts = 0
 
     async def start(self) -> ReadyInfo:
@@ -138,16 +139,21 @@ class Supervisor:
                 and not channel.is_broken and channel.suspect is None
                 and channel.in_flight < self.max_batch)
 
+    @property
+    def variants(self) -> Mapping[str, str]:
+        """The fine-tuned variants its worker serves, by name, with their fingerprints."""
+        return self.weights.variants
+
     def serves(self, model: str) -> bool:
         """Whether its worker serves `model` (a variant's name; "" is the base, which every
         worker serves): a request is sent only to a worker that serves its model."""
-        return not model or model in self.variants
+        return not model or model in self.weights.variants
 
     def weights_of(self, model: str) -> str | None:
         """The fingerprint its worker serves `model` with (None: it does not serve it)."""
-        if not model:
-            return self.info.fingerprint if self.info is not None else None
-        return self.variants.get(model)
+        if not model and self.info is None:
+            return None
+        return self.weights.of(model)
 
     @property
     def suspect(self) -> Judgement | None:
@@ -319,7 +325,7 @@ class Supervisor:
     def _adopt(self, channel: WorkerChannel, info: ReadyInfo) -> None:
         self._channel, self.info = channel, info
         self.prefix_stats = None  # a new worker starts with an empty cache
-        self.variants = info.variant_fingerprints()
+        self.weights = info.weights
         # Requests outstanding on this worker: what it reported in `ready` (`max_sequences`,
         # `--max-batch` or its device's default: the worker owns the batch policy,
         # clef_worker.policy, and the front reads it from `ready` only).

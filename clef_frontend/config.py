@@ -45,6 +45,7 @@ class ServerConfig:
     drain_timeout: float = 30.0
     served_model_names: tuple[str, ...] = ("clef-flash",)  # the served name, then aliases
     finetune_names: tuple[str, ...] = ()  # the fine-tuned variants' names (--finetune)
+    finetune_given: bool = False  # --finetune given (its directories may hold none yet)
     api_key_file: str | None = None
     api_key: str | None = field(default=None, repr=False)  # CLEF_API_KEY; never printed
     # Shared traffic: requests wait at most `queue_timeout` seconds for a worker (None: no
@@ -90,6 +91,11 @@ class ServerConfig:
             raise ValueError(f"--port {self.port} is not a TCP port")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port {self.metrics_port} is not a TCP port")
+
+    @property
+    def finetune(self) -> bool:
+        """Fine-tuned variants are configured: a body's `model` chooses the model."""
+        return self.finetune_given or bool(self.finetune_names)
 
     @property
     def body_rate_rule(self) -> BodyRateRule:

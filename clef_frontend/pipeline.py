@@ -211,7 +211,7 @@ class Pipeline:
             return checked
         ctx.request, ctx.identity, ctx.prefix_key = checked
         catalogue = self.api.catalogue
-        if catalogue.variants:  # the model chosen (checked), for its metrics and its workers
+        if catalogue.chooses_model:  # the model chosen (checked), for its metrics and workers
             ctx.model = ctx.request.get("model")
             ctx.variant = catalogue.model_of(ctx.model)
         return None

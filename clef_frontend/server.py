@@ -296,7 +296,8 @@ def api_surface(config: ServerConfig,
                  f", watching {key_file} for changes" if key_file is not None else "")
     return ApiSurface(keys=keys, catalogue=Catalogue(
         config.served_model_names, variants=config.finetune_names,
-        live=live if config.finetune_names else None, retry_after=config.retry_after))
+        live=live if config.finetune else None, retry_after=config.retry_after,
+        finetune=config.finetune))
 
 
 async def serve(config: ServerConfig) -> int:

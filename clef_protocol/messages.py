@@ -17,7 +17,9 @@ line about the request, so its lines join both the access log and the trace.
 
 from __future__ import annotations
 
+import functools
 import signal
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -121,8 +123,41 @@ class ModelInfo:
     def variant_fingerprints(self) -> dict[str, str]:
         """The fine-tuned variants this worker serves, by name, with their fingerprints (a
         variant listed in `finetunes` without one in `models` maps to "")."""
-        return {str(item.get("name")): self.models.get(str(item.get("name")), "")
-                for item in self.finetunes}
+        return dict(self.weights.variants)
+
+    @functools.cached_property
+    def weights(self) -> Weights:
+        """The one description of the weights this worker serves (`Weights`), read once from
+        the frame: the base by `fingerprint`, each variant `finetunes` lists by its entry in
+        `models` (never the base's entry, whatever the names)."""
+        return Weights(self.fingerprint,
+                       {str(item.get("name")): self.models.get(str(item.get("name")), "")
+                        for item in self.finetunes})
+
+
+@dataclass(frozen=True)
+class Weights:
+    """What one worker serves, by content fingerprint: the base (`base`, which answers to the
+    served name, its aliases and the model id) and each fine-tuned variant by its name, in the
+    worker's order. One description per worker: the worker builds it once its fingerprints are
+    computed and sends it in `ready` (`fingerprint`, `finetunes`, `models`); the front reads it
+    back (`ModelInfo.weights`) for `/health`, the variants `/v1/models` lists and admission
+    routes by, the answer cache's binding and `Clef-Weights`; clef-batch for its output lines.
+    A variant never has a base's name (the worker refuses such a checkpoint), so `models`,
+    keyed by name, cannot hide the base."""
+
+    base: str = ""
+    variants: Mapping[str, str] = field(default_factory=dict)
+
+    def of(self, model: str) -> str | None:
+        """The fingerprint `model` ("" for the base, else a variant's name) is served with;
+        None when this worker does not serve it."""
+        return self.base if not model else self.variants.get(model)
+
+    def by_name(self, base_name: str) -> dict[str, str]:
+        """Every model by the name clients give it, the base under `base_name` (`ready`'s
+        `models`, `/health`'s per-worker `models`)."""
+        return {base_name: self.base, **self.variants}
 
 
 def _shapes(value: Any) -> list[list[int]]:

@@ -49,11 +49,33 @@ DEFAULT_MAX_BATCH_TOKENS_CPU = 4096
 # worker (it reads the worker's figure from `ready`). The worker builds its graph shapes for it.
 DEFAULT_MAX_BATCH_CUDA = 16
 DEFAULT_MAX_BATCH_CPU = 8
-# `--prefix-cache-bytes 0`: the prefix cache's bound by device. On CUDA it is device memory beside
-# the weights and graphs (Clef-Flash keeps about 40 KiB per cached token plus about 49 MiB of
+# `--prefix-cache-bytes auto`: the prefix cache's bound by device. On CUDA it is device memory
+# beside the weights and graphs (Clef-Flash keeps about 40 KiB per cached token plus about 49 MiB of
 # Gated DeltaNet state per cached point: docs/operations.md); on CPU, host memory.
 DEFAULT_PREFIX_CACHE_BYTES_CUDA = 16 * 1024**3
 DEFAULT_PREFIX_CACHE_BYTES_CPU = 1024**3
+# `--prefix-cache-bytes auto` (the default) is that bound; 0 is what a byte bound of 0 reads as:
+# no room, the cache off (its `disabled_reason` says so, and no alert fires for it).
+AUTO = "auto"
+
+
+def prefix_cache_bytes(value: str) -> int | str:
+    """argparse type of `--prefix-cache-bytes`: `auto` or a number of bytes (0: off)."""
+    if value.strip() == AUTO:
+        return AUTO
+    try:
+        return non_negative_int(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected {AUTO} or a non-negative number of bytes, got {value!r}") from None
+
+
+def prefix_cache_capacity(value: int | str, device: str) -> int:
+    """The bound a `--prefix-cache-bytes` value means on `device` (`auto`: by device)."""
+    if value == AUTO:
+        return (DEFAULT_PREFIX_CACHE_BYTES_CUDA if device.startswith("cuda")
+                else DEFAULT_PREFIX_CACHE_BYTES_CPU)
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -164,11 +186,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="keep each request's per-layer states at every block of its leading "
                             "tokens, so a later request that begins with the same tokens (same "
                             "variant, same media) runs only the rest: on or off")
-    group.add_argument("--prefix-cache-bytes", type=non_negative_int, default=0,
+    group.add_argument("--prefix-cache-bytes", type=prefix_cache_bytes, default=AUTO,
                        help="the prefix cache's bound in bytes, least recently used out first "
-                            f"(0: by device, {DEFAULT_PREFIX_CACHE_BYTES_CUDA // 1024**3} GiB of "
-                            f"device memory on CUDA, {DEFAULT_PREFIX_CACHE_BYTES_CPU // 1024**3} "
-                            "GiB on CPU)")
+                            f"({AUTO}, the default: by device, "
+                            f"{DEFAULT_PREFIX_CACHE_BYTES_CUDA // 1024**3} GiB of device memory "
+                            f"on CUDA, {DEFAULT_PREFIX_CACHE_BYTES_CPU // 1024**3} GiB on CPU; 0: "
+                            "no bytes, the cache is off as with --prefix-cache off)")
     limits = parser.add_argument_group("request limits")
     limits.add_argument("--max-length", type=positive_int, default=RequestLimits.max_length,
                         help="token budget per request (state is cut to fit)")

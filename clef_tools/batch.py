@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import sys
 from pathlib import Path
@@ -37,7 +38,7 @@ from clef_tools.batch_runner import (
     RunState,
 )
 from clef_tools.progress import Progress
-from clef_tools.resume import Done, ResumeError, load_done
+from clef_tools.resume import Done, ResumeError, load_done, other_weights
 from clef_tools.screening import Screen
 
 # Worker replacements before a run gives up (a rerun resumes); the server never gives up.
@@ -56,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                             'with "method": "POST" and a scoring "url")')
     files.add_argument("--output", required=True, type=Path, metavar="OUT.jsonl",
                        help="answers, one a line; an existing file is resumed")
+    files.add_argument("--resume-other-weights", action="store_true",
+                       help="resume an output whose lines were scored by weights the workers "
+                            "no longer serve (each line names its own `weights`); without it "
+                            "such a resume stops before writing anything")
     add_model_arguments(parser)
     add_worker_arguments(parser, max_restarts=DEFAULT_MAX_RESTARTS)
     api = parser.add_argument_group("requests")
@@ -95,6 +100,10 @@ def _log_through(progress: Progress) -> None:
     root = logging.getLogger()
     root.handlers[:] = [_ProgressHandler(progress)]
     root.setLevel(logging.WARNING)
+
+
+def _other_weights(done: Done, output: Path, served: set[str]) -> str | None:
+    return other_weights(done, served, output)
 
 
 def _exit_status(state: RunState, bad_lines: int) -> int:
@@ -140,9 +149,10 @@ def _main(argv: list[str] | None) -> int:
     for item in scan.bad:
         progress.write(f"clef-batch: bad input: {item.message}")
     served = tuple(args.served_model_name or (args.variant,))
+    variants = tuple(f.name for f in resolve_finetunes(args.finetune, (*served, args.variant)))
     screen = Screen(RequestRules(limits_from(args),
-                                 Catalogue(served, variants=tuple(
-                                     f.name for f in resolve_finetunes(args.finetune, served))),
+                                 Catalogue(served, variants=variants,
+                                           finetune=bool(args.finetune)),
                                  args.body_limit))
     refused: list[tuple[Job, Reply]] = []
     forward: list[Job] = []
@@ -157,14 +167,25 @@ def _main(argv: list[str] | None) -> int:
     forward.sort(key=lambda job: len(job.body))
     output = OutputFile(args.output)
     _log_through(progress)
-    runner = BatchRunner(forward, settings, output.write, progress.update, progress.write)
-    try:
+
+    def unscored() -> None:
+        """The lines no worker scores: written once the output may take this run's lines."""
         for item in bad:
             output.write(bad_line(item))
             progress.update()
         for job, refusal in refused:
             runner.record(job, new_request_id(), refusal)
-        state = asyncio.run(runner.run()) if forward else runner.state
+
+    check = None if args.resume_other_weights else functools.partial(
+        _other_weights, done, args.output)
+    runner = BatchRunner(forward, settings, output.write, progress.update, progress.write,
+                         check_weights=check, before=unscored)
+    try:
+        if forward:
+            state = asyncio.run(runner.run())
+        else:
+            unscored()
+            state = runner.state
     except StartupFailed as exc:
         progress.close()
         print(f"clef-batch: the worker did not start: {exc}", file=sys.stderr)
@@ -172,6 +193,9 @@ def _main(argv: list[str] | None) -> int:
     finally:
         output.close()
     progress.close()
+    if state.other_weights is not None:
+        print(f"clef-batch: {state.other_weights}", file=sys.stderr)
+        return EXIT_NOT_STARTED
     statuses = ", ".join(f"{count} x {status}" for status, count in sorted(state.statuses.items()))
     print(f"clef-batch: {progress.count}/{scan.lines} lines answered in {args.output} "
           f"({statuses or 'none this run'}; {len(scan.bad)} bad input line(s); "

@@ -63,6 +63,8 @@ class RunState:
     interrupted: bool = False
     gave_up: str | None = None
     ready: ReadyInfo | None = None
+    # Why nothing was run on a resumed output: it was written under other weights.
+    other_weights: str | None = None
 
 
 class BatchRunner:
@@ -70,7 +72,14 @@ class BatchRunner:
 
     def __init__(self, jobs: list[Job], settings: WorkerSettings,
                  write: Callable[[bytes], None], on_answer: Callable[[], None],
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], *,
+                 check_weights: Callable[[set[str]], str | None] | None = None,
+                 before: Callable[[], None] | None = None) -> None:
+        """`check_weights` gets the fingerprints the ready workers serve and says why the run
+        must not append (clef_tools.resume.other_weights), before anything is written;
+        `before` writes what needs no worker, once it may."""
+        self._check_weights = check_weights
+        self._before = before
         self._pending: deque[Job] = deque(jobs)
         self._settings = settings
         self._write = write
@@ -99,7 +108,7 @@ class BatchRunner:
             events=DispatchEvents(ready=self._worker_ready, gave_up=self._gave_up))
         supervise: asyncio.Task[None] | None = None
         try:
-            if await self._started(dispatch):
+            if await self._started(dispatch) and self._may_append(dispatch):
                 supervise = asyncio.create_task(dispatch.supervise(), name="supervisor")
                 self._feed()
                 await self._finished.wait()
@@ -110,7 +119,7 @@ class BatchRunner:
                 supervise.cancel()
                 await asyncio.wait({supervise})
             self.state.restarts = dispatch.restarts
-            if not self._has_work():
+            if not self._has_work() and self.state.other_weights is None:
                 # Said before the workers' exit, which can take seconds: a rate measured up to
                 # this line is the answering's alone (bench/bench_batch_vs_server.py).
                 mean = self.state.batch_size_sum / max(self.state.worker_answers, 1)
@@ -133,6 +142,21 @@ class BatchRunner:
         with contextlib.suppress(asyncio.CancelledError):
             await starting
         return False
+
+    def _may_append(self, dispatch: Dispatcher) -> bool:
+        """Whether the output may take this run's lines: the weights its lines name are
+        served now (or the check is off); then what needs no worker is written first."""
+        if self._check_weights is not None:
+            served: set[str] = set()
+            for info in dispatch.ready_infos():
+                served.update((info.weights.base, *info.weights.variants.values()))
+            self.state.other_weights = self._check_weights(served - {""})
+            if self.state.other_weights is not None:
+                self._pending.clear()
+                return False
+        if self._before is not None:
+            self._before()
+        return True
 
     def _has_work(self) -> bool:
         return bool(self._pending or self._open)
@@ -205,16 +229,20 @@ class BatchRunner:
         if worker_reply is not None:
             self.state.worker_answers += 1
             self.state.batch_size_sum += worker_reply.batch_size
-        self.record(job, request_id, responses.from_outcome(outcome.result()))
+        scored = worker_reply.weights if worker_reply is not None else ""
+        self.record(job, request_id, responses.from_outcome(outcome.result()), scored)
         self._feed()
 
     def _check_finished(self) -> None:
         if not self._open and (self._stop.is_set() or not self._pending):
             self._finished.set()
 
-    def record(self, job: Job, request_id: str, reply: responses.Reply) -> None:
-        """Write one job's answer (as its route shapes it) and count it."""
+    def record(self, job: Job, request_id: str, reply: responses.Reply,
+               weights: str = "") -> None:
+        """Write one job's answer (as its route shapes it), with the weights that scored it
+        ("": none did), and count it."""
         reply = finish(job, reply)
-        self._write(answered_line(job.custom_id, request_id, reply))
+        self._write(answered_line(job.custom_id, request_id, reply,
+                                  weights if reply.status == 200 else ""))
         self.state.statuses[reply.status] += 1
         self._on_answer()

@@ -4,6 +4,11 @@ A run stopped by SIGINT, SIGKILL, a crash or a power cut leaves its output with 
 at most one torn last line (lines are appended whole, see `batch_output`). The torn line is cut
 off, so appending continues on a line boundary; every whole line names a custom_id (or, for an
 input line whose custom_id could not be read, its line number) that is then skipped.
+
+Each answered line also names the weights that scored it (`weights`, batch_output): a rerun
+after the model or a checkpoint changed would otherwise mix two models' answers in one file
+without a trace, so once its workers are ready the run compares (`other_weights`) and stops
+unless told to append under other weights (`--resume-other-weights`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ class Done:
     custom_ids: set[str] = field(default_factory=set)
     lines: set[int] = field(default_factory=set)
     torn_bytes: int = 0  # how much of a torn last line was cut off
+    # The fingerprints of the weights that scored the lines there (the non-null `weights`).
+    weights: set[str] = field(default_factory=set)
 
     def __len__(self) -> int:
         return len(self.custom_ids) + len(self.lines)
@@ -58,12 +65,29 @@ def load_done(path: Path) -> Done:
         if not raw.strip():
             continue
         try:
-            custom_id, line = _key(json.loads(raw))
+            record = json.loads(raw)
+            custom_id, line = _key(record)
         except ValueError as exc:
             raise ResumeError(f"{path} line {number} is not a clef-batch output line ({exc}); "
                               "not appending to it") from None
+        weights = record.get("weights")
+        if isinstance(weights, str) and weights:
+            done.weights.add(weights)
         if custom_id is not None:
             done.custom_ids.add(custom_id)
         elif line is not None:
             done.lines.add(line)
     return done
+
+
+def other_weights(done: Done, served: set[str], path: Path) -> str | None:
+    """Why appending to `path` would mix weights (its lines were scored by weights none of
+    which the workers serve now: the base's fingerprint or a variant's), or None."""
+    foreign = sorted(done.weights - served)
+    if not foreign:
+        return None
+    return (f"{path} holds answers scored by other weights ({', '.join(w[:16] for w in foreign)}"
+            f"; the workers now serve {', '.join(sorted(w[:16] for w in served)) or 'none'}): "
+            "not appending to it, so no file mixes two models' answers unmarked; give "
+            "--resume-other-weights to append anyway (each line keeps its own `weights`) or "
+            "write to a new --output")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from clef_protocol.finetune import Finetune
-from clef_protocol.options import RequestLimits
+from clef_protocol.options import AUTO, RequestLimits, prefix_cache_capacity
 from clef_worker.errors import StartupError
 from clef_worker.gpu.buckets import BucketTable
 from clef_worker.gpu.graphs import (
@@ -57,14 +57,9 @@ from clef_worker.model.short_conv import bind_short_conv
 from clef_worker.model.snapshot import Snapshot, open_snapshot
 from clef_worker.native import NativeExecutor
 from clef_worker.policy import PACKED, PADDED, PER_GROUP, BatchPolicy
-from clef_worker.prefix_cache import (
-    PrefixCache,
-    default_block_tokens,
-    default_capacity,
-    default_store_policy,
-)
+from clef_worker.prefix_cache import PrefixCache, default_block_tokens, default_store_policy
 from clef_worker.runner import ModelRunner
-from clef_worker.variants import load_variants
+from clef_worker.variants import load_variants, refuse_variant
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +91,7 @@ class ModelSettings:
     base_names: tuple[str, ...] = ()
     # The prefix cache (clef_worker.prefix_cache): on or off, and its bound (0: by device).
     prefix_cache: str = "on"
-    prefix_cache_bytes: int = 0
+    prefix_cache_bytes: int | str = AUTO  # `--prefix-cache-bytes`: auto (by device) or bytes
 
 
 def assemble(settings: ModelSettings) -> NativeExecutor:
@@ -132,7 +127,8 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
     vision = load_media(snapshot, encoder, backbone, settings.media)
     selection = AdapterSelection(STACKED if target.type == "cuda" else SEGMENTS)
     variants = load_variants(list(settings.finetunes), backbone, head, selection,
-                             settings.base_names or (settings.variant,), snapshot.root)
+                             settings.base_names or (settings.variant,), snapshot.root,
+                             on_refused=refuse_variant)
     pad_id = pad_token_id(encoder.tokenizer.token_to_id("<|endoftext|>"), snapshot.text_config)
     if policy.packed and capture:
         policy = packed_or_padded(backbone, policy, explicit=settings.batch_layout == PACKED)
@@ -151,7 +147,8 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
     runner = ModelRunner(backbone, head, pad_id, vision, graphs, policy.layout,
                          [variant.head for variant in variants],
                          selection if variants else None,
-                         PrefixCache(settings.prefix_cache_bytes or default_capacity(str(target)),
+                         PrefixCache(prefix_cache_capacity(settings.prefix_cache_bytes,
+                                                           str(target)),
                                      block_tokens=default_block_tokens(str(target)),
                                      enabled=settings.prefix_cache == "on",
                                      policy=default_store_policy(str(target))))

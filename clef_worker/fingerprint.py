@@ -5,7 +5,8 @@ weights. The snapshot's path says nothing when its files are replaced in place (
 rewrites the directory, an operator copying a new snapshot over the old one) and the worker
 restarts; the digest of what is there does. It covers every regular file under the snapshot
 (its path relative to the root, its size, its bytes; not the bytecode a load may cache under
-`__pycache__`), so any change of weights, config or tokenizer changes it.
+`__pycache__`), following symbolic links to files and directories, so any change of weights,
+config or tokenizer changes it, also one made through a link.
 
 Three costs and one race shape how it is computed:
 
@@ -77,13 +78,47 @@ DERIVED_DIRS = frozenset({"__pycache__"})
 
 def list_files(root: Path) -> dict[str, Stat]:
     """Every regular file under `root` by its path relative to the root, with its identity
-    (none under a DERIVED_DIRS directory)."""
+    (none under a DERIVED_DIRS directory).
+
+    Symbolic links are followed, to files and to directories alike: a checkpoint's `adapter/`
+    or a snapshot's subdirectory may be a link to where the files really are, and replacing
+    them there changes the weights as surely as replacing them here (`Path.rglob` does not
+    descend into linked directories, which is why this walks with `os.walk`). The names are
+    the link's, under the root; a link that leads back to a directory it is already inside is
+    not walked again (a loop), and a link to nothing is skipped like any non-file."""
     files = {}
-    for path in sorted(root.rglob("*")):
-        relative = path.relative_to(root)
-        if DERIVED_DIRS.isdisjoint(relative.parts[:-1]) and path.is_file():
-            files[relative.as_posix()] = _stat_of(path)
-    return files
+    for directory, subdirs, names in os.walk(root, followlinks=True):
+        here = Path(directory)
+        relative_dir = here.relative_to(root)
+        if not DERIVED_DIRS.isdisjoint(relative_dir.parts):
+            subdirs[:] = []
+            continue
+        above = _identities_above(root, relative_dir)
+        subdirs[:] = [name for name in subdirs if _dir_identity(here / name) not in above]
+        for name in names:
+            path = here / name
+            if path.is_file():
+                files[(relative_dir / name).as_posix()] = _stat_of(path)
+    return dict(sorted(files.items()))
+
+
+def _dir_identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _identities_above(root: Path, relative_dir: Path) -> set[tuple[int, int] | None]:
+    """The identities of the directories from `root` down to `relative_dir`, itself included:
+    a linked subdirectory with one of them would walk in a loop."""
+    identities = {_dir_identity(root)}
+    current = root
+    for part in relative_dir.parts:
+        current = current / part
+        identities.add(_dir_identity(current))
+    return identities
 
 
 def _stat_from(values: list[object]) -> Stat:

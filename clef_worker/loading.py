@@ -7,12 +7,15 @@ channel is claimed and the gdn-prefill guard has had its chance to run.
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
-from clef_protocol.finetune import resolve_finetunes
+from clef_protocol.finetune import Finetune, scan_finetunes
 from clef_protocol.options import limits_from
 from clef_worker.errors import StartupError
 from clef_worker.executor import LoadedExecutor
+
+log = logging.getLogger("clef_worker.variants")
 
 
 def resolve_snapshot(model: str) -> tuple[Path, bool]:
@@ -27,15 +30,25 @@ def resolve_snapshot(model: str) -> tuple[Path, bool]:
     return path.resolve(), False
 
 
-def load_executor(args: argparse.Namespace, snapshot: Path, demo: bool) -> LoadedExecutor:
-    """Load the executor the flags ask for from the snapshot `resolve_snapshot` found;
-    StartupError names what is wrong."""
+def finetunes_of(args: argparse.Namespace) -> list[Finetune]:
+    """The checkpoints `--finetune` names now, resolved against the base's names (so none
+    takes the base's name over); each one refused is logged at ERROR, naming it, and the rest
+    is served. Read on every start: a roll or a replacement after a crash serves what is there
+    then, never failing for a bad or missing entry (an empty directory: the base alone)."""
+    finetunes, refused = scan_finetunes(args.finetune, base_names(args))
+    for refusal in refused:
+        log.error("variant refused, not served: %s", refusal)
+    return finetunes
+
+
+def load_executor(args: argparse.Namespace, snapshot: Path, demo: bool,
+                  finetunes: list[Finetune] | None = None) -> LoadedExecutor:
+    """Load the executor the flags ask for from the snapshot `resolve_snapshot` found, with the
+    variants `finetunes_of` resolved (resolved here when not given); StartupError names what is
+    wrong."""
     limits = limits_from(args)
-    try:
-        finetunes = tuple(resolve_finetunes(args.finetune))
-    except ValueError as exc:
-        raise StartupError(str(exc)) from None
-    if finetunes and args.executor == "release":
+    finetunes = finetunes_of(args) if finetunes is None else finetunes
+    if args.finetune and args.executor == "release":
         raise StartupError("--finetune needs --executor native (the release executor runs the "
                            "snapshot's own code, which serves merged releases only)")
     if args.executor == "release":
@@ -52,7 +65,7 @@ def load_executor(args: argparse.Namespace, snapshot: Path, demo: bool) -> Loade
         gdn_prefill=args.gdn_prefill, short_conv=args.short_conv, limits=limits, demo=demo,
         media=args.media, cuda_graphs=args.cuda_graphs, graph_max_length=args.graph_max_length,
         batch_layout=args.batch_layout, max_batch_tokens=args.max_batch_tokens,
-        max_batch=args.max_batch, batch_window_ms=args.batch_window_ms, finetunes=finetunes,
+        max_batch=args.max_batch, batch_window_ms=args.batch_window_ms, finetunes=tuple(finetunes),
         base_names=base_names(args), prefix_cache=args.prefix_cache,
         prefix_cache_bytes=args.prefix_cache_bytes,
     ))

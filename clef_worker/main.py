@@ -21,7 +21,6 @@ from typing import BinaryIO
 
 from clef_protocol import messages
 from clef_protocol.errors import BadRequestBody, ProtocolError, RequestInvalid, UnknownModel
-from clef_protocol.finetune import Finetune, resolve_finetunes
 from clef_protocol.frames import (
     encode_frame,
     read_frame_blocking,
@@ -235,8 +234,10 @@ def self_check(executor: Executor, mode: str,
         return None
     from clef_worker.verdict_store import checked
 
+    # The variants loaded (a refused checkpoint was fingerprinted but is not served).
     return checked(executor, mode, lambda: fingerprints()[0],
-                   variants=lambda: fingerprints()[1])
+                   variants=lambda: {name: digest for name, digest in fingerprints()[1].items()
+                                     if name in executor.variants})
 
 
 def prefix_cache_state(executor: Executor) -> messages.PrefixCacheInfo | None:
@@ -267,10 +268,13 @@ def start_ready(args: argparse.Namespace,
         SnapshotWatch,
         default_digests_path,
     )
-    from clef_worker.loading import base_names, load_executor, resolve_snapshot
+    from clef_worker.loading import base_names, finetunes_of, load_executor, resolve_snapshot
 
     try:
         snapshot, demo = resolve_snapshot(args.model)
+        # Resolved once per start, against the base's names: what the directories hold now
+        # (a roll or a replacement serves what is there then; refused entries are logged).
+        finetunes = finetunes_of(args)
         # The files as they are before the executor reads any: the fingerprints are trusted only
         # if they are the same once computed (clef_worker.fingerprint); a variant's adapter and
         # head files are watched the same way.
@@ -278,8 +282,8 @@ def start_ready(args: argparse.Namespace,
         watch = ModelsWatch(
             SnapshotWatch(snapshot, digests),
             {finetune.name: SnapshotWatch(finetune.checkpoint, digests, only=VARIANT_FILES)
-             for finetune in _finetunes(args)})
-        executor = load_executor(args, snapshot, demo)
+             for finetune in finetunes})
+        executor = load_executor(args, snapshot, demo, finetunes)
         fingerprints = watch.start()  # hashed while the worker warms up
         started = time.perf_counter()
         executor.warm_up()
@@ -289,9 +293,10 @@ def start_ready(args: argparse.Namespace,
         prefix_cache = prefix_cache_state(executor)
         if args.finetune:
             _answer_only_to_served_names(executor, base_names(args))
-        base, variants = fingerprints.result()
-        models = {base_names(args)[0]: base, **variants}
-        model = dataclasses.replace(executor.describe(), fingerprint=base, models=models)
+        described = executor.describe()
+        weights = weights_of(described, *fingerprints.result())
+        model = dataclasses.replace(described, fingerprint=weights.base,
+                                    models=weights.by_name(base_names(args)[0]))
     except StartupError as exc:
         reason = str(exc)
     except Exception as exc:
@@ -326,19 +331,19 @@ def _answer_only_to_served_names(executor: Executor, names: tuple[str, ...]) -> 
         executor.serve_base_as(names)
 
 
-def _finetunes(args: argparse.Namespace) -> list[Finetune]:
-    """The variants the flags name (the loader checks their contents); StartupError for a
-    value that names none."""
-    try:
-        return resolve_finetunes(args.finetune)
-    except ValueError as exc:
-        raise StartupError(str(exc)) from None
+def weights_of(described: messages.ModelInfo, base: str,
+               variants: Mapping[str, str]) -> messages.Weights:
+    """The one description of this worker's weights: the base's fingerprint and each variant
+    the executor loaded (in its order) with its own; a checkpoint refused at load (its
+    fingerprint was taken all the same) is not in it."""
+    loaded = [str(item.get("name")) for item in described.finetunes]
+    return messages.Weights(base, {name: variants.get(name, "") for name in loaded})
 
 
 def answer_weights(ready: messages.ReadyInfo) -> dict[str, str]:
     """What each answer's `weights` is, by `Answer.model`: "" (the base) to the base's
     fingerprint, each variant's name to its own."""
-    return {**ready.variant_fingerprints(), "": ready.fingerprint}
+    return {**ready.weights.variants, "": ready.weights.base}
 
 
 def main(argv: list[str] | None = None) -> int:

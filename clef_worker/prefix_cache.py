@@ -61,7 +61,6 @@ from clef_protocol.messages import (
     PrefixCacheInfo,
     PrefixStats,
 )
-from clef_protocol.options import DEFAULT_PREFIX_CACHE_BYTES_CPU, DEFAULT_PREFIX_CACHE_BYTES_CUDA
 from clef_worker.model.prefix_forward import Captured, PrefixState
 
 # Tokens between two cached points, by device. On CPU the torch scan hands out the states at
@@ -111,12 +110,6 @@ def default_store_policy(device: str) -> StorePolicy:
 def default_block_tokens(device: str) -> int:
     """Tokens between two cached points for a worker on `device`."""
     return BLOCK_TOKENS_CUDA if device.startswith("cuda") else BLOCK_TOKENS
-
-
-def default_capacity(device: str) -> int:
-    """`--prefix-cache-bytes 0` for a worker on `device`."""
-    return DEFAULT_PREFIX_CACHE_BYTES_CUDA if device.startswith("cuda") \
-        else DEFAULT_PREFIX_CACHE_BYTES_CPU
 
 
 def root_key(variant: str, media_digest: str = "") -> bytes:

@@ -11,7 +11,9 @@ configuration field by field (clef_worker.adapter_config: served only where PEFT
 it is the one applied here), every adapted module present in the text stack, linear and named
 by `target_modules` as PEFT matches it, A and B shaped for it and for the rank, floating point,
 both present; the head's tensors exactly the base head's names and shapes. A bad checkpoint
-stops start-up with a `StartupError` naming the file and the field or tensor. A checkpoint whose
+is refused with an ERROR naming the file and the field or tensor (`load_variants`' caller
+decides: the worker serves the rest, so a checkpoint gone bad before a roll or a crash never
+stops the server); the others are served in their order. A checkpoint whose
 `base_model_name_or_path` does not name the served base is served with a WARNING (it may be the
 same weights under another name; the shapes are checked, provenance cannot be).
 """
@@ -19,7 +21,7 @@ same weights under another name; the shapes are checked, provenance cannot be).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,23 +194,38 @@ def read_head(path: Path, base: JointSchemaHead, device: torch.device, dtype: to
 
 def load_variants(finetunes: list[Finetune], backbone: Backbone, base_head: JointSchemaHead,
                   selection: AdapterSelection, served: Sequence[str] = (),
-                  snapshot: Path | None = None) -> list[Variant]:
+                  snapshot: Path | None = None,
+                  on_refused: Callable[[Finetune, StartupError], None] | None = None
+                  ) -> list[Variant]:
     """Check every checkpoint (all of them, before any is attached), then adapt the backbone's
     layers and attach each variant's updates in its slot. The LoRA weights are kept in the
     backbone's dtype on its device; the head in the base head's dtype. `served` (the served
     model's names) and `snapshot` (its directory) are what a checkpoint's
-    `base_model_name_or_path` should name; a mismatch is logged at WARNING."""
+    `base_model_name_or_path` should name; a mismatch is logged at WARNING. A checkpoint that
+    fails a check raises its StartupError, or, given `on_refused`, is handed to it and left
+    out (the slots are the served variants' order)."""
     if not finetunes:
         return []
     layers = linear_layers(backbone.model)
     head_dtype = base_head.hidden_norm.weight.dtype
     checked = []
     for finetune in finetunes:
-        adapter_dir = finetune.checkpoint / ADAPTER_DIR
-        config = read_lora_config(adapter_dir / ADAPTER_CONFIG)
-        tensors = read_adapter(adapter_dir / ADAPTER_WEIGHTS, config, layers)
-        head = read_head(finetune.checkpoint / HEAD_WEIGHTS, base_head, backbone.device,
-                         head_dtype)
+        try:
+            adapter_dir = finetune.checkpoint / ADAPTER_DIR
+            config = read_lora_config(adapter_dir / ADAPTER_CONFIG)
+            tensors = read_adapter(adapter_dir / ADAPTER_WEIGHTS, config, layers)
+            head = read_head(finetune.checkpoint / HEAD_WEIGHTS, base_head, backbone.device,
+                             head_dtype)
+        except StartupError as exc:
+            if on_refused is None:
+                raise
+            on_refused(finetune, exc)
+            continue
+        except OSError as exc:  # unreadable: permissions, a file removed while read
+            if on_refused is None:
+                raise StartupError(f"{finetune.checkpoint}: cannot read it: {exc}") from None
+            on_refused(finetune, StartupError(f"{finetune.checkpoint}: cannot read it: {exc}"))
+            continue
         checked.append((finetune, config, tensors, head))
         if snapshot is not None:
             warn_foreign_base(finetune, config, served, snapshot)
@@ -244,3 +261,9 @@ def warn_foreign_base(finetune: Finetune, config: LoraConfig, served: Sequence[s
                 "worker serves %s (snapshot %s): its answers mean something only over the base "
                 "it was trained on", finetune.name, config.base_model,
                 " / ".join(served) or "the base", snapshot)
+
+
+def refuse_variant(finetune: Finetune, exc: StartupError) -> None:
+    """`load_variants`' `on_refused` in the worker: the checkpoint is not served, and the log
+    says which and why (the rest is served)."""
+    log.error("variant %s refused, not served: %s", finetune.name, exc)

@@ -277,6 +277,41 @@ def test_a_request_that_crashes_the_worker_fails_alone(tmp_path: Path) -> None:
     assert int(restarts.group(1)) in (1, 2), stderr
 
 
+def test_every_line_names_its_weights_and_a_resume_under_other_weights_stops(
+        tmp_path: Path) -> None:
+    """Each answer names the weights that scored it (null where none did); a rerun whose
+    workers serve other weights (the model replaced between runs) appends nothing unless told
+    to, and then each line keeps its own."""
+    old, new = "a" * 64, "b" * 64
+    weights = tmp_path / "weights"
+    weights.write_text(old)
+    records: list[Any] = [{"custom_id": f"r{i}", "body": clef_request(tag=f"r{i}")}
+                          for i in range(3)]
+    records.append("not json")
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(source, records)
+    args = ("--input", str(source), "--output", str(out),
+            *fake_worker("--weights-file", str(weights)))
+    code, stderr = run_batch(*args)
+    assert code == 1, stderr  # one bad line
+    first = read_output(out)
+    assert sorted(r["weights"] for r in first if r["custom_id"]) == [old] * 3
+    assert [r["weights"] for r in first if r["custom_id"] is None] == [None]
+
+    write_jsonl(source, [*records, {"custom_id": "r3", "body": clef_request(tag="r3")}])
+    weights.write_text(new)
+    before = out.read_bytes()
+    code, stderr = run_batch(*args)
+    assert code == 2, stderr
+    assert f"holds answers scored by other weights ({old[:16]}" in stderr, stderr
+    assert "--resume-other-weights" in stderr and out.read_bytes() == before
+
+    code, stderr = run_batch(*args, "--resume-other-weights")
+    assert code == 1, stderr  # answered, with the input's one bad line
+    got = by_id(read_output(out))
+    assert {name: got[name]["weights"] for name in ("r0", "r3")} == {"r0": old, "r3": new}
+
+
 def test_sigint_finishes_the_requests_in_flight_then_resumes(tmp_path: Path) -> None:
     gate, log = tmp_path / "gate", tmp_path / "received.log"
     records: list[dict[str, Any]] = [

@@ -5,6 +5,7 @@ load."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -185,3 +186,34 @@ def test_a_variants_fingerprint_covers_the_base_and_its_adapter_and_head(tmp_pat
     (base / "model.safetensors").write_bytes(b"\x04" * 4096)
     moved_base, moved = _models(base, checkpoint)
     assert moved_base != base_print and moved["tuned"] != first
+
+
+def test_files_behind_a_symlinked_directory_are_covered(tmp_path: Path) -> None:
+    """A checkpoint's `adapter/` and a snapshot's subdirectory may be links to where the files
+    live: files replaced through the link change the fingerprint (the walk follows links to
+    directories, which `Path.rglob` does not), under the link's own name."""
+    base = _snapshot(tmp_path / "base")
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(str(base / "tokenizer"), str(elsewhere))
+    (base / "tokenizer").symlink_to(elsewhere, target_is_directory=True)
+    linked = snapshot_fingerprint(base)
+    assert linked == snapshot_fingerprint(_snapshot(tmp_path / "plain"))  # names, not paths
+    (elsewhere / "tokenizer.json").write_text('{"vocab": {"b": 1}}')
+    assert snapshot_fingerprint(base) != linked
+
+    checkpoint = _checkpoint(tmp_path / "tuned")
+    adapters = tmp_path / "adapters"
+    shutil.move(str(checkpoint / "adapter"), str(adapters))
+    (checkpoint / "adapter").symlink_to(adapters, target_is_directory=True)
+    first = _models(base, checkpoint)[1]["tuned"]
+    assert first == _models(base, _checkpoint(tmp_path / "copy"))[1]["tuned"]
+    (adapters / "adapter_model.safetensors").write_bytes(b"\x09" * 64)
+    assert _models(base, checkpoint)[1]["tuned"] != first
+
+
+def test_a_link_back_up_the_tree_is_not_walked_in_a_loop(tmp_path: Path) -> None:
+    root = _snapshot(tmp_path / "a")
+    first = snapshot_fingerprint(root)
+    (root / "tokenizer" / "up").symlink_to(root, target_is_directory=True)
+    (root / "dangling").symlink_to(tmp_path / "nothing")
+    assert snapshot_fingerprint(root) == first

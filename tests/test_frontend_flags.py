@@ -21,6 +21,7 @@ from clef_protocol.options import (
     add_model_arguments,
     device_arg,
     parse_device,
+    prefix_cache_bytes,
     worker_argv,
 )
 from clef_worker.main import parse_args as worker_parse_args
@@ -41,6 +42,8 @@ def other_value(action: argparse.Action) -> str:
         return "cuda:3"
     if action.type is non_negative_float:
         return "2.75"
+    if action.type is prefix_cache_bytes:  # `auto` by default, else bytes
+        return "4096"
     if isinstance(action.default, int):
         return str(action.default + 3)
     if isinstance(action.default, list):  # --finetune: the front lists the checkpoints it names

@@ -5,6 +5,7 @@ turning the cache off when it disagrees."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import logging
@@ -465,6 +466,36 @@ def test_prefix_cache_off_is_reported_and_reuses_nothing(tiny_snapshot: Path) ->
     reply = messages.from_worker(second)
     assert isinstance(reply, messages.WorkerReply) and reply.prefix is not None
     assert (reply.prefix.reused_tokens, reply.prefix.lookups, reply.prefix.entries) == (0, 0, 0)
+
+
+def test_zero_bytes_turns_the_cache_off_and_auto_is_by_device(tiny_snapshot: Path) -> None:
+    """`--prefix-cache-bytes 0` is a bound of no bytes: the cache is off, for the reason the
+    operator gave (not the self-check's, so no alert); left out (`auto`) it is the device's
+    default bound."""
+    from clef_protocol import messages
+    from clef_protocol.options import (
+        DEFAULT_PREFIX_CACHE_BYTES_CPU,
+        add_model_arguments,
+        prefix_cache_capacity,
+        worker_argv,
+    )
+
+    body = _request(_events(16), QUESTIONS)
+    ready, _, second = _worker_frames(tiny_snapshot, ["--prefix-cache-bytes", "0"],
+                                      [body, body])
+    info = messages.ReadyInfo.from_message(ready).prefix_cache
+    assert info == messages.PrefixCacheInfo(False, 0, 256, messages.PREFIX_CACHE_NO_BYTES)
+    assert info is not None and not info.turned_off
+    reply = messages.from_worker(second)
+    assert isinstance(reply, messages.WorkerReply) and reply.prefix is not None
+    assert (reply.prefix.reused_tokens, reply.prefix.entries) == (0, 0)
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    default = parser.parse_args([])
+    assert default.prefix_cache_bytes == "auto"
+    assert parser.parse_args(worker_argv(default)).prefix_cache_bytes == "auto"  # as passed on
+    assert parser.parse_args(["--prefix-cache-bytes", "0"]).prefix_cache_bytes == 0
+    assert prefix_cache_capacity("auto", "cpu") == DEFAULT_PREFIX_CACHE_BYTES_CPU
 
 
 def test_nothing_is_stored_under_a_chain_evicted_since_the_lookup() -> None:

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from benchlib.executors import with_limits
 from benchlib.golden import Drift, answered, assert_response_matches
 from benchlib.paths import FINETUNE_FIXTURES, FINETUNE_REFERENCE, TINY_SNAPSHOT
-from clef_protocol.finetune import Finetune, resolve_finetunes
+from clef_protocol.finetune import Finetune, resolve_finetunes, scan_finetunes
 from clef_protocol.options import RequestLimits, add_model_arguments, worker_argv
 from clef_worker.adapter_config import read_lora_config
 from clef_worker.assembly import assemble_snapshot
@@ -325,10 +325,37 @@ def test_finetune_values_resolve(tmp_path: Path) -> None:
         resolve_finetunes([f"clef-flash={FINETUNE_FIXTURES / 'tiny-alpha'}"], ("clef-flash",))
     with pytest.raises(ValueError, match="given twice"):
         resolve_finetunes([str(FINETUNE_FIXTURES), f"tiny-beta={FINETUNE_FIXTURES}"])
-    with pytest.raises(ValueError, match="no checkpoint in it"):
-        resolve_finetunes([str(tmp_path)])
+    assert resolve_finetunes([str(tmp_path)]) == []  # an empty directory: the base alone
     with pytest.raises(ValueError, match="not a directory"):
         resolve_finetunes([f"x={tmp_path / 'missing'}"])
+    with pytest.raises(ValueError, match="no such directory of checkpoints"):
+        resolve_finetunes([str(tmp_path / "missing")])
+
+
+def test_a_directorys_entries_are_refused_one_by_one(tmp_path: Path) -> None:
+    """In a directory, a checkpoint named like the base (its served name, an alias, the model
+    id), one whose name is taken or unusable, is refused on its own, saying which; the rest is
+    served (what the worker does on every start and roll, clef_worker.loading.finetunes_of)."""
+    directory = tmp_path / "runs"
+    for name in ("tiny-alpha", "clef-flash", "flash", "bad name", "tiny-beta"):
+        shutil.copytree(FINETUNE_FIXTURES / "tiny-alpha", directory / name)
+    found, refused = scan_finetunes(
+        [f"tiny-beta={FINETUNE_FIXTURES / 'tiny-beta'}", str(directory)],
+        ("flash", "clef-flash"))
+    assert [f.name for f in found] == ["tiny-beta", "tiny-alpha"]
+    assert [str(r) for r in refused] == [
+        f"--finetune {directory}: bad name: 'bad name' is not a usable model name; give it "
+        "one with NAME=CHECKPOINT",
+        f"--finetune {directory}: clef-flash: 'clef-flash' is already a served model name (the "
+        "base's): refused, the base keeps its name",
+        f"--finetune {directory}: flash: 'flash' is already a served model name (the base's): "
+        "refused, the base keeps its name",
+        f"--finetune {directory}: tiny-beta: the name 'tiny-beta' is given twice (the first is "
+        "served)"]
+    assert all(r.in_directory for r in refused)
+    # The front's start: the directory's refusals are the worker's to log, not a flag error.
+    assert [f.name for f in resolve_finetunes([str(directory)], ("clef-flash",))] == [
+        "flash", "tiny-alpha", "tiny-beta"]
 
 
 def test_the_worker_receives_every_finetune() -> None:
@@ -438,6 +465,23 @@ def test_bad_checkpoints_are_refused_naming_file_and_tensor(
     assert executor.runner.selection is not None
     with pytest.raises(StartupError, match=message):
         load_variants([finetune], executor.backbone, executor.head, executor.runner.selection)
+
+
+def test_a_bad_checkpoint_is_refused_and_the_rest_served(
+        tiny_snapshot: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A worker's start (or roll, or replacement after a crash) with one checkpoint gone bad:
+    that one is refused with an ERROR naming it and the file, the others are served in their
+    slots, so the server never stops for it."""
+    broken = _broken(tmp_path, lambda c: (c / "joint_head.safetensors").write_bytes(b"junk"))
+    beta = Finetune("tiny-beta", FINETUNE_FIXTURES / "tiny-beta")
+    caplog.set_level(logging.ERROR, logger="clef_worker.variants")
+    loaded = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
+                               finetunes=(broken, beta))
+    assert [item["name"] for item in loaded.describe().finetunes] == ["tiny-beta"]
+    assert loaded.variants["tiny-beta"].slot == 1
+    [line] = [r.getMessage() for r in caplog.records if r.name == "clef_worker.variants"]
+    assert line.startswith("variant broken refused, not served: ")
+    assert "joint_head.safetensors: cannot read it as safetensors" in line
 
 
 def test_training_state_is_never_unpickled(tiny_snapshot: Path, tmp_path: Path,
