@@ -108,7 +108,7 @@ def verdict_key(executor: NativeExecutor, fingerprint: str, probes: Sequence[Pro
     """What a kept verdict must match (module docs); None without a weights fingerprint."""
     if not fingerprint:
         return None
-    from clef_frontend.build_info import commit
+    from clef_protocol.build_info import commit
     from clef_worker.self_check import CHECK_VERSION, current_path
 
     model = executor.describe()
