@@ -40,7 +40,7 @@ from clef_protocol.validation import validate_request
 from clef_worker.model.encoding import Encoding
 from clef_worker.prefix_cache import CacheKey, PrefixCache
 from clef_worker.self_check import Answer, Context, ProbeResult, compare
-from clef_worker.variant_probe import reference_runner
+from clef_worker.self_check_reference import reference_answer
 from clef_worker.warmup import candidates, with_image
 
 if TYPE_CHECKING:
@@ -177,9 +177,7 @@ def probe_prefix(context: Context) -> ProbeResult | None:
 
 def _media_reference(target: WarmTarget, picture: PreparedMedia, encoding: Encoding) -> Answer:
     """A media request through the plain vision path (no cache keys, no graphs)."""
-    with reference_runner(target.runner) as plain:
-        output = plain.run([encoding], [picture], keep_hidden=True)
-    return Answer(output.rows[0], output.hidden)
+    return Answer(*reference_answer(target.runner, encoding, media=picture))
 
 
 def turn_cache_off(target: WarmTarget, result: ProbeResult) -> str:
