@@ -22,8 +22,12 @@ from torch import Tensor
 from clef_worker import self_check_reference
 from clef_worker.model import gated_delta, short_conv
 from clef_worker.model.packed import PackedLayout
-from clef_worker.model.packed_layers import PackedKernels, looped_attention, masked_conv
-from clef_worker.model.packed_layers import modeling_module
+from clef_worker.model.packed_layers import (
+    PackedKernels,
+    looped_attention,
+    masked_conv,
+    modeling_module,
+)
 from clef_worker.native import NativeExecutor
 from clef_worker.self_check import Context, Requests, bound_for, compare
 from tests.worker_start import start_worker
