@@ -257,9 +257,15 @@ def start(args: argparse.Namespace, channel_out: BinaryIO) -> LoadedExecutor | N
     return started[0] if started is not None else None
 
 
-def start_ready(args: argparse.Namespace,
-                channel_out: BinaryIO) -> tuple[LoadedExecutor, messages.ReadyInfo] | None:
-    """`start`, also returning the `ready` frame sent (the serve loop reads its fingerprints)."""
+def start_ready(args: argparse.Namespace, channel_out: BinaryIO, origin: float | None = None
+                ) -> tuple[LoadedExecutor, messages.ReadyInfo] | None:
+    """`start`, also returning the `ready` frame sent (the serve loop reads its fingerprints).
+    `origin`: when the start-up began (`time.perf_counter()`; the worker process passes its
+    package's first import), else now; `ready.startup` counts from it, phase by phase
+    (clef_worker.startup_clock)."""
+    from clef_worker import startup_clock
+
+    clock = startup_clock.begin(origin)
     from clef_worker.fingerprint import (
         VARIANT_FILES,
         DigestCache,
@@ -269,23 +275,30 @@ def start_ready(args: argparse.Namespace,
     )
     from clef_worker.loading import base_names, load_executor, resolve_snapshot
 
+    clock.since_origin("imports_s")
     try:
-        snapshot, demo = resolve_snapshot(args.model)
-        # The files as they are before the executor reads any: the fingerprints are trusted only
-        # if they are the same once computed (clef_worker.fingerprint); a variant's adapter and
-        # head files are watched the same way.
-        digests = DigestCache(default_digests_path())
-        watch = ModelsWatch(
-            SnapshotWatch(snapshot, digests),
-            {finetune.name: SnapshotWatch(finetune.checkpoint, digests, only=VARIANT_FILES)
-             for finetune in _finetunes(args)})
-        executor = load_executor(args, snapshot, demo)
+        with clock.phase("load_s"):
+            snapshot, demo = resolve_snapshot(args.model)
+            # The files as they are before the executor reads any: the fingerprints are trusted
+            # only if they are the same once computed (clef_worker.fingerprint); a variant's
+            # adapter and head files are watched the same way.
+            digests = DigestCache(default_digests_path())
+            watch = ModelsWatch(
+                SnapshotWatch(snapshot, digests),
+                {finetune.name: SnapshotWatch(finetune.checkpoint, digests, only=VARIANT_FILES)
+                 for finetune in _finetunes(args)})
+            executor = load_executor(args, snapshot, demo)
         fingerprints = watch.start()  # hashed while the worker warms up
         started = time.perf_counter()
-        executor.warm_up()
+        captured = clock.phases["capture_s"]
+        executor.warm_up()  # the native warm-up times its graph capture itself (capture_s)
         warmup_ms = _elapsed_ms(started)
+        clock.add("warm_s", warmup_ms / 1000.0 - (clock.phases["capture_s"] - captured))
+        with clock.phase("fingerprint_s"):
+            fingerprints.result()
         # May drop graphs: describe after it.
-        verdict = self_check(executor, args.self_check, fingerprints.result)
+        with clock.phase("check_s"):
+            verdict = self_check(executor, args.self_check, fingerprints.result)
         prefix_cache = prefix_cache_state(executor)
         if args.finetune:
             _answer_only_to_served_names(executor, base_names(args))
@@ -298,6 +311,7 @@ def start_ready(args: argparse.Namespace,
         log.error("start-up failed:\n%s", traceback.format_exc())
         reason = f"{type(exc).__name__}: {exc}"
     else:
+        times = clock.times()
         ready = messages.ReadyInfo(
             **dataclasses.asdict(model),
             pid=os.getpid(), thread=threading.current_thread().name, warmup_ms=warmup_ms,
@@ -305,8 +319,11 @@ def start_ready(args: argparse.Namespace,
             **executor.policy.ready_fields(),  # type: ignore[arg-type]
             self_check=verdict,
             prefix_cache=prefix_cache,
+            startup=times,
         )
-        log.info("ready in %.0f ms%s", warmup_ms, f" (kernel cache {ready.kernel_cache} at start)"
+        log.info("ready in %.1f s (%s; warm-up %.0f ms)%s", times.ready_s,
+                 ", ".join(f"{name} {seconds:.1f}" for name, seconds in times.phases.items()),
+                 warmup_ms, f" (kernel cache {ready.kernel_cache} at start)"
                  if ready.kernel_cache else "")
         write_frame_blocking(channel_out, messages.ready(ready))
         return executor, ready
@@ -361,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logs(log_format=args.log_format)
     enable_stack_dumps()
     keep_freed_memory()
-    started = start_ready(args, channel_out)
+    from clef_worker import FIRST_IMPORT
+
+    started = start_ready(args, channel_out, origin=FIRST_IMPORT)
     if started is None:
         return 1
     executor, ready = started

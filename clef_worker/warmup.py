@@ -191,6 +191,7 @@ def warm_native(executor: WarmTarget) -> None:
 
     import torch
 
+    from clef_worker import startup_clock
     from clef_worker.gpu.graphs import graph_row_counts
     from clef_worker.model.backbone import describe_kernel_lengths
     from clef_worker.runner import warm_row_counts
@@ -198,7 +199,8 @@ def warm_native(executor: WarmTarget) -> None:
     log = logging.getLogger("clef_worker.warmup")
     started = time.perf_counter()
     limits, runner, policy = executor.limits, executor.runner, executor.policy
-    build_graphs(executor)
+    with startup_clock.current().phase("capture_s"):
+        build_graphs(executor)
     request = choose(limits, executor.encode)
     if request is not None:
         encoding: Encoding | None = executor.encode(request)
