@@ -208,6 +208,9 @@ def _count(value: object) -> bool:
 # any other `disabled_reason` is the start-up self-check's (its prefixed probe disagreed).
 PREFIX_CACHE_OFF_BY_FLAG = "--prefix-cache off"
 PREFIX_CACHE_NO_BYTES = "--prefix-cache-bytes 0"
+# How the reason begins when the start-up probe could not check the cached path at all (the
+# limits leave no room for a cached block): off by configuration, not a disagreement.
+PREFIX_CACHE_UNCHECKED = "prefix cache unchecked"
 
 
 
@@ -267,8 +270,9 @@ class PrefixCacheInfo:
     def turned_off(self) -> bool:
         """Off although the operator asked for it (the self-check turned it off): what the
         `ClefPrefixCacheTurnedOff` alert watches."""
-        return not self.enabled and self.disabled_reason not in (PREFIX_CACHE_OFF_BY_FLAG,
-                                                                 PREFIX_CACHE_NO_BYTES)
+        return (not self.enabled
+                and self.disabled_reason not in (PREFIX_CACHE_OFF_BY_FLAG, PREFIX_CACHE_NO_BYTES)
+                and not self.disabled_reason.startswith(PREFIX_CACHE_UNCHECKED))
 
     @classmethod
     def from_message(cls, value: Any) -> PrefixCacheInfo:
