@@ -58,6 +58,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="with --finetune: the names the base model answers to besides "
                              "--variant (the front passes its own); any other name that is not "
                              "a variant is refused (404 unknown model)")
+    parser.add_argument("--warm-only", action="store_true",
+                        help="start as a worker would (load, warm up: every kernel compiled and "
+                             "autotuned into the kernel cache; the self-check, its verdict kept), "
+                             "log the start-up's phases and exit: 0 when the worker would have "
+                             "been ready, 1 otherwise. Needs no front: builds the kernel cache "
+                             "ahead of time (a container build step, an init container)")
     return parser.parse_args(argv)
 
 
@@ -358,6 +364,32 @@ def answer_weights(ready: messages.ReadyInfo) -> dict[str, str]:
     return {**ready.variant_fingerprints(), "": ready.fingerprint}
 
 
+def warm_only(args: argparse.Namespace) -> int:
+    """`--warm-only`: the whole start-up with the `ready` frame sent nowhere, then exit; what it
+    leaves behind is the point: the kernel cache filled for this snapshot, GPU and libraries
+    (clef_worker.gpu.kernel_cache) and the self-check's verdict kept (clef_worker.verdict_store),
+    so the next worker on the same volume starts warm and skips the check."""
+    import io
+
+    from clef_worker import FIRST_IMPORT
+
+    # Run from a shell or an init container, not a front: Ctrl-C and SIGTERM stop it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    configure_logs(log_format=args.log_format)
+    keep_freed_memory()
+    started = start_ready(args, io.BytesIO(), origin=FIRST_IMPORT)
+    if started is None:
+        return 1
+    _, ready = started
+    log.info("warm-only: done (kernel cache %s at start, self-check %s); exiting",
+             ready.kernel_cache or "not used",
+             "off" if ready.self_check is None else
+             "kept from an earlier start" if ready.self_check.reused else
+             "passed and kept" if ready.self_check.passed else "failed")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from clef_worker.parent import die_with_parent
     from clef_worker.stdio import claim_channel
@@ -375,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logs()
     args = parse_args(argv)
+    if args.warm_only:
+        return warm_only(args)
     configure_logs(log_format=args.log_format)
     enable_stack_dumps()
     keep_freed_memory()
