@@ -226,8 +226,9 @@ class StartupTimes:
 
     `ready_s`: seconds from the worker's first import (its process start, less the interpreter's
     own start-up) to the `ready` frame. `phases`: seconds per phase of STARTUP_PHASES:
-    `imports_s` the worker's own modules and torch; `load_s` the snapshot read and the model
-    built (transformers' and fla's imports happen here, while the Gated DeltaNet path is bound);
+    `imports_s` the worker's own modules, up to reading the snapshot; `load_s` the snapshot
+    read and the model built (torch's, transformers' and fla's imports happen here, fla's while
+    the Gated DeltaNet path is bound);
     `capture_s` the graph shapes built (on a GPU: fla's kernels compiled and autotuned by the
     captures' warm runs); `warm_s` the rest of the warm-up (the first forwards, the prefix
     cache's kernels); `fingerprint_s` waiting for the weights' digest (hashed during the
