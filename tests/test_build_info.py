@@ -90,3 +90,20 @@ def test_an_unpacked_sdist_names_the_commit_it_recorded(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
                          text=True, timeout=60, check=True).stdout.split()
     assert Path(out[0]).is_relative_to(tmp_path) and out[1] == "ef" * 20
+
+
+def test_the_worker_never_imports_the_front() -> None:
+    """The build information is read by both processes from clef_protocol: no clef_worker
+    module imports clef_frontend (the worker must load without the front's package)."""
+    import ast
+
+    root = Path(build_info.__file__).resolve().parent.parent / "clef_worker"
+    importers = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [])
+            if any(name.split(".")[0] == "clef_frontend" for name in names):
+                importers.append(str(path.relative_to(root)))
+    assert importers == []
