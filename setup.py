@@ -1,7 +1,7 @@
 """Build hooks the declarative pyproject.toml cannot express: record the commit being built.
 
-The sdist gets a `BUILD_COMMIT` file at its root, and the wheel one inside `clef_frontend`, so
-`clef-serve --version` of an installed wheel can name its commit (clef_frontend/build_info.py,
+The sdist gets a `BUILD_COMMIT` file at its root, and the wheel one inside `clef_protocol`, so
+`clef-serve --version` of an installed wheel can name its commit (clef_protocol/build_info.py,
 loaded here by path: nothing is installed yet when this runs). Everything else is in
 pyproject.toml.
 """
@@ -17,7 +17,7 @@ from setuptools.command.sdist import sdist
 
 ROOT = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("_clef_build_info",
-                                               ROOT / "clef_frontend" / "build_info.py")
+                                               ROOT / "clef_protocol" / "build_info.py")
 assert _spec is not None and _spec.loader is not None
 build_info = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build_info)
@@ -33,7 +33,7 @@ class BuildPyWithCommit(build_py):
         super().run()
         commit = _commit()
         if commit and not self.editable_mode:  # an editable install asks git at run time
-            target = Path(self.build_lib) / "clef_frontend" / build_info.BUILD_COMMIT
+            target = Path(self.build_lib) / "clef_protocol" / build_info.BUILD_COMMIT
             target.write_text(commit + "\n", encoding="ascii")
 
 

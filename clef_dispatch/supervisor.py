@@ -336,11 +336,14 @@ class Supervisor:
         log.info(
             "worker ready: slot=%s max_batch=%d pid=%d thread=%s model=%s variant=%s device=%s "
             "dtype=%s gdn_path=%s short_conv=%s warmup_ms=%.1f cuda_graphs=%s buckets=%d "
-            "captured=%d graph_memory_bytes=%d",
+            "captured=%d graph_memory_bytes=%d ready_s=%s%s",
             self.slot.name, self.max_batch, info.pid, info.thread, info.model, info.variant,
             info.device, info.dtype, info.gdn_path, info.short_conv, info.warmup_ms,
             info.cuda_graphs,
             len(info.buckets), info.shapes, info.graph_memory_bytes,
+            "-" if info.startup is None else f"{info.startup.ready_s:.1f}",
+            "" if info.startup is None else "".join(
+                f" {name}={seconds:.1f}" for name, seconds in info.startup.phases.items()),
         )
         self._on_ready()
         if info.demo:

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from clef_dispatch.settings import WorkerSettings
@@ -238,6 +239,9 @@ class WorkerPool:
                 # response names its own in `Clef-Weights`.
                 "models": dict(lane.info.models) if ready and lane.info else {},
                 "prefix_cache": prefix_cache_of(lane) if ready else None,
+                # Where its start-up's seconds went (`ready.startup`: ready_s and phases).
+                "startup": (asdict(lane.info.startup) if ready and lane.info
+                            and lane.info.startup else None),
                 "suspect": None if judgement is None else {
                     "reason": judgement.reason,
                     "for_s": round(lane.suspect_for, 3),

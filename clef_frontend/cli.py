@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 from pathlib import Path
 
 from clef_api.catalogue import served_name
@@ -28,6 +29,8 @@ from clef_protocol.arg_types import (
 from clef_protocol.finetune import resolve_finetunes
 from clef_protocol.options import add_model_arguments, limits_from
 
+# The subcommand that builds the kernel cache ahead of time (`warm_cache`).
+WARM_CACHE = "warm-cache"
 DEFAULTS = ServerConfig(WorkerSettings(worker_argv=("clef_worker",)))
 
 
@@ -53,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve Clef over HTTP: an h11 front and persistent model workers, one or "
                     "more per device, each batching the requests it holds.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=f"`clef-serve {WARM_CACHE} MODEL-FLAGS...` starts one worker with those model "
+               "flags, fills the kernel cache and keeps the self-check's verdict, then exits "
+               "(0: it would have been ready): build the cache ahead of time.",
     )
     parser.add_argument("--version", action=_Version, nargs=0,
                         help="print the version and the commit it was built from, then exit")
@@ -161,7 +167,20 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
     )
 
 
+def warm_cache(model_args: list[str]) -> int:
+    """`clef-serve warm-cache MODEL-FLAGS...`: the worker's `--warm-only` start in this
+    process's place (the front never imports torch): it fills the kernel cache and keeps the
+    self-check's verdict for those flags, then exits 0, or 1 when the worker could not start.
+    For an init container or a build step (docs/operations.md, Start-up time)."""
+    command = [sys.executable, "-m", "clef_worker", "--warm-only", *model_args]
+    os.execv(command[0], command)
+    return 1  # not reached: execv replaces the process or raises
+
+
 def main(argv: list[str] | None = None) -> int:
+    arguments = sys.argv[1:] if argv is None else argv
+    if arguments[:1] == [WARM_CACHE]:
+        return warm_cache(arguments[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

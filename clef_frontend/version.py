@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from clef_frontend.build_info import commit
+from clef_protocol.build_info import commit
 
 
 def version() -> str:

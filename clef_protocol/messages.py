@@ -243,8 +243,48 @@ def _count(value: object) -> bool:
 # any other `disabled_reason` is the start-up self-check's (its prefixed probe disagreed).
 PREFIX_CACHE_OFF_BY_FLAG = "--prefix-cache off"
 PREFIX_CACHE_NO_BYTES = "--prefix-cache-bytes 0"
+# How the reason begins when the start-up probe could not check the cached path at all (the
+# limits leave no room for a cached block): off by configuration, not a disagreement.
+PREFIX_CACHE_UNCHECKED = "prefix cache unchecked"
 
 
+
+
+# The start-up phases a worker reports (`StartupTimes.phases`), in the order they run; a worker
+# reports the ones it ran (the release executor captures nothing and checks nothing).
+STARTUP_PHASES = ("imports_s", "load_s", "capture_s", "warm_s", "fingerprint_s", "check_s")
+
+
+@dataclass(frozen=True)
+class StartupTimes:
+    """Where a worker's start-up went (the `startup` map of `ready`, and so `/health`).
+
+    `ready_s`: seconds from the worker's first import (its process start, less the interpreter's
+    own start-up) to the `ready` frame. `phases`: seconds per phase of STARTUP_PHASES:
+    `imports_s` the worker's own modules, up to reading the snapshot; `load_s` the snapshot
+    read and the model built (torch's, transformers' and fla's imports happen here, fla's while
+    the Gated DeltaNet path is bound);
+    `capture_s` the graph shapes built (on a GPU: fla's kernels compiled and autotuned by the
+    captures' warm runs); `warm_s` the rest of the warm-up (the first forwards, the prefix
+    cache's kernels); `fingerprint_s` waiting for the weights' digest (hashed during the
+    warm-up); `check_s` the self-check (near zero when a kept verdict is reused). Together
+    they cover the start-up, so they add up to `ready_s` (a test holds them within 10 %).
+    """
+
+    ready_s: float
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_message(cls, value: Any) -> StartupTimes:
+        """Check and convert the `startup` map of a `ready` frame."""
+        if not isinstance(value, dict) or set(value) != {"ready_s", "phases"}:
+            raise ValueError(f"startup: expected a map of ready_s and phases, got {value!r}")
+        phases = value["phases"]
+        if not (_non_negative(value["ready_s"]) and isinstance(phases, dict)
+                and all(isinstance(name, str) and _non_negative(seconds)
+                        for name, seconds in phases.items())):
+            raise ValueError(f"startup: every figure must be seconds >= 0: {value!r}")
+        return cls(float(value["ready_s"]), {str(k): float(v) for k, v in phases.items()})
 
 
 @dataclass(frozen=True)
@@ -266,8 +306,9 @@ class PrefixCacheInfo:
     def turned_off(self) -> bool:
         """Off although the operator asked for it (the self-check turned it off): what the
         `ClefPrefixCacheTurnedOff` alert watches."""
-        return not self.enabled and self.disabled_reason not in (PREFIX_CACHE_OFF_BY_FLAG,
-                                                                 PREFIX_CACHE_NO_BYTES)
+        return (not self.enabled
+                and self.disabled_reason not in (PREFIX_CACHE_OFF_BY_FLAG, PREFIX_CACHE_NO_BYTES)
+                and not self.disabled_reason.startswith(PREFIX_CACHE_UNCHECKED))
 
     @classmethod
     def from_message(cls, value: Any) -> PrefixCacheInfo:
@@ -347,6 +388,8 @@ class ReadyInfo(ModelInfo):
     # The prefix cache (clef_worker.prefix_cache); None from a worker without one (the release
     # executor, a --worker-command of its own, a worker that predates it).
     prefix_cache: PrefixCacheInfo | None = None
+    # Where the start-up's seconds went (StartupTimes); None from a worker that predates it.
+    startup: StartupTimes | None = None
 
     @property
     def requests_per_forward(self) -> int:
@@ -397,6 +440,8 @@ class ReadyInfo(ModelInfo):
                             else SelfCheck.from_message(message["self_check"])),
                 prefix_cache=(None if message.get("prefix_cache") is None
                               else PrefixCacheInfo.from_message(message["prefix_cache"])),
+                startup=(None if message.get("startup") is None
+                         else StartupTimes.from_message(message["startup"])),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"malformed ready frame: {exc!r}") from None

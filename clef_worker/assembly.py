@@ -39,6 +39,7 @@ from clef_worker.gpu.graphs import (
     plan_shapes,
     prepare_capture_environment,
 )
+from clef_worker.gpu.kernel_cache import key_parts as kernel_key_parts
 from clef_worker.gpu.kernel_cache import prepare_kernel_cache
 from clef_worker.gpu.packed_graphs import PackedGraphRunner, packed_buckets
 from clef_worker.media.vision import VisionTower, has_vision, load_vision
@@ -112,7 +113,9 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
         raise StartupError(str(exc)) from None
     if capture:
         prepare_capture_environment()
-    kernels = prepare_kernel_cache() if target.type == "cuda" else None
+    kernels = (prepare_kernel_cache(parts=kernel_key_parts(target, str(weights_dtype),
+                                                           snapshot.text_config))
+               if target.type == "cuda" else None)
     gdn_path = bind_gdn_path(settings.gdn_prefill, target, weights_dtype)
     conv_path = bind_short_conv(target, gdn_path, settings.short_conv)
     try:

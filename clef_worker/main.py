@@ -57,6 +57,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="with --finetune: the names the base model answers to besides "
                              "--variant (the front passes its own); any other name that is not "
                              "a variant is refused (404 unknown model)")
+    parser.add_argument("--warm-only", action="store_true",
+                        help="start as a worker would (load, warm up: every kernel compiled and "
+                             "autotuned into the kernel cache; the self-check, its verdict kept), "
+                             "log the start-up's phases and exit: 0 when the worker would have "
+                             "been ready, 1 otherwise. Needs no front: builds the kernel cache "
+                             "ahead of time (a container build step, an init container)")
     return parser.parse_args(argv)
 
 
@@ -258,9 +264,15 @@ def start(args: argparse.Namespace, channel_out: BinaryIO) -> LoadedExecutor | N
     return started[0] if started is not None else None
 
 
-def start_ready(args: argparse.Namespace,
-                channel_out: BinaryIO) -> tuple[LoadedExecutor, messages.ReadyInfo] | None:
-    """`start`, also returning the `ready` frame sent (the serve loop reads its fingerprints)."""
+def start_ready(args: argparse.Namespace, channel_out: BinaryIO, origin: float | None = None
+                ) -> tuple[LoadedExecutor, messages.ReadyInfo] | None:
+    """`start`, also returning the `ready` frame sent (the serve loop reads its fingerprints).
+    `origin`: when the start-up began (`time.perf_counter()`; the worker process passes its
+    package's first import), else now; `ready.startup` counts from it, phase by phase
+    (clef_worker.startup_clock)."""
+    from clef_worker import startup_clock
+
+    clock = startup_clock.begin(origin)
     from clef_worker.fingerprint import (
         VARIANT_FILES,
         DigestCache,
@@ -270,26 +282,33 @@ def start_ready(args: argparse.Namespace,
     )
     from clef_worker.loading import base_names, finetunes_of, load_executor, resolve_snapshot
 
+    clock.since_origin("imports_s")
     try:
-        snapshot, demo = resolve_snapshot(args.model)
-        # Resolved once per start, against the base's names: what the directories hold now
-        # (a roll or a replacement serves what is there then; refused entries are logged).
-        finetunes = finetunes_of(args)
-        # The files as they are before the executor reads any: the fingerprints are trusted only
-        # if they are the same once computed (clef_worker.fingerprint); a variant's adapter and
-        # head files are watched the same way.
-        digests = DigestCache(default_digests_path())
-        watch = ModelsWatch(
-            SnapshotWatch(snapshot, digests),
-            {finetune.name: SnapshotWatch(finetune.checkpoint, digests, only=VARIANT_FILES)
-             for finetune in finetunes})
-        executor = load_executor(args, snapshot, demo, finetunes)
+        with clock.phase("load_s"):
+            snapshot, demo = resolve_snapshot(args.model)
+            # Resolved once per start, against the base's names: what the directories hold now
+            # (a roll or a replacement serves what is there then; refused entries are logged).
+            finetunes = finetunes_of(args)
+            # The files as they are before the executor reads any: the fingerprints are trusted
+            # only if they are the same once computed (clef_worker.fingerprint); a variant's
+            # adapter and head files are watched the same way.
+            digests = DigestCache(default_digests_path())
+            watch = ModelsWatch(
+                SnapshotWatch(snapshot, digests),
+                {finetune.name: SnapshotWatch(finetune.checkpoint, digests, only=VARIANT_FILES)
+                 for finetune in finetunes})
+            executor = load_executor(args, snapshot, demo, finetunes)
         fingerprints = watch.start()  # hashed while the worker warms up
         started = time.perf_counter()
-        executor.warm_up()
+        captured = clock.phases["capture_s"]
+        executor.warm_up()  # the native warm-up times its graph capture itself (capture_s)
         warmup_ms = _elapsed_ms(started)
+        clock.add("warm_s", warmup_ms / 1000.0 - (clock.phases["capture_s"] - captured))
+        with clock.phase("fingerprint_s"):
+            fingerprints.result()
         # May drop graphs: describe after it.
-        verdict = self_check(executor, args.self_check, fingerprints.result)
+        with clock.phase("check_s"):
+            verdict = self_check(executor, args.self_check, fingerprints.result)
         prefix_cache = prefix_cache_state(executor)
         if args.finetune:
             _answer_only_to_served_names(executor, base_names(args))
@@ -303,6 +322,7 @@ def start_ready(args: argparse.Namespace,
         log.error("start-up failed:\n%s", traceback.format_exc())
         reason = f"{type(exc).__name__}: {exc}"
     else:
+        times = clock.times()
         ready = messages.ReadyInfo(
             **dataclasses.asdict(model),
             pid=os.getpid(), thread=threading.current_thread().name, warmup_ms=warmup_ms,
@@ -310,8 +330,11 @@ def start_ready(args: argparse.Namespace,
             **executor.policy.ready_fields(),  # type: ignore[arg-type]
             self_check=verdict,
             prefix_cache=prefix_cache,
+            startup=times,
         )
-        log.info("ready in %.0f ms%s", warmup_ms, f" (kernel cache {ready.kernel_cache} at start)"
+        log.info("ready in %.1f s (%s; warm-up %.0f ms)%s", times.ready_s,
+                 ", ".join(f"{name} {seconds:.1f}" for name, seconds in times.phases.items()),
+                 warmup_ms, f" (kernel cache {ready.kernel_cache} at start)"
                  if ready.kernel_cache else "")
         write_frame_blocking(channel_out, messages.ready(ready))
         return executor, ready
@@ -346,6 +369,32 @@ def answer_weights(ready: messages.ReadyInfo) -> dict[str, str]:
     return {**ready.weights.variants, "": ready.weights.base}
 
 
+def warm_only(args: argparse.Namespace) -> int:
+    """`--warm-only`: the whole start-up with the `ready` frame sent nowhere, then exit; what it
+    leaves behind is the point: the kernel cache filled for this snapshot, GPU and libraries
+    (clef_worker.gpu.kernel_cache) and the self-check's verdict kept (clef_worker.verdict_store),
+    so the next worker on the same volume starts warm and skips the check."""
+    import io
+
+    from clef_worker import FIRST_IMPORT
+
+    # Run from a shell or an init container, not a front: Ctrl-C and SIGTERM stop it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    configure_logs(log_format=args.log_format)
+    keep_freed_memory()
+    started = start_ready(args, io.BytesIO(), origin=FIRST_IMPORT)
+    if started is None:
+        return 1
+    _, ready = started
+    log.info("warm-only: done (kernel cache %s at start, self-check %s); exiting",
+             ready.kernel_cache or "not used",
+             "off" if ready.self_check is None else
+             "kept from an earlier start" if ready.self_check.reused else
+             "passed and kept" if ready.self_check.passed else "failed")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from clef_worker.parent import die_with_parent
     from clef_worker.stdio import claim_channel
@@ -363,10 +412,14 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logs()
     args = parse_args(argv)
+    if args.warm_only:
+        return warm_only(args)
     configure_logs(log_format=args.log_format)
     enable_stack_dumps()
     keep_freed_memory()
-    started = start_ready(args, channel_out)
+    from clef_worker import FIRST_IMPORT
+
+    started = start_ready(args, channel_out, origin=FIRST_IMPORT)
     if started is None:
         return 1
     executor, ready = started

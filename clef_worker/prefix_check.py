@@ -7,7 +7,11 @@ state would not raise, it would serve wrong probabilities to every client whose 
 On a GPU that code path has its own kernels (fla's varlen rule from initial states), so like the
 rest of the serving path it is checked on the device before `ready`.
 
-The probe (`probe_requests`): one state long enough for two blocks and a partial one; request
+The probe (`probe_requests`): one state long enough for two blocks and a partial one (cut to
+the room `--max-length` leaves beside the schemas, `shared_tokens`, so the cached path is
+checked under any limit that lets the cache store a block at all; under a limit too short even
+for that, `no_room` turns the cache off with the reason in `ready`, rather than serve hits
+through a path nobody checked); request
 `warm` asks one schema about it (its forward stores the blocks), then `cached` asks another
 schema about the same state (it must reuse the stored prefix) in one group with `fresh`, a
 request with a state of its own (uncached). With a vision tower, the same again alone with a
@@ -30,17 +34,25 @@ too; a verdict whose remedy turned the cache off is never kept, so the next star
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from typing import TYPE_CHECKING, Any
 
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.media import decode_media
+from clef_protocol.messages import PREFIX_CACHE_UNCHECKED
 from clef_protocol.validation import validate_request
 from clef_worker.model.encoding import Encoding
-from clef_worker.prefix_cache import CacheKey, PrefixCache
+from clef_worker.prefix_cache import (
+    END_MARGIN,
+    MIN_STATE_TOKENS,
+    POINT_ALIGN,
+    CacheKey,
+    PrefixCache,
+)
 from clef_worker.self_check import Answer, Context, ProbeResult, compare
-from clef_worker.variant_probe import reference_runner
+from clef_worker.self_check_reference import reference_answer
 from clef_worker.warmup import candidates, with_image
 
 if TYPE_CHECKING:
@@ -56,6 +68,33 @@ PROBE_NAME = "prefix"
 SHARED_BLOCKS = 2.5
 SHARED_MAX_TOKENS = 2600
 FRESH_TOKENS = 96  # the uncached neighbour's state
+# The shortest shared state that still leaves the cached request something to reuse: the cache
+# stores nothing under MIN_STATE_TOKENS, and its last point sits END_MARGIN tokens before the
+# state's end, rounded down to POINT_ALIGN. Under `--max-length` the shared state is cut to the
+# room the limit leaves (`shared_tokens`), never below this.
+MIN_SHARED_TOKENS = MIN_STATE_TOKENS + END_MARGIN + POINT_ALIGN
+
+
+def shared_tokens(target: WarmTarget, schemas: list[dict[str, Any]], wanted: int,
+                  media: PreparedMedia | None = None) -> int | None:
+    """The shared state's tokens: `wanted`, cut to what `--max-length` leaves beside the
+    schemas' own tokens (and the picture's); None when that is under MIN_SHARED_TOKENS (no
+    cached block could then be checked)."""
+    try:
+        room = min(target.limits.max_length - _fixed_tokens(target, schema, media)
+                   for schema in schemas)
+    except RequestInvalid:
+        return None  # a schema alone exceeds the limit
+    tokens = min(wanted, room)
+    return tokens if tokens >= MIN_SHARED_TOKENS else None
+
+
+def _fixed_tokens(target: WarmTarget, schema: dict[str, Any],
+                  media: PreparedMedia | None = None) -> int:
+    """The schema's tokens besides its state (and the picture's), as `_encoding` counts them."""
+    media_ids = media.token_ids if media is not None else ()
+    fixed = target.encoder.encode({**schema, "state": "x"}, target.limits.max_length, media_ids)
+    return fixed.length - fixed.state_tokens
 
 
 def probe_requests(target: WarmTarget) -> tuple[Encoding, Encoding, Encoding] | None:
@@ -63,16 +102,31 @@ def probe_requests(target: WarmTarget) -> tuple[Encoding, Encoding, Encoding] | 
     cache = target.runner.prefix_cache
     assert cache is not None
     schemas = [request for request in candidates(target.limits) if _valid(target, request)]
-    if len(schemas) < 2:
+    wanted = min(int(cache.block_tokens * SHARED_BLOCKS), SHARED_MAX_TOKENS)
+    chosen = _pair(target, schemas, wanted)
+    if chosen is None:
         return None
-    shared = min(int(cache.block_tokens * SHARED_BLOCKS), SHARED_MAX_TOKENS)
+    (rich, bare), shared = chosen
     try:
-        warm = _encoding(target, schemas[1], "shared", shared)
-        cached = _encoding(target, schemas[0], "shared", shared)
-        fresh = _encoding(target, schemas[1], "fresh", FRESH_TOKENS)
+        warm = _encoding(target, bare, "shared", shared)
+        cached = _encoding(target, rich, "shared", shared)
+        fresh = _encoding(target, bare, "fresh", FRESH_TOKENS)
     except RequestInvalid:
         return None  # --max-length too short for a cached block: nothing to check
     return warm, cached, fresh
+
+
+def _pair(target: WarmTarget, schemas: list[dict[str, Any]], wanted: int,
+          media: PreparedMedia | None = None
+          ) -> tuple[tuple[dict[str, Any], dict[str, Any]], int] | None:
+    """The richest two consecutive schemas (richest first) whose own tokens leave room for a
+    shared state of at least MIN_SHARED_TOKENS, and that state's tokens; None when no pair
+    does."""
+    for rich, bare in itertools.pairwise(schemas):
+        shared = shared_tokens(target, [rich, bare], wanted, media)
+        if shared is not None:
+            return (rich, bare), shared
+    return None
 
 
 def _valid(target: WarmTarget, request: dict[str, Any]) -> bool:
@@ -90,8 +144,7 @@ def _encoding(target: WarmTarget, schema: dict[str, Any], name: str, tokens: int
     state = "".join(f"{name} event {k}: order #{k * 31} shipped to depot {k % 7}. "
                     for k in range(tokens // 4 + 8))  # every sentence is several tokens
     media_ids = media.token_ids if media is not None else ()
-    fixed = target.encoder.encode({**schema, "state": "x"}, target.limits.max_length, media_ids)
-    budget = fixed.length - fixed.state_tokens + tokens
+    budget = _fixed_tokens(target, schema, media) + tokens
     if budget > target.limits.max_length:
         raise RequestInvalid(f"the probe needs {budget} tokens")
     return target.encoder.encode({**schema, "state": state}, budget, media_ids)
@@ -118,9 +171,13 @@ def media_requests(target: WarmTarget) -> tuple[PreparedMedia, Encoding, Encodin
         return None
     try:
         picture = vision.prepare(decode_media(with_image(schemas[0]), target.limits))
-        shared = min(cache.block_tokens + cache.block_tokens // 2, SHARED_MAX_TOKENS)
-        warm = _encoding(target, schemas[1], "pictured", shared, picture)
-        cached = _encoding(target, schemas[0], "pictured", shared, picture)
+        chosen = _pair(target, schemas, min(cache.block_tokens + cache.block_tokens // 2,
+                                            SHARED_MAX_TOKENS), picture)
+        if chosen is None:
+            return None
+        (rich, bare), shared = chosen
+        warm = _encoding(target, bare, "pictured", shared, picture)
+        cached = _encoding(target, rich, "pictured", shared, picture)
     except RequestInvalid:
         return None
     return picture, warm, cached
@@ -129,16 +186,15 @@ def media_requests(target: WarmTarget) -> tuple[PreparedMedia, Encoding, Encodin
 def probe_prefix(context: Context) -> ProbeResult | None:
     """The `prefix` probe of the start-up self-check (module docs). Its result disagrees when
     an answer differs from the eager one beyond the bound, or when `cached` reused nothing (a
-    cache that never hits checks nothing). None when there is no cache, it is off, or the
-    limits leave no room for the probe."""
+    cache that never hits checks nothing). None when there is no cache or it is off; where the
+    limits leave no room for a cached block, the cache goes off (`no_room`)."""
     target = context.target
     cache: PrefixCache | None = target.runner.prefix_cache
     if cache is None or not cache.enabled:
         return None
     requests = probe_requests(target)
     if requests is None:
-        log.warning("prefix-cache check skipped: --max-length leaves no room for a cached block")
-        return None
+        return no_room(target)
     warm, cached, fresh = requests
     pictured = media_requests(target)
     references = [context.reference(encoding) for encoding in (cached, fresh)]
@@ -175,11 +231,25 @@ def probe_prefix(context: Context) -> ProbeResult | None:
                               "media_reused_tokens": reused[1] if pictured is not None else None})
 
 
+def no_room(target: WarmTarget) -> ProbeResult:
+    """The cached path cannot be checked under these limits (`--max-length` leaves under
+    MIN_SHARED_TOKENS of state beside the probe's schemas): the cache goes off for this worker,
+    whatever the mode, rather than serve hits through a path nobody checked. Recorded as the
+    probe's `remedy`, so the verdict is not kept and the next start decides again."""
+    cache = target.runner.prefix_cache
+    assert cache is not None
+    reason = (f"{PREFIX_CACHE_UNCHECKED}: --max-length {target.limits.max_length} leaves under "
+              f"{MIN_SHARED_TOKENS} state tokens for the start-up probe's cached block")
+    cache.disable(reason)
+    log.warning("%s; the prefix cache is off for this worker", reason)
+    return ProbeResult(PROBE_NAME, 0, 0.0, extra={
+        "reused_tokens": 0, "media_reused_tokens": None,
+        "remedy": f"prefix cache off for this worker: {reason}"})
+
+
 def _media_reference(target: WarmTarget, picture: PreparedMedia, encoding: Encoding) -> Answer:
     """A media request through the plain vision path (no cache keys, no graphs)."""
-    with reference_runner(target.runner) as plain:
-        output = plain.run([encoding], [picture], keep_hidden=True)
-    return Answer(output.rows[0], output.hidden)
+    return Answer(*reference_answer(target.runner, encoding, media=picture))
 
 
 def turn_cache_off(target: WarmTarget, result: ProbeResult) -> str:

@@ -5,7 +5,9 @@ Why: the serving layouts (packed rows with cumulative offsets, CUDA graphs repla
 varlen kernels) are fast paths whose mistakes do not raise. A wrong offset, a keyword a library
 renamed or a kernel that reads past a boundary serves wrong probabilities behind a 200 `/health`.
 The plain eager forward of one request (`Backbone.last_hidden_state`, no graphs, no packing) is
-the path the golden answers are checked against, so it is the reference here.
+the path the golden answers are checked against, so it is the reference here; its Triton kernels
+are the ones serving compiled, called over one sequence (clef_worker.self_check_reference), so a
+cold check compiles nothing of its own.
 
 The check is a list of probes (clef_worker.check_probes.PROBES), each a function of its own
 that sends its requests through the serving path and compares them with the reference
@@ -85,9 +87,11 @@ own at those limits, printed from `probe_groups` and `small_groups` on the tiny 
 schemas in fewer tokens, so its figures are at most these.) The earlier probe, one near-largest
 request and groups in 4,096 tokens of room, cost ~41,000 tokens (20,600 each way): 0.84 s at
 peak, 1.4 s at 60 %. Without graphs ~2,900 tokens each way: ~0.12 s (0.20 s at 60 %). A restart
-on the same weights and code skips the whole check (the kept verdict). A cold start adds the
-compilation of the eager reference's fixed-length kernels (a graph warm-up never uses them);
-`ms` in the verdict and `self_check_ms` in the GPU sitting's summary record what it really took.
+on the same weights and code skips the whole check (the kept verdict). The reference compiles
+no kernels of its own (it calls the packed serving kernels over one sequence), and the prefix
+probe's initial/final-state kernels are compiled by the warm-up (clef_worker.warmup), so a cold
+check adds no compilation; `ms` in the verdict and `self_check_ms` in the GPU sitting's summary
+record what it really took.
 """
 
 from __future__ import annotations
@@ -97,22 +101,53 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from clef_protocol.errors import RequestInvalid
 from clef_protocol.messages import SelfCheck
-from clef_protocol.validation import validate_request
-from clef_worker.batching import GroupCutter
 from clef_worker.errors import StartupError
-from clef_worker.gpu.packed_graphs import PackedGraphRunner, aligned_total
-from clef_worker.model.encoding import Encoding
 from clef_worker.model.kernel_choice import DTYPE_NAMES
-from clef_worker.policy import PACKED, PADDED, PER_GROUP
-from clef_worker.runner import RowResult
-from clef_worker.variant_probe import probe_slots, reference_runner
+
+# The check's parts, re-exported: probes and tests reach them through this module.
+from clef_worker.self_check_compare import (  # noqa: F401
+    Answer,
+    Comparison,
+    Context,
+    ProbeResult,
+    compare,
+    cut,
+    hidden_difference,
+)
+from clef_worker.self_check_paths import (  # noqa: F401
+    ONE_AT_A_TIME,
+    ORDER,
+    PACKED_EAGER,
+    PACKED_GRAPHS,
+    PADDED_EAGER,
+    PADDED_GRAPHS,
+    PER_GROUP_EAGER,
+    current_path,
+    fallback_chain,
+    serving_path,
+    switch_to,
+)
+from clef_worker.self_check_requests import (  # noqa: F401
+    GROUP_ROOM,
+    LARGEST_MIX,
+    LARGEST_REAL,
+    MIXED,
+    SAME_BUCKET_PAIRS,
+    SMALL_LENGTH,
+    UNIFORM,
+    UNIFORM_COUNT,
+    Requests,
+    largest_group,
+    largest_shape,
+    probe_groups,
+    probe_plan,
+    shape_of,
+    small_groups,
+)
 
 if TYPE_CHECKING:
     from clef_worker.warmup import WarmTarget
@@ -125,443 +160,9 @@ log = logging.getLogger("clef_worker.self_check")
 BOUNDS = {"float32": 1e-4, "bfloat16": 1e-2, "float16": 1e-2}
 # The check's own definition: change it whenever a probe, a bound or the comparison changes,
 # so a verdict kept by an earlier definition is not reused (clef_worker.verdict_store).
-CHECK_VERSION = 4
+CHECK_VERSION = 5
 
 MODES = ("on", "strict", "report", "off")  # clef_protocol.options.SELF_CHECK_MODES
-
-# The paths a worker can serve with, fastest first. `-graphs`: the runner replays fixed shapes
-# (captured CUDA graphs; on CPU with `--cuda-graphs on`, the same shapes run eagerly).
-PACKED_GRAPHS = "packed-graphs"
-PACKED_EAGER = PACKED
-PER_GROUP_EAGER = PER_GROUP
-PADDED_GRAPHS = "padded-graphs"
-PADDED_EAGER = PADDED
-ONE_AT_A_TIME = "one-at-a-time"
-ORDER = (PACKED_GRAPHS, PACKED_EAGER, PER_GROUP_EAGER, PADDED_GRAPHS, PADDED_EAGER, ONE_AT_A_TIME)
-
-# Fractions of the token room (`GROUP_ROOM`, the budget or --max-length if smaller) of the
-# mixed group's requests, and of each of the uniform group's three: together within the
-# budget, so each group is one forward where the budget allows it.
-# Small shares: the check runs every request twice at start-up.
-MIXED = (0.03, 0.2, 0.08, 0.12)
-UNIFORM = 0.1
-UNIFORM_COUNT = 3
-# The mixed and uniform groups test mixing, not size (the largest-shape group tests size):
-# their room is capped, so a 16,384-token budget does not make them ~12,000 tokens each way
-# (at 2,048, mixed lengths of 125 to 409 tokens and uniform ones of 204: the cost estimate).
-GROUP_ROOM = 2048
-# The largest-shape group (graphs only): short requests of these shares of LARGEST_REAL real
-# tokens (at most half the shape's tokens, so padding always follows them), forced into the
-# largest built shape. Only their real tokens go through the eager reference.
-LARGEST_REAL = 1000
-LARGEST_MIX = (0.6, 0.25, 0.15)
-# The small probe: the length most traffic has, and two pairs in the same bucket as it (each
-# pair's requests aligned to 64 add up to 384, the bucket a lone 370-token request uses).
-SMALL_LENGTH = 370
-SAME_BUCKET_PAIRS = ((120, 240), (230, 110))
-
-
-def serving_path(layout: str, graphs: bool, max_sequences: int) -> str:
-    """The name of the path a runner with this layout, graphs or not, and requests per forward
-    serves with (one of ORDER)."""
-    if graphs:
-        return f"{layout}-graphs"
-    if max_sequences == 1:
-        return ONE_AT_A_TIME
-    return layout
-
-
-def fallback_chain(start: str) -> list[str]:
-    """The paths tried after `start` disagrees, in order: the slower ones of ORDER that need
-    nothing built at start-up (no graph is captured after warm-up) and mix no layouts (after a
-    packed path disagreed, per-group would still pack its mixed groups)."""
-    if start not in ORDER:
-        raise ValueError(f"unknown serving path {start!r}: expected one of {', '.join(ORDER)}")
-    later = ORDER[ORDER.index(start) + 1:]
-    return [path for path in later if path not in (PADDED_GRAPHS, PER_GROUP_EAGER)]
-
-
-def current_path(target: WarmTarget) -> str:
-    """The path the executor serves with now."""
-    runner = target.runner
-    return serving_path(runner.layout, runner.graphs is not None, target.policy.max_sequences)
-
-
-def switch_to(target: WarmTarget, path: str, reason: str) -> None:
-    """Make the executor serve with `path`, one of `fallback_chain`'s (eager: graphs are
-    dropped, and `ready` then lists the planned shapes with none captured, as after a failed
-    capture; `reason` says why)."""
-    if path not in (PACKED_EAGER, PADDED_EAGER, ONE_AT_A_TIME):
-        raise ValueError(f"cannot fall back to {path!r}: nothing is built after warm-up")
-    runner = target.runner
-    if runner.graphs is not None:
-        target.planned_shapes = runner.graphs.planned_shapes()
-        target.graph_failure = reason
-        runner.graphs = None
-    layout = PACKED if path == PACKED_EAGER else PADDED
-    runner.layout = layout
-    sequences = 1 if path == ONE_AT_A_TIME else target.policy.max_sequences
-    target.policy = dataclasses.replace(target.policy, layout=layout, max_sequences=sequences)
-
-
-# -- the probes' requests ---------------------------------------------------------------------
-
-
-def largest_shape(target: WarmTarget) -> tuple[int, int] | None:
-    """The largest built graph shape, `[rows, tokens]` as `graph_shapes` lists it: packed,
-    the largest bucket (one row); padded, the longest bucket at the most rows built for it
-    (at the H200 defaults one row of 16,384 tokens, the shape the longest requests replay).
-    None without graphs or before warm-up has built any."""
-    graphs = target.runner.graphs
-    if graphs is None or not graphs.static:
-        return None
-    if isinstance(graphs, PackedGraphRunner):
-        return (1, max(graphs.static))
-    rows, tokens = max(graphs.static, key=lambda shape: (shape[1], shape[0]))
-    return (rows, tokens)
-
-
-class Requests:
-    """Probe requests of chosen lengths, each with a state of its own: the richest schema the
-    limits take where the length allows it, else the barest."""
-
-    def __init__(self, target: WarmTarget) -> None:
-        from clef_worker.warmup import candidates
-
-        self.target = target
-        self.schemas = [request for request in candidates(target.limits)
-                        if _fits(target, request)]
-        self.floor = {id(schema): _fixed_length(target, schema) for schema in self.schemas}
-        self._numbers = iter(range(1_000_000))
-
-    @property
-    def shortest(self) -> int:
-        """The shortest request the barest schema makes (a one-token state)."""
-        return self.floor[id(self.schemas[-1])] + 1
-
-    def make(self, tokens: int, prefer_rich: bool = False) -> Encoding:
-        rich, bare = self.schemas[0], self.schemas[-1]
-        schema = rich if prefer_rich and tokens > self.floor[id(rich)] else bare
-        tokens = min(max(tokens, self.floor[id(schema)] + 1), self.target.limits.max_length)
-        return _encoding(self.target, schema, next(self._numbers), tokens)
-
-
-def probe_groups(target: WarmTarget) -> list[list[Encoding]]:
-    """The `groups` probe's requests, as the groups they are sent in (mixed, uniform, and with
-    graphs the `largest_group`, last); empty when no request fits the limits."""
-    return [group for group, _ in probe_plan(target)]
-
-
-def probe_plan(target: WarmTarget) -> list[tuple[list[Encoding], tuple[int, int] | None]]:
-    """`probe_groups`' groups, each with the graph shape it is forced into (None: cut and
-    run as the serve loop would)."""
-    requests = Requests(target)
-    if not requests.schemas:
-        return []
-    room = min(target.policy.max_batch_tokens, target.limits.max_length, GROUP_ROOM)
-    mixed = [requests.make(int(room * share), prefer_rich=i % 2 == 1)
-             for i, share in enumerate(MIXED)]
-    # One schema, one length: the encoder cuts each long state to exactly the same count.
-    uniform = [requests.make(int(room * UNIFORM)) for _ in range(UNIFORM_COUNT)]
-    plan: list[tuple[list[Encoding], tuple[int, int] | None]] = [(mixed, None), (uniform, None)]
-    # Eagerly there is no fixed shape to fill: a forward is only as large as its requests.
-    largest = largest_group(target, requests)
-    if largest is not None:
-        plan.append((largest, largest_shape(target)))
-    return plan
-
-
-def largest_group(target: WarmTarget, requests: Requests) -> list[Encoding] | None:
-    """The requests forced into `largest_shape`: shares of LARGEST_REAL tokens (LARGEST_MIX),
-    at most half the shape's tokens and one per row (padded) or `max_sequences` (packed),
-    the last ones dropped until they fit the shape. None without graphs, or where even the
-    shortest request the schemas make does not fit the largest shape (no request can then
-    replay it: every longer one runs eagerly).
-
-    Why short requests and not one near the largest length: served, the shape costs its full
-    tokens however few are real, but the eager reference runs only the real ones, so the
-    largest graph is checked for about 1,000 reference tokens instead of 16,000. A graph
-    that reads its padding into the requests, or lays them at the wrong offsets, disagrees
-    with their eager answers all the same."""
-    shape = largest_shape(target)
-    if shape is None:
-        return None
-    rows, tokens = shape
-    graphs = target.runner.graphs
-    count = rows if not isinstance(graphs, PackedGraphRunner) else graphs.max_sequences
-    total = min(LARGEST_REAL, tokens // 2)
-    group = [requests.make(max(int(total * share), requests.shortest), prefer_rich=i % 2 == 0)
-             for i, share in enumerate(LARGEST_MIX[:max(count, 1)])]
-
-    def fits(encodings: list[Encoding]) -> bool:
-        lengths = [encoding.length for encoding in encodings]
-        return (aligned_total(lengths) if isinstance(graphs, PackedGraphRunner)
-                else max(lengths)) <= tokens
-
-    while len(group) > 1 and not fits(group):
-        group.pop()
-    return group if fits(group) else None
-
-
-def small_groups(target: WarmTarget) -> list[list[Encoding]]:
-    """The `small` probe's requests (module docs): with graphs a lone `SMALL_LENGTH` request
-    first; then the pairs of `SAME_BUCKET_PAIRS`, one after the other; then a pair of the
-    shortest requests. Empty when no request fits the limits."""
-    requests = Requests(target)
-    if not requests.schemas:
-        return []
-    lone = [[requests.make(SMALL_LENGTH)]] if target.runner.graphs is not None else []
-    pairs = [[requests.make(first), requests.make(second)]
-             for first, second in SAME_BUCKET_PAIRS]
-    shortest = [requests.make(requests.shortest), requests.make(requests.shortest)]
-    return [*lone, *pairs, shortest]
-
-
-def shape_of(target: WarmTarget, lengths: Sequence[int]) -> list[Any] | None:
-    """The fixed shape a group of these lengths replays ([total tokens] of a packed bucket, or
-    each padded forward's [rows, tokens]); None where it runs eagerly."""
-    runner = target.runner
-    graphs = runner.graphs
-    if graphs is None:
-        return None
-    bucket_for = getattr(graphs, "bucket_for", None)
-    if bucket_for is not None:
-        bucket = bucket_for(lengths)
-        return None if bucket is None else [bucket]
-    shapes = [list(step.shape) for step in runner.plan(lengths) if step.shape is not None]
-    return shapes or None
-
-
-def _fits(target: WarmTarget, request: dict[str, Any]) -> bool:
-    try:
-        validate_request(request, target.limits)
-        target.encode(request)
-    except RequestInvalid:
-        return False
-    return True
-
-
-def _fixed_length(target: WarmTarget, schema: dict[str, Any]) -> int:
-    """The schema's tokens with a one-word state."""
-    return target.encoder.encode({**schema, "state": "x"}, target.limits.max_length).length
-
-
-# The first word of each probe request's state: distinct initials, so even requests cut to a
-# one-token state (the shortest pair) differ from each other.
-FIRST_WORDS = ("Alpha", "Bravo", "Charlie", "Delta", "Echo", "Foxtrot", "Golf", "Hotel",
-               "India", "Juliett", "Kilo", "Lima", "Mike", "November", "Oscar", "Papa",
-               "Quebec", "Romeo", "Sierra", "Tango", "Uniform", "Victor", "Whiskey", "Xray",
-               "Yankee", "Zulu")
-
-
-def _encoding(target: WarmTarget, schema: dict[str, Any], number: int, tokens: int) -> Encoding:
-    """Request `number` of the probe: the schema with a state of its own, cut to `tokens`."""
-    sentences = tokens // 4 + 8  # every sentence is several tokens: more than enough to cut
-    state = FIRST_WORDS[number % len(FIRST_WORDS)] + " " + "".join(
-        f"Probe {number}-{k}: invoice #{number * 97 + k} was paid twice. "
-        for k in range(sentences))
-    return target.encoder.encode({**schema, "state": state}, tokens)
-
-
-# -- answering and comparing --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """How the served answers differ from the reference: the largest probability difference
-    (1 where a forward raised), the questions whose argmax differs beyond a tie, the request
-    with the largest difference and its token count, and the exception, if one was raised."""
-
-    max_abs_diff: float
-    argmax_mismatches: int
-    worst: int = -1
-    worst_tokens: int = 0
-    error: str = ""
-
-    def agrees(self, bound: float) -> bool:
-        return not self.error and self.max_abs_diff <= bound and self.argmax_mismatches == 0
-
-
-def cut(target: WarmTarget, lengths: Sequence[int]) -> list[list[int]]:
-    """The forwards the serve loop would cut requests of these lengths into (the same
-    `GroupCutter`, the executor's cost and policy), as positions."""
-    policy = target.policy
-    cutter = GroupCutter(target.runner.batch_tokens, policy.max_batch_tokens,
-                         policy.max_sequences)
-    groups = [closed for position, length in enumerate(lengths)
-              if (closed := cutter.add(position, length))]
-    last = cutter.finish()
-    return [*groups, last] if last else groups
-
-
-def compare(served: Sequence[RowResult], reference: Sequence[RowResult],
-            encodings: Sequence[Encoding], bound: float) -> Comparison:
-    """The served answers against the reference, request by request, question by question."""
-    largest, mismatches, worst = 0.0, 0, -1
-    for position, (got, want, encoding) in enumerate(
-            zip(served, reference, encodings, strict=True)):
-        diffs = [abs(a - b) for a, b in zip(got.probabilities, want.probabilities, strict=True)]
-        diff = max((1.0 if math.isnan(d) else d for d in diffs), default=0.0)
-        if worst < 0 or diff > largest:
-            largest, worst = diff, position
-        start = 0
-        for question in encoding.questions:
-            count = len(question.option_ids)
-            mismatches += _argmax_differs(got.probabilities[start:start + count],
-                                          want.probabilities[start:start + count], bound)
-            start += count
-    tokens = encodings[worst].length if worst >= 0 else 0
-    return Comparison(min(largest, 1.0), mismatches, worst, tokens)
-
-
-def _argmax_differs(got: Sequence[float], want: Sequence[float], bound: float) -> bool:
-    """Whether the served argmax is not the reference's, unless the reference has them tied
-    within the bound."""
-    if not want:
-        return False
-    served = max(range(len(got)), key=got.__getitem__)
-    best = max(range(len(want)), key=want.__getitem__)
-    return served != best and not want[best] - want[served] <= bound
-
-
-def hidden_difference(served: torch.Tensor, reference: torch.Tensor) -> float:
-    """The largest per-token relative difference of two [tokens, H] hidden states (Euclidean
-    norms, in float32); NaN when either holds one."""
-    if served.shape != reference.shape:
-        return math.nan
-    served, reference = served.float(), reference.float()
-    scale = torch.linalg.vector_norm(reference, dim=-1).clamp_min(1e-6)
-    relative = torch.linalg.vector_norm(served - reference, dim=-1) / scale
-    if relative.numel() == 0:
-        return 0.0
-    if not bool(torch.isfinite(relative).all()):
-        return math.nan
-    return float(relative.max())
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    """One probe's comparison: requests compared, the largest probability difference (1 where
-    a forward raised), argmax mismatches beyond a tie, the largest per-token hidden-state
-    difference (NaN: a non-finite hidden state), the largest difference per forward, the error
-    of a forward that raised, and whatever else the probe records (`extra`)."""
-
-    name: str
-    checked: int
-    max_abs_diff: float
-    argmax_mismatches: int = 0
-    max_hidden_diff: float = 0.0
-    groups: list[float] = field(default_factory=list)
-    error: str = ""
-    worst_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def agrees(self, bound: float) -> bool:
-        return (not self.error and self.max_abs_diff <= bound and self.argmax_mismatches == 0
-                and not math.isnan(self.max_hidden_diff))
-
-    def record(self, bound: float) -> dict[str, Any]:
-        """The probe's entry in the verdict's `probes` (plain msgpack/JSON values)."""
-        return {"name": self.name, "passed": self.agrees(bound), "checked": self.checked,
-                "max_abs_diff": self.max_abs_diff, "argmax_mismatches": self.argmax_mismatches,
-                "max_hidden_diff": (None if math.isnan(self.max_hidden_diff)
-                                    else self.max_hidden_diff),
-                "groups": self.groups, "error": self.error, **self.extra}
-
-
-@dataclass
-class Answer:
-    """One request's eager reference: its row and its last hidden state [tokens, H]."""
-
-    row: RowResult
-    hidden: torch.Tensor | None
-
-
-class Context:
-    """What a probe works with: the executor, the bound, and the eager reference, each request
-    answered once however many paths are checked against it."""
-
-    def __init__(self, target: WarmTarget, bound: float) -> None:
-        self.target = target
-        self.bound = bound
-        self._references: dict[tuple[Any, ...], Answer] = {}
-
-    def reference(self, encoding: Encoding, slot: int | None = None) -> Answer:
-        """The request alone through the plain eager forward (no graphs, no packing), on the
-        base or on variant `slot`."""
-        # By content: the probes build their requests again for each path checked.
-        key = (tuple(encoding.input_ids),
-               tuple((q.question_span, q.option_spans) for q in encoding.questions), slot)
-        if key not in self._references:
-            with reference_runner(self.target.runner) as plain:
-                output = plain.run([encoding], slots=() if slot is None else (slot,),
-                                   keep_hidden=True)
-            self._references[key] = Answer(output.rows[0], output.hidden)
-        return self._references[key]
-
-    def compare_groups(self, name: str, groups: Sequence[Sequence[Encoding]],
-                       slots: Sequence[Sequence[int]] | None = None,
-                       extra: dict[str, Any] | None = None,
-                       forced: Sequence[Sequence[int] | None] = ()) -> ProbeResult | None:
-        """Every group through the serving path (cut as the serve loop cuts it, each cut one
-        runner call, on the variant `slots` given per request) against each request's
-        reference; None when there is no group. `forced`: per group, a graph shape the group
-        replays whole in one runner call (`ModelRunner.run`'s `shape`), or None (cut as
-        served); none given: every group cut as served."""
-        encodings = [encoding for group in groups for encoding in group]
-        if not encodings:
-            return None
-        if slots is None and len(self.target.runner.heads) > 1:
-            # Variants served: the requests take the base and each variant in turn.
-            turns = iter(probe_slots(self.target.runner, len(encodings)))
-            slots = [[next(turns) for _ in group] for group in groups]
-        references = [self.reference(encoding, None if slots is None else slots[g][m])
-                      for g, group in enumerate(groups) for m, encoding in enumerate(group)]
-        served: list[RowResult] = []
-        group_diffs: list[float] = []
-        hidden = 0.0
-        try:
-            for g, group in enumerate(groups):
-                rows: list[RowResult] = []
-                shape = forced[g] if g < len(forced) else None
-                runs = ([[*range(len(group))]] if shape is not None
-                        else cut(self.target, [encoding.length for encoding in group]))
-                for members in runs:
-                    output = self.target.runner.run(
-                        [group[m] for m in members],
-                        slots=() if slots is None else [slots[g][m] for m in members],
-                        keep_hidden=True, shape=shape)
-                    rows += output.rows
-                    hidden = max(hidden, self.hidden_diff(
-                        output.hidden, [references[_flat(groups, g, m)] for m in members]),
-                        key=lambda value: math.inf if math.isnan(value) else value)
-                start = _flat(groups, g, 0)
-                diff = compare(rows, [r.row for r in references[start:start + len(group)]],
-                               group, self.bound)
-                group_diffs.append(diff.max_abs_diff)
-                served += rows
-        except Exception as exc:
-            log.error("self-check: the %s path raised on the %s probe's requests",
-                      current_path(self.target), name, exc_info=True)
-            return ProbeResult(name, len(encodings), 1.0, error=f"{type(exc).__name__}: {exc}",
-                               extra=dict(extra or {}))
-        comparison = compare(served, [r.row for r in references], encodings, self.bound)
-        return ProbeResult(name, len(encodings), comparison.max_abs_diff,
-                           comparison.argmax_mismatches, hidden, group_diffs,
-                           worst_tokens=comparison.worst_tokens, extra=dict(extra or {}))
-
-    @staticmethod
-    def hidden_diff(served: torch.Tensor | None, references: Sequence[Answer]) -> float:
-        """The hidden-state difference of a forward's requests, end to end, from their
-        references' (0 where a runner returns none)."""
-        parts = [answer.hidden for answer in references]
-        if served is None or any(part is None for part in parts):
-            return 0.0  # a runner that does not return hidden states: nothing to compare
-        return hidden_difference(served, torch.cat([p for p in parts if p is not None]))
-
-
-def _flat(groups: Sequence[Sequence[Encoding]], group: int, member: int) -> int:
-    return sum(len(g) for g in groups[:group]) + member
 
 
 # -- the probes -------------------------------------------------------------------------------

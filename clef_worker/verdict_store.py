@@ -12,12 +12,15 @@ running the check. The key (`verdict_key`) holds everything the answers depend o
 
 - the weights: the snapshot's fingerprint (clef_worker.fingerprint: every file's bytes, so files
   replaced in place change it) and each fine-tuned variant's, computed the same way;
-- the code: the clef-serve version, the commit it was built from (clef_frontend.build_info) and
+- the code: the clef-serve version, the commit it was built from (clef_protocol.build_info) and
   a digest of the worker's and the protocol's source files (an edited checkout keeps its commit);
 - the libraries: torch, transformers, tokenizers, safetensors, fla, triton;
-- the device (its name: another GPU model is another key), the dtype, the kernels chosen;
+- the device (its name: another GPU model is another key), the dtype, the kernels chosen, and
+  the environment variables that change which kernels fla and Triton build (`FLA_*`,
+  `TRITON_*`, less those that only say where files go: `kernel_environment`);
 - the serving path, the batch policy, the graph buckets, the request limits, and whether the
-  prefix cache is on (with its block size: the `prefix` probe checks it only then);
+  prefix cache is on (with its block size and capacity: the `prefix` probe checks it only then,
+  and its requests are sized by the block);
 - the check itself: `CHECK_VERSION` and the probes' names (a probe added changes the key).
 
 Any change runs the check again. A verdict that failed, passed only after falling back, or
@@ -66,6 +69,19 @@ FORMAT = 1
 REUSING_MODES = ("on", "strict")
 # The packages whose source decides the worker's answers.
 SOURCE_PACKAGES = ("clef_worker", "clef_protocol")
+# Environment variables that change the kernels fla and Triton build or choose (fla's backend,
+# its autotuning, Triton's compiler options), by prefix; less those that only name where files
+# go, which a kernel cache moved to another volume must not invalidate.
+KERNEL_ENV_PREFIXES = ("FLA_", "TRITON_")
+LOCATION_ONLY_ENV = frozenset(("TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR",
+                               "TRITON_OVERRIDE_DIR", "TRITON_CACHE_MANAGER"))
+
+
+def kernel_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment's kernel settings (KERNEL_ENV_PREFIXES, less LOCATION_ONLY_ENV)."""
+    env = os.environ if environ is None else environ
+    return {name: value for name, value in sorted(env.items())
+            if name.startswith(KERNEL_ENV_PREFIXES) and name not in LOCATION_ONLY_ENV}
 
 
 def default_directory() -> Path:
@@ -108,7 +124,7 @@ def verdict_key(executor: NativeExecutor, fingerprint: str, probes: Sequence[Pro
     """What a kept verdict must match (module docs); None without a weights fingerprint."""
     if not fingerprint:
         return None
-    from clef_frontend.build_info import commit
+    from clef_protocol.build_info import commit
     from clef_worker.self_check import CHECK_VERSION, current_path
 
     model = executor.describe()
@@ -123,6 +139,7 @@ def verdict_key(executor: NativeExecutor, fingerprint: str, probes: Sequence[Pro
         "versions": {**model.versions, "triton": package_version("triton")},
         "device": device_name(executor), "dtype": model.dtype,
         "kernels": {"gdn_path": model.gdn_path, "short_conv": model.short_conv},
+        "environment": kernel_environment(),
         "path": current_path(executor),
         "policy": executor.policy.ready_fields(),
         "buckets": sorted(graphs.describe().get("buckets") or ()) if graphs is not None else [],
@@ -132,12 +149,12 @@ def verdict_key(executor: NativeExecutor, fingerprint: str, probes: Sequence[Pro
 
 
 def prefix_cache_key(executor: NativeExecutor) -> dict[str, Any] | None:
-    """What the `prefix` probe checked: whether the cache is on and its block (a verdict from a
-    start with the cache off never probed it)."""
+    """What the `prefix` probe checked: whether the cache is on, its block and its capacity (a
+    verdict from a start with the cache off never probed it)."""
     cache = executor.runner.prefix_cache
     if cache is None or not cache.enabled:
         return None
-    return {"block_tokens": cache.block_tokens}
+    return {"block_tokens": cache.block_tokens, "capacity_bytes": cache.capacity_bytes}
 
 
 def key_digest(key: Mapping[str, Any]) -> str:

@@ -20,9 +20,15 @@ The sequence (`warm_native`), in order, and why each step:
    within the token budget, so no pass compiles a variant no request can reach; then the
    forward again. With graphs covering every length, these eager passes would only re-tune
    what the captures tuned, so they are skipped;
-4. every graph replayed once: first hits are clean, and the times become the costs the padded
-   layout's batched-vs-sequential choice compares;
-5. with a vision tower, the same request with an image.
+4. padded graphs only: every shape replayed once, its time the cost the padded layout's
+   batched-vs-sequential choice compares (packed buckets have no such choice: nothing would
+   read their times, so they are not replayed);
+5. with a vision tower, the same request with an image;
+6. with the prefix cache on, a request stored and another reusing its prefix
+   (`warm_prefix_cache`): the prefixed forward's kernels (fla's initial- and final-state
+   variants on a GPU) are compiled here, once, where the start-up counts them as warm-up, so
+   neither the self-check's prefix probe nor, after a restart that keeps the verdict, a
+   client's first cache hit pays for them.
 """
 
 from __future__ import annotations
@@ -191,6 +197,7 @@ def warm_native(executor: WarmTarget) -> None:
 
     import torch
 
+    from clef_worker import startup_clock
     from clef_worker.gpu.graphs import graph_row_counts
     from clef_worker.model.backbone import describe_kernel_lengths
     from clef_worker.runner import warm_row_counts
@@ -198,7 +205,8 @@ def warm_native(executor: WarmTarget) -> None:
     log = logging.getLogger("clef_worker.warmup")
     started = time.perf_counter()
     limits, runner, policy = executor.limits, executor.runner, executor.policy
-    build_graphs(executor)
+    with startup_clock.current().phase("capture_s"):
+        build_graphs(executor)
     request = choose(limits, executor.encode)
     if request is not None:
         encoding: Encoding | None = executor.encode(request)
@@ -228,7 +236,7 @@ def warm_native(executor: WarmTarget) -> None:
     elif covered:
         log.info("graphs hold every length up to --max-length %d: no eager kernel warm-up",
                  limits.max_length)
-    if runner.graphs is not None:
+    if runner.graphs is not None and not runner.packed:  # the padded plan reads the costs
         costs = runner.graphs.replay_all()
         log.info("replayed %d shapes once; replay ms: %s", len(costs),
                  {str(shape): round(ms, 2) for shape, ms in sorted(costs.items())})
@@ -237,8 +245,30 @@ def warm_native(executor: WarmTarget) -> None:
             executor.score(with_image(request))
         except RequestInvalid as exc:
             log.warning("image warm-up skipped: %s", exc)
+    warm_prefix_cache(executor)
     log.info("warm-up done in %.0f ms (%d tokens)", (time.perf_counter() - started) * 1000,
              encoding.length)
+
+
+def warm_prefix_cache(executor: WarmTarget) -> bool:
+    """Step 6 (module docs): the self-check's prefix-probe pair (clef_worker.prefix_check) run
+    once, storing then reusing, and the cache emptied; whether it ran (not without a cache, with
+    it off, or under limits too short for a cached block)."""
+    from clef_worker.prefix_check import probe_requests
+
+    cache = executor.runner.prefix_cache
+    if cache is None or not cache.enabled:
+        return False
+    requests = probe_requests(executor)
+    if requests is None:
+        return False
+    warm, cached, _ = requests
+    try:
+        for encoding in (warm, cached):
+            executor.runner.run([encoding], cache_keys=[executor.prefix_key(encoding)])
+    finally:
+        cache.clear()
+    return True
 
 
 def build_graphs(executor: WarmTarget,

@@ -1,5 +1,5 @@
 """`clef-serve --version`'s commit: git's answer in a checkout, the recorded one in a wheel,
-nothing when neither is known (clef_frontend/build_info.py)."""
+nothing when neither is known (clef_protocol/build_info.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from clef_frontend import build_info, version
+from clef_frontend import version
+from clef_protocol import build_info
 
 GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=m"]
 
@@ -78,14 +79,31 @@ def test_the_version_line_of_this_tree_names_its_commit() -> None:
 
 
 def test_an_unpacked_sdist_names_the_commit_it_recorded(tmp_path: Path) -> None:
-    """The front's package copied into a tree with a root BUILD_COMMIT and no .git, as an
-    unpacked sdist is: `--version` names that commit."""
+    """The protocol package (build_info's home) copied into a tree with a root BUILD_COMMIT and
+    no .git, as an unpacked sdist is: `--version` names that commit."""
     package = Path(build_info.__file__).resolve().parent
-    shutil.copytree(package, tmp_path / "clef_frontend",
+    shutil.copytree(package, tmp_path / "clef_protocol",
                     ignore=shutil.ignore_patterns("__pycache__", build_info.BUILD_COMMIT))
     (tmp_path / build_info.BUILD_COMMIT).write_text("ef" * 20 + "\n")
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from clef_frontend import build_info;"
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from clef_protocol import build_info;"
             "print(build_info.__file__); print(build_info.commit())")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
                          text=True, timeout=60, check=True).stdout.split()
     assert Path(out[0]).is_relative_to(tmp_path) and out[1] == "ef" * 20
+
+
+def test_the_worker_never_imports_the_front() -> None:
+    """The build information is read by both processes from clef_protocol: no clef_worker
+    module imports clef_frontend (the worker must load without the front's package)."""
+    import ast
+
+    root = Path(build_info.__file__).resolve().parent.parent / "clef_worker"
+    importers = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [])
+            if any(name.split(".")[0] == "clef_frontend" for name in names):
+                importers.append(str(path.relative_to(root)))
+    assert importers == []

@@ -37,7 +37,8 @@ CACHE_VARIABLES = ("TRITON_CACHE_DIR", "XDG_CACHE_HOME")
 
 def test_every_overlay_is_found() -> None:
     assert [path.name for path in OVERLAYS] == ["hpa", "inference-gateway",
-                                                 "inference-gateway-keda", "keda", "monitoring"]
+                                                 "inference-gateway-keda", "keda", "monitoring",
+                                                 "warm-cache"]
 
 
 # -- the base's files, read directly (no kubectl needed) --------------------------------------
@@ -322,3 +323,36 @@ def test_hpa_overlay_scales_on_outstanding_requests() -> None:
     names = {m["pods"]["metric"]["name"] for m in hpa["metrics"] if m["type"] == "Pods"}
     assert names == {"clef_queue_depth", "clef_requests_in_flight"}
     scaling_behaviour(hpa["behavior"])
+
+
+def test_the_warm_cache_job_builds_the_pods_cache() -> None:
+    """The Job runs `clef-serve warm-cache` with the pods' model flags, on the pods' image, GPU,
+    model claim and cache claim, with the same cache variables: what it fills is what the pods
+    read (the cache and the verdict are keyed by those flags)."""
+    documents = rendered(K8S / "overlays" / "warm-cache")
+    main = container(documents)
+    job = one(documents, "Job")["spec"]["template"]["spec"]
+    [warm] = job["containers"]
+    assert warm["command"] == ["clef-serve"] and warm["args"][0] == "warm-cache"
+    assert warm["image"] == main["image"]
+    model_flags = {arg.split("=")[0] for arg in warm["args"][1:]}
+    assert {"--model", "--device"} <= model_flags
+    assert {arg for arg in main["args"] if arg.split("=")[0] in model_flags} == \
+        set(warm["args"][1:])
+    from clef_worker.main import parse_args
+
+    parsed = parse_args([*warm["args"][1:], "--warm-only"])  # the worker takes every flag
+    assert parsed.warm_only and parsed.model == "/models/clef-flash"
+    env = {e["name"]: e.get("value") for e in warm["env"]}
+    pod_env = {e["name"]: e.get("value") for e in main["env"]}
+    for variable in (*CACHE_VARIABLES, "TRITON_HOME"):
+        assert env[variable] == pod_env[variable]
+    pod = one(documents, "Deployment")["spec"]["template"]
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"]
+              for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v}
+    for mount in warm["volumeMounts"]:
+        volume = next(v for v in job["volumes"] if v["name"] == mount["name"])
+        if "persistentVolumeClaim" in volume:
+            assert volume["persistentVolumeClaim"]["claimName"] == claims[mount["name"]]
+    assert warm["resources"]["limits"]["nvidia.com/gpu"] == \
+        main["resources"]["limits"]["nvidia.com/gpu"]

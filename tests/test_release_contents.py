@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from clef_frontend import build_info
+from clef_protocol import build_info
 from tests.conftest import REPO
 
 # Folders the sdist carries whole (MANIFEST.in's grafts), beside the packages.
@@ -96,6 +96,6 @@ def test_both_record_the_commit_they_were_built_from(dist: Path) -> None:
         in_sdist = handle.read().decode().strip()
     [wheel] = dist.glob("*.whl")
     with zipfile.ZipFile(wheel) as archive_:
-        in_wheel = archive_.read(f"clef_frontend/{build_info.BUILD_COMMIT}").decode().strip()
+        in_wheel = archive_.read(f"clef_protocol/{build_info.BUILD_COMMIT}").decode().strip()
     expected = build_info.git_commit(REPO) or build_info.recorded_commit(REPO)
     assert in_sdist == in_wheel == expected

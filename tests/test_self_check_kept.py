@@ -119,7 +119,7 @@ def test_the_key_holds_what_the_answers_depend_on(tiny_snapshot: Path) -> None:
     assert key["weights"]["fingerprint"] == "f" * 64 and key["device"] == "cpu"
     assert key["dtype"] == "float32" and key["path"] == "per-group"
     assert key["check"]["probes"] == ["groups", "small", "prefix"]
-    assert key["prefix_cache"] == {"block_tokens": 256}
+    assert key["prefix_cache"] == {"block_tokens": 256, "capacity_bytes": 1 << 30}
     assert key["versions"]["torch"] == torch.__version__ and "triton" in key["versions"]
     assert len(key["code"]["source"]) == 64 and key["code"]["version"]
     assert key["policy"]["batch_layout"] == "per-group"
@@ -137,6 +137,32 @@ def test_the_key_holds_what_the_answers_depend_on(tiny_snapshot: Path) -> None:
     off = verdict_key(uncached, "f" * 64, PROBES)
     assert off is not None and off["prefix_cache"] is None
     assert verdict_store.key_digest(off) != digest
+
+
+def test_the_key_holds_fla_and_triton_settings_and_the_cache_capacity(
+        tiny_snapshot: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings that change the kernels built change the key; where the kernel cache lives does
+    not (moving it to another volume keeps the verdict); another prefix-cache bound does."""
+    for name in [n for n in os.environ if n.startswith(("FLA_", "TRITON_"))]:
+        monkeypatch.delenv(name)
+    executor = assemble_snapshot(tiny_snapshot, device="cpu", media="off")
+    key = verdict_key(executor, "f" * 64, PROBES)
+    assert key is not None and key["environment"] == {}
+    digest = verdict_store.key_digest(key)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere/triton")
+    moved = verdict_key(executor, "f" * 64, PROBES)
+    assert moved is not None and verdict_store.key_digest(moved) == digest
+    for name, value in (("FLA_USE_FAST_OPS", "1"), ("TRITON_F32_DEFAULT", "ieee")):
+        monkeypatch.setenv(name, value)
+        changed = verdict_key(executor, "f" * 64, PROBES)
+        assert changed is not None and changed["environment"][name] == value
+        assert verdict_store.key_digest(changed) != digest
+        monkeypatch.delenv(name)
+    smaller = assemble_snapshot(tiny_snapshot, device="cpu", media="off",
+                                prefix_cache_bytes=1 << 20)
+    bounded = verdict_key(smaller, "f" * 64, PROBES)
+    assert bounded is not None and bounded["prefix_cache"]["capacity_bytes"] == 1 << 20
+    assert verdict_store.key_digest(bounded) != digest
 
 
 def test_the_source_digest_changes_with_a_source_file(tmp_path: Path,
