@@ -53,11 +53,11 @@ from clef_worker.prefix_cache import (
 )
 from clef_worker.self_check import Answer, Context, ProbeResult, compare
 from clef_worker.self_check_reference import reference_answer
-from clef_worker.warmup import candidates, with_image
+from clef_worker.warm_requests import candidates, with_image
 
 if TYPE_CHECKING:
     from clef_worker.media.vision import PreparedMedia
-    from clef_worker.warmup import WarmTarget
+    from clef_worker.warm_requests import WarmTarget
 
 log = logging.getLogger("clef_worker.self_check")
 

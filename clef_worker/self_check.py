@@ -150,7 +150,7 @@ from clef_worker.self_check_requests import (  # noqa: F401
 )
 
 if TYPE_CHECKING:
-    from clef_worker.warmup import WarmTarget
+    from clef_worker.warm_requests import WarmTarget
 
 log = logging.getLogger("clef_worker.self_check")
 

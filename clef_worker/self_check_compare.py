@@ -24,7 +24,7 @@ from clef_worker.self_check_reference import reference_answer
 from clef_worker.variant_probe import probe_slots
 
 if TYPE_CHECKING:
-    from clef_worker.warmup import WarmTarget
+    from clef_worker.warm_requests import WarmTarget
 
 log = logging.getLogger("clef_worker.self_check")
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from clef_worker.policy import PACKED, PADDED, PER_GROUP
 
 if TYPE_CHECKING:
-    from clef_worker.warmup import WarmTarget
+    from clef_worker.warm_requests import WarmTarget
 
 
 # The paths a worker can serve with, fastest first. `-graphs`: the runner replays fixed shapes

@@ -14,7 +14,7 @@ from clef_worker.gpu.packed_graphs import PackedGraphRunner, aligned_total
 from clef_worker.model.encoding import Encoding
 
 if TYPE_CHECKING:
-    from clef_worker.warmup import WarmTarget
+    from clef_worker.warm_requests import WarmTarget
 
 # Fractions of the token room (`GROUP_ROOM`, the budget or --max-length if smaller) of the
 # mixed group's requests, and of each of the uniform group's three: together within the
@@ -57,7 +57,7 @@ class Requests:
     limits take where the length allows it, else the barest."""
 
     def __init__(self, target: WarmTarget) -> None:
-        from clef_worker.warmup import candidates
+        from clef_worker.warm_requests import candidates
 
         self.target = target
         self.schemas = [request for request in candidates(target.limits)
