@@ -27,18 +27,15 @@ from clef_protocol.finetune import Finetune
 from clef_protocol.options import AUTO, RequestLimits, prefix_cache_capacity
 from clef_worker.errors import StartupError
 from clef_worker.gpu.buckets import BucketTable
-from clef_worker.gpu.graphs import (
+from clef_worker.gpu.capture import (
     Capturer,
     CudaGraphCapturer,
     EagerCapturer,
-    GraphRunner,
     buckets_enabled,
-    graph_row_counts,
     graphs_enabled,
-    pad_token_id,
-    plan_shapes,
     prepare_capture_environment,
 )
+from clef_worker.gpu.graphs import GraphRunner, graph_row_counts, pad_token_id, plan_shapes
 from clef_worker.gpu.kernel_cache import key_parts as kernel_key_parts
 from clef_worker.gpu.kernel_cache import prepare_kernel_cache
 from clef_worker.gpu.packed_graphs import PackedGraphRunner, packed_buckets

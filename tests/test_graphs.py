@@ -16,17 +16,8 @@ from clef_protocol.messages import ReadyInfo, ready
 from clef_protocol.options import RequestLimits
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.gpu.buckets import BucketTable, bucket_lengths
-from clef_worker.gpu.graphs import (
-    Forward,
-    GraphMemoryMeter,
-    GraphRunner,
-    Step,
-    buckets_enabled,
-    graph_row_counts,
-    graphs_enabled,
-    pad_token_id,
-    plan_shapes,
-)
+from clef_worker.gpu.capture import Forward, GraphMemoryMeter, buckets_enabled, graphs_enabled
+from clef_worker.gpu.graphs import GraphRunner, Step, graph_row_counts, pad_token_id, plan_shapes
 from clef_worker.gpu.transfer import move_staged, pack, stage_host, unpack
 from clef_worker.model.backbone import Backbone
 from clef_worker.native import NativeExecutor

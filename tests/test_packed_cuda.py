@@ -29,7 +29,7 @@ from torch import Tensor
 
 from clef_protocol.options import RequestLimits
 from clef_worker.assembly import assemble_snapshot
-from clef_worker.gpu.graphs import prepare_capture_environment
+from clef_worker.gpu.capture import prepare_capture_environment
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.packed import PackedLayout, StaticPackedLayout
 from tests.ci_policy import requires_cuda

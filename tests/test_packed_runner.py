@@ -21,7 +21,7 @@ from clef_protocol import messages
 from clef_protocol.options import RequestLimits
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.batching import answer_groups
-from clef_worker.gpu.graphs import EagerCapturer
+from clef_worker.gpu.capture import EagerCapturer
 from clef_worker.gpu.packed_graphs import (
     PACK_ALIGN,
     PackedGraphRunner,

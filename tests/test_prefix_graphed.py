@@ -20,7 +20,7 @@ from clef_protocol.finetune import resolve_finetunes
 from clef_worker import prefix_run
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.gpu import packed_graphs
-from clef_worker.gpu.graphs import EagerCapturer
+from clef_worker.gpu.capture import EagerCapturer
 from clef_worker.gpu.packed_graphs import PackedGraphRunner
 from clef_worker.gpu.sync_guard import NoSyncMode, SyncError, guarded
 from clef_worker.model.prefix_forward import Captured

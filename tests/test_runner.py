@@ -22,7 +22,8 @@ from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.gpu.buckets import BucketTable
-from clef_worker.gpu.graphs import EagerCapturer, GraphRunner
+from clef_worker.gpu.capture import EagerCapturer
+from clef_worker.gpu.graphs import GraphRunner
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.encoding import Encoding
 from clef_worker.native import NativeExecutor, Scored

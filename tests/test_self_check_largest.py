@@ -3,7 +3,7 @@ built graph shape (`ModelRunner.run(shape=...)`), so only their real tokens go t
 eager reference.
 
 `--cuda-graphs on` on CPU builds every bucket and replays the same fixed shapes eagerly
-(clef_worker.gpu.graphs.EagerCapturer), so the layout logic a CUDA graph replays (ids at
+(clef_worker.gpu.capture.EagerCapturer), so the layout logic a CUDA graph replays (ids at
 aligned offsets, a dummy tail of padding after them, the head reading each request's rows back)
 runs here for real. Faults are injected with monkeypatch into the largest shape only, so the
 probe that fails is the one forced into it: a request laid one chunk from where its sequence

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from clef_worker.gpu.buckets import cost_bucket_lengths
-from clef_worker.gpu.graphs import Capturer, Forward
+from clef_worker.gpu.capture import Capturer, Forward
 from clef_worker.gpu.state_buffers import RowSequence, StateBuffers, StateShapes, fresh
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.lora import AdapterSelection
