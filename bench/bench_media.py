@@ -70,7 +70,7 @@ def main() -> None:
     from clef_protocol.options import RequestLimits
     from clef_worker.assembly import assemble_snapshot
     from clef_worker.media.pixels import PixelSettings, image_patches
-    from clef_worker.warmup import REPRESENTATIVE as WARMUP_REQUEST
+    from clef_worker.starting.warmup import REPRESENTATIVE as WARMUP_REQUEST
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     limits = RequestLimits()

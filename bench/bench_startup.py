@@ -1,5 +1,5 @@
 """A worker's first start against its restart after a kill: `ready_s` and each phase, as the
-worker reports them (`/health`'s `startup`, clef_worker.startup_clock).
+worker reports them (`/health`'s `startup`, clef_worker.starting.startup_clock).
 
 Not a test. Per round: `clef-serve` with the real worker on `--model` (default: the tiny test
 snapshot) and a fresh cache directory (kernel cache, kept verdicts, digests), so the first start

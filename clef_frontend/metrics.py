@@ -387,7 +387,7 @@ class _PrefixCacheCollector(Collector):
 
 
 class _SelfCheckCollector(Collector):
-    """The warm worker's start-up self-check (clef_worker.self_check, its `ready` frame's
+    """The warm worker's start-up self-check (clef_worker.starting.self_check, its `ready` frame's
     `self_check`), labelled by the layout it serves with; nothing when it was skipped."""
 
     def __init__(self, worker_info: Callable[[], ReadyInfo | None]) -> None:

@@ -166,7 +166,7 @@ def _shapes(value: Any) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class SelfCheck:
-    """The worker's start-up self-check (clef_worker.self_check): a fixed set of requests
+    """The worker's start-up self-check (clef_worker.starting.self_check): a fixed set of requests
     answered through the layout it serves with and, one by one, through the plain eager path.
 
     `passed`: the layout it serves with agreed within the dtype's bound; `layout`: that layout

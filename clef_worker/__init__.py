@@ -7,5 +7,5 @@ Run as `python -m clef_worker`; it talks to the front over stdin/stdout frames
 from time import perf_counter as _perf_counter
 
 # When the worker's package was first imported: in a worker process the start of its start-up
-# (`startup.ready_s` counts from here, clef_worker.startup_clock).
+# (`startup.ready_s` counts from here, clef_worker.starting.startup_clock).
 FIRST_IMPORT = _perf_counter()

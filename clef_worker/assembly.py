@@ -36,8 +36,6 @@ from clef_worker.gpu.capture import (
     prepare_capture_environment,
 )
 from clef_worker.gpu.graphs import GraphRunner, graph_row_counts, pad_token_id, plan_shapes
-from clef_worker.gpu.kernel_cache import key_parts as kernel_key_parts
-from clef_worker.gpu.kernel_cache import prepare_kernel_cache
 from clef_worker.gpu.packed_graphs import PackedGraphRunner, packed_buckets
 from clef_worker.media.vision import VisionTower, has_vision, load_vision
 from clef_worker.model.backbone import Backbone, load_backbone, read_tensors
@@ -57,6 +55,8 @@ from clef_worker.native import NativeExecutor
 from clef_worker.policy import PACKED, PADDED, PER_GROUP, BatchPolicy
 from clef_worker.prefix_cache import PrefixCache, default_block_tokens, default_store_policy
 from clef_worker.runner import ModelRunner
+from clef_worker.starting.kernel_cache import key_parts as kernel_key_parts
+from clef_worker.starting.kernel_cache import prepare_kernel_cache
 from clef_worker.variants import load_variants, refuse_variant
 
 log = logging.getLogger(__name__)

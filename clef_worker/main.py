@@ -230,15 +230,17 @@ def _fail_rest(ids: list[int], channel_out: BinaryIO) -> None:
 
 def self_check(executor: Executor, mode: str,
                fingerprints: Callable[[], tuple[str, dict[str, str]]]) -> messages.SelfCheck | None:
-    """The start-up self-check (clef_worker.self_check) of an executor that has serving layouts
+    """The start-up self-check (clef_worker.starting.self_check) of an executor that has serving
+    layouts
     to check (the native one), or the verdict kept from an earlier start on the same weights
-    and code (clef_worker.verdict_store); None for one that has none (the release executor runs
+    and code (clef_worker.starting.verdict_store); None for one that has none (the release executor
+    runs
     the snapshot's own code, one request at a time)."""
     from clef_worker.native import NativeExecutor
 
     if not isinstance(executor, NativeExecutor):
         return None
-    from clef_worker.verdict_store import checked
+    from clef_worker.starting.verdict_store import checked
 
     # The variants loaded (a refused checkpoint was fingerprinted but is not served).
     return checked(executor, mode, lambda: fingerprints()[0],
@@ -248,7 +250,8 @@ def self_check(executor: Executor, mode: str,
 
 def prefix_cache_state(executor: Executor) -> messages.PrefixCacheInfo | None:
     """The prefix cache's state for `ready`, after the self-check (whose `prefix` probe may
-    have turned it off, clef_worker.prefix_check), emptied of the warm-up's blocks; None for
+    have turned it off, clef_worker.starting.prefix_probe), emptied of the warm-up's blocks; None
+    for
     an executor without one."""
     from clef_worker.native import NativeExecutor
 
@@ -269,8 +272,8 @@ def start_ready(args: argparse.Namespace, channel_out: BinaryIO, origin: float |
     """`start`, also returning the `ready` frame sent (the serve loop reads its fingerprints).
     `origin`: when the start-up began (`time.perf_counter()`; the worker process passes its
     package's first import), else now; `ready.startup` counts from it, phase by phase
-    (clef_worker.startup_clock)."""
-    from clef_worker import startup_clock
+    (clef_worker.starting.startup_clock)."""
+    from clef_worker.starting import startup_clock
 
     clock = startup_clock.begin(origin)
     from clef_worker.fingerprint import (
@@ -372,7 +375,8 @@ def answer_weights(ready: messages.ReadyInfo) -> dict[str, str]:
 def warm_only(args: argparse.Namespace) -> int:
     """`--warm-only`: the whole start-up with the `ready` frame sent nowhere, then exit; what it
     leaves behind is the point: the kernel cache filled for this snapshot, GPU and libraries
-    (clef_worker.gpu.kernel_cache) and the self-check's verdict kept (clef_worker.verdict_store),
+    (clef_worker.starting.kernel_cache) and the self-check's verdict kept
+    (clef_worker.starting.verdict_store),
     so the next worker on the same volume starts warm and skips the check."""
     import io
 

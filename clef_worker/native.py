@@ -5,7 +5,8 @@ the serve loop runs on its helper thread), stages a group's host tensors, answer
 through its `clef_worker.runner.ModelRunner` (one copy, the forwards, the head) and builds the
 replies; `score` is its one inspection entry (token ids, spans, logits, probabilities) for tests,
 benchmarks and comparisons. Loading lives in `clef_worker.assembly` (`assemble_snapshot` for
-tests and tools), the warm-up sequence in `clef_worker.warmup` (which knows the executor only
+tests and tools), the warm-up sequence in `clef_worker.starting.warmup` (which knows the executor
+only
 as its `WarmTarget` protocol). Device work runs on the calling thread under
 `torch.inference_mode()`.
 """
@@ -26,7 +27,6 @@ from clef_protocol.media import decode_media, has_media
 from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import validate_request
-from clef_worker import warmup
 from clef_worker.errors import (
     broken_device_is_fatal,
 )
@@ -43,6 +43,7 @@ from clef_worker.model.snapshot import Snapshot
 from clef_worker.policy import BatchPolicy
 from clef_worker.prefix_cache import CacheKey, root_key
 from clef_worker.runner import ModelRunner, Staged
+from clef_worker.starting import warmup
 from clef_worker.variants import Variant
 from clef_worker.versions import package_version, package_versions
 
@@ -162,7 +163,7 @@ class NativeExecutor:
         )
 
     def warm_up(self) -> None:
-        """The whole warm-up sequence (clef_worker.warmup.warm_native)."""
+        """The whole warm-up sequence (clef_worker.starting.warmup.warm_native)."""
         warmup.warm_native(self)
 
     def answer(self, body: bytes) -> Answer:

@@ -54,7 +54,6 @@ from clef_protocol.errors import RequestInvalid
 from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import REFERENCE_REFUSALS, validate_request
-from clef_worker import warmup
 from clef_worker.errors import StartupError, broken_device_is_fatal
 from clef_worker.executor import Answer
 from clef_worker.model.answers import serialize
@@ -69,6 +68,7 @@ from clef_worker.model.kernel_choice import (
 from clef_worker.model.module_names import MODELING_MODULE
 from clef_worker.model.snapshot import open_snapshot
 from clef_worker.policy import DEFAULT_FLAGS, BatchFlags, BatchPolicy
+from clef_worker.starting import warmup
 from clef_worker.versions import package_versions
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class ReleaseExecutor:
         return self._info
 
     def warm_up(self) -> None:
-        """The richest warm-up request the limits admit (clef_worker.warmup) through the
+        """The richest warm-up request the limits admit (clef_worker.starting.warmup) through the
         upstream code, so its first-touch costs (allocations, kernel selection) are paid before
         `ready`. Upstream can only be driven with requests: when none fits, nothing is warmed."""
         if self._warmup_request is None:

@@ -24,7 +24,7 @@ from tests.ci_policy import pytest_runtest_logreport as pytest_runtest_logreport
 from tests.ci_policy import pytest_sessionfinish as pytest_sessionfinish
 from tests.ci_policy import pytest_terminal_summary as pytest_terminal_summary
 
-VERDICTS_ENV = "CLEF_SELF_CHECK_DIR"  # clef_worker.verdict_store.DIRECTORY_ENV
+VERDICTS_ENV = "CLEF_SELF_CHECK_DIR"  # clef_worker.starting.verdict_store.DIRECTORY_ENV
 
 # On CI, property tests draw the same examples every run: a red CI is then reproducible, and a
 # change cannot pass by luck. Locally they keep exploring new examples.
@@ -43,7 +43,8 @@ def tiny_snapshot() -> Path:
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_self_check_verdicts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The start-up self-check's kept verdicts (clef_worker.verdict_store) of the servers that
+    """The start-up self-check's kept verdicts (clef_worker.starting.verdict_store) of the servers
+    that
     module-scoped fixtures start go to this session's own directory, never the user's cache:
     a test's outcome must not depend on what an earlier run kept."""
     before = os.environ.get(VERDICTS_ENV)

@@ -21,7 +21,7 @@ from clef_worker.gpu.graphs import GraphRunner, Step, graph_row_counts, pad_toke
 from clef_worker.gpu.transfer import move_staged, pack, stage_host, unpack
 from clef_worker.model.backbone import Backbone
 from clef_worker.native import NativeExecutor
-from clef_worker.warmup import build_graphs
+from clef_worker.starting.warmup import build_graphs
 from tests.ci_policy import requires_cuda
 
 PAD = 7

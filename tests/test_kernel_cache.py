@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from clef_protocol.messages import ReadyInfo, ready
-from clef_worker.gpu.kernel_cache import (
+from clef_worker.starting.kernel_cache import (
     FLA_CACHE_RESULTS_ENV,
     KEY_FILE,
     TRITON_CACHE_ENV,

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from benchlib.golden import assert_response_matches, load_cases
-from clef_worker.warmup import REPRESENTATIVE
+from clef_worker.starting.warmup import REPRESENTATIVE
 from tests.conftest import TINY_SNAPSHOT
 from tests.frontend_helpers import Serve
 

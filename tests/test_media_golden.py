@@ -135,7 +135,7 @@ def test_media_tokens_count_in_the_budget(executor: NativeExecutor) -> None:
 
 
 def test_image_warm_up_runs(executor: NativeExecutor) -> None:
-    from clef_worker import warmup
+    from clef_worker.starting import warmup
 
     scored = executor.score(warmup.with_image(warmup.REPRESENTATIVE))
     assert scored.media is not None and scored.media.image_grids == ((1, 16, 16),)

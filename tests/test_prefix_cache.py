@@ -19,9 +19,7 @@ import torch
 from benchlib.paths import FINETUNE_FIXTURES
 from clef_protocol.finetune import resolve_finetunes
 from clef_protocol.messages import SelfCheck
-from clef_worker import prefix_check, verdict_store
 from clef_worker.assembly import assemble_snapshot
-from clef_worker.check_probes import PROBES
 from clef_worker.errors import StartupError
 from clef_worker.model import gated_delta, prefix_forward
 from clef_worker.model.prefix_forward import (
@@ -33,8 +31,11 @@ from clef_worker.model.prefix_forward import (
 )
 from clef_worker.native import NativeExecutor, Prepared
 from clef_worker.prefix_cache import CacheKey, Hit, PrefixCache, ids_array, root_key
-from clef_worker.self_check import run_self_check
-from clef_worker.variant_probe import reference_runner
+from clef_worker.starting import prefix_probe as prefix_check
+from clef_worker.starting import verdict_store
+from clef_worker.starting.check_probes import PROBES
+from clef_worker.starting.self_check import run_self_check
+from clef_worker.starting.variant_probe import reference_runner
 from tests.doubles import break_suffix_positions
 
 # Every answer within the golden bound of the uncached forward (fp32 on CPU).
@@ -357,7 +358,7 @@ def test_a_disagreeing_probe_turns_the_cache_off_with_an_error(
         caplog: pytest.LogCaptureFixture) -> None:
     executor = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32")
     break_suffix_positions(monkeypatch)
-    with caplog.at_level(logging.ERROR, logger="clef_worker.self_check"):
+    with caplog.at_level(logging.ERROR, logger="clef_worker.starting.self_check"):
         verdict, probe = _checked(executor)
     cache = executor.runner.prefix_cache
     assert cache is not None and not probe["passed"] and probe["max_abs_diff"] > 1e-4
@@ -381,7 +382,7 @@ def test_report_records_a_disagreeing_probe_and_keeps_the_cache_on(
     stays on, so the benchmark measures the path it asked for."""
     executor = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32")
     break_suffix_positions(monkeypatch)
-    with caplog.at_level(logging.ERROR, logger="clef_worker.self_check"):
+    with caplog.at_level(logging.ERROR, logger="clef_worker.starting.self_check"):
         verdict, probe = _checked(executor, "report")
     cache = executor.runner.prefix_cache
     assert cache is not None and not probe["passed"] and "remedy" not in probe

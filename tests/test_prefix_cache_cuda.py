@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from clef_worker import prefix_check
 from clef_worker.assembly import assemble_snapshot
-from clef_worker.check_probes import PROBES
-from clef_worker.self_check import BOUNDS, run_self_check
+from clef_worker.starting import prefix_probe as prefix_check
+from clef_worker.starting.check_probes import PROBES
+from clef_worker.starting.self_check import BOUNDS, run_self_check
 from tests.ci_policy import requires_cuda
 
 pytestmark = requires_cuda()  # the one skip CI allows (tests/ci_policy.py)

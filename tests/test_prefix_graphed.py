@@ -34,7 +34,7 @@ from clef_worker.prefix_cache import (
 )
 from clef_worker.prefix_graphed import Member, batches
 from clef_worker.runner import ModelRunner
-from clef_worker.variant_probe import reference_runner
+from clef_worker.starting.variant_probe import reference_runner
 
 BOUND = PROBABILITY_TOLERANCE
 QUESTIONS = {"decide": {"type": "choice", "criteria": {"a": "approve", "b": "block"}}}

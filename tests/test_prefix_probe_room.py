@@ -1,4 +1,5 @@
-"""The start-up prefix probe fits `--max-length` (clef_worker.prefix_check): the cached path is
+"""The start-up prefix probe fits `--max-length` (clef_worker.starting.prefix_probe): the cached
+path is
 checked under any limit that lets the cache store a block, and where none can be stored the
 cache is off for the worker with the reason in `ready`, never on and unchecked.
 
@@ -16,7 +17,7 @@ import pytest
 
 from clef_protocol import messages
 from clef_worker import prefix_cache
-from clef_worker.prefix_check import MIN_SHARED_TOKENS, PROBE_NAME
+from clef_worker.starting.prefix_probe import MIN_SHARED_TOKENS, PROBE_NAME
 from tests.worker_start import start_worker
 
 

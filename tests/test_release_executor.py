@@ -25,11 +25,11 @@ import torch
 from benchlib.golden import answered, assert_response_matches, refused
 from clef_protocol.errors import BadRequestBody, RequestInvalid
 from clef_protocol.options import RequestLimits
-from clef_worker import warmup
 from clef_worker.errors import ExecutorBroken, StartupError
 from clef_worker.model.encoding import BUDGET, Encoder
 from clef_worker.model.module_names import MODELING_MODULE
 from clef_worker.release import RELEASE_FILE, ReleaseExecutor
+from clef_worker.starting import warmup
 from tests.conftest import REPO
 from tests.upstream import (
     UPSTREAM_SHA256,

@@ -1,4 +1,4 @@
-"""The worker's start-up self-check (clef_worker.self_check), on CPU.
+"""The worker's start-up self-check (clef_worker.starting.self_check), on CPU.
 
 Workers are started in-process through `clef_worker.main.start` (the function the worker's
 `main` calls), so a test can inject a fault into one serving path with pytest's monkeypatch:
@@ -29,7 +29,6 @@ from benchlib.golden import answered, assert_response_matches
 from clef_protocol import messages
 from clef_protocol.errors import ProtocolError
 from clef_protocol.options import RequestLimits, worker_argv
-from clef_worker import self_check
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.errors import StartupError
 from clef_worker.gpu.packed_graphs import PackedGraphRunner
@@ -37,6 +36,7 @@ from clef_worker.main import parse_args
 from clef_worker.model.backbone import Backbone
 from clef_worker.native import NativeExecutor
 from clef_worker.runner import RowResult
+from clef_worker.starting import self_check
 from tests.worker_start import start_worker
 
 FP32_BOUND = 1e-4
@@ -68,7 +68,7 @@ def assert_golden_answers(executor: NativeExecutor) -> None:
 
 def self_check_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [record.getMessage() for record in caplog.records
-            if record.name == "clef_worker.self_check" and record.levelno == logging.ERROR]
+            if record.name == "clef_worker.starting.self_check" and record.levelno == logging.ERROR]
 
 
 # -- workers started in-process --------------------------------------------------------------

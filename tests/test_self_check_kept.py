@@ -1,4 +1,4 @@
-"""A passing start-up self-check kept between worker starts (clef_worker.verdict_store).
+"""A passing start-up self-check kept between worker starts (clef_worker.starting.verdict_store).
 
 The end-to-end test runs a real front with the production defaults (self-check on) on a copy of
 the tiny snapshot: a worker killed with SIGKILL is restarted by the front and keeps the verdict
@@ -26,12 +26,12 @@ from safetensors.torch import load_file, save_file
 from benchlib.serve import Serve
 from clef_protocol import messages
 from clef_protocol.frames import read_frame_blocking
-from clef_worker import verdict_store
 from clef_worker.assembly import assemble_snapshot
-from clef_worker.check_probes import PROBES
 from clef_worker.main import parse_args, start
-from clef_worker.self_check import Probe, probe_small
-from clef_worker.verdict_store import VerdictStore, checked, verdict_key
+from clef_worker.starting import verdict_store
+from clef_worker.starting.check_probes import PROBES
+from clef_worker.starting.self_check import Probe, probe_small
+from clef_worker.starting.verdict_store import VerdictStore, checked, verdict_key
 from tests.doubles import break_suffix_positions
 
 PASSED = messages.SelfCheck(True, "per-group", 13, 2e-7, [], mode="on", bound=1e-4, ms=900.0)
@@ -229,7 +229,7 @@ def test_the_prefix_probe_is_kept_with_the_verdict_unless_it_turned_the_cache_of
     remedy); that verdict is not kept, so the next start probes again (a kept one would skip
     the probe and serve the faulty cache)."""
     from clef_worker import prefix_run
-    from clef_worker.prefix_check import PROBE_NAME
+    from clef_worker.starting.prefix_probe import PROBE_NAME
 
     store = VerdictStore(tmp_path)
     probed: list[int] = []

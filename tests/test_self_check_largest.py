@@ -21,13 +21,13 @@ import torch
 
 from clef_protocol import messages
 from clef_protocol.options import RequestLimits
-from clef_worker import self_check
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.gpu import packed_graphs
 from clef_worker.gpu.graphs import GraphRunner
 from clef_worker.gpu.packed_graphs import PackedGraphRunner, aligned_total
 from clef_worker.native import NativeExecutor
-from clef_worker.variant_probe import reference_runner
+from clef_worker.starting import self_check
+from clef_worker.starting.variant_probe import reference_runner
 from tests.worker_start import start_worker
 
 FP32_BOUND = 1e-4

@@ -1,4 +1,5 @@
-"""The self-check's reference runs the kernels serving compiled (clef_worker.self_check_reference).
+"""The self-check's reference runs the kernels serving compiled
+(clef_worker.starting.self_check_reference).
 
 A GPU compiles fla's Triton kernels once per form: the packed (varlen) form serving captures,
 and a fixed-length form that only the old reference used. On CPU there is nothing to compile,
@@ -19,7 +20,6 @@ import pytest
 import torch
 from torch import Tensor
 
-from clef_worker import self_check_reference
 from clef_worker.model import gated_delta, short_conv
 from clef_worker.model.packed import PackedLayout
 from clef_worker.model.packed_layers import (
@@ -29,7 +29,8 @@ from clef_worker.model.packed_layers import (
     modeling_module,
 )
 from clef_worker.native import NativeExecutor
-from clef_worker.self_check import Context, Requests, bound_for, compare
+from clef_worker.starting import self_check_reference
+from clef_worker.starting.self_check import Context, Requests, bound_for, compare
 from tests.worker_start import start_worker
 
 

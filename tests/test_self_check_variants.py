@@ -1,5 +1,5 @@
 """The start-up self-check with fine-tuned variants served (`--finetune`): the probe's requests
-take the base and each variant in turn (clef_worker.variant_probe), so a serving path that
+take the base and each variant in turn (clef_worker.starting.variant_probe), so a serving path that
 scores a variant's tokens with the wrong adapter is caught, though every base answer is right.
 
 Workers start in-process through `clef_worker.main.start`, as in tests/test_self_check.py; the
@@ -20,7 +20,7 @@ from benchlib.paths import FINETUNE_FIXTURES, FINETUNE_REFERENCE
 from clef_protocol import messages
 from clef_worker import runner as runner_module
 from clef_worker.native import NativeExecutor
-from clef_worker.variant_probe import probe_slots, reference_runner
+from clef_worker.starting.variant_probe import probe_slots, reference_runner
 from tests.answer_compare import assert_same_response
 from tests.worker_start import start_worker as start_any
 
@@ -79,7 +79,7 @@ def test_a_variant_scored_with_the_wrong_adapter_fails_the_check(
     executor, frame = start_worker(tiny_snapshot)
     assert executor is not None
     errors = [r.getMessage() for r in caplog.records
-              if r.name == "clef_worker.self_check" and r.levelno == logging.ERROR]
+              if r.name == "clef_worker.starting.self_check" and r.levelno == logging.ERROR]
     assert len(errors) == 1 and "the per-group path differs" in errors[0]
     assert frame["self_check"]["fell_back_from"] == ["per-group"]
     assert frame["self_check"]["layout"] == "padded" and frame["self_check"]["passed"] is True

@@ -8,8 +8,8 @@ import pytest
 
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import validate_request
-from clef_worker import warmup
 from clef_worker.model.encoding import Encoder
+from clef_worker.starting import warmup
 
 
 @pytest.fixture(scope="module")

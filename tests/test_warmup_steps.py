@@ -1,5 +1,6 @@
 """The warm-up's steps do what start-up needs once and nothing nobody reads
-(clef_worker.warmup.warm_native): the prefixed forward's kernels compiled during the warm-up
+(clef_worker.starting.warmup.warm_native): the prefixed forward's kernels compiled during the
+warm-up
 (a stored prefix, then a hit), the cache left empty; packed buckets not replayed (their replay
 times are read by nothing), padded shapes still are (the padded plan compares them). CPU
 executors at the defaults but for the setting each test is about."""

@@ -38,7 +38,7 @@ standing in for fla and `varlen_attn` (`tests/test_packed_forward.py`), and its 
 fla's real kernels under Triton's interpreter against the per-sequence torch path
 (`tests/test_packed_fla_interpreter.py`); `varlen_attn` itself is CUDA-only and untested here.
 The worker's start-up self-check compares this path with the eager one on every device before
-it serves (`clef_worker/self_check.py`).
+it serves (`clef_worker/starting/self_check.py`).
 """
 
 from __future__ import annotations

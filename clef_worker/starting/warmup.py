@@ -1,5 +1,5 @@
 """The warm-up: the whole sequence the native executor runs before `ready` (`warm_native`),
-over the requests `clef_worker.warm_requests` derives from the worker's limits.
+over the requests `clef_worker.starting.warm_requests` derives from the worker's limits.
 
 The sequence (`warm_native`), in order, and why each step:
 
@@ -31,7 +31,7 @@ from typing import Any
 
 from clef_protocol.errors import RequestInvalid
 from clef_worker.model.encoding import Encoding
-from clef_worker.warm_requests import (
+from clef_worker.starting.warm_requests import (
     REPRESENTATIVE,
     WarmTarget,
     candidates,
@@ -51,12 +51,12 @@ def warm_native(executor: WarmTarget) -> None:
 
     import torch
 
-    from clef_worker import startup_clock
     from clef_worker.gpu.graphs import graph_row_counts
     from clef_worker.model.backbone import describe_kernel_lengths
     from clef_worker.runner import warm_row_counts
+    from clef_worker.starting import startup_clock
 
-    log = logging.getLogger("clef_worker.warmup")
+    log = logging.getLogger("clef_worker.starting.warmup")
     started = time.perf_counter()
     limits, runner, policy = executor.limits, executor.runner, executor.policy
     with startup_clock.current().phase("capture_s"):
@@ -105,10 +105,11 @@ def warm_native(executor: WarmTarget) -> None:
 
 
 def warm_prefix_cache(executor: WarmTarget) -> bool:
-    """Step 6 (module docs): the self-check's prefix-probe pair (clef_worker.prefix_check) run
+    """Step 6 (module docs): the self-check's prefix-probe pair (clef_worker.starting.prefix_probe)
+    run
     once, storing then reusing, and the cache emptied; whether it ran (not without a cache, with
     it off, or under limits too short for a cached block)."""
-    from clef_worker.prefix_check import probe_requests
+    from clef_worker.starting.prefix_probe import probe_requests
 
     cache = executor.runner.prefix_cache
     if cache is None or not cache.enabled:
@@ -142,7 +143,7 @@ def build_graphs(executor: WarmTarget,
     """
     import logging
 
-    log = logging.getLogger("clef_worker.warmup")
+    log = logging.getLogger("clef_worker.starting.warmup")
     runner = executor.runner
     graphs = runner.graphs
     if graphs is None:

@@ -1,9 +1,9 @@
 """The start-up self-check's comparison: each probe request's reference answer, the served
 answers against it, and what a probe records (`ProbeResult`).
 
-Why a module of its own: the layout probes (clef_worker.self_check) and the prefix cache's
-(clef_worker.prefix_check) compare the same way, against the same references
-(clef_worker.self_check_reference says which kernels those run).
+Why a module of its own: the layout probes (clef_worker.starting.self_check) and the prefix cache's
+(clef_worker.starting.prefix_probe) compare the same way, against the same references
+(clef_worker.starting.self_check_reference says which kernels those run).
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import torch
 from clef_worker.batching import GroupCutter
 from clef_worker.model.encoding import Encoding
 from clef_worker.runner import RowResult
-from clef_worker.self_check_paths import current_path
-from clef_worker.self_check_reference import reference_answer
-from clef_worker.variant_probe import probe_slots
+from clef_worker.starting.self_check_paths import current_path
+from clef_worker.starting.self_check_reference import reference_answer
+from clef_worker.starting.variant_probe import probe_slots
 
 if TYPE_CHECKING:
-    from clef_worker.warm_requests import WarmTarget
+    from clef_worker.starting.warm_requests import WarmTarget
 
-log = logging.getLogger("clef_worker.self_check")
+log = logging.getLogger("clef_worker.starting.self_check")
 
 
 
@@ -153,7 +153,7 @@ class Context:
     def reference(self, encoding: Encoding, slot: int | None = None) -> Answer:
         """The request alone through the plain eager forward (no graphs, no packing), on the
         base or on variant `slot`, its kernels the ones serving compiled
-        (clef_worker.self_check_reference)."""
+        (clef_worker.starting.self_check_reference)."""
         # By content: the probes build their requests again for each path checked.
         key = (tuple(encoding.input_ids),
                tuple((q.question_span, q.option_spans) for q in encoding.questions), slot)

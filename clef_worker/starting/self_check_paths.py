@@ -1,8 +1,8 @@
 """The start-up self-check's serving paths: the names of the paths a worker can serve with, the
 order the check falls back along, and the switch from one to the next.
 
-Why a module of its own: the check (clef_worker.self_check) and its comparison
-(clef_worker.self_check_compare, which names the path in its log lines) both read them.
+Why a module of its own: the check (clef_worker.starting.self_check) and its comparison
+(clef_worker.starting.self_check_compare, which names the path in its log lines) both read them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from clef_worker.policy import PACKED, PADDED, PER_GROUP
 
 if TYPE_CHECKING:
-    from clef_worker.warm_requests import WarmTarget
+    from clef_worker.starting.warm_requests import WarmTarget
 
 
 # The paths a worker can serve with, fastest first. `-graphs`: the runner replays fixed shapes

@@ -1,5 +1,6 @@
 """The start-up self-check's requests: the `groups` and `small` probes' encodings, cut from the
-warm-up's candidate schemas to the lengths the check wants (clef_worker.self_check's module docs
+warm-up's candidate schemas to the lengths the check wants (clef_worker.starting.self_check's
+module docs
 say what each probe sends and why).
 """
 
@@ -14,7 +15,7 @@ from clef_worker.gpu.packed_graphs import PackedGraphRunner, aligned_total
 from clef_worker.model.encoding import Encoding
 
 if TYPE_CHECKING:
-    from clef_worker.warm_requests import WarmTarget
+    from clef_worker.starting.warm_requests import WarmTarget
 
 # Fractions of the token room (`GROUP_ROOM`, the budget or --max-length if smaller) of the
 # mixed group's requests, and of each of the uniform group's three: together within the
@@ -57,7 +58,7 @@ class Requests:
     limits take where the length allows it, else the barest."""
 
     def __init__(self, target: WarmTarget) -> None:
-        from clef_worker.warm_requests import candidates
+        from clef_worker.starting.warm_requests import candidates
 
         self.target = target
         self.schemas = [request for request in candidates(target.limits)

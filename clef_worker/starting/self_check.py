@@ -6,19 +6,22 @@ varlen kernels) are fast paths whose mistakes do not raise. A wrong offset, a ke
 renamed or a kernel that reads past a boundary serves wrong probabilities behind a 200 `/health`.
 The plain eager forward of one request (`Backbone.last_hidden_state`, no graphs, no packing) is
 the path the golden answers are checked against, so it is the reference here; its Triton kernels
-are the ones serving compiled, called over one sequence (clef_worker.self_check_reference), so a
+are the ones serving compiled, called over one sequence
+(clef_worker.starting.self_check_reference), so a
 cold check compiles nothing of its own.
 
-The check is a list of probes (clef_worker.check_probes.PROBES), each a function of its own
+The check is a list of probes (clef_worker.starting.check_probes.PROBES), each a function of its own
 that sends its requests through the serving path and compares them with the reference
 (`Context.compare_groups` does both for a probe that is a set of groups), and returns a
 `ProbeResult` (or None where it has nothing to probe on this worker). A new probe is one more
 function and one more `Probe` entry; its result travels in the verdict's `probes`. Beside the
-layout probes below, the prefix cache has one (clef_worker.prefix_check), run once after them,
+layout probes below, the prefix cache has one (clef_worker.starting.prefix_probe), run once after
+them,
 whose remedy turns the cache off rather than the layout. The layout probes:
 
 - `groups` (`probe_groups`): requests of mixed lengths cut from the warm-up's candidate schemas
-  (clef_worker.warmup), each with its own state text: a mixed group of four, a uniform group of
+  (clef_worker.starting.warmup), each with its own state text: a mixed group of four, a uniform
+  group of
   three (CPU's per-group layout runs that one padded), and, where graphs replay fixed shapes,
   a few short requests of different lengths (about LARGEST_REAL = 1,000 real tokens, at most
   half the shape) forced into the largest built shape (`largest_shape`, through
@@ -42,7 +45,7 @@ whose remedy turns the cache off rather than the layout. The layout probes:
 Each group goes through the serve loop's own group cutting (clef_worker.batching.GroupCutter)
 and the runner, as requests do; the largest-shape group alone is one runner call forced into
 its shape (the serve loop would replay a smaller one). With fine-tuned variants served, the
-requests take the base and each variant in turn (clef_worker.variant_probe).
+requests take the base and each variant in turn (clef_worker.starting.variant_probe).
 
 The comparison (`compare`): every option's probability within the dtype's bound (`BOUNDS`), and
 every question's argmax the same unless the reference itself has the two options within the
@@ -62,7 +65,7 @@ each; `strict` refuses to start; `report` compares and records but never falls b
 benchmarks measure the layout they asked for; a disagreement is in the verdict and the log, not
 a change of layout); `off` skips the check. The verdict goes into the `ready` frame
 (clef_protocol.messages.SelfCheck), so `/health` and the front's metrics show it. A passing
-verdict is kept for the next start (clef_worker.verdict_store, in `on` and `strict`).
+verdict is kept for the next start (clef_worker.starting.verdict_store, in `on` and `strict`).
 
 Cost on a warm GPU, estimated on paper, not measured: at Clef-Flash's shapes a forward costs
 about 2 x 7.9e9 = 1.6e10 FLOP per token. The serving path computes every token of the shapes
@@ -89,7 +92,8 @@ request and groups in 4,096 tokens of room, cost ~41,000 tokens (20,600 each way
 peak, 1.4 s at 60 %. Without graphs ~2,900 tokens each way: ~0.12 s (0.20 s at 60 %). A restart
 on the same weights and code skips the whole check (the kept verdict). The reference compiles
 no kernels of its own (it calls the packed serving kernels over one sequence), and the prefix
-probe's initial/final-state kernels are compiled by the warm-up (clef_worker.warmup), so a cold
+probe's initial/final-state kernels are compiled by the warm-up (clef_worker.starting.warmup), so a
+cold
 check adds no compilation; `ms` in the verdict and `self_check_ms` in the GPU sitting's summary
 record what it really took.
 """
@@ -109,7 +113,7 @@ from clef_worker.errors import StartupError
 from clef_worker.model.kernel_choice import DTYPE_NAMES
 
 # The check's parts, re-exported: probes and tests reach them through this module.
-from clef_worker.self_check_compare import (  # noqa: F401
+from clef_worker.starting.self_check_compare import (  # noqa: F401
     Answer,
     Comparison,
     Context,
@@ -118,7 +122,7 @@ from clef_worker.self_check_compare import (  # noqa: F401
     cut,
     hidden_difference,
 )
-from clef_worker.self_check_paths import (  # noqa: F401
+from clef_worker.starting.self_check_paths import (  # noqa: F401
     ONE_AT_A_TIME,
     ORDER,
     PACKED_EAGER,
@@ -131,7 +135,7 @@ from clef_worker.self_check_paths import (  # noqa: F401
     serving_path,
     switch_to,
 )
-from clef_worker.self_check_requests import (  # noqa: F401
+from clef_worker.starting.self_check_requests import (  # noqa: F401
     GROUP_ROOM,
     LARGEST_MIX,
     LARGEST_REAL,
@@ -150,16 +154,16 @@ from clef_worker.self_check_requests import (  # noqa: F401
 )
 
 if TYPE_CHECKING:
-    from clef_worker.warm_requests import WarmTarget
+    from clef_worker.starting.warm_requests import WarmTarget
 
-log = logging.getLogger("clef_worker.self_check")
+log = logging.getLogger("clef_worker.starting.self_check")
 
 # The largest probability difference from the eager one-by-one answer, by the backbone's dtype
 # (the head runs in float32 on CPU, in the backbone's dtype on CUDA). bf16: the CUDA tests'
 # bound for the same comparison (module docs), until a GPU sitting measures the spread.
 BOUNDS = {"float32": 1e-4, "bfloat16": 1e-2, "float16": 1e-2}
 # The check's own definition: change it whenever a probe, a bound or the comparison changes,
-# so a verdict kept by an earlier definition is not reused (clef_worker.verdict_store).
+# so a verdict kept by an earlier definition is not reused (clef_worker.starting.verdict_store).
 CHECK_VERSION = 5
 
 MODES = ("on", "strict", "report", "off")  # clef_protocol.options.SELF_CHECK_MODES
@@ -220,7 +224,7 @@ class Probe:
 
 
 # The layout probes, in the order run. The whole check's list, these and the probes of other
-# things (the prefix cache's), is clef_worker.check_probes.PROBES.
+# things (the prefix cache's), is clef_worker.starting.check_probes.PROBES.
 LAYOUT_PROBES: tuple[Probe, ...] = (
     Probe("groups", probe_layout_groups),
     Probe("small", probe_small),

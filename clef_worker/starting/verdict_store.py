@@ -1,6 +1,6 @@
 """A passing start-up self-check, kept so that a restart on the same everything skips it.
 
-Why: the self-check (clef_worker.self_check) answers its probe requests twice, through the
+Why: the self-check (clef_worker.starting.self_check) answers its probe requests twice, through the
 serving layout and eagerly; on a GPU a cold one also compiles kernels the serving path never
 uses, tens of seconds. A worker restarted after a crash or a stall, on weights and code that
 have not changed since the last passing check, would pay that again for the same answer.
@@ -57,9 +57,9 @@ from clef_worker.versions import package_version
 
 if TYPE_CHECKING:
     from clef_worker.native import NativeExecutor
-    from clef_worker.self_check import Probe
+    from clef_worker.starting.self_check import Probe
 
-log = logging.getLogger("clef_worker.verdict_store")
+log = logging.getLogger("clef_worker.starting.verdict_store")
 
 DIRECTORY_ENV = "CLEF_SELF_CHECK_DIR"
 SUBDIR = "self-check"
@@ -125,7 +125,7 @@ def verdict_key(executor: NativeExecutor, fingerprint: str, probes: Sequence[Pro
     if not fingerprint:
         return None
     from clef_protocol.build_info import commit
-    from clef_worker.self_check import CHECK_VERSION, current_path
+    from clef_worker.starting.self_check import CHECK_VERSION, current_path
 
     model = executor.describe()
     graphs = executor.runner.graphs
@@ -235,8 +235,8 @@ def checked(executor: NativeExecutor, mode: str, fingerprint: Callable[[], str],
     the same (`reused`), else the check run now (kept when it passes without a fallback).
     `fingerprint` waits for the weights' digest (hashed while the worker warmed up), `variants`
     for each fine-tuned variant's (the same `ready.models` reports: one hashing, one thread)."""
-    from clef_worker.check_probes import PROBES
-    from clef_worker.self_check import run_self_check
+    from clef_worker.starting.check_probes import PROBES
+    from clef_worker.starting.self_check import run_self_check
 
     if mode not in REUSING_MODES:
         return run_self_check(executor, mode, PROBES)

@@ -3,7 +3,7 @@ and the total, for `ready`, `/health` and the worker's ready log line.
 
 Why: "ready in 135.8 s" says nothing about what to fix; per-phase figures say whether a slow
 start was compiling kernels (capture), hashing weights, checking, or importing. The phases are
-timed where they run (clef_worker.main, clef_worker.warmup) on the one clock of this start
+timed where they run (clef_worker.main, clef_worker.starting.warmup) on the one clock of this start
 (`begin` makes it, `current` finds it), so the warm-up need not pass it around.
 """
 

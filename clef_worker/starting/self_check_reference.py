@@ -36,7 +36,7 @@ from torch import Tensor
 from clef_worker.model import gated_delta, short_conv
 from clef_worker.model.packed import PackedLayout
 from clef_worker.model.packed_layers import LOOPED, PackedKernels, modeling_module
-from clef_worker.variant_probe import reference_runner
+from clef_worker.starting.variant_probe import reference_runner
 
 if TYPE_CHECKING:
     from clef_worker.media.vision import PreparedMedia
@@ -129,7 +129,7 @@ def serving_kernels(backbone: Backbone) -> Iterator[str]:
 
 def reference_answer(runner: ModelRunner, encoding: Encoding, slot: int | None = None,
                      media: PreparedMedia | None = None) -> tuple[RowResult, Tensor | None]:
-    """One request alone through the plain eager forward (clef_worker.variant_probe's
+    """One request alone through the plain eager forward (clef_worker.starting.variant_probe's
     `reference_runner`: no graphs, no packing, no prefix cache, the variant's adapters as
     segments), its kernels the serving ones (`serving_kernels`): its row and last hidden
     state."""
