@@ -1,5 +1,5 @@
 """Where padded overtakes packed on CPU: one group's forward, packed and padded, as its lengths
-spread (the measurement behind clef_worker.policy.MAX_PADDED_WASTE).
+spread (the measurement behind clef_worker.serving.policy.MAX_PADDED_WASTE).
 
 Not a test. In one process, two executors over the same snapshot (`--batch-layout packed`,
 `--batch-layout padded`, no graphs), and for each longest length and spread a group of
@@ -31,8 +31,8 @@ from benchlib.paths import TINY_SNAPSHOT
 from clef_protocol.options import RequestLimits
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.model.encoding import Encoding
-from clef_worker.policy import padding_waste
-from clef_worker.runner import ModelRunner
+from clef_worker.serving.policy import padding_waste
+from clef_worker.serving.runner import ModelRunner
 
 SPREADS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.6)
 # A state far longer than any group needs; the encoder cuts it to each request's length.

@@ -1,6 +1,6 @@
 """How much of a packed forward is padding, for realistic length mixes: the chunk-aligned rows
 and token-spaced buckets the packed graphs had, against the dense rows and cost-spaced buckets
-they have now (clef_worker.gpu.packed_graphs, clef_worker.gpu.buckets).
+they have now (clef_worker.serving.gpu.packed_graphs, clef_worker.serving.gpu.buckets).
 
 Not a test, and no forward runs: the figures follow from the bucket tables and the row layouts
 alone. For each group: its real tokens, the tokens its row needs (`aligned_total`), the bucket
@@ -29,9 +29,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout (bench/README.md)
 
 from benchlib.provenance import command_line
-from clef_worker.gpu.buckets import DEFAULT_FIXED_TOKENS, bucket_lengths, cost_bucket_lengths
-from clef_worker.gpu.packed_graphs import aligned_total
 from clef_worker.model.packed import FLA_CHUNK
+from clef_worker.serving.gpu.buckets import (
+    DEFAULT_FIXED_TOKENS,
+    bucket_lengths,
+    cost_bucket_lengths,
+)
+from clef_worker.serving.gpu.packed_graphs import aligned_total
 
 BUDGET = 16384  # the H200 defaults: --max-batch-tokens and --max-length
 MAX_SEQUENCES = 16

@@ -19,7 +19,7 @@ Rows, each with its own worker, the same workers for both mixes:
   length buckets);
 - C8 packed: `--batch-layout packed` (the rows' tokens end to end with cumulative offsets);
 - C8 default: no `--batch-layout` (`auto`: on CPU each group padded or packed by how much
-  padding it would waste, clef_worker.policy.group_layout).
+  padding it would waste, clef_worker.serving.policy.group_layout).
 
 Every C8 row keeps the default token budget for the device (4,096 on CPU: padded counts rows x
 longest, packed counts real tokens). The rows take turns for `--rounds` rounds, mix by mix,

@@ -57,7 +57,7 @@ from benchlib.prefix_workloads import (
 )
 from benchlib.provenance import command_line, cpu_line
 from benchlib.serve import Serve
-from clef_worker.prefix_cache import BLOCK_TOKENS_CUDA
+from clef_worker.serving.prefix.cache import BLOCK_TOKENS_CUDA
 
 WORKER = re.compile(r"(?:^|,\s*)worker;dur=([0-9.]+)")
 REUSED = re.compile(r'prefix;desc="reused=(\d+)"')

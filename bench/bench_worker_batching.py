@@ -7,7 +7,7 @@ when a forward ends. Rows, each with a fresh worker:
 
 - C1: one request at a time (the baseline);
 - C8 unbatched: 8 in flight, `--max-batch-tokens 1` (every forward holds one request);
-- C8 batched: 8 in flight, the default token budget (by device: clef_worker.batching);
+- C8 batched: 8 in flight, the default token budget (by device: clef_worker.serving.batching);
 - C8 batched, `--max-batch-tokens N`: the same with each budget given by `--budgets`, to choose
   a default by measurement.
 

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = ["off", "on"] if args.cuda_graphs == "both" else [args.cuda_graphs]
     if "on" in modes:
         # Before fla is first imported (by the eager load too): the capture's environment.
-        from clef_worker.gpu.capture import prepare_capture_environment
+        from clef_worker.serving.gpu.capture import prepare_capture_environment
 
         prepare_capture_environment()
     cases = load_cases(args.fixtures / GOLDEN.name)

@@ -249,7 +249,7 @@ def executor_for_mode(model: InMemoryModel, args: argparse.Namespace, mode: str)
     capture environment is set before the first load whenever graphs are among the modes,
     because it must precede fla's import."""
     if "graphs" in args.modes:
-        from clef_worker.gpu.capture import prepare_capture_environment
+        from clef_worker.serving.gpu.capture import prepare_capture_environment
 
         prepare_capture_environment()
     return load_executor(model, args, "on" if mode == "graphs" else "off")

@@ -567,10 +567,10 @@ def graph_shapes_planned() -> int | None:
     planning code; None where it cannot be imported."""
     try:
         from clef_protocol.options import RequestLimits
-        from clef_worker.gpu.buckets import BucketTable
-        from clef_worker.gpu.graphs import graph_row_counts, plan_shapes
-        from clef_worker.gpu.packed_graphs import packed_buckets
-        from clef_worker.policy import PACKED, BatchPolicy
+        from clef_worker.serving.gpu.buckets import BucketTable
+        from clef_worker.serving.gpu.graphs import graph_row_counts, plan_shapes
+        from clef_worker.serving.gpu.packed_graphs import packed_buckets
+        from clef_worker.serving.policy import PACKED, BatchPolicy
     except ImportError:
         return None
     policy = BatchPolicy.resolve("cuda")

@@ -47,7 +47,7 @@ from collections.abc import Container, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 # The smallest state span, in tokens, the worker's prefix cache stores or looks up
-# (clef_worker.prefix_cache.MIN_STATE_TOKENS; tests/test_balance.py keeps the two equal).
+# (clef_worker.serving.prefix.cache.MIN_STATE_TOKENS; tests/test_balance.py keeps the two equal).
 MIN_STATE_TOKENS = 256
 # The shortest rendered state that gets a key: a token is at least a byte, so a shorter state
 # is shorter than MIN_STATE_TOKENS whatever the tokenizer, and no worker keeps it.

@@ -61,7 +61,8 @@ class TokenEstimate:
 
 def token_budget(ready: Iterable[ReadyInfo], max_length: int) -> int:
     """The tokens the ready workers hold in one forward each, as each reported it in `ready`
-    (the worker resolved its batch policy once, clef_worker.policy); a worker that reports none
+    (the worker resolved its batch policy once, clef_worker.serving.policy); a worker that reports
+    none
     counts one request of `max_length` (ReadyInfo.tokens_per_forward)."""
     return sum(info.tokens_per_forward(max_length) for info in ready)
 

@@ -328,7 +328,7 @@ class Supervisor:
         self.weights = info.weights
         # Requests outstanding on this worker: what it reported in `ready` (`max_sequences`,
         # `--max-batch` or its device's default: the worker owns the batch policy,
-        # clef_worker.policy, and the front reads it from `ready` only).
+        # clef_worker.serving.policy, and the front reads it from `ready` only).
         self.max_batch = info.requests_per_forward
         self._ready_at = time.monotonic()
         self._served = 0

@@ -24,7 +24,8 @@ SHORT_CONV_MODES = ("auto", "fla", "torch")
 EXECUTORS = ("native", "release")
 CUDA_GRAPH_MODES = ("auto", "on", "off")
 MEDIA_MODES = ("auto", "on", "off")
-# How a batched forward lays its requests out (clef_worker.policy): `packed` puts the requests'
+# How a batched forward lays its requests out (clef_worker.serving.policy): `packed` puts the
+# requests'
 # tokens end to end in one sequence with cumulative offsets (no padding), `padded` right-pads
 # every request to the group's bucket in a [rows, tokens] batch.
 BATCH_LAYOUTS = ("auto", "packed", "padded")
@@ -36,7 +37,8 @@ BATCH_LAYOUTS = ("auto", "packed", "padded")
 # code, device, dtype and layout (clef_worker.starting.verdict_store); `report` always runs the
 # check.
 SELF_CHECK_MODES = ("on", "strict", "report", "off")
-# The worker's prefix cache (clef_worker.prefix_cache): a request whose leading tokens were read
+# The worker's prefix cache (clef_worker.serving.prefix.cache): a request whose leading tokens were
+# read
 # before runs only the rest.
 PREFIX_CACHE_MODES = ("on", "off")
 

@@ -26,17 +26,6 @@ import torch
 from clef_protocol.finetune import Finetune
 from clef_protocol.options import AUTO, RequestLimits, prefix_cache_capacity
 from clef_worker.errors import StartupError
-from clef_worker.gpu.buckets import BucketTable
-from clef_worker.gpu.capture import (
-    Capturer,
-    CudaGraphCapturer,
-    EagerCapturer,
-    buckets_enabled,
-    graphs_enabled,
-    prepare_capture_environment,
-)
-from clef_worker.gpu.graphs import GraphRunner, graph_row_counts, pad_token_id, plan_shapes
-from clef_worker.gpu.packed_graphs import PackedGraphRunner, packed_buckets
 from clef_worker.media.vision import VisionTower, has_vision, load_vision
 from clef_worker.model.backbone import Backbone, load_backbone, read_tensors
 from clef_worker.model.encoding import Encoder
@@ -52,9 +41,20 @@ from clef_worker.model.packed_layers import kernels_for
 from clef_worker.model.short_conv import bind_short_conv
 from clef_worker.model.snapshot import Snapshot, open_snapshot
 from clef_worker.native import NativeExecutor
-from clef_worker.policy import PACKED, PADDED, PER_GROUP, BatchPolicy
-from clef_worker.prefix_cache import PrefixCache, default_block_tokens, default_store_policy
-from clef_worker.runner import ModelRunner
+from clef_worker.serving.gpu.buckets import BucketTable
+from clef_worker.serving.gpu.capture import (
+    Capturer,
+    CudaGraphCapturer,
+    EagerCapturer,
+    buckets_enabled,
+    graphs_enabled,
+    prepare_capture_environment,
+)
+from clef_worker.serving.gpu.graphs import GraphRunner, graph_row_counts, pad_token_id, plan_shapes
+from clef_worker.serving.gpu.packed_graphs import PackedGraphRunner, packed_buckets
+from clef_worker.serving.policy import PACKED, PADDED, PER_GROUP, BatchPolicy
+from clef_worker.serving.prefix.cache import PrefixCache, default_block_tokens, default_store_policy
+from clef_worker.serving.runner import ModelRunner
 from clef_worker.starting.kernel_cache import key_parts as kernel_key_parts
 from clef_worker.starting.kernel_cache import prepare_kernel_cache
 from clef_worker.variants import load_variants, refuse_variant
@@ -77,7 +77,7 @@ class ModelSettings:
     media: str = "auto"
     cuda_graphs: str = "auto"
     graph_max_length: int = 0  # the largest bucket captured (0: up to --max-length)
-    # The batch policy (clef_worker.policy), resolved once for the loaded device.
+    # The batch policy (clef_worker.serving.policy), resolved once for the loaded device.
     batch_layout: str = "auto"
     max_batch_tokens: int = 0
     max_batch: int = 0
@@ -87,7 +87,7 @@ class ModelSettings:
     # The names the base answers to (`--served-model-name`, aliases, `--variant`): what a
     # variant's `base_model_name_or_path` may name besides the snapshot (empty: `variant`).
     base_names: tuple[str, ...] = ()
-    # The prefix cache (clef_worker.prefix_cache): on or off, and its bound (0: by device).
+    # The prefix cache (clef_worker.serving.prefix.cache): on or off, and its bound (0: by device).
     prefix_cache: str = "on"
     prefix_cache_bytes: int | str = AUTO  # `--prefix-cache-bytes`: auto (by device) or bytes
 
@@ -135,7 +135,7 @@ def assemble(settings: ModelSettings) -> NativeExecutor:
     buckets = buckets_enabled(settings.cuda_graphs, target)
     if buckets and policy.layout == PER_GROUP:
         # Bucketed shapes are one layout's: CPU's `auto` keeps packed rows, as before it chose
-        # per group (clef_worker.policy.group_layout runs only eager forwards).
+        # per group (clef_worker.serving.policy.group_layout runs only eager forwards).
         policy = dataclasses.replace(policy, layout=PACKED)
     graphs: GraphRunner | PackedGraphRunner | None = None
     if buckets and not (

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from clef_protocol.messages import ModelInfo, PrefixStats
-from clef_worker.policy import BatchPolicy
+from clef_worker.serving.policy import BatchPolicy
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 `NativeExecutor` is thin: it prepares requests (parse, validate once, encode; host work, which
 the serve loop runs on its helper thread), stages a group's host tensors, answers the group
-through its `clef_worker.runner.ModelRunner` (one copy, the forwards, the head) and builds the
+through its `clef_worker.serving.runner.ModelRunner` (one copy, the forwards, the head) and builds
+the
 replies; `score` is its one inspection entry (token ids, spans, logits, probabilities) for tests,
 benchmarks and comparisons. Loading lives in `clef_worker.assembly` (`assemble_snapshot` for
 tests and tools), the warm-up sequence in `clef_worker.starting.warmup` (which knows the executor
@@ -40,9 +41,9 @@ from clef_worker.model.kernel_choice import DTYPE_NAMES
 from clef_worker.model.lora import BASE_SLOT
 from clef_worker.model.short_conv import TORCH_PATH
 from clef_worker.model.snapshot import Snapshot
-from clef_worker.policy import BatchPolicy
-from clef_worker.prefix_cache import CacheKey, root_key
-from clef_worker.runner import ModelRunner, Staged
+from clef_worker.serving.policy import BatchPolicy
+from clef_worker.serving.prefix.cache import CacheKey, root_key
+from clef_worker.serving.runner import ModelRunner, Staged
 from clef_worker.starting import warmup
 from clef_worker.variants import Variant
 from clef_worker.versions import package_version, package_versions
@@ -69,7 +70,8 @@ class Scored:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A parsed, validated and encoded request, waiting for its forward (clef_worker.batching)."""
+    """A parsed, validated and encoded request, waiting for its forward
+    (clef_worker.serving.batching)."""
 
     request: dict[str, Any]
     encoding: Encoding
@@ -78,9 +80,10 @@ class Prepared:
 
 
 class NativeExecutor:
-    """Implements `clef_worker.executor.Executor` (and `clef_worker.batching.BatchingExecutor`)
+    """Implements `clef_worker.executor.Executor` (and
+    `clef_worker.serving.batching.BatchingExecutor`)
     with this project's code: request bodies in, response bytes out; the model runs in its
-    `ModelRunner` (clef_worker.runner)."""
+    `ModelRunner` (clef_worker.serving.runner)."""
 
     def __init__(
         self,
@@ -234,7 +237,7 @@ class NativeExecutor:
         served = sorted(self.base_names) + list(self.variants)
         raise UnknownModel(f"unknown model {name!r}; this worker serves {', '.join(served)}")
 
-    # -- Batching (clef_worker.batching) -------------------------------------------------
+    # -- Batching (clef_worker.serving.batching) -------------------------------------------------
 
     def prepare(self, body: bytes) -> Prepared:
         """Parse, validate (once) and encode one body (400 / 422 exceptions as `answer`)."""

@@ -67,7 +67,7 @@ from clef_worker.model.kernel_choice import (
 )
 from clef_worker.model.module_names import MODELING_MODULE
 from clef_worker.model.snapshot import open_snapshot
-from clef_worker.policy import DEFAULT_FLAGS, BatchFlags, BatchPolicy
+from clef_worker.serving.policy import DEFAULT_FLAGS, BatchFlags, BatchPolicy
 from clef_worker.starting import warmup
 from clef_worker.versions import package_versions
 

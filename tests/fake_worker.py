@@ -71,10 +71,10 @@ from clef_protocol import messages  # noqa: E402
 from clef_protocol.frames import read_frame_blocking, write_frame_blocking  # noqa: E402
 from clef_protocol.messages import PREFIX_CACHE_OFF_BY_FLAG  # noqa: E402
 from clef_protocol.options import add_model_arguments  # noqa: E402
-from clef_worker.batching import frame_waiting  # noqa: E402
 from clef_worker.logs import configure as configure_logs  # noqa: E402
 from clef_worker.logs import enable_stack_dumps, request_context  # noqa: E402
-from clef_worker.policy import BatchPolicy  # noqa: E402
+from clef_worker.serving.batching import frame_waiting  # noqa: E402
+from clef_worker.serving.policy import BatchPolicy  # noqa: E402
 
 logger = logging.getLogger("fake_worker")
 

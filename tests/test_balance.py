@@ -13,7 +13,7 @@ from typing import Any
 
 from clef_dispatch import prefix_key
 from clef_dispatch.affinity import AFFINITY_BYTES, MIN_STATE_TOKENS, load_margin
-from clef_worker import prefix_cache
+from clef_worker.serving.prefix import cache as prefix_cache
 from tests.doubles import Admission, FakeLane, FakeWorkers
 from tests.frontend_helpers import Serve, background, clef_body
 

@@ -19,9 +19,9 @@ from benchlib.executors import with_limits
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
 from clef_worker.assembly import assemble_snapshot
-from clef_worker.gpu.buckets import BucketTable, bucket_lengths
-from clef_worker.gpu.graphs import GraphRunner
 from clef_worker.native import NativeExecutor
+from clef_worker.serving.gpu.buckets import BucketTable, bucket_lengths
+from clef_worker.serving.gpu.graphs import GraphRunner
 from tests.answer_compare import assert_same_response
 from tests.conftest import GOLDEN
 from tests.request_strategies import requests

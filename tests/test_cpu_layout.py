@@ -1,5 +1,5 @@
 """CPU's `--batch-layout auto`: each group padded when its lengths are uniform enough that
-padding wastes little, else packed (clef_worker.policy.group_layout, the one place that
+padding wastes little, else packed (clef_worker.serving.policy.group_layout, the one place that
 decides; the measurements behind the threshold are in docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from clef_protocol.body import parse_body
 from clef_protocol.options import RequestLimits
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.native import NativeExecutor
-from clef_worker.policy import (
+from clef_worker.serving.policy import (
     MAX_PADDED_WASTE,
     PACKED,
     PADDED,

@@ -25,7 +25,7 @@ from clef_protocol.options import (
     worker_argv,
 )
 from clef_worker.main import parse_args as worker_parse_args
-from clef_worker.policy import default_max_batch_tokens, default_max_sequences
+from clef_worker.serving.policy import default_max_batch_tokens, default_max_sequences
 
 
 def model_actions() -> list[argparse.Action]:

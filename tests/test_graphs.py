@@ -15,12 +15,23 @@ from torch import Tensor, nn
 from clef_protocol.messages import ReadyInfo, ready
 from clef_protocol.options import RequestLimits
 from clef_worker.assembly import assemble_snapshot
-from clef_worker.gpu.buckets import BucketTable, bucket_lengths
-from clef_worker.gpu.capture import Forward, GraphMemoryMeter, buckets_enabled, graphs_enabled
-from clef_worker.gpu.graphs import GraphRunner, Step, graph_row_counts, pad_token_id, plan_shapes
-from clef_worker.gpu.transfer import move_staged, pack, stage_host, unpack
 from clef_worker.model.backbone import Backbone
 from clef_worker.native import NativeExecutor
+from clef_worker.serving.gpu.buckets import BucketTable, bucket_lengths
+from clef_worker.serving.gpu.capture import (
+    Forward,
+    GraphMemoryMeter,
+    buckets_enabled,
+    graphs_enabled,
+)
+from clef_worker.serving.gpu.graphs import (
+    GraphRunner,
+    Step,
+    graph_row_counts,
+    pad_token_id,
+    plan_shapes,
+)
+from clef_worker.serving.gpu.transfer import move_staged, pack, stage_host, unpack
 from clef_worker.starting.warmup import build_graphs
 from tests.ci_policy import requires_cuda
 

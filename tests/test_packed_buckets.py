@@ -1,4 +1,4 @@
-"""The packed graphs' bucket table (clef_worker.gpu.buckets.cost_bucket_lengths), spaced by
+"""The packed graphs' bucket table (clef_worker.serving.gpu.buckets.cost_bucket_lengths), spaced by
 what padding costs in time under the fixed-plus-per-token replay model, and the dense static
 row every packed bucket runs (clef_worker.model.packed, `align=1`): its shapes never change with
 the mix, so one graph per bucket replays any group."""
@@ -12,7 +12,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from clef_worker.gpu.buckets import (
+from clef_worker.model.packed import FLA_CHUNK, StaticPackedLayout
+from clef_worker.serving.gpu.buckets import (
     DEFAULT_COST_RATIO,
     DEFAULT_FIXED_TOKENS,
     DEFAULT_STEP,
@@ -20,8 +21,7 @@ from clef_worker.gpu.buckets import (
     bucket_lengths,
     cost_bucket_lengths,
 )
-from clef_worker.gpu.packed_graphs import aligned_offsets, aligned_total, packed_buckets
-from clef_worker.model.packed import FLA_CHUNK, StaticPackedLayout
+from clef_worker.serving.gpu.packed_graphs import aligned_offsets, aligned_total, packed_buckets
 
 CPU = torch.device("cpu")
 

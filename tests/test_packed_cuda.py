@@ -29,9 +29,9 @@ from torch import Tensor
 
 from clef_protocol.options import RequestLimits
 from clef_worker.assembly import assemble_snapshot
-from clef_worker.gpu.capture import prepare_capture_environment
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.packed import PackedLayout, StaticPackedLayout
+from clef_worker.serving.gpu.capture import prepare_capture_environment
 from tests.ci_policy import requires_cuda
 
 # fla-core is in the test extra, so only the GPU may be missing (the one skip CI allows).

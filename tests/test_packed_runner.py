@@ -20,19 +20,19 @@ from benchlib.golden import PROBABILITY_TOLERANCE
 from clef_protocol import messages
 from clef_protocol.options import RequestLimits
 from clef_worker.assembly import assemble_snapshot
-from clef_worker.batching import answer_groups
-from clef_worker.gpu.capture import EagerCapturer
-from clef_worker.gpu.packed_graphs import (
+from clef_worker.model.encoding import Encoding
+from clef_worker.native import NativeExecutor
+from clef_worker.serving.batching import answer_groups
+from clef_worker.serving.gpu.capture import EagerCapturer
+from clef_worker.serving.gpu.packed_graphs import (
     PACK_ALIGN,
     PackedGraphRunner,
     aligned_offsets,
     aligned_total,
     packed_buckets,
 )
-from clef_worker.model.encoding import Encoding
-from clef_worker.native import NativeExecutor
-from clef_worker.policy import PACKED, PADDED, BatchPolicy
-from clef_worker.runner import ModelRunner
+from clef_worker.serving.policy import PACKED, PADDED, BatchPolicy
+from clef_worker.serving.runner import ModelRunner
 from tests.answer_compare import assert_same_response
 from tests.ci_policy import requires_cuda
 from tests.conftest import GOLDEN

@@ -30,7 +30,7 @@ from clef_worker.model.prefix_forward import (
     torch_delta_rule,
 )
 from clef_worker.native import NativeExecutor, Prepared
-from clef_worker.prefix_cache import CacheKey, Hit, PrefixCache, ids_array, root_key
+from clef_worker.serving.prefix.cache import CacheKey, Hit, PrefixCache, ids_array, root_key
 from clef_worker.starting import prefix_probe as prefix_check
 from clef_worker.starting import verdict_store
 from clef_worker.starting.check_probes import PROBES
@@ -519,7 +519,7 @@ def test_cudas_long_blocks_are_probed_through_a_chain_of_two_points(
         tiny_snapshot: Path) -> None:
     """A CUDA worker's cache (2,048-token blocks) with the probe cut to a block end and the
     state-end point, run here on CPU: the probe reuses both and agrees."""
-    from clef_worker.prefix_cache import default_block_tokens
+    from clef_worker.serving.prefix.cache import default_block_tokens
 
     assert (default_block_tokens("cuda:1"), default_block_tokens("cpu")) == (2048, 256)
     executor = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32")

@@ -19,8 +19,8 @@ from clef_protocol.media import gradient_image, png_data_uri
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.media.vision import VisionTower
 from clef_worker.native import NativeExecutor, Prepared
-from clef_worker.prefix_cache import CacheKey, PrefixCache, ids_array, root_key
-from clef_worker.runner import RunOutput
+from clef_worker.serving.prefix.cache import CacheKey, PrefixCache, ids_array, root_key
+from clef_worker.serving.runner import RunOutput
 
 BOUND = 1.5e-4  # the golden bound (fp32 on CPU)
 QUESTIONS = {"decide": {"type": "choice", "criteria": {"a": "approve", "b": "block"}}}

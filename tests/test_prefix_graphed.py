@@ -17,23 +17,23 @@ import torch
 from benchlib.golden import PROBABILITY_TOLERANCE
 from benchlib.paths import FINETUNE_FIXTURES
 from clef_protocol.finetune import resolve_finetunes
-from clef_worker import prefix_run
 from clef_worker.assembly import assemble_snapshot
-from clef_worker.gpu import packed_graphs
-from clef_worker.gpu.capture import EagerCapturer
-from clef_worker.gpu.packed_graphs import PackedGraphRunner
-from clef_worker.gpu.sync_guard import NoSyncMode, SyncError, guarded
 from clef_worker.model.prefix_forward import Captured
 from clef_worker.native import NativeExecutor, Prepared
-from clef_worker.prefix_cache import (
+from clef_worker.serving.gpu import packed_graphs
+from clef_worker.serving.gpu.capture import EagerCapturer
+from clef_worker.serving.gpu.packed_graphs import PackedGraphRunner
+from clef_worker.serving.gpu.sync_guard import NoSyncMode, SyncError, guarded
+from clef_worker.serving.prefix import run as prefix_run
+from clef_worker.serving.prefix.cache import (
     CacheKey,
     Hit,
     PrefixCache,
     default_store_policy,
     root_key,
 )
-from clef_worker.prefix_graphed import Member, batches
-from clef_worker.runner import ModelRunner
+from clef_worker.serving.prefix.graphed import Member, batches
+from clef_worker.serving.runner import ModelRunner
 from clef_worker.starting.variant_probe import reference_runner
 
 BOUND = PROBABILITY_TOLERANCE

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from clef_protocol import messages
-from clef_worker import prefix_cache
+from clef_worker.serving.prefix import cache as prefix_cache
 from clef_worker.starting.prefix_probe import MIN_SHARED_TOKENS, PROBE_NAME
 from tests.worker_start import start_worker
 

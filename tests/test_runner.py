@@ -21,13 +21,13 @@ from benchlib.executors import with_limits
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.options import RequestLimits
 from clef_worker.assembly import assemble_snapshot
-from clef_worker.gpu.buckets import BucketTable
-from clef_worker.gpu.capture import EagerCapturer
-from clef_worker.gpu.graphs import GraphRunner
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.encoding import Encoding
 from clef_worker.native import NativeExecutor, Scored
-from clef_worker.runner import ModelRunner, warm_row_counts
+from clef_worker.serving.gpu.buckets import BucketTable
+from clef_worker.serving.gpu.capture import EagerCapturer
+from clef_worker.serving.gpu.graphs import GraphRunner
+from clef_worker.serving.runner import ModelRunner, warm_row_counts
 from tests.answer_compare import assert_same_response
 from tests.conftest import GOLDEN
 from tests.request_strategies import requests

@@ -31,11 +31,11 @@ from clef_protocol.errors import ProtocolError
 from clef_protocol.options import RequestLimits, worker_argv
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.errors import StartupError
-from clef_worker.gpu.packed_graphs import PackedGraphRunner
 from clef_worker.main import parse_args
 from clef_worker.model.backbone import Backbone
 from clef_worker.native import NativeExecutor
-from clef_worker.runner import RowResult
+from clef_worker.serving.gpu.packed_graphs import PackedGraphRunner
+from clef_worker.serving.runner import RowResult
 from clef_worker.starting import self_check
 from tests.worker_start import start_worker
 

@@ -228,7 +228,7 @@ def test_the_prefix_probe_is_kept_with_the_verdict_unless_it_turned_the_cache_of
     the rest and the cache stays on. A start where it disagreed turned the cache off (`on`'s
     remedy); that verdict is not kept, so the next start probes again (a kept one would skip
     the probe and serve the faulty cache)."""
-    from clef_worker import prefix_run
+    from clef_worker.serving.prefix import run as prefix_run
     from clef_worker.starting.prefix_probe import PROBE_NAME
 
     store = VerdictStore(tmp_path)

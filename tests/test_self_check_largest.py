@@ -3,7 +3,7 @@ built graph shape (`ModelRunner.run(shape=...)`), so only their real tokens go t
 eager reference.
 
 `--cuda-graphs on` on CPU builds every bucket and replays the same fixed shapes eagerly
-(clef_worker.gpu.capture.EagerCapturer), so the layout logic a CUDA graph replays (ids at
+(clef_worker.serving.gpu.capture.EagerCapturer), so the layout logic a CUDA graph replays (ids at
 aligned offsets, a dummy tail of padding after them, the head reading each request's rows back)
 runs here for real. Faults are injected with monkeypatch into the largest shape only, so the
 probe that fails is the one forced into it: a request laid one chunk from where its sequence
@@ -22,10 +22,10 @@ import torch
 from clef_protocol import messages
 from clef_protocol.options import RequestLimits
 from clef_worker.assembly import assemble_snapshot
-from clef_worker.gpu import packed_graphs
-from clef_worker.gpu.graphs import GraphRunner
-from clef_worker.gpu.packed_graphs import PackedGraphRunner, aligned_total
 from clef_worker.native import NativeExecutor
+from clef_worker.serving.gpu import packed_graphs
+from clef_worker.serving.gpu.graphs import GraphRunner
+from clef_worker.serving.gpu.packed_graphs import PackedGraphRunner, aligned_total
 from clef_worker.starting import self_check
 from clef_worker.starting.variant_probe import reference_runner
 from tests.worker_start import start_worker

@@ -18,8 +18,8 @@ import pytest
 from benchlib.golden import answered, assert_response_matches
 from benchlib.paths import FINETUNE_FIXTURES, FINETUNE_REFERENCE
 from clef_protocol import messages
-from clef_worker import runner as runner_module
 from clef_worker.native import NativeExecutor
+from clef_worker.serving import runner as runner_module
 from clef_worker.starting.variant_probe import probe_slots, reference_runner
 from tests.answer_compare import assert_same_response
 from tests.worker_start import start_worker as start_any

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from clef_worker.gpu.buckets import bucket_lengths
+from clef_worker.serving.gpu.buckets import bucket_lengths
 from tests.answer_compare import assert_same_response
 from tests.conftest import GOLDEN, TINY_SNAPSHOT
 from tests.frontend_helpers import Serve
@@ -36,7 +36,7 @@ def test_a_packed_worker_reports_its_policy_and_the_front_caps_in_flight_by_it()
     """The packed layout (the default) with `--max-batch 3`: the flag reaches the worker, which
     builds one shape per total-token bucket and reports its policy; the front's cap is 3. A
     server without `--max-batch` takes the worker's own figure (8 on CPU)."""
-    from clef_worker.gpu.packed_graphs import packed_buckets
+    from clef_worker.serving.gpu.packed_graphs import packed_buckets
 
     args = ("--model", str(TINY_SNAPSHOT), "--device", "cpu", "--cuda-graphs", "on",
             "--max-length", "2048", "--graph-max-length", "512", "--max-batch-tokens", "512")

@@ -31,7 +31,6 @@ from clef_protocol.options import RequestLimits, add_model_arguments, worker_arg
 from clef_worker.adapter_config import read_lora_config
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.errors import StartupError
-from clef_worker.gpu.graphs import GraphRunner
 from clef_worker.model.lora import (
     STACKED,
     AdaptedLinear,
@@ -41,6 +40,7 @@ from clef_worker.model.lora import (
     token_slots,
 )
 from clef_worker.native import NativeExecutor
+from clef_worker.serving.gpu.graphs import GraphRunner
 from clef_worker.variants import KEY_PREFIX, linear_layers, load_variants, read_adapter
 from tests.answer_compare import assert_same_response
 

@@ -17,7 +17,8 @@ The layout follows the release (docs/model.md, "Media"):
   (p + t, p + y, p + x) over its merged grid, and the text after it continues at
   p + max(h, w) / merge.
 
-The prefix cache (clef_worker.prefix_cache) keys a media request's states by `PreparedMedia.digest`
+The prefix cache (clef_worker.serving.prefix.cache) keys a media request's states by
+`PreparedMedia.digest`
 (the media token ids are the same for any two pictures of one size, so the ids alone would let
 two pictures share states) and reuses them only past the media's tokens, so a request that
 reuses a prefix never runs the tower; `VisionTower.inputs` gives the prefixed forward the

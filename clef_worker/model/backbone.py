@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 # inside a CUDA-graph capture `is_tracing` is true and it materialises a [T, T] mask, and SDPA
 # then repeats K/V to every head and runs non-causal attention with a bias: another kernel,
 # slower, with more memory. Our rows are right-padded and the stack is causal, so no mask is
-# needed anywhere (clef_worker.gpu.buckets), and none keeps capture and eager the same.
+# needed anywhere (clef_worker.serving.gpu.buckets), and none keeps capture and eager the same.
 NO_MASKS: dict[str, None] = {"full_attention": None, "linear_attention": None}
 
 

@@ -65,7 +65,8 @@ class AdapterSelection:
 
     @contextmanager
     def replaying(self, slots: Tensor) -> Iterator[None]:
-        """For a captured forward (clef_worker.gpu.packed_graphs, clef_worker.gpu.graphs): the
+        """For a captured forward (clef_worker.serving.gpu.packed_graphs,
+        clef_worker.serving.gpu.graphs): the
         stacked path over a static per-token slot buffer the caller rewrites in place before
         each replay, taken for every forward whatever the buffer holds (the capture records one
         code path). The selection in force before is restored after."""

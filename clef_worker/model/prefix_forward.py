@@ -14,7 +14,7 @@ everything a later token needs from earlier ones in three places, and each conti
   cached token and causally to the new ones.
 
 The head needs every token's final hidden state (its memory), so the caller concatenates the
-cached hidden states before the new ones (clef_worker.runner).
+cached hidden states before the new ones (clef_worker.serving.runner).
 
 Media (clef_worker.media.vision): a request holding media runs from nothing with the input
 embeddings and the three rotary rows (t, h, w) the vision path gives it (`MediaInputs`); text
@@ -22,7 +22,7 @@ after the media continues at the media's largest position + 1, not at its token 
 cached point records its `rope_delta` (the text's rotary position minus its token index: 0
 without media, negative after an image), and a suffix continues at `start + rope_delta`, as the
 whole forward would. Points of a media request lie at or after the end of its media tokens
-(clef_worker.prefix_cache), so a suffix is always text and never needs the tower.
+(clef_worker.serving.prefix.cache), so a suffix is always text and never needs the tower.
 
 The same pass records what the cache keeps (`Captured`): at each requested point (an absolute
 position inside the new tokens) the recurrent state and the convolution's input tail, and the

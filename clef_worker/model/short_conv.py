@@ -20,7 +20,8 @@ Layouts: transformers passes `[B, D, T]` (a transposed view of the `[B, T, D]` p
 The adapter therefore transposes in and out; both are views, so the kernel reads the projection
 where it lies and the caller's transpose back to `[B, T, D]` is free.
 
-Graph capture (clef_worker.gpu.graphs): fla-core 0.6.0's fixed-shape path (no `cu_seqlens`, which
+Graph capture (clef_worker.serving.gpu.graphs): fla-core 0.6.0's fixed-shape path (no `cu_seqlens`,
+which
 the adapter never passes) reads nothing from the device on the host: the grid is `cdiv(T, 64)` from
 the tensor's shape, the output is `empty_like`, the backend dispatch and `input_guard` look only at
 environment variables, strides and devices. Host syncs exist only on the packed path when fla

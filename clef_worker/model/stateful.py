@@ -1,9 +1,10 @@
 """The packed forward with per-sequence initial states as inputs and final states as outputs.
 
-Why: a request that continues a cached prefix (clef_worker.prefix_cache) needs three things a
+Why: a request that continues a cached prefix (clef_worker.serving.prefix.cache) needs three things
+a
 plain packed row does not give it, and each is an input of fixed shape, so the forward that
 consumes them can be captured once per total-token bucket and replayed for any mix of fresh and
-continuing requests (clef_worker.gpu.packed_graphs):
+continuing requests (clef_worker.serving.gpu.packed_graphs):
 
 - **Gated DeltaNet recurrent state**, per layer `[slots, Hv, dk, dv]` float32: the delta rule
   starts each sequence from its row (fla's `initial_state` with `cu_seqlens`). A fresh sequence's

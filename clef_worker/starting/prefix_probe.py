@@ -47,7 +47,7 @@ from clef_protocol.media import decode_media
 from clef_protocol.messages import PREFIX_CACHE_UNCHECKED
 from clef_protocol.validation import validate_request
 from clef_worker.model.encoding import Encoding
-from clef_worker.prefix_cache import (
+from clef_worker.serving.prefix.cache import (
     END_MARGIN,
     MIN_STATE_TOKENS,
     POINT_ALIGN,

@@ -42,7 +42,8 @@ whose remedy turns the cache off rather than the layout. The layout probes:
   replay's inputs would answer the second pair with the first one's numbers); and a pair of the
   shortest requests the schema allows (the smallest buckets).
 
-Each group goes through the serve loop's own group cutting (clef_worker.batching.GroupCutter)
+Each group goes through the serve loop's own group cutting
+(clef_worker.serving.batching.GroupCutter)
 and the runner, as requests do; the largest-shape group alone is one runner call forced into
 its shape (the serve loop would replay a smaller one). With fine-tuned variants served, the
 requests take the base and each variant in turn (clef_worker.starting.variant_probe).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from clef_worker.policy import PACKED, PADDED, PER_GROUP
+from clef_worker.serving.policy import PACKED, PADDED, PER_GROUP
 
 if TYPE_CHECKING:
     from clef_worker.starting.warm_requests import WarmTarget

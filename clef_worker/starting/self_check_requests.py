@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from clef_protocol.errors import RequestInvalid
 from clef_protocol.validation import validate_request
-from clef_worker.gpu.packed_graphs import PackedGraphRunner, aligned_total
 from clef_worker.model.encoding import Encoding
+from clef_worker.serving.gpu.packed_graphs import PackedGraphRunner, aligned_total
 
 if TYPE_CHECKING:
     from clef_worker.starting.warm_requests import WarmTarget

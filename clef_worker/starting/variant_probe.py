@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from clef_worker.model.lora import SEGMENTS
-from clef_worker.policy import PADDED
-from clef_worker.runner import ModelRunner
+from clef_worker.serving.policy import PADDED
+from clef_worker.serving.runner import ModelRunner
 
 
 def probe_slots(runner: ModelRunner, count: int) -> list[int]:

@@ -29,9 +29,9 @@ if TYPE_CHECKING:
     from clef_worker.media.vision import PreparedMedia, VisionTower
     from clef_worker.model.backbone import Backbone
     from clef_worker.model.encoding import Encoder
-    from clef_worker.policy import BatchPolicy
-    from clef_worker.prefix_cache import CacheKey
-    from clef_worker.runner import ModelRunner
+    from clef_worker.serving.policy import BatchPolicy
+    from clef_worker.serving.prefix.cache import CacheKey
+    from clef_worker.serving.runner import ModelRunner
 
 
 class WarmTarget(Protocol):

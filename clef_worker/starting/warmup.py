@@ -3,7 +3,8 @@ over the requests `clef_worker.starting.warm_requests` derives from the worker's
 
 The sequence (`warm_native`), in order, and why each step:
 
-1. build every graph shape (clef_worker.gpu): the only time shapes are captured; each capture
+1. build every graph shape (clef_worker.serving.gpu): the only time shapes are captured; each
+capture
    warms its own shape first (Triton autotuning on a side stream);
 2. one forward of the warm-up request (a replay where graphs hold it): the head, the tokenizer
    and the copy paths pay their first-touch costs;
@@ -51,9 +52,9 @@ def warm_native(executor: WarmTarget) -> None:
 
     import torch
 
-    from clef_worker.gpu.graphs import graph_row_counts
     from clef_worker.model.backbone import describe_kernel_lengths
-    from clef_worker.runner import warm_row_counts
+    from clef_worker.serving.gpu.graphs import graph_row_counts
+    from clef_worker.serving.runner import warm_row_counts
     from clef_worker.starting import startup_clock
 
     log = logging.getLogger("clef_worker.starting.warmup")

@@ -8,9 +8,11 @@ its rows) are copied into it in place, the graph replays, and the head reads the
 the static output.
 
 Shapes (the padded layout, `--batch-layout padded`; the packed layout's graphs are
-clef_worker.gpu.packed_graphs): one row per request at every length bucket
-(clef_worker.gpu.buckets), and for batches the row counts the batcher forms (powers of two up to
-the batch policy's `max_sequences`, clef_worker.policy) at every bucket where rows x tokens fits
+clef_worker.serving.gpu.packed_graphs): one row per request at every length bucket
+(clef_worker.serving.gpu.buckets), and for batches the row counts the batcher forms (powers of two
+up to
+the batch policy's `max_sequences`, clef_worker.serving.policy) at every bucket where rows x tokens
+fits
 `--max-batch-tokens`. A batch of n requests pads to the smallest built row
 count of at least n; `GraphRunner.plan` then chooses, by expected cost (each shape's replay time
 measured once after warm-up), between that one batched replay and one replay per request.
@@ -45,13 +47,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clef_worker.gpu.buckets import BucketTable
-from clef_worker.gpu.capture import (
+from clef_worker.model.backbone import Backbone
+from clef_worker.model.lora import AdapterSelection
+from clef_worker.serving.gpu.buckets import BucketTable
+from clef_worker.serving.gpu.capture import (
     Capturer,
     Forward,
 )
-from clef_worker.model.backbone import Backbone
-from clef_worker.model.lora import AdapterSelection
 
 log = logging.getLogger(__name__)
 

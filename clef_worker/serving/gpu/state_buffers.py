@@ -7,7 +7,7 @@ buffers are each bucket's own (`RowIndex`, a few ints a token): a replay without
 bucket's, which on CUDA would index past its rows. A plain group fills them as "fresh": zero
 state rows (exactly the plain forward's start), each sequence's keys only its own (`fill`);
 a group that continues cached prefixes or stores points writes its rows and cached keys
-first (clef_worker.prefix_graphed), then fills the indices with each sequence's cached
+first (clef_worker.serving.prefix.graphed), then fills the indices with each sequence's cached
 length and rotary start.
 
 Sizes: `slots` is the static row's sequence count (`max_sequences` + the dummy tail); the key

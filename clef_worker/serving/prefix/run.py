@@ -1,7 +1,8 @@
 """A group's forward through the prefix cache: look its requests up, run only their new tokens,
 join the cached hidden states before them, store what they captured.
 
-Why a module of its own: the runner (clef_worker.runner) decides which forward a group takes;
+Why a module of its own: the runner (clef_worker.serving.runner) decides which forward a group
+takes;
 what the cached one does (which requests reuse what, where each stores, how the head's rows
 are put back together) is this module's one job. Everything here runs on the main thread, in
 the group's device half, so a group staged while the previous one ran sees that one's blocks.
@@ -9,7 +10,7 @@ the group's device half, so a group staged while the previous one ran sees that 
 A media request (alone in its group) either reuses a prefix covering all its media tokens, and
 then runs only text (the vision tower does not run), or reuses nothing and runs from nothing
 with the tower's embeddings and rotary rows (`media_inputs`), storing its points after the
-media (clef_worker.prefix_cache).
+media (clef_worker.serving.prefix.cache).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from clef_worker.model.prefix_forward import (
     delta_rule_for,
     prefixed_forward,
 )
-from clef_worker.prefix_cache import CacheKey, Hit, PrefixCache
+from clef_worker.serving.prefix.cache import CacheKey, Hit, PrefixCache
 
 
 @dataclass(frozen=True)

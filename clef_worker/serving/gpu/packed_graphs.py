@@ -2,7 +2,8 @@
 
 Why: with the packed layout (clef_worker.model.packed) a forward is one row of the requests'
 tokens end to end, so its shape is only its total token count. One graph per total-token bucket
-(the bucket table of clef_worker.gpu.buckets, up to the largest forward the batch policy forms)
+(the bucket table of clef_worker.serving.gpu.buckets, up to the largest forward the batch policy
+forms)
 replays any mix of lengths: at the H200 defaults (16,384 tokens, 16 requests) that is 29 shapes,
 where padded `[rows, bucket]` graphs needed about 110.
 
@@ -35,9 +36,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from clef_worker.gpu.buckets import cost_bucket_lengths
-from clef_worker.gpu.capture import Capturer, Forward
-from clef_worker.gpu.state_buffers import RowSequence, StateBuffers, StateShapes, fresh
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.lora import AdapterSelection
 from clef_worker.model.packed import FLA_CHUNK, StaticPackedLayout, aligned_length
@@ -47,6 +45,9 @@ from clef_worker.model.stateful import (
     stateful_forward,
     stateful_kernels_for,
 )
+from clef_worker.serving.gpu.buckets import cost_bucket_lengths
+from clef_worker.serving.gpu.capture import Capturer, Forward
+from clef_worker.serving.gpu.state_buffers import RowSequence, StateBuffers, StateShapes, fresh
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,8 @@ class PackedStats:
     built: list[int] = field(default_factory=list)  # buckets in build order
     replays: dict[int, int] = field(default_factory=dict)
     capture_ms: float = 0.0
-    # Replays whose row continued cached prefixes or stored points (clef_worker.prefix_graphed).
+    # Replays whose row continued cached prefixes or stored points
+    # (clef_worker.serving.prefix.graphed).
     state_replays: int = 0
 
 
@@ -120,7 +122,7 @@ class PackedGraphRunner:
         self.static: dict[int, PackedStatic] = {}
         self.costs_ms: dict[int, float] = {}
         self.stats = PackedStats()
-        # The state inputs every bucket reads (clef_worker.gpu.state_buffers), made at build
+        # The state inputs every bucket reads (clef_worker.serving.gpu.state_buffers), made at build
         # time; their keys hold twice the largest bucket: a full row beside one cached prefix
         # as long as the longest request.
         self.states: StateBuffers | None = None
@@ -271,7 +273,7 @@ class PackedGraphRunner:
         device): the offsets are written into the bucket's static layout, the ids into its
         buffer, and its graph replays. A view of a static buffer: use it before the next
         replay. `sequences`: how each continues a cached prefix, its state rows and cached
-        keys already written (clef_worker.prefix_graphed); None: every sequence fresh."""
+        keys already written (clef_worker.serving.prefix.graphed); None: every sequence fresh."""
         static = self.static[bucket]
         if ids.shape != (bucket,):
             raise ValueError(f"ids of shape {tuple(ids.shape)} for the {bucket}-token bucket")

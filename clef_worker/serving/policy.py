@@ -1,8 +1,9 @@
 """The batch policy: one owner, resolved once per worker from its flags.
 
 Why one owner: the layout, the token budget, the window and the most requests a forward may
-hold decide both how the serve loop groups requests (clef_worker.batching) and which graph
-shapes warm-up captures (clef_worker.gpu). Resolved in two places they drift: a `--max-batch 32`
+hold decide both how the serve loop groups requests (clef_worker.serving.batching) and which graph
+shapes warm-up captures (clef_worker.serving.gpu). Resolved in two places they drift: a
+`--max-batch 32`
 the graphs never heard of silently lost batched replays for groups of 17-32. So the worker
 resolves the policy once, where the executor is loaded (`BatchPolicy.from_flags`), builds its
 shapes from it, keeps it on the executor (`executor.policy`), and the serve loop and `ready`
@@ -124,7 +125,7 @@ class BatchPolicy:
 
     layout: str = PACKED
     # Tokens per forward: real tokens when packed (back to back also when graphs replay
-    # them, clef_worker.gpu.packed_graphs), rows x bucket length when padded.
+    # them, clef_worker.serving.gpu.packed_graphs), rows x bucket length when padded.
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     max_sequences: int = DEFAULT_MAX_BATCH_CUDA  # requests per forward
     window_ms: float = 0.0

@@ -1,30 +1,33 @@
 """The model runner: encoded requests in, per-option logits and probabilities out.
 
 One job: run the loaded model over a group of encodings, as few forwards as the layout says. Two
-halves, so the host half can run on the serve loop's helper thread (clef_worker.batching) while
+halves, so the host half can run on the serve loop's helper thread (clef_worker.serving.batching)
+while
 the device runs the previous group:
 
 - `stage` (host only, no CUDA call but pinning): the forward's ids in the group's layout, the
   head's index tensors, all int64 in one flat host buffer, pinned on CUDA
-  (clef_worker.gpu.transfer).
+  (clef_worker.serving.gpu.transfer).
 - `run_staged` (main thread): one copy to the device, the backbone's last hidden state, and the
   joint head once over every request of the group.
 
-Layouts (the batch policy's, clef_worker.policy):
+Layouts (the batch policy's, clef_worker.serving.policy):
 
 - **packed**: the requests' tokens end to end in one row with cumulative offsets
-  (clef_worker.model.packed); no padding. A graph bucket (clef_worker.gpu.packed_graphs) holds
+  (clef_worker.model.packed); no padding. A graph bucket (clef_worker.serving.gpu.packed_graphs)
+  holds
   the requests back to back, padding after them; the head then reads each request's rows from
   its offset (one gather), and eagerly the row is already the requests' real tokens end to end.
 - **padded**: right-padded `[rows, bucket]` forwards as `GraphRunner.plan` chooses them.
 - **per-group** (CPU's `auto`, eager only): each group padded when its lengths are uniform
-  enough, else packed (`clef_worker.policy.group_layout`, the one place that decides).
+  enough, else packed (`clef_worker.serving.policy.group_layout`, the one place that decides).
 
-**Prefix cache** (clef_worker.prefix_cache, when the runner has one; clef_worker.prefix_run
+**Prefix cache** (clef_worker.serving.prefix.cache, when the runner has one;
+clef_worker.serving.prefix.run
 runs it): at run time each request of the group is looked up by its token ids; when any
 member reuses a cached prefix or has states to store, only the new tokens run, each from its
 cached states: through the packed buckets' replays in rounds that end at the points
-(clef_worker.prefix_graphed), or, without buckets (and for a media request or a member too
+(clef_worker.serving.prefix.graphed), or, without buckets (and for a media request or a member too
 long for them), through the eager prefixed forward (clef_worker.model.prefix_forward); the
 head reads the cached hidden states joined before the new ones, and the blocks each member
 captured are stored. A group where no member does either runs as above.
@@ -56,9 +59,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from clef_worker.gpu.graphs import GraphRunner, Step
-from clef_worker.gpu.packed_graphs import PackedGraphRunner, aligned_total
-from clef_worker.gpu.transfer import move_staged, stage_host
 from clef_worker.media.vision import PreparedMedia, VisionTower
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.encoding import Encoding
@@ -67,10 +67,13 @@ from clef_worker.model.head_batch import HeadBatch, RecordSpans
 from clef_worker.model.lora import BASE_SLOT, AdapterSelection
 from clef_worker.model.packed import PackedLayout
 from clef_worker.model.prefix_forward import MediaInputs
-from clef_worker.policy import PACKED, PADDED, group_layout
-from clef_worker.prefix_cache import CacheKey, PrefixCache, ids_array
-from clef_worker.prefix_graphed import GroupRun, prefixed_hidden
-from clef_worker.prefix_run import GroupPlan, plan_group
+from clef_worker.serving.gpu.graphs import GraphRunner, Step
+from clef_worker.serving.gpu.packed_graphs import PackedGraphRunner, aligned_total
+from clef_worker.serving.gpu.transfer import move_staged, stage_host
+from clef_worker.serving.policy import PACKED, PADDED, group_layout
+from clef_worker.serving.prefix.cache import CacheKey, PrefixCache, ids_array
+from clef_worker.serving.prefix.graphed import GroupRun, prefixed_hidden
+from clef_worker.serving.prefix.run import GroupPlan, plan_group
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +147,7 @@ class Staged:
     heads: VariantHeads | None = None
     bucket_slots: bool = False  # a packed bucket's per-position slots follow its ids
     step_slots: bool = False  # padded: each step's per-token slots follow its ids
-    # The prefix cache (clef_worker.prefix_cache): each request's key (None: not cacheable)
+    # The prefix cache (clef_worker.serving.prefix.cache): each request's key (None: not cacheable)
     # and its ids as the keys hash them; empty without a cache.
     cache_keys: list[CacheKey | None] = field(default_factory=list)
     host_ids: list[np.ndarray] = field(default_factory=list)
@@ -220,7 +223,8 @@ class ModelRunner:
         self.layout = layout
         self.prefix_cache = prefix_cache
         # Prefix-cache groups by the path they took: "graphed" (the packed buckets' replays,
-        # clef_worker.prefix_graphed) or "eager" (the prefixed forward); a group split between
+        # clef_worker.serving.prefix.graphed) or "eager" (the prefixed forward); a group split
+        # between
         # both counts once in each.
         self.prefix_paths: Counter[str] = Counter()
         if graphs is not None and (layout not in (PACKED, PADDED) or isinstance(
@@ -237,7 +241,7 @@ class ModelRunner:
 
     def packs(self, lengths: Sequence[int]) -> bool:
         """Whether a group of requests of these lengths runs as one packed row (the layout's
-        choice for the group: clef_worker.policy.group_layout)."""
+        choice for the group: clef_worker.serving.policy.group_layout)."""
         return group_layout(self.layout, lengths) == PACKED
 
     def batch_tokens(self, lengths: Sequence[int]) -> int:
@@ -252,7 +256,8 @@ class ModelRunner:
         return len(lengths) * padded
 
     def plan(self, lengths: Sequence[int]) -> list[Step]:
-        """The padded forwards that answer requests of these lengths (clef_worker.gpu.graphs)."""
+        """The padded forwards that answer requests of these lengths
+        (clef_worker.serving.gpu.graphs)."""
         if not isinstance(self.graphs, GraphRunner):
             return [Step(tuple(range(len(lengths))), None)]
         return self.graphs.plan(lengths)
@@ -423,7 +428,8 @@ class ModelRunner:
                          hidden if keep_hidden else None)
 
     def _prefixed_hidden(self, staged: Staged, plan: GroupPlan, real_ids: Tensor) -> Tensor:
-        """A prefix-cache group's final hidden states end to end (clef_worker.prefix_graphed:
+        """A prefix-cache group's final hidden states end to end
+        (clef_worker.serving.prefix.graphed:
         the packed buckets' replays where they fit, the eager prefixed forward for the rest)."""
         assert self.prefix_cache is not None
         graphs = self.graphs if isinstance(self.graphs, PackedGraphRunner) else None

@@ -13,7 +13,7 @@ when a graph replays it; rows x bucket for a padded batch) stays within `--max-b
 requests within `--max-batch`. Work-conserving: a lone request runs at once, a group is never
 held back to wait for company (only `--batch-window-ms`, default 0, waits). The layouts
 themselves (packed with cumulative offsets, or right-padded rows) are the runner's
-(clef_worker.runner).
+(clef_worker.serving.runner).
 
 Overlap (`answer_groups` with a `HostHelper`): parsing, validation, tokenising, encoding and the
 next group's host tensors (pinned on CUDA) run on one helper thread while the main thread runs
@@ -42,7 +42,7 @@ from typing import Any, BinaryIO, Protocol
 from clef_protocol.errors import BadRequestBody
 from clef_worker.errors import ExecutorBroken
 from clef_worker.executor import Answer, Executor
-from clef_worker.policy import BatchPolicy
+from clef_worker.serving.policy import BatchPolicy
 
 log = logging.getLogger(__name__)
 

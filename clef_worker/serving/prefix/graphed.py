@@ -3,7 +3,8 @@
 Why: a group where a member continues a cached prefix or stores points used to leave the
 captured graphs for the eager prefixed forward (clef_worker.model.prefix_forward: per-sequence
 loops, host syncs, masked attention over repeated keys). Every bucket's forward takes state inputs
-(clef_worker.model.stateful, clef_worker.gpu.state_buffers), so such a group replays the same
+(clef_worker.model.stateful, clef_worker.serving.gpu.state_buffers), so such a group replays the
+same
 graphs as a plain one:
 
 - **Round r** holds every member's r-th segment, its tokens cut at its points: a member that
@@ -36,12 +37,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from clef_worker.gpu.packed_graphs import PackedGraphRunner, aligned_offsets
-from clef_worker.gpu.state_buffers import RowSequence
 from clef_worker.model.packed import aligned_length, to_device
 from clef_worker.model.prefix_forward import Captured, MediaInputs
-from clef_worker.prefix_cache import CacheKey, Hit, PrefixCache
-from clef_worker.prefix_run import GroupPlan, run_group
+from clef_worker.serving.gpu.packed_graphs import PackedGraphRunner, aligned_offsets
+from clef_worker.serving.gpu.state_buffers import RowSequence
+from clef_worker.serving.prefix.cache import CacheKey, Hit, PrefixCache
+from clef_worker.serving.prefix.run import GroupPlan, run_group
 
 ALIGN = 64
 log = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ def _run_round(graphs: PackedGraphRunner, active: Sequence[tuple[Member, tuple[i
 
 @dataclass(frozen=True)
 class GroupRun:
-    """What the runner hands over for a prefix-cache group (clef_worker.runner)."""
+    """What the runner hands over for a prefix-cache group (clef_worker.serving.runner)."""
 
     backbone: Any
     cache: PrefixCache
@@ -222,7 +223,7 @@ def prefixed_hidden(group: GroupRun, graphs: PackedGraphRunner | None,
                     paths: Counter[str]) -> Tensor:
     """The group's final hidden states end to end: the members that fit the packed buckets
     replay them in rounds; a media request and members too long for the buckets run the eager
-    prefixed forward (clef_worker.prefix_run) by themselves, never taking the others with
+    prefixed forward (clef_worker.serving.prefix.run) by themselves, never taking the others with
     them. `paths` counts the groups by path ("graphed", "eager"; a split group in both)."""
     plan, lengths = group.plan, group.lengths
     members = []
