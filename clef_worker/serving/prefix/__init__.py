@@ -2,12 +2,9 @@
 
 | module | job |
 |---|---|
-| `cache` | the cache itself: keys, points, blocks, capacity, what is worth storing (`StorePolicy`)
-|
-| `run` | a group that reuses or stores: which member reuses what, where each stores, the eager
-path |
-| `graphed` | the same group as replays of the packed buckets with state inputs, in rounds ending
-at points |
+| `cache` | the cache: keys, points, blocks, capacity, what to store (`StorePolicy`) |
+| `run` | a group that reuses or stores: who reuses what, where each stores, the eager path |
+| `graphed` | that group as packed-bucket replays with state inputs, rounds ending at points |
 
 The model's arithmetic for a continued sequence lives below the serving wing
 (`clef_worker.model.prefix_forward`, the eager reference; `clef_worker.model.stateful`, the
