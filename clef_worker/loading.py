@@ -13,7 +13,7 @@ from pathlib import Path
 from clef_protocol.finetune import Finetune, scan_finetunes
 from clef_protocol.options import limits_from
 from clef_worker.errors import StartupError
-from clef_worker.executor import LoadedExecutor
+from clef_worker.serving.executor import LoadedExecutor
 
 log = logging.getLogger("clef_worker.variants")
 

@@ -31,7 +31,6 @@ from clef_protocol.messages import INFERENCE_FAILED
 from clef_protocol.options import add_model_arguments
 from clef_worker.allocator import keep_freed_memory
 from clef_worker.errors import ExecutorBroken, StartupError
-from clef_worker.executor import Executor, LoadedExecutor
 from clef_worker.logs import configure as configure_logs
 from clef_worker.logs import enable_stack_dumps, request_context
 from clef_worker.serving.batching import (
@@ -42,6 +41,7 @@ from clef_worker.serving.batching import (
     as_batching,
     frame_waiting,
 )
+from clef_worker.serving.executor import Executor, LoadedExecutor
 from clef_worker.serving.policy import BatchPolicy
 
 log = logging.getLogger("clef_worker")

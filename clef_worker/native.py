@@ -31,7 +31,6 @@ from clef_protocol.validation import validate_request
 from clef_worker.errors import (
     broken_device_is_fatal,
 )
-from clef_worker.executor import Answer
 from clef_worker.media.vision import PreparedMedia, VisionTower
 from clef_worker.model.answers import build_response, serialize
 from clef_worker.model.backbone import Backbone
@@ -41,6 +40,7 @@ from clef_worker.model.kernel_choice import DTYPE_NAMES
 from clef_worker.model.lora import BASE_SLOT
 from clef_worker.model.short_conv import TORCH_PATH
 from clef_worker.model.snapshot import Snapshot
+from clef_worker.serving.executor import Answer
 from clef_worker.serving.policy import BatchPolicy
 from clef_worker.serving.prefix.cache import CacheKey, root_key
 from clef_worker.serving.runner import ModelRunner, Staged
@@ -80,7 +80,7 @@ class Prepared:
 
 
 class NativeExecutor:
-    """Implements `clef_worker.executor.Executor` (and
+    """Implements `clef_worker.serving.executor.Executor` (and
     `clef_worker.serving.batching.BatchingExecutor`)
     with this project's code: request bodies in, response bytes out; the model runs in its
     `ModelRunner` (clef_worker.serving.runner)."""

@@ -55,7 +55,6 @@ from clef_protocol.messages import ModelInfo
 from clef_protocol.options import RequestLimits
 from clef_protocol.validation import REFERENCE_REFUSALS, validate_request
 from clef_worker.errors import StartupError, broken_device_is_fatal
-from clef_worker.executor import Answer
 from clef_worker.model.answers import serialize
 from clef_worker.model.encoding import BUDGET, Encoder
 from clef_worker.model.kernel_choice import (
@@ -67,6 +66,7 @@ from clef_worker.model.kernel_choice import (
 )
 from clef_worker.model.module_names import MODELING_MODULE
 from clef_worker.model.snapshot import open_snapshot
+from clef_worker.serving.executor import Answer
 from clef_worker.serving.policy import DEFAULT_FLAGS, BatchFlags, BatchPolicy
 from clef_worker.starting import warmup
 from clef_worker.versions import package_versions

@@ -22,7 +22,7 @@ from clef_dispatch.worker_errors import Deliver, WorkerFailure
 from clef_protocol.errors import BadRequestBody, RequestInvalid
 from clef_protocol.messages import ModelInfo, Request, WorkerReply
 from clef_worker.errors import ExecutorBroken
-from clef_worker.executor import Answer
+from clef_worker.serving.executor import Answer
 
 
 class Admission(admission.Admission):

@@ -25,7 +25,6 @@ from clef_protocol.frames import encode_frame, read_frame_blocking
 from clef_protocol.options import DEFAULT_MAX_BATCH_TOKENS, RequestLimits
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.errors import ExecutorBroken
-from clef_worker.executor import Answer
 from clef_worker.main import parse_args, serve
 from clef_worker.native import NativeExecutor, Prepared
 from clef_worker.serving.batching import (
@@ -38,6 +37,7 @@ from clef_worker.serving.batching import (
     as_batching,
     frame_waiting,
 )
+from clef_worker.serving.executor import Answer
 from clef_worker.serving.policy import BatchPolicy
 from tests.answer_compare import assert_same_response
 from tests.conftest import GOLDEN

@@ -15,9 +15,9 @@ import pytest
 
 from clef_protocol import messages
 from clef_protocol.frames import encode_frame, read_frame_blocking
-from clef_worker.executor import Answer, Executor
 from clef_worker.main import reply_for, serve
 from clef_worker.serving.batching import BatchingExecutor, answer_groups, as_batching
+from clef_worker.serving.executor import Answer, Executor
 from clef_worker.serving.policy import BatchPolicy
 from tests.doubles import ScriptedExecutor
 

@@ -41,7 +41,7 @@ from typing import Any, BinaryIO, Protocol
 
 from clef_protocol.errors import BadRequestBody
 from clef_worker.errors import ExecutorBroken
-from clef_worker.executor import Answer, Executor
+from clef_worker.serving.executor import Answer, Executor
 from clef_worker.serving.policy import BatchPolicy
 
 log = logging.getLogger(__name__)

@@ -56,8 +56,8 @@ from clef_protocol.messages import SelfCheck
 from clef_worker.versions import package_version
 
 if TYPE_CHECKING:
-    from clef_worker.native import NativeExecutor
     from clef_worker.starting.self_check import Probe
+    from clef_worker.starting.warm_requests import WarmTarget
 
 log = logging.getLogger("clef_worker.starting.verdict_store")
 
@@ -109,7 +109,7 @@ def source_digest(packages: Sequence[str] = SOURCE_PACKAGES) -> str:
     return total.hexdigest()
 
 
-def device_name(executor: NativeExecutor) -> str:
+def device_name(executor: WarmTarget) -> str:
     """The device's model name (a GPU's, as CUDA names it), or its type."""
     device = executor.device
     if device.type == "cuda":
@@ -119,7 +119,7 @@ def device_name(executor: NativeExecutor) -> str:
     return device.type
 
 
-def verdict_key(executor: NativeExecutor, fingerprint: str, probes: Sequence[Probe],
+def verdict_key(executor: WarmTarget, fingerprint: str, probes: Sequence[Probe],
                 variants: Mapping[str, str] | None = None) -> dict[str, Any] | None:
     """What a kept verdict must match (module docs); None without a weights fingerprint."""
     if not fingerprint:
@@ -148,7 +148,7 @@ def verdict_key(executor: NativeExecutor, fingerprint: str, probes: Sequence[Pro
     }
 
 
-def prefix_cache_key(executor: NativeExecutor) -> dict[str, Any] | None:
+def prefix_cache_key(executor: WarmTarget) -> dict[str, Any] | None:
     """What the `prefix` probe checked: whether the cache is on, its block and its capacity (a
     verdict from a start with the cache off never probed it)."""
     cache = executor.runner.prefix_cache
@@ -228,7 +228,7 @@ class VerdictStore:
                 stale.unlink(missing_ok=True)
 
 
-def checked(executor: NativeExecutor, mode: str, fingerprint: Callable[[], str],
+def checked(executor: WarmTarget, mode: str, fingerprint: Callable[[], str],
             store: VerdictStore | None = None,
             variants: Callable[[], Mapping[str, str]] = dict) -> SelfCheck | None:
     """The start-up self-check's verdict: the kept one where the mode reads it and the key is

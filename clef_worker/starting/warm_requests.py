@@ -26,6 +26,7 @@ from clef_worker.model.encoding import TYPE_IDS, EncodedQuestion, Encoding
 if TYPE_CHECKING:
     import torch
 
+    from clef_protocol.messages import ModelInfo
     from clef_worker.media.vision import PreparedMedia, VisionTower
     from clef_worker.model.backbone import Backbone
     from clef_worker.model.encoding import Encoder
@@ -57,6 +58,8 @@ class WarmTarget(Protocol):
     def encode(self, request: dict[str, Any]) -> Encoding: ...
 
     def score(self, request: dict[str, Any]) -> object: ...
+
+    def describe(self) -> ModelInfo: ...
 
     def prefix_key(self, encoding: Encoding, media: PreparedMedia | None = None,
                    slot: int = 0) -> CacheKey | None:
