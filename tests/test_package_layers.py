@@ -174,3 +174,49 @@ def test_no_import_cycle_among_the_packages() -> None:
     assert "clef_dispatch.worker_process" in graph["clef_dispatch.worker_channel"]
     cycle = _a_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+# -- the worker's house: the process over two wings over the model ------------------------------
+
+# Each group of the worker imports only the groups after it: the process (frames, loading, the
+# executors) over the start-up wing over the serving wing over the model. docs/architecture.md's
+# worker table is laid out in the same order.
+PROCESS = ("main", "stdio", "parent", "loading", "assembly", "native", "release")
+WORKER_FLOORS = (
+    ("process", PROCESS),
+    ("starting", ("starting",)),
+    ("serving", ("serving",)),
+    ("model", ("model", "media")),
+)
+
+
+def _worker_group(module: str) -> str | None:
+    """The worker group a dotted module belongs to (None: a shared room, such as `errors`)."""
+    parts = module.split(".")
+    if parts[0] != "clef_worker" or len(parts) < 2:
+        return None
+    return next((name for name, roots in WORKER_FLOORS if parts[1] in roots), None)
+
+
+def test_the_worker_imports_only_downwards() -> None:
+    order = [name for name, _ in WORKER_FLOORS]
+    wrong = []
+    for path, imported in _imports("clef_worker"):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        mine, theirs = _worker_group(module), _worker_group(imported)
+        if mine and theirs and order.index(theirs) < order.index(mine):
+            wrong.append((module, imported))
+    assert not wrong, wrong
+
+
+def test_the_house_rule_catches_an_import_up_a_floor() -> None:
+    assert _worker_group("clef_worker.serving.runner") == "serving"
+    assert _worker_group("clef_worker.starting.warmup") == "starting"
+    assert _worker_group("clef_worker.model.head") == "model"
+    assert _worker_group("clef_worker.errors") is None
+
+
+def test_no_worker_module_is_over_450_lines() -> None:
+    sizes = {path.relative_to(REPO).as_posix(): len(path.read_text().splitlines())
+             for path in (REPO / "clef_worker").rglob("*.py")}
+    assert sizes and {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
