@@ -43,7 +43,8 @@ from clef_worker.model.snapshot import Snapshot
 from clef_worker.serving.executor import Answer
 from clef_worker.serving.policy import BatchPolicy
 from clef_worker.serving.prefix.cache import CacheKey, root_key
-from clef_worker.serving.runner import ModelRunner, Staged
+from clef_worker.serving.runner import ModelRunner
+from clef_worker.serving.staging import Staged
 from clef_worker.starting import warmup
 from clef_worker.variants import Variant
 from clef_worker.versions import package_version, package_versions

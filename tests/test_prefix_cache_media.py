@@ -20,7 +20,7 @@ from clef_worker.assembly import assemble_snapshot
 from clef_worker.media.vision import VisionTower
 from clef_worker.native import NativeExecutor, Prepared
 from clef_worker.serving.prefix.cache import CacheKey, PrefixCache, ids_array, root_key
-from clef_worker.serving.runner import RunOutput
+from clef_worker.serving.staging import RunOutput
 
 BOUND = 1.5e-4  # the golden bound (fp32 on CPU)
 QUESTIONS = {"decide": {"type": "choice", "criteria": {"a": "approve", "b": "block"}}}

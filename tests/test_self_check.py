@@ -35,7 +35,7 @@ from clef_worker.main import parse_args
 from clef_worker.model.backbone import Backbone
 from clef_worker.native import NativeExecutor
 from clef_worker.serving.gpu.packed_graphs import PackedGraphRunner
-from clef_worker.serving.runner import RowResult
+from clef_worker.serving.staging import RowResult
 from clef_worker.starting import self_check
 from tests.worker_start import start_worker
 

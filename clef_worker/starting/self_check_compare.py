@@ -18,7 +18,7 @@ import torch
 
 from clef_worker.model.encoding import Encoding
 from clef_worker.serving.batching import GroupCutter
-from clef_worker.serving.runner import RowResult
+from clef_worker.serving.staging import RowResult
 from clef_worker.starting.self_check_paths import current_path
 from clef_worker.starting.self_check_reference import reference_answer
 from clef_worker.starting.variant_probe import probe_slots

@@ -42,7 +42,8 @@ if TYPE_CHECKING:
     from clef_worker.media.vision import PreparedMedia
     from clef_worker.model.backbone import Backbone
     from clef_worker.model.encoding import Encoding
-    from clef_worker.serving.runner import ModelRunner, RowResult
+    from clef_worker.serving.runner import ModelRunner
+    from clef_worker.serving.staging import RowResult
 
 # The kernel forms a reference can run in (`kernel_form`), for the verdict and the tests.
 VARLEN = "one-sequence-varlen"
