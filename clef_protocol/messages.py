@@ -95,8 +95,8 @@ class ModelInfo:
     # other weights has another fingerprint, so the front's kept answers can follow the weights.
     fingerprint: str = ""
     # The GPU path (clef_worker.serving.gpu.graphs): length buckets (padded: a row's length;
-    # packed: a
-    # forward's total tokens), whether they replay captured CUDA graphs, how many shapes were
+    # packed: a forward's total tokens), whether they replay captured CUDA graphs, how many shapes
+    # were
     # built at warm-up and the device memory the graphs hold.
     cuda_graphs: bool = False
     buckets: list[int] = field(default_factory=list)
@@ -374,8 +374,8 @@ class ReadyInfo(ModelInfo):
     # not know. Either way a worker silent with requests in flight is judged by --stall-timeout.
     pings: bool = False
     # The batch policy the worker resolved once from its flags (clef_worker.serving.policy) and
-    # built
-    # its graph shapes for: the layout (packed / padded / per-group), the tokens one forward may
+    # built its graph shapes for: the layout (packed / padded / per-group), the tokens one forward
+    # may
     # hold, the requests one forward may hold (the front's in-flight cap for this worker), and
     # how long it waits for company. Zero / empty from a worker that does not report them (a
     # --worker-command of its own): the front then takes only what the protocol promises,
@@ -388,8 +388,7 @@ class ReadyInfo(ModelInfo):
     # executor without layouts) or from a worker that predates it.
     self_check: SelfCheck | None = None
     # The prefix cache (clef_worker.serving.prefix.cache); None from a worker without one (the
-    # release
-    # executor, a --worker-command of its own, a worker that predates it).
+    # release executor, a --worker-command of its own, a worker that predates it).
     prefix_cache: PrefixCacheInfo | None = None
     # Where the start-up's seconds went (StartupTimes); None from a worker that predates it.
     startup: StartupTimes | None = None

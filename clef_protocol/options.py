@@ -25,21 +25,20 @@ EXECUTORS = ("native", "release")
 CUDA_GRAPH_MODES = ("auto", "on", "off")
 MEDIA_MODES = ("auto", "on", "off")
 # How a batched forward lays its requests out (clef_worker.serving.policy): `packed` puts the
-# requests'
-# tokens end to end in one sequence with cumulative offsets (no padding), `padded` right-pads
+# requests' tokens end to end in one sequence with cumulative offsets (no padding), `padded`
+# right-pads
 # every request to the group's bucket in a [rows, tokens] batch.
 BATCH_LAYOUTS = ("auto", "packed", "padded")
 # The worker's start-up self-check (clef_worker.starting.self_check): `on` falls back to a slower
-# layout
-# that agrees with the eager answers, `strict` refuses to start instead, `report` compares and
+# layout that agrees with the eager answers, `strict` refuses to start instead, `report` compares
+# and
 # records but always serves the layout asked for (a benchmark measuring that layout), `off`
 # skips it. `on` and `strict` keep a passing verdict for the next start on the same weights,
 # code, device, dtype and layout (clef_worker.starting.verdict_store); `report` always runs the
 # check.
 SELF_CHECK_MODES = ("on", "strict", "report", "off")
 # The worker's prefix cache (clef_worker.serving.prefix.cache): a request whose leading tokens were
-# read
-# before runs only the rest.
+# read before runs only the rest.
 PREFIX_CACHE_MODES = ("on", "off")
 
 

@@ -3,8 +3,7 @@
 Owned here, below everything else in the worker, so that model modules (snapshot, backbone,
 vision...) can refuse to start or declare the device broken without importing the serving
 interface (`clef_worker.serving.executor`), and so that every executor (native, release) tells a
-broken
-device from a failed request by one rule (`device_is_broken`, `broken_device_is_fatal`).
+broken device from a failed request by one rule (`device_is_broken`, `broken_device_is_fatal`).
 """
 
 from __future__ import annotations

@@ -231,8 +231,7 @@ def _fail_rest(ids: list[int], channel_out: BinaryIO) -> None:
 def self_check(executor: Executor, mode: str,
                fingerprints: Callable[[], tuple[str, dict[str, str]]]) -> messages.SelfCheck | None:
     """The start-up self-check (clef_worker.starting.self_check) of an executor that has serving
-    layouts
-    to check (the native one), or the verdict kept from an earlier start on the same weights
+    layouts to check (the native one), or the verdict kept from an earlier start on the same weights
     and code (clef_worker.starting.verdict_store); None for one that has none (the release executor
     runs
     the snapshot's own code, one request at a time)."""

@@ -3,12 +3,11 @@
 `NativeExecutor` is thin: it prepares requests (parse, validate once, encode; host work, which
 the serve loop runs on its helper thread), stages a group's host tensors, answers the group
 through its `clef_worker.serving.runner.ModelRunner` (one copy, the forwards, the head) and builds
-the
-replies; `score` is its one inspection entry (token ids, spans, logits, probabilities) for tests,
+the replies; `score` is its one inspection entry (token ids, spans, logits, probabilities) for
+tests,
 benchmarks and comparisons. Loading lives in `clef_worker.assembly` (`assemble_snapshot` for
 tests and tools), the warm-up sequence in `clef_worker.starting.warmup` (which knows the executor
-only
-as its `WarmTarget` protocol). Device work runs on the calling thread under
+only as its `WarmTarget` protocol). Device work runs on the calling thread under
 `torch.inference_mode()`.
 """
 

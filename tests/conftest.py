@@ -44,8 +44,7 @@ def tiny_snapshot() -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def _session_self_check_verdicts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The start-up self-check's kept verdicts (clef_worker.starting.verdict_store) of the servers
-    that
-    module-scoped fixtures start go to this session's own directory, never the user's cache:
+    that module-scoped fixtures start go to this session's own directory, never the user's cache:
     a test's outcome must not depend on what an earlier run kept."""
     before = os.environ.get(VERDICTS_ENV)
     os.environ[VERDICTS_ENV] = str(tmp_path_factory.mktemp("self-check-session"))

@@ -1,6 +1,5 @@
 """The start-up prefix probe fits `--max-length` (clef_worker.starting.prefix_probe): the cached
-path is
-checked under any limit that lets the cache store a block, and where none can be stored the
+path is checked under any limit that lets the cache store a block, and where none can be stored the
 cache is off for the worker with the reason in `ready`, never on and unchecked.
 
 Workers start in this process at the production defaults but for `--max-length` (the setting

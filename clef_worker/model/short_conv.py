@@ -21,8 +21,8 @@ The adapter therefore transposes in and out; both are views, so the kernel reads
 where it lies and the caller's transpose back to `[B, T, D]` is free.
 
 Graph capture (clef_worker.serving.gpu.graphs): fla-core 0.6.0's fixed-shape path (no `cu_seqlens`,
-which
-the adapter never passes) reads nothing from the device on the host: the grid is `cdiv(T, 64)` from
+which the adapter never passes) reads nothing from the device on the host: the grid is `cdiv(T,
+64)` from
 the tensor's shape, the output is `empty_like`, the backend dispatch and `input_guard` look only at
 environment variables, strides and devices. Host syncs exist only on the packed path when fla
 derives the chunk indices itself (`prepare_chunk_indices` runs `repeat_interleave` on device

@@ -1,8 +1,7 @@
 """The packed forward with per-sequence initial states as inputs and final states as outputs.
 
 Why: a request that continues a cached prefix (clef_worker.serving.prefix.cache) needs three things
-a
-plain packed row does not give it, and each is an input of fixed shape, so the forward that
+a plain packed row does not give it, and each is an input of fixed shape, so the forward that
 consumes them can be captured once per total-token bucket and replayed for any mix of fresh and
 continuing requests (clef_worker.serving.gpu.packed_graphs):
 

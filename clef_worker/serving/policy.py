@@ -3,8 +3,8 @@
 Why one owner: the layout, the token budget, the window and the most requests a forward may
 hold decide both how the serve loop groups requests (clef_worker.serving.batching) and which graph
 shapes warm-up captures (clef_worker.serving.gpu). Resolved in two places they drift: a
-`--max-batch 32`
-the graphs never heard of silently lost batched replays for groups of 17-32. So the worker
+`--max-batch 32` the graphs never heard of silently lost batched replays for groups of 17-32. So
+the worker
 resolves the policy once, where the executor is loaded (`BatchPolicy.from_flags`), builds its
 shapes from it, keeps it on the executor (`executor.policy`), and the serve loop and `ready`
 read it there; the front reads the budget and the in-flight cap from `ready` only.

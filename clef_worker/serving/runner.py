@@ -2,8 +2,7 @@
 
 One job: run the loaded model over a group of encodings, as few forwards as the layout says. Two
 halves, so the host half can run on the serve loop's helper thread (clef_worker.serving.batching)
-while
-the device runs the previous group:
+while the device runs the previous group:
 
 - `stage` (host only, no CUDA call but pinning): the forward's ids in the group's layout, the
   head's index tensors, all int64 in one flat host buffer, pinned on CUDA
@@ -15,16 +14,14 @@ Layouts (the batch policy's, clef_worker.serving.policy):
 
 - **packed**: the requests' tokens end to end in one row with cumulative offsets
   (clef_worker.model.packed); no padding. A graph bucket (clef_worker.serving.gpu.packed_graphs)
-  holds
-  the requests back to back, padding after them; the head then reads each request's rows from
+  holds the requests back to back, padding after them; the head then reads each request's rows from
   its offset (one gather), and eagerly the row is already the requests' real tokens end to end.
 - **padded**: right-padded `[rows, bucket]` forwards as `GraphRunner.plan` chooses them.
 - **per-group** (CPU's `auto`, eager only): each group padded when its lengths are uniform
   enough, else packed (`clef_worker.serving.policy.group_layout`, the one place that decides).
 
 **Prefix cache** (clef_worker.serving.prefix.cache, when the runner has one;
-clef_worker.serving.prefix.run
-runs it): at run time each request of the group is looked up by its token ids; when any
+clef_worker.serving.prefix.run runs it): at run time each request of the group is looked up by its token ids; when any
 member reuses a cached prefix or has states to store, only the new tokens run, each from its
 cached states: through the packed buckets' replays in rounds that end at the points
 (clef_worker.serving.prefix.graphed), or, without buckets (and for a media request or a member too
@@ -100,8 +97,7 @@ class ModelRunner:
         self.prefix_cache = prefix_cache
         # Prefix-cache groups by the path they took: "graphed" (the packed buckets' replays,
         # clef_worker.serving.prefix.graphed) or "eager" (the prefixed forward); a group split
-        # between
-        # both counts once in each.
+        # between both counts once in each.
         self.prefix_paths: Counter[str] = Counter()
         if graphs is not None and (layout not in (PACKED, PADDED) or isinstance(
                 graphs, PackedGraphRunner) != (layout == PACKED)):

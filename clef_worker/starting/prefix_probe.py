@@ -19,20 +19,18 @@ picture before the state (`media_requests`: media requests run alone; the prefix
 media branch, the tower's embeddings and 3D rotary positions, and the offset a suffix continues
 from). `cached`, `fresh` and the pictured `cached` are compared with the plain
 eager forward of each alone (clef_worker.starting.self_check's comparison, bounds and per-token
-hidden
-state difference: the cached tokens' hidden states are compared too). The probe's blocks are
+hidden state difference: the cached tokens' hidden states are compared too). The probe's blocks are
 dropped either way: no client asked for them.
 
 It is one of the self-check's probes (clef_worker.starting.check_probes), not a layout probe: it
-runs
-once, after the layout has been checked, on the path the worker will serve with. So the modes
+runs once, after the layout has been checked, on the path the worker will serve with. So the modes
 apply to it as to the rest: on a mismatch, or when `cached` reused nothing, `on` turns the cache
 off for this worker (`turn_cache_off`: `PrefixCache.disable`, an ERROR, `ready` says
 `prefix_cache.enabled` false with the reason), `strict` refuses to start, `report` records and
 keeps the cache on (a benchmark measures the path it asked for). And its verdict is kept with the
 rest (clef_worker.starting.verdict_store): a restart on the same weights, code and cache settings
-skips it
-too; a verdict whose remedy turned the cache off is never kept, so the next start checks again.
+skips it too; a verdict whose remedy turned the cache off is never kept, so the next start checks
+again.
 """
 
 from __future__ import annotations

@@ -16,13 +16,12 @@ that sends its requests through the serving path and compares them with the refe
 `ProbeResult` (or None where it has nothing to probe on this worker). A new probe is one more
 function and one more `Probe` entry; its result travels in the verdict's `probes`. Beside the
 layout probes below, the prefix cache has one (clef_worker.starting.prefix_probe), run once after
-them,
-whose remedy turns the cache off rather than the layout. The layout probes:
+them, whose remedy turns the cache off rather than the layout. The layout probes:
 
 - `groups` (`probe_groups`): requests of mixed lengths cut from the warm-up's candidate schemas
   (clef_worker.starting.warmup), each with its own state text: a mixed group of four, a uniform
-  group of
-  three (CPU's per-group layout runs that one padded), and, where graphs replay fixed shapes,
+  group of three (CPU's per-group layout runs that one padded), and, where graphs replay fixed
+  shapes,
   a few short requests of different lengths (about LARGEST_REAL = 1,000 real tokens, at most
   half the shape) forced into the largest built shape (`largest_shape`, through
   `ModelRunner.run`'s `shape`), padding filling the rest of it. The largest graph is what the
@@ -94,8 +93,7 @@ peak, 1.4 s at 60 %. Without graphs ~2,900 tokens each way: ~0.12 s (0.20 s at 6
 on the same weights and code skips the whole check (the kept verdict). The reference compiles
 no kernels of its own (it calls the packed serving kernels over one sequence), and the prefix
 probe's initial/final-state kernels are compiled by the warm-up (clef_worker.starting.warmup), so a
-cold
-check adds no compilation; `ms` in the verdict and `self_check_ms` in the GPU sitting's summary
+cold check adds no compilation; `ms` in the verdict and `self_check_ms` in the GPU sitting's summary
 record what it really took.
 """
 

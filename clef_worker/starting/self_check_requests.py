@@ -1,7 +1,6 @@
 """The start-up self-check's requests: the `groups` and `small` probes' encodings, cut from the
 warm-up's candidate schemas to the lengths the check wants (clef_worker.starting.self_check's
-module docs
-say what each probe sends and why).
+module docs say what each probe sends and why).
 """
 
 from __future__ import annotations

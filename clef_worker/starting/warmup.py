@@ -107,8 +107,7 @@ def warm_native(executor: WarmTarget) -> None:
 
 def warm_prefix_cache(executor: WarmTarget) -> bool:
     """Step 6 (module docs): the self-check's prefix-probe pair (clef_worker.starting.prefix_probe)
-    run
-    once, storing then reusing, and the cache emptied; whether it ran (not without a cache, with
+    run once, storing then reusing, and the cache emptied; whether it ran (not without a cache, with
     it off, or under limits too short for a cached block)."""
     from clef_worker.starting.prefix_probe import probe_requests
 

@@ -3,8 +3,8 @@
 `GraphMemoryMeter`), or the same static-buffer forward run eagerly (`EagerCapturer`: CPU,
 `--cuda-graphs on` on a CPU device, and the unit tests). Both graph runners, padded
 (`clef_worker.serving.gpu.graphs`) and packed (`clef_worker.serving.gpu.packed_graphs`), take a
-`Capturer`, so
-which shape, which buffer, capture order and fallback are independent of how a shape is run.
+`Capturer`, so which shape, which buffer, capture order and fallback are independent of how a shape
+is run.
 """
 
 from __future__ import annotations

@@ -10,9 +10,8 @@ the static output.
 Shapes (the padded layout, `--batch-layout padded`; the packed layout's graphs are
 clef_worker.serving.gpu.packed_graphs): one row per request at every length bucket
 (clef_worker.serving.gpu.buckets), and for batches the row counts the batcher forms (powers of two
-up to
-the batch policy's `max_sequences`, clef_worker.serving.policy) at every bucket where rows x tokens
-fits
+up to the batch policy's `max_sequences`, clef_worker.serving.policy) at every bucket where rows x
+tokens fits
 `--max-batch-tokens`. A batch of n requests pads to the smallest built row
 count of at least n; `GraphRunner.plan` then chooses, by expected cost (each shape's replay time
 measured once after warm-up), between that one batched replay and one replay per request.

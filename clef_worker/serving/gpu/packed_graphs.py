@@ -3,8 +3,8 @@
 Why: with the packed layout (clef_worker.model.packed) a forward is one row of the requests'
 tokens end to end, so its shape is only its total token count. One graph per total-token bucket
 (the bucket table of clef_worker.serving.gpu.buckets, up to the largest forward the batch policy
-forms)
-replays any mix of lengths: at the H200 defaults (16,384 tokens, 16 requests) that is 29 shapes,
+forms) replays any mix of lengths: at the H200 defaults (16,384 tokens, 16 requests) that is 29
+shapes,
 where padded `[rows, bucket]` graphs needed about 110.
 
 A graph replays fixed kernel grids at fixed addresses, so each bucket owns a static ids buffer

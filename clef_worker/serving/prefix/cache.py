@@ -85,8 +85,7 @@ END_MARGIN = 16
 # On CUDA a state is stored only at its end point and only from this many state tokens: each
 # point stored costs one more replay of the packed buckets (the round that ends at it,
 # clef_worker.serving.prefix.graphed) and 49 MiB of recurrent state, so interior block points
-# (rarely
-# reused: an agent's next turn continues from the end) and short states (cheap to recompute)
+# (rarely reused: an agent's next turn continues from the end) and short states (cheap to recompute)
 # are not worth it there. Both are switches (`StorePolicy`) for a sitting to revisit with
 # measured figures.
 MIN_STATE_TOKENS_CUDA = 1024

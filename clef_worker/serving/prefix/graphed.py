@@ -4,8 +4,7 @@ Why: a group where a member continues a cached prefix or stores points used to l
 captured graphs for the eager prefixed forward (clef_worker.model.prefix_forward: per-sequence
 loops, host syncs, masked attention over repeated keys). Every bucket's forward takes state inputs
 (clef_worker.model.stateful, clef_worker.serving.gpu.state_buffers), so such a group replays the
-same
-graphs as a plain one:
+same graphs as a plain one:
 
 - **Round r** holds every member's r-th segment, its tokens cut at its points: a member that
   stores nothing (plain, or a hit that adds no point) runs whole in round 0, from its cached

@@ -2,8 +2,7 @@
 join the cached hidden states before them, store what they captured.
 
 Why a module of its own: the runner (clef_worker.serving.runner) decides which forward a group
-takes;
-what the cached one does (which requests reuse what, where each stores, how the head's rows
+takes; what the cached one does (which requests reuse what, where each stores, how the head's rows
 are put back together) is this module's one job. Everything here runs on the main thread, in
 the group's device half, so a group staged while the previous one ran sees that one's blocks.
 
