@@ -22,8 +22,8 @@ Layouts (the batch policy's, clef_worker.serving.policy):
 
 **Prefix cache** (clef_worker.serving.prefix.cache, when the runner has one;
 clef_worker.serving.prefix.run runs it): at run time each request of the group is looked up
-by its token ids; when any member reuses a cached prefix or has states to store, only the new tokens run, each from its
-cached states: through the packed buckets' replays in rounds that end at the points
+by its token ids; when any member reuses a cached prefix or has states to store, only the new
+tokens run, each from its cached states: through the packed buckets' replays in rounds that end at the points
 (clef_worker.serving.prefix.graphed), or, without buckets (and for a media request or a member too
 long for them), through the eager prefixed forward (clef_worker.model.prefix_forward); the
 head reads the cached hidden states joined before the new ones, and the blocks each member
