@@ -21,13 +21,14 @@ Layouts (the batch policy's, clef_worker.serving.policy):
   enough, else packed (`clef_worker.serving.policy.group_layout`, the one place that decides).
 
 **Prefix cache** (clef_worker.serving.prefix.cache, when the runner has one;
-clef_worker.serving.prefix.run runs it): at run time each request of the group is looked up
-by its token ids; when any member reuses a cached prefix or has states to store, only the new
-tokens run, each from its cached states: through the packed buckets' replays in rounds that end at the points
-(clef_worker.serving.prefix.graphed), or, without buckets (and for a media request or a member too
-long for them), through the eager prefixed forward (clef_worker.model.prefix_forward); the
-head reads the cached hidden states joined before the new ones, and the blocks each member
-captured are stored. A group where no member does either runs as above.
+clef_worker.serving.prefix.run runs it): at run time each request of the group is looked up by
+its token ids; when any member reuses a cached prefix or has states to store, only the new
+tokens run, each from its cached states: through the packed buckets' replays in rounds that end
+at the points (clef_worker.serving.prefix.graphed), or, without buckets (and for a media request
+or a member too long for them), through the eager prefixed forward
+(clef_worker.model.prefix_forward); the head reads the cached hidden states joined before the
+new ones, and the blocks each member captured are stored. A group where no member does either
+runs as above.
 
 Media requests run alone, eagerly. Through the prefix cache too, keyed by their media's digest
 as well: one that reuses a prefix (always covering all its media) runs only its text after it,
