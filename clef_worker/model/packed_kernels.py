@@ -193,8 +193,8 @@ def masked_conv(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str 
         live = (layout.positions >= back).unsqueeze(-1)  # [T, 1]
         before: Tensor | float = 0.0
         if tail is not None and slot is not None:  # row K-1+p-back of the tail
-            before = tail[slot, (layout.positions + width - 1 - back).clamp(min=0)].to(
-                rows.dtype).unsqueeze(0)
+            row = (layout.positions + width - 1 - back).clamp(0, width - 2)
+            before = tail[slot, row].to(rows.dtype).unsqueeze(0)
         output = output + torch.where(live, shifted, before) * weight[:, width - 1 - back]
     if bias is not None:
         output = output + bias

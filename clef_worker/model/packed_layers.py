@@ -31,8 +31,8 @@ The kernels live in clef_worker.model.packed_kernels, where each also takes per-
 initial states: this one forward is the plain packed forward (no state inputs: every sequence
 from zero) and the stateful one the buckets capture (clef_worker.model.stateful: recurrent rows,
 convolution tails and cached keys as inputs, final states out), so the layer arithmetic has one
-copy. `PackedKernels` names the choice; `kernels_for` makes it from the loaded backbone. A kernel set
-is `graph_safe` when nothing in it reads offsets on the host (the fla path with `varlen_attn`):
+copy. `PackedKernels` names the choice; `kernels_for` makes it from the loaded backbone. A
+kernel set is `graph_safe` when nothing in it reads offsets on the host (the fla path with `varlen_attn`):
 only then can one graph per total-token bucket replay with new offsets
 (`clef_worker.model.packed.StaticPackedLayout`). The per-sequence paths read `cu_seqlens_host`
 and are for eager forwards (CPU).
