@@ -32,8 +32,8 @@ initial states: this one forward is the plain packed forward (no state inputs: e
 from zero) and the stateful one the buckets capture (clef_worker.model.stateful: recurrent rows,
 convolution tails and cached keys as inputs, final states out), so the layer arithmetic has one
 copy. `PackedKernels` names the choice; `kernels_for` makes it from the loaded backbone. A
-kernel set is `graph_safe` when nothing in it reads offsets on the host (the fla path with `varlen_attn`):
-only then can one graph per total-token bucket replay with new offsets
+kernel set is `graph_safe` when nothing in it reads offsets on the host (the fla path with
+`varlen_attn`): only then can one graph per total-token bucket replay with new offsets
 (`clef_worker.model.packed.StaticPackedLayout`). The per-sequence paths read `cu_seqlens_host`
 and are for eager forwards (CPU).
 
