@@ -20,8 +20,7 @@ from clef_worker.model.backbone import Backbone
 from clef_worker.model.fused import TORCH, FusedOps
 from clef_worker.model.packed import StaticPackedLayout, static_sequences
 from clef_worker.model.packed_kernels import LOOPED, PackedKernels
-from clef_worker.model.packed_layers import packed_forward
-from clef_worker.model.stateful import stateful_forward
+from clef_worker.model.packed_layers import packed_forward, stateful_forward
 
 CPU = torch.device("cpu")
 TOKENS, MAX_SEQUENCES = 256, 3

@@ -47,7 +47,8 @@ from clef_worker.model.packed import (
     static_sequences,
 )
 from clef_worker.model.packed_kernels import PackedKernels, kernels_for
-from clef_worker.model.stateful import StateOutputs, stateful_forward
+from clef_worker.model.packed_layers import stateful_forward
+from clef_worker.model.stateful import StateOutputs
 
 log = logging.getLogger(__name__)
 

@@ -250,9 +250,7 @@ def looped_attention(module: Any, query: Tensor, key: Tensor, value: Tensor,
                      layout: PackedLayout, keys: KeySpans) -> Tensor:
     """One call per sequence over its keys: without cached ones, the attention function
     transformers is configured with (no mask: causal), as a separate forward of that sequence
-    runs it; with them, causal aligned at the end (clef_worker.model.prefix_forward.attend)."""
-    from clef_worker.model.prefix_forward import attend
-
+    runs it; with them, causal aligned at the end (`attend`)."""
     outputs = []
     key_spans = zip(keys.host, keys.host[1:], strict=False)
     for (start, end), (first, last) in zip(layout.spans(), key_spans, strict=True):
@@ -262,6 +260,31 @@ def looped_attention(module: Any, query: Tensor, key: Tensor, value: Tensor,
                               key[first:last].transpose(0, 1).unsqueeze(0),
                               value[first:last].transpose(0, 1).unsqueeze(0)))
     return torch.cat(outputs, dim=1)
+
+
+def attend(module: Any, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    """Causal attention of `n` new queries over `key`/`value` whose last `n` rows are the new
+    tokens (the rest cached): `[1, Hq, n, d]`, `[1, Hkv, S, d]` -> `[1, n, Hq, d]`. Without a
+    cached part it is the attention function transformers is configured with, as a separate
+    forward runs it."""
+    new, total = query.shape[2], key.shape[2]
+    if new == total:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            module.config._attn_implementation, modeling_module().eager_attention_forward)
+        output, _ = interface(module, query, key, value, None, dropout=0.0,
+                              scaling=module.scaling)
+        return output
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    past = total - new
+    visible = (torch.arange(total, device=query.device).unsqueeze(0)
+               <= past + torch.arange(new, device=query.device).unsqueeze(1))
+    output = F.scaled_dot_product_attention(query, key.to(query.dtype), value.to(query.dtype),
+                                            attn_mask=visible, scale=module.scaling)
+    return output.transpose(1, 2)
 
 
 def varlen_attention(kernel: Callable[..., Any]) -> Attention:

@@ -47,7 +47,7 @@ it serves (`clef_worker/self_check.py`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -57,9 +57,7 @@ from clef_worker.model.packed import PackedLayout
 from clef_worker.model.packed_kernels import KeySpans
 from clef_worker.model.packed_kernels import PackedKernels as PackedKernels
 from clef_worker.model.packed_kernels import kernels_for as kernels_for
-
-if TYPE_CHECKING:
-    from clef_worker.model.stateful import StateInputs, StateOutputs
+from clef_worker.model.stateful import StateInputs, StateOutputs
 
 # -------------------------------------------------------------------------------------------
 # The layers
@@ -182,6 +180,15 @@ def packed_forward(model: Any, input_ids: Tensor, layout: PackedLayout, kernels:
         update = fused.mlp(layer.mlp, mixed)
     normed, _ = add_norm(fused, model.norm, hidden, update)
     return normed[0]
+
+
+def stateful_forward(model: Any, input_ids: Tensor, layout: PackedLayout, kernels: PackedKernels,
+                     states: StateInputs) -> tuple[Tensor, StateOutputs]:
+    """The packed forward each sequence continuing from its state inputs, `[T]` ids ->
+    `[T, H]`; and the final states (clef_worker.model.stateful). What every packed bucket
+    captures (clef_worker.gpu.packed_graphs)."""
+    out = StateOutputs([], [])
+    return packed_forward(model, input_ids, layout, kernels, states, out), out
 
 
 def add_norm(fused: FusedOps, module: Any, hidden: Tensor,

@@ -25,8 +25,8 @@ per-sequence CPU kernels loop over (they never run under capture).
 
 There is one packed forward (clef_worker.model.packed_layers.packed_forward) and one kernel set
 (clef_worker.model.packed_kernels, the fused elementwise ops included): this module only names
-the state inputs and outputs and runs that forward with them. Zero state rows and each
-sequence's keys only its own are exactly the plain forward.
+the state inputs and outputs; `packed_layers.stateful_forward` runs that forward with them.
+Zero state rows and each sequence's keys only its own are exactly the plain forward.
 """
 
 from __future__ import annotations
@@ -34,10 +34,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import Tensor
-
-from clef_worker.model.packed import PackedLayout
-from clef_worker.model.packed_kernels import PackedKernels
-from clef_worker.model.packed_layers import packed_forward
 
 
 @dataclass(frozen=True)
@@ -68,11 +64,3 @@ class StateOutputs:
     recurrent: list[Tensor]
     conv: list[Tensor]
 
-
-def stateful_forward(model: object, input_ids: Tensor, layout: PackedLayout,
-                     kernels: PackedKernels, states: StateInputs
-                     ) -> tuple[Tensor, StateOutputs]:
-    """Last hidden state (after the final norm) of a packed row, `[T]` ids -> `[T, H]`, each
-    sequence continuing from its state inputs; and the final states (`StateOutputs`)."""
-    out = StateOutputs([], [])
-    return packed_forward(model, input_ids, layout, kernels, states, out), out
