@@ -135,14 +135,14 @@ def fla_path_kernels() -> tuple[Any, Any]:
     (after)."""
     import torch
 
-    from clef_worker.model import packed_layers, short_conv, swap
+    from clef_worker.model import packed_kernels, short_conv, swap
     from clef_worker.model.fused import TORCH, fla_ops
 
-    modeling = packed_layers.modeling_module()
+    modeling = packed_kernels.modeling_module()
     swap.replace(modeling, short_conv.FUNCTION_NAME,
                  lambda original: short_conv.FlaShortConv(short_conv.load_fla_kernel(),
                                                           original))
-    kernels = packed_layers.kernels_for(torch.device("cpu"), torch.float32, "fla")
+    kernels = packed_kernels.kernels_for(torch.device("cpu"), torch.float32, "fla")
     return dataclasses.replace(kernels, fused=TORCH), dataclasses.replace(kernels,
                                                                            fused=fla_ops())
 

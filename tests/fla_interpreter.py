@@ -121,8 +121,8 @@ def gather(values: dict[str, Any], spans: Sequence[tuple[int, int]],
 
 def run(kernels: Any, values: dict[str, Any], layout: Any, weight: Any, bias: Any) -> tuple[
         Any, Any]:
-    delta = kernels.delta_rule(values["query"], values["key"], values["value"], values["g"],
-                               values["beta"], layout)
+    delta, _ = kernels.delta_rule(values["query"], values["key"], values["value"],
+                                  values["g"], values["beta"], layout)
     conv = kernels.conv(values["x"], weight, bias, "silu", layout)
     return delta, conv
 
@@ -130,11 +130,11 @@ def run(kernels: Any, values: dict[str, Any], layout: Any, weight: Any, bias: An
 def measure() -> dict[str, Any]:
     import torch
 
-    from clef_worker.model import gated_delta, packed_layers, short_conv, swap
+    from clef_worker.model import gated_delta, packed_kernels, short_conv, swap
     from clef_worker.model.packed import PackedLayout, StaticPackedLayout
 
     cpu = torch.device("cpu")
-    modeling = packed_layers.modeling_module()
+    modeling = packed_kernels.modeling_module()
     gated_delta.install(modeling)  # the CPU worker's per-sequence delta rule
     generator = torch.Generator().manual_seed(99)
     width = (2 * KEY_HEADS + VALUE_HEADS) * HEAD_DIM
@@ -149,7 +149,7 @@ def measure() -> dict[str, Any]:
         values = inputs(layout.total_tokens, seed=index)
         real = gather(values, layout.spans(), lengths)
         with torch.inference_mode():
-            expected = run(packed_layers.LOOPED, real, PackedLayout.from_lengths(lengths, cpu),
+            expected = run(packed_kernels.LOOPED, real, PackedLayout.from_lengths(lengths, cpu),
                            weight, bias)
         cases.append((lengths, values, expected))
     # The dense static row (sequences back to back, spare chunk pairs on an empty slot).
@@ -160,17 +160,17 @@ def measure() -> dict[str, Any]:
         values = inputs(layout.total_tokens, seed=10 + index)
         real = gather(values, layout.spans(), lengths)
         with torch.inference_mode():
-            expected = run(packed_layers.LOOPED, real, PackedLayout.from_lengths(lengths, cpu),
+            expected = run(packed_kernels.LOOPED, real, PackedLayout.from_lengths(lengths, cpu),
                            weight, bias)
         dense_cases.append((lengths, values, expected))
 
     swap.replace(modeling, short_conv.FUNCTION_NAME,
                  lambda original: short_conv.FlaShortConv(short_conv.load_fla_kernel(),
                                                           original))
-    kernels = packed_layers.kernels_for(cpu, torch.float32, "fla")
-    fla_utils = importlib.import_module(packed_layers.FLA_UTILS)
+    kernels = packed_kernels.kernels_for(cpu, torch.float32, "fla")
+    fla_utils = importlib.import_module(packed_kernels.FLA_UTILS)
     results: dict[str, Any] = {"names": list(kernels.names), "fused": kernels.fused.name,
-                               "memo_off": getattr(fla_utils, packed_layers.FLA_MEMO_SWITCH),
+                               "memo_off": getattr(fla_utils, packed_kernels.FLA_MEMO_SWITCH),
                                "interpreter": os.environ.get("TRITON_INTERPRET"), "cases": []}
     for index, (lengths, values, expected) in enumerate(cases):
         # The static row is refilled in place for each later mix, after the one before ran

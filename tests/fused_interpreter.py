@@ -105,7 +105,8 @@ def whole_forward(model: Any, ops: Any) -> float:
     import torch
 
     from clef_worker.model.packed import PackedLayout
-    from clef_worker.model.packed_layers import LOOPED, packed_forward
+    from clef_worker.model.packed_kernels import LOOPED
+    from clef_worker.model.packed_layers import packed_forward
 
     layout = PackedLayout.from_lengths(LENGTHS, torch.device("cpu"))
     ids = torch.randint(0, SHAPE["vocab_size"], (layout.total_tokens,),
@@ -119,10 +120,10 @@ def whole_forward(model: Any, ops: Any) -> float:
 def measure() -> dict[str, Any]:
     import torch
 
-    from clef_worker.model import gated_delta, packed_layers
+    from clef_worker.model import gated_delta, packed_kernels
     from clef_worker.model.fused import TORCH, fla_ops
 
-    gated_delta.install(packed_layers.modeling_module())  # the CPU worker's delta rule
+    gated_delta.install(packed_kernels.modeling_module())  # the CPU worker's delta rule
     ops = fla_ops()
     results: dict[str, Any] = {"name": ops.name, "ops": {}}
     for label, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):

@@ -29,7 +29,7 @@ from torch.nn import functional as F
 from benchlib.golden import LOGIT_TOLERANCE, answered
 from clef_protocol.options import RequestLimits
 from clef_worker.assembly import assemble_snapshot
-from clef_worker.model import packed_layers, short_conv, swap
+from clef_worker.model import packed_kernels, short_conv, swap
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.gated_delta import chunked_gated_delta_rule
 from clef_worker.model.packed import (
@@ -37,13 +37,13 @@ from clef_worker.model.packed import (
     PackedLayout,
     StaticPackedLayout,
 )
-from clef_worker.model.packed_layers import (
+from clef_worker.model.packed_kernels import (
     LOOPED,
     PackedKernels,
     fla_kernels,
     kernels_for,
-    packed_forward,
 )
+from clef_worker.model.packed_layers import packed_forward
 
 CPU = torch.device("cpu")
 GOLDEN_IDS = [case["input_ids"] for case in answered()]
@@ -238,9 +238,29 @@ def test_the_masked_convolution_equals_one_convolution_per_sequence(
     x = torch.randn(1, sum(lengths), 24, generator=generator)
     weight = torch.randn(24, 4, generator=generator)
     layout = PackedLayout.from_lengths(lengths, CPU)
-    got = packed_layers.masked_conv(x, weight, None, "silu", layout)
-    expected = packed_layers.looped_conv(x, weight, None, "silu", layout)
+    got = packed_kernels.masked_conv(x, weight, None, "silu", layout)
+    expected = packed_kernels.looped_conv(x, weight, None, "silu", layout)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("lengths", [[1, 2, 3, 4], [70, 1, 129]])
+def test_the_masked_convolution_reads_each_sequences_tail(
+        backbone: Backbone, lengths: list[int]) -> None:
+    """With state inputs (a continued prefix), a tap before a sequence's first token reads its
+    tail row, as the per-sequence convolution over tail-then-rows does; the tails change the
+    answer, so equal answers show they were read at the right rows."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(1, sum(lengths), 24, generator=generator)
+    weight = torch.randn(24, 4, generator=generator)
+    layout = PackedLayout.from_lengths(lengths, CPU)
+    tail = torch.randn(len(lengths), 3, 24, generator=generator)
+    got = packed_kernels.masked_conv(x, weight, None, "silu", layout, tail)
+    expected = packed_kernels.looped_conv(x, weight, None, "silu", layout, tail)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    fresh = packed_kernels.masked_conv(x, weight, None, "silu", layout, torch.zeros_like(tail))
+    torch.testing.assert_close(fresh, packed_kernels.masked_conv(x, weight, None, "silu",
+                                                                 layout), rtol=0, atol=1e-6)
+    assert (got - fresh).abs().max() > 1e-2
 
 
 def test_the_cpu_backbone_runs_the_per_sequence_kernels(backbone: Backbone) -> None:
@@ -454,7 +474,7 @@ def test_the_fla_path_picks_flas_varlen_kernels_and_varlen_attn(
     utils = types.ModuleType("fla.utils")
     utils.FLA_DISABLE_TENSOR_CACHE = False  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "fla.utils", utils)
-    modeling = packed_layers.modeling_module()
+    modeling = packed_kernels.modeling_module()
     cuda = torch.device("cuda")
     assert kernels_for(cuda, torch.bfloat16, "fla").names == (
         "fla-varlen", "masked-torch", "varlen_attn")  # --short-conv torch: no adapter bound
@@ -471,10 +491,10 @@ def test_the_fla_path_picks_flas_varlen_kernels_and_varlen_attn(
     assert not in_float32.graph_safe
     assert utils.FLA_DISABLE_TENSOR_CACHE is True
     # varlen_attn's per-call INFO line stays out of the worker's log
-    assert logging.getLogger(packed_layers.VARLEN_MODULE).level == logging.WARNING
+    assert logging.getLogger(packed_kernels.VARLEN_MODULE).level == logging.WARNING
     assert kernels_for(cuda, torch.bfloat16, "torch") is LOOPED
     assert kernels_for(CPU, torch.float32, "torch") is LOOPED
-    assert packed_layers.load_varlen_attention(CPU, torch.bfloat16) is None
+    assert packed_kernels.load_varlen_attention(CPU, torch.bfloat16) is None
 
 
 # -- the wider demo snapshot (GQA 4:1, key heads serving two value heads, 128-wide heads) ------

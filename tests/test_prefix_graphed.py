@@ -103,6 +103,28 @@ def test_a_group_with_a_hit_a_store_and_a_plain_member_replays_the_buckets(
     assert max(abs(a - b) for a, b in zip(row.probabilities, want, strict=True)) <= BOUND
 
 
+def test_a_hit_behind_a_member_of_any_length_reads_its_own_cached_keys(
+        executor: NativeExecutor, no_eager: None) -> None:
+    """The buckets' rows are dense: a member's keys sit in the key buffers right after the one
+    before it, whatever that one's length (not at a 64-token boundary), so a hit in a later
+    slot attends to its own cached keys."""
+    runner = executor.runner
+    cache, graphs = runner.prefix_cache, runner.graphs
+    assert cache is not None and isinstance(graphs, PackedGraphRunner)
+    cache.clear()
+    executor.answer_prepared([executor.prepare(_request(_events(16), QUESTIONS))])
+    group = [executor.prepare(_request(_events(3, "z"), OTHER)),  # plain, short
+             executor.prepare(_request(_events(16), OTHER))]  # a hit
+    assert len(group[0].encoding.input_ids) % 64  # its segment ends off a chunk boundary
+    paths = runner.prefix_paths.copy()
+    output = runner.run_staged(executor.stage(group)[1])
+    assert [row.reused_tokens > 0 for row in output.rows] == [False, True]
+    assert runner.prefix_paths - paths == {"graphed": 1}
+    for prepared, row in zip(group, output.rows, strict=True):
+        want = _uncached(executor, prepared)
+        assert max(abs(a - b) for a, b in zip(row.probabilities, want, strict=True)) <= BOUND
+
+
 def test_an_agent_loop_reuses_each_turn_through_the_buckets(
         executor: NativeExecutor, no_eager: None) -> None:
     cache = executor.runner.prefix_cache

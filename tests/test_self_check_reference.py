@@ -22,7 +22,7 @@ from torch import Tensor
 
 from clef_worker.model import gated_delta, short_conv
 from clef_worker.model.packed import PackedLayout
-from clef_worker.model.packed_layers import (
+from clef_worker.model.packed_kernels import (
     PackedKernels,
     looped_attention,
     masked_conv,
@@ -48,17 +48,19 @@ def recording_kernels(calls: Calls) -> PackedKernels:
     """fla-named packed kernels in plain torch that record each call's sequence count."""
 
     def delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor,
-                   layout: PackedLayout) -> Tensor:
+                   layout: PackedLayout, initial: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor | None]:
+        assert initial is None  # the reference runs every request from nothing
         spans = [span for span in layout.spans() if span[1] > span[0]]
         calls.log.append(("packed-delta", len(spans)))
         return torch.cat([gated_delta.chunked_gated_delta_rule(
             query[:, a:b], key[:, a:b], value[:, a:b], g[:, a:b], beta[:, a:b],
-            use_qk_l2norm_in_kernel=True)[0] for a, b in spans], dim=1)
+            use_qk_l2norm_in_kernel=True)[0] for a, b in spans], dim=1), None
 
     def conv(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None,
-             layout: PackedLayout) -> Tensor:
+             layout: PackedLayout, tail: Tensor | None = None) -> Tensor:
         calls.log.append(("packed-conv", len([s for s in layout.spans() if s[1] > s[0]])))
-        return masked_conv(x, weight, bias, activation, layout)
+        return masked_conv(x, weight, bias, activation, layout, tail)
 
     return PackedKernels(delta_rule=delta_rule, conv=conv, attention=looped_attention,
                          names=("fla-varlen", "fla-varlen", "per-sequence"), graph_safe=False)

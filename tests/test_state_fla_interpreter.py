@@ -31,6 +31,8 @@ def measured() -> dict[str, Any]:
 
 def test_fla_from_state_rows_matches_the_torch_kernels(measured: dict[str, Any]) -> None:
     assert measured["names"][:2] == ["fla-varlen", "fla-varlen"]
+    # the dense row the buckets use: 3 real sequences, the dummy tail, the empty slot
+    assert measured["sequences"] == 5
     assert measured["delta_max_abs_diff"] <= BOUND
     assert measured["final_max_abs_diff"] <= BOUND
     assert measured["conv_max_abs_diff"] <= BOUND

@@ -169,6 +169,14 @@ class PackedLayout:
         return list(itertools.pairwise(offsets))
 
 
+def static_sequences(max_sequences: int, align: int) -> int:
+    """The sequences of a static row, empty ones included: the real ones, the dummy tail, and
+    dense (`align=1`) one more, always empty, for the spare chunk pairs to point at. Anything
+    sized per sequence (the state rows of clef_worker.serving.gpu.state_buffers) is sized by
+    this."""
+    return max_sequences + (2 if align == 1 else 1)
+
+
 class StaticPackedLayout:
     """Buffers for a packed row of exactly `total_tokens` tokens with at most `max_sequences`
     sequences and a dummy tail sequence filling the bucket; `fill(lengths)` writes the offsets
@@ -203,8 +211,7 @@ class StaticPackedLayout:
         self.align = align
         self.device = device
         dense = align == 1
-        # dense: one more slot, always empty, for the spare chunk pairs to point at
-        self.slots = max_sequences + (3 if dense else 2)
+        self.slots = static_sequences(max_sequences, align) + 1
         self.chunk_capacity = total_tokens // FLA_CHUNK + (max_sequences if dense else 0)
         self.cu_seqlens = torch.empty(self.slots, dtype=torch.int32, device=device)
         self.chunk_indices = torch.empty(self.chunk_capacity, 2, dtype=torch.int32,

@@ -49,10 +49,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.nn import functional as F
 
 from clef_worker.model import gated_delta, short_conv
 from clef_worker.model.module_names import MODELING_MODULE
+from clef_worker.model.packed_kernels import attend
 from clef_worker.model.packed_layers import (
     attention_inputs,
     attention_output,
@@ -236,31 +236,6 @@ def gated_delta_net(mixer: Any, x: Tensor, plans: Sequence[SequencePlan],
             record.recurrent[at].append(state.clone())
     core = mixer.norm(core.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
     return mixer.out_proj(core.reshape(rows, length, -1))
-
-
-def attend(module: Any, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-    """Causal attention of `n` new queries over `key`/`value` whose last `n` rows are the new
-    tokens (the rest cached): `[1, Hq, n, d]`, `[1, Hkv, S, d]` -> `[1, n, Hq, d]`. Without a
-    cached part it is the attention function transformers is configured with, as a separate
-    forward runs it."""
-    new, total = query.shape[2], key.shape[2]
-    if new == total:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            module.config._attn_implementation, modeling_module().eager_attention_forward)
-        output, _ = interface(module, query, key, value, None, dropout=0.0,
-                              scaling=module.scaling)
-        return output
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    past = total - new
-    visible = (torch.arange(total, device=query.device).unsqueeze(0)
-               <= past + torch.arange(new, device=query.device).unsqueeze(1))
-    output = F.scaled_dot_product_attention(query, key.to(query.dtype), value.to(query.dtype),
-                                            attn_mask=visible, scale=module.scaling)
-    return output.transpose(1, 2)
 
 
 def full_attention(module: Any, x: Tensor, rotary: tuple[Tensor, Tensor],

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from clef_worker.model import gated_delta, short_conv
 from clef_worker.model.packed import PackedLayout
-from clef_worker.model.packed_layers import LOOPED, PackedKernels, modeling_module
+from clef_worker.model.packed_kernels import LOOPED, PackedKernels, modeling_module
 from clef_worker.starting.variant_probe import reference_runner
 
 if TYPE_CHECKING:
@@ -86,7 +86,8 @@ def one_sequence_delta_rule(kernels: PackedKernels,
                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                             cu_seqlens=cu_seqlens, **kwargs)
         layout = PackedLayout.from_lengths([int(query.shape[1])], query.device)
-        return kernels.delta_rule(query, key, value, g, beta, layout), None
+        output, _ = kernels.delta_rule(query, key, value, g, beta, layout)
+        return output, None
 
     return delta_rule
 

@@ -38,13 +38,15 @@ from torch import Tensor
 
 from clef_worker.model.backbone import Backbone
 from clef_worker.model.lora import AdapterSelection
-from clef_worker.model.packed import FLA_CHUNK, StaticPackedLayout, aligned_length
-from clef_worker.model.stateful import (
-    StateKernels,
-    StateOutputs,
-    stateful_forward,
-    stateful_kernels_for,
+from clef_worker.model.packed import (
+    FLA_CHUNK,
+    StaticPackedLayout,
+    aligned_length,
+    static_sequences,
 )
+from clef_worker.model.packed_kernels import PackedKernels, kernels_for
+from clef_worker.model.packed_layers import stateful_forward
+from clef_worker.model.stateful import StateOutputs
 from clef_worker.serving.gpu.buckets import cost_bucket_lengths
 from clef_worker.serving.gpu.capture import Capturer, Forward
 from clef_worker.serving.gpu.state_buffers import RowSequence, StateBuffers, StateShapes, fresh
@@ -126,7 +128,7 @@ class PackedGraphRunner:
         # time; their keys hold twice the largest bucket: a full row beside one cached prefix
         # as long as the longest request.
         self.states: StateBuffers | None = None
-        self.state_kernels: StateKernels | None = None
+        self.state_kernels: PackedKernels | None = None
         self.outputs = StateOutputs([], [])  # the last replay's final states (static on CUDA)
         # False: the buckets' forward without state inputs (prefix-cache groups eager).
         self.state_inputs = state_inputs
@@ -185,12 +187,7 @@ class PackedGraphRunner:
         """Build (capture) every planned bucket, largest first; the only place one is built."""
         started = time.perf_counter()
         if self.state_inputs and self.states is None and self.planned:
-            backbone = self.backbone
-            largest = max(self.planned)
-            self.states = StateBuffers(StateShapes.of(backbone.model), self.max_sequences + 1,
-                                       largest, 2 * largest, backbone.device, backbone.dtype)
-            self.state_kernels = stateful_kernels_for(backbone.device, backbone.dtype,
-                                                      backbone.gdn_path)
+            self._make_states()
         self.capturer.begin()
         try:
             with torch.inference_mode():
@@ -212,6 +209,24 @@ class PackedGraphRunner:
             self.capturer.end()
         self.stats.capture_ms += (time.perf_counter() - started) * 1000
         return list(self.stats.built)
+
+    def _make_states(self) -> None:
+        """The shared state buffers, one row per sequence of a static row (the dummy tail and
+        the dense row's empty slot included: their rows stay zero), and the packed kernels
+        (the backbone's, fused ops and all). Captured graphs need kernels that take state
+        inputs without host reads (`state_safe`); otherwise the buckets run without them."""
+        backbone = self.backbone
+        kernels = backbone.packed_kernels or kernels_for(backbone.device, backbone.dtype,
+                                                         backbone.gdn_path)
+        if self.graphs and not kernels.state_safe:
+            log.warning("packed kernels %s cannot capture state inputs: prefix-cache groups "
+                        "run the eager prefixed forward", kernels.names)
+            return
+        largest = max(self.planned)
+        self.states = StateBuffers(StateShapes.of(backbone.model),
+                                   static_sequences(self.max_sequences, PACK_ALIGN), largest,
+                                   2 * largest, backbone.device, backbone.dtype)
+        self.state_kernels = kernels
 
     def _build_every(self) -> None:
         for tokens in sorted(self.planned, reverse=True):

@@ -10,10 +10,12 @@ a group that continues cached prefixes or stores points writes its rows and cach
 first (clef_worker.serving.prefix.graphed), then fills the indices with each sequence's cached
 length and rotary start.
 
-Sizes: `slots` is the static row's sequence count (`max_sequences` + the dummy tail); the key
+Sizes: `slots` is the static row's sequence count (`packed.static_sequences`: `max_sequences`,
+the dummy tail and, in the buckets' dense row, the always-empty slot; those two keep zero rows,
+and their final states are never stored); the key
 buffers hold `capacity` rows, the largest bucket plus the cached keys a group may bring (a group
 whose cached keys do not fit is split by the caller). At Clef-Flash's shapes a state row is
-49 MiB over the 24 Gated DeltaNet layers, so 17 rows are 0.83 GiB; the key buffers 64 KiB per
+49 MiB over the 24 Gated DeltaNet layers, so 18 rows are 0.88 GiB; the key buffers 64 KiB per
 token over the 8 attention layers (docs/operations.md).
 """
 

@@ -8,10 +8,13 @@ same graphs as a plain one:
 
 - **Round r** holds every member's r-th segment, its tokens cut at its points: a member that
   stores nothing (plain, or a hit that adds no point) runs whole in round 0, from its cached
-  states or from zero rows. Points and cached starts are multiples of 64, so a segment that
-  ends at a point carries no alignment padding, and the final states the replay leaves for it
-  are exactly the states at the point: kept for the cache and written as its rows for the next
-  round. A member's keys before its segment (cached, then earlier rounds') are copied into the
+  states or from zero rows. The buckets' rows are dense (`PACK_ALIGN`, 1: segments back to
+  back, no padding inside a sequence; fla's chunks are counted from each sequence's own
+  start), so a segment ends exactly at its point whatever the cache's point spacing
+  (`prefix_cache.POINT_ALIGN`), and the final states the replay leaves for it are exactly the
+  states at the point: kept for the cache and written as its rows for the next round. The
+  dummy tail sequence and the empty slot after the members keep zero rows and are never
+  stored. A member's keys before its segment (cached, then earlier rounds') are copied into the
   key buffers ahead of it; the new ones are read back after the replay.
 - **No host read of the device**: ids and indices are built on the host from the staged ids and
   copied without blocking; state rows and keys move device to device.
@@ -38,12 +41,11 @@ from torch import Tensor
 
 from clef_worker.model.packed import aligned_length, to_device
 from clef_worker.model.prefix_forward import Captured, MediaInputs
-from clef_worker.serving.gpu.packed_graphs import PackedGraphRunner, aligned_offsets
+from clef_worker.serving.gpu.packed_graphs import PACK_ALIGN, PackedGraphRunner, aligned_offsets
 from clef_worker.serving.gpu.state_buffers import RowSequence
 from clef_worker.serving.prefix.cache import CacheKey, Hit, PrefixCache
 from clef_worker.serving.prefix.run import GroupPlan, run_group
 
-ALIGN = 64
 log = logging.getLogger(__name__)
 
 
@@ -84,8 +86,8 @@ def graphable(graphs: PackedGraphRunner, start: int, length: int) -> bool:
     if states is None or not graphs.static:
         return False
     largest = max(graphs.static)
-    return (aligned_length(length - start, ALIGN) <= largest
-            and aligned_length(length, ALIGN) <= states.capacity - largest)
+    return (aligned_length(length - start, PACK_ALIGN) <= largest
+            and aligned_length(length, PACK_ALIGN) <= states.capacity - largest)
 
 
 def batches(graphs: PackedGraphRunner, members: Sequence[Member]) -> list[list[Member]]:
@@ -97,8 +99,8 @@ def batches(graphs: PackedGraphRunner, members: Sequence[Member]) -> list[list[M
     out: list[list[Member]] = []
     tokens = keys = 0
     for member in members:
-        new = aligned_length(member.length - member.start, ALIGN)
-        own = aligned_length(member.length, ALIGN)
+        new = aligned_length(member.length - member.start, PACK_ALIGN)
+        own = aligned_length(member.length, PACK_ALIGN)
         if out and (tokens + new <= largest and keys + own <= room
                     and len(out[-1]) < graphs.max_sequences):
             out[-1].append(member)
@@ -171,7 +173,8 @@ def _run_round(graphs: PackedGraphRunner, active: Sequence[tuple[Member, tuple[i
             if targets:
                 torch._foreach_copy_(targets, sources)
         member.key_at = key_at
-        key_at += start + aligned_length(end - start, ALIGN)
+        # its keys in the buffers: cached ones then its row span (StateBuffers.fill's offsets)
+        key_at += start + aligned_length(end - start, PACK_ALIGN)
     row, _ = graphs.host_ids([host_ids[m.index][a:b].tolist() for m, (a, b) in active],
                              bucket)
     device = states.device
