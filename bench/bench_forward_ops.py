@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if "fla" in sys.modules:
         raise SystemExit("fla was imported before the interpreter was switched on")
     os.environ["TRITON_INTERPRET"] = "1"  # before fla is imported (by the kernels below)
-    from tests.fla_interpreter import prepare
+    from benchlib.triton_interpreter import prepare
 
     prepare()
     tokens, lengths = (64, [40]) if args.quick else (args.tokens,

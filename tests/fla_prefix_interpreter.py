@@ -13,7 +13,8 @@ import json
 import sys
 from typing import Any
 
-from tests.fla_interpreter import HEAD_DIM, KEY_HEADS, VALUE_HEADS, inputs, prepare
+from benchlib.triton_interpreter import prepare
+from tests.fla_interpreter import HEAD_DIM, KEY_HEADS, VALUE_HEADS, inputs
 
 # Two sequences in one call: the first continues from a cached state and is cut at two points
 # (the second an unaligned end), the second starts from nothing and is cut once; so the rounds

@@ -13,7 +13,8 @@ import json
 import sys
 from typing import Any
 
-from tests.fla_interpreter import CONV_WIDTH, HEAD_DIM, KEY_HEADS, VALUE_HEADS, inputs, prepare
+from benchlib.triton_interpreter import prepare
+from tests.fla_interpreter import CONV_WIDTH, HEAD_DIM, KEY_HEADS, VALUE_HEADS, inputs
 
 # A sequence continuing from a state that ends at a point (64 tokens: its final state is the
 # one to keep), one continuing and padded, one fresh (zero rows), in a 256-token static row.

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from tests.fla_interpreter import prepare
+from benchlib.triton_interpreter import prepare
 
 TOKENS = 37  # not a multiple of any block size: the kernels' masks are exercised
 LENGTHS = (23, 1, 40)  # one packed row of three sequences for the whole forward
