@@ -146,9 +146,10 @@ def test_warm_up_includes_an_image_request(executor: NativeExecutor,
     with_media: list[bool] = []
     real = executor.runner.run
 
-    def spy(encodings: Any, medias: Any = (), *rest: Any) -> Any:
+    def spy(encodings: Any, medias: Any = (), *rest: Any, **named: Any) -> Any:
         with_media.append(any(media is not None for media in medias))
-        return real(encodings, medias, *rest)  # rest: the variants' slots, where given
+        # rest: the variants' slots, where given; named: the prefix-cache keys of its step
+        return real(encodings, medias, *rest, **named)
 
     monkeypatch.setattr(executor.runner, "run", spy)
     executor.warm_up()
