@@ -29,14 +29,14 @@ from clef_worker.model.prefix_forward import (
     prefixed_forward,
     torch_delta_rule,
 )
-from clef_worker.native import NativeExecutor, Prepared
+from clef_worker.native import NativeExecutor
 from clef_worker.serving.prefix.cache import CacheKey, Hit, PrefixCache, ids_array, root_key
 from clef_worker.starting import prefix_probe as prefix_check
 from clef_worker.starting import verdict_store
 from clef_worker.starting.check_probes import PROBES
 from clef_worker.starting.self_check import run_self_check
-from clef_worker.starting.variant_probe import reference_runner
 from tests.doubles import break_suffix_positions
+from tests.prefix_helpers import events, uncached_probabilities
 
 # Every answer within the golden bound of the uncached forward (fp32 on CPU).
 BOUND = 1.5e-4
@@ -256,16 +256,6 @@ QUESTIONS = {"decide": {"type": "choice", "criteria": {"a": "approve", "b": "blo
 OTHER = {"risky": {"type": "noul"}, "level": {"type": "score", "criteria": ["low", "high"]}}
 
 
-def _events(count: int, tag: str = "") -> dict[str, Any]:
-    return {"events": [{"n": i, "note": f"{tag}invoice {i * 37} paid by {i % 11}"}
-                       for i in range(count)]}
-
-
-def _probabilities(executor: NativeExecutor, prepared: Prepared) -> list[float]:
-    """The uncached answer: the plain eager forward of the request alone (no prefix cache)."""
-    with reference_runner(executor.runner) as plain:
-        assert plain.prefix_cache is None
-        return plain.run([prepared.encoding], slots=[prepared.slot]).rows[0].probabilities
 
 
 def test_a_cached_prefix_inside_a_packed_group_beside_uncached_requests(
@@ -273,18 +263,18 @@ def test_a_cached_prefix_inside_a_packed_group_beside_uncached_requests(
     cache = executor.runner.prefix_cache
     assert cache is not None and cache.enabled  # on by default
     cache.clear()
-    warm = executor.prepare(_request(_events(16), QUESTIONS))
+    warm = executor.prepare(_request(events(16), QUESTIONS))
     executor.answer_prepared([warm])
-    group = [executor.prepare(_request(_events(16), OTHER)),
-             executor.prepare(_request(_events(5, "x"), QUESTIONS)),
-             executor.prepare(_request(_events(9, "y"), OTHER))]
+    group = [executor.prepare(_request(events(16), OTHER)),
+             executor.prepare(_request(events(5, "x"), QUESTIONS)),
+             executor.prepare(_request(events(9, "y"), OTHER))]
     staged = executor.stage(group)
     output = executor.runner.run_staged(staged[1])
     assert [row.reused_tokens > 0 for row in output.rows] == [True, False, False]
     assert output.rows[0].reused_tokens >= cache.block_tokens
     assert all(row.batch_size == 3 for row in output.rows)
     for prepared, row in zip(group, output.rows, strict=True):
-        want = _probabilities(executor, prepared)
+        want = uncached_probabilities(executor, prepared)
         assert max(abs(a - b) for a, b in zip(row.probabilities, want, strict=True)) <= BOUND
 
 
@@ -297,12 +287,12 @@ def test_an_agent_loop_reuses_its_previous_turn_and_answers_as_uncached(
     cache.clear()
     reused = []
     for turn in range(3):
-        prepared = executor.prepare(_request(_events(14 + 4 * turn), QUESTIONS))
+        prepared = executor.prepare(_request(events(14 + 4 * turn), QUESTIONS))
         [answer] = executor.answer_prepared([prepared])
         assert answer.prefix is not None
         reused.append(answer.prefix.reused_tokens)
         got = json.loads(answer.body)["answers"]["decide"]["probabilities"]
-        want = _probabilities(executor, prepared)
+        want = uncached_probabilities(executor, prepared)
         assert max(abs(p - w) for p, w in zip(got.values(), want, strict=True)) <= 1e-4 + BOUND
     assert reused[0] == 0 and 0 < reused[1] < reused[2]
     assert answer.prefix is not None
@@ -312,7 +302,7 @@ def test_an_agent_loop_reuses_its_previous_turn_and_answers_as_uncached(
 def test_a_variant_never_reuses_the_bases_states(tiny_snapshot: Path) -> None:
     executor = assemble_snapshot(tiny_snapshot, device="cpu", dtype="float32",
                                  finetunes=tuple(resolve_finetunes([str(FINETUNE_FIXTURES)])))
-    state = _events(16)
+    state = events(16)
     [base] = executor.answer_prepared([executor.prepare(_request(state, QUESTIONS))])
     variant = executor.prepare(_request(state, OTHER, model="tiny-alpha"))
     assert variant.slot != 0
@@ -323,7 +313,7 @@ def test_a_variant_never_reuses_the_bases_states(tiny_snapshot: Path) -> None:
                                                                   model="tiny-alpha"))])
     assert again.prefix is not None and again.prefix.reused_tokens > 0  # its own states
     got = json.loads(again.body)["answers"]["decide"]["probabilities"]
-    want = _probabilities(executor, executor.prepare(_request(state, QUESTIONS,
+    want = uncached_probabilities(executor, executor.prepare(_request(state, QUESTIONS,
                                                               model="tiny-alpha")))
     assert max(abs(p - w) for p, w in zip(got.values(), want, strict=True)) <= 1e-4 + BOUND
 
@@ -371,7 +361,7 @@ def test_a_disagreeing_probe_turns_the_cache_off_with_an_error(
     assert not info.enabled and "prefixed probe differs" in info.disabled_reason
     assert any("prefix cache off" in record.getMessage() for record in caplog.records)
     # Off means off: later requests neither reuse nor store.
-    [answer] = executor.answer_prepared([executor.prepare(_request(_events(16), QUESTIONS))])
+    [answer] = executor.answer_prepared([executor.prepare(_request(events(16), QUESTIONS))])
     assert answer.prefix is not None and answer.prefix.reused_tokens == 0 and not cache.blocks
 
 
@@ -443,7 +433,7 @@ def test_ready_and_responses_report_the_cache(tiny_snapshot: Path) -> None:
     block; the second request about the same state says how many tokens it reused."""
     from clef_protocol import messages
 
-    body = _request(_events(16), QUESTIONS)
+    body = _request(events(16), QUESTIONS)
     ready, first, second = _worker_frames(tiny_snapshot, [], [body, body])
     info = messages.ReadyInfo.from_message(ready).prefix_cache
     assert info == messages.PrefixCacheInfo(True, 1 << 30, 256, "")
@@ -459,7 +449,7 @@ def test_ready_and_responses_report_the_cache(tiny_snapshot: Path) -> None:
 def test_prefix_cache_off_is_reported_and_reuses_nothing(tiny_snapshot: Path) -> None:
     from clef_protocol import messages
 
-    body = _request(_events(16), QUESTIONS)
+    body = _request(events(16), QUESTIONS)
     ready, _, second = _worker_frames(
         tiny_snapshot, ["--prefix-cache", "off", "--prefix-cache-bytes", "4096"], [body, body])
     info = messages.ReadyInfo.from_message(ready).prefix_cache
@@ -481,7 +471,7 @@ def test_zero_bytes_turns_the_cache_off_and_auto_is_by_device(tiny_snapshot: Pat
         worker_argv,
     )
 
-    body = _request(_events(16), QUESTIONS)
+    body = _request(events(16), QUESTIONS)
     ready, _, second = _worker_frames(tiny_snapshot, ["--prefix-cache-bytes", "0"],
                                       [body, body])
     info = messages.ReadyInfo.from_message(ready).prefix_cache

@@ -19,7 +19,7 @@ from benchlib.paths import FINETUNE_FIXTURES
 from clef_protocol.finetune import resolve_finetunes
 from clef_worker.assembly import assemble_snapshot
 from clef_worker.model.prefix_forward import Captured
-from clef_worker.native import NativeExecutor, Prepared
+from clef_worker.native import NativeExecutor
 from clef_worker.serving.gpu import packed_graphs
 from clef_worker.serving.gpu.capture import EagerCapturer
 from clef_worker.serving.gpu.packed_graphs import PackedGraphRunner
@@ -34,7 +34,7 @@ from clef_worker.serving.prefix.cache import (
 )
 from clef_worker.serving.prefix.graphed import Member, batches
 from clef_worker.serving.runner import ModelRunner
-from clef_worker.starting.variant_probe import reference_runner
+from tests.prefix_helpers import events, uncached_probabilities
 
 BOUND = PROBABILITY_TOLERANCE
 QUESTIONS = {"decide": {"type": "choice", "criteria": {"a": "approve", "b": "block"}}}
@@ -55,15 +55,6 @@ def _request(state: Any, questions: dict[str, Any], model: str = "clef-flash") -
     return json.dumps({"model": model, "state": state, "questions": questions}).encode()
 
 
-def _events(count: int, tag: str = "") -> dict[str, Any]:
-    return {"events": [{"n": i, "note": f"{tag}invoice {i * 37} paid by {i % 11}"}
-                       for i in range(count)]}
-
-
-def _uncached(executor: NativeExecutor, prepared: Prepared) -> list[float]:
-    with reference_runner(executor.runner) as plain:
-        assert plain.prefix_cache is None
-        return plain.run([prepared.encoding], slots=[prepared.slot]).rows[0].probabilities
 
 
 @pytest.fixture
@@ -82,24 +73,24 @@ def test_a_group_with_a_hit_a_store_and_a_plain_member_replays_the_buckets(
     cache, graphs = runner.prefix_cache, runner.graphs
     assert cache is not None and cache.enabled and isinstance(graphs, PackedGraphRunner)
     cache.clear()
-    executor.answer_prepared([executor.prepare(_request(_events(16), QUESTIONS))])
+    executor.answer_prepared([executor.prepare(_request(events(16), QUESTIONS))])
     assert cache.blocks  # the warm request stored its points through the buckets
-    group = [executor.prepare(_request(_events(16), OTHER)),  # a hit
-             executor.prepare(_request(_events(14, "x"), QUESTIONS)),  # stores
-             executor.prepare(_request(_events(2, "y"), OTHER))]  # plain: a short state
+    group = [executor.prepare(_request(events(16), OTHER)),  # a hit
+             executor.prepare(_request(events(14, "x"), QUESTIONS)),  # stores
+             executor.prepare(_request(events(2, "y"), OTHER))]  # plain: a short state
     before, paths = graphs.stats.state_replays, runner.prefix_paths.copy()
     output = runner.run_staged(executor.stage(group)[1])
     assert [row.reused_tokens > 0 for row in output.rows] == [True, False, False]
     assert runner.prefix_paths - paths == {"graphed": 1}
     assert graphs.stats.state_replays > before
     for prepared, row in zip(group, output.rows, strict=True):
-        want = _uncached(executor, prepared)
+        want = uncached_probabilities(executor, prepared)
         assert max(abs(a - b) for a, b in zip(row.probabilities, want, strict=True)) <= BOUND
     # The storing member's blocks are found again, and reused through the buckets too.
-    again = executor.prepare(_request(_events(14, "x"), OTHER))
+    again = executor.prepare(_request(events(14, "x"), OTHER))
     [row] = runner.run_staged(executor.stage([again])[1]).rows
     assert row.reused_tokens > 0
-    want = _uncached(executor, again)
+    want = uncached_probabilities(executor, again)
     assert max(abs(a - b) for a, b in zip(row.probabilities, want, strict=True)) <= BOUND
 
 
@@ -112,16 +103,16 @@ def test_a_hit_behind_a_member_of_any_length_reads_its_own_cached_keys(
     cache, graphs = runner.prefix_cache, runner.graphs
     assert cache is not None and isinstance(graphs, PackedGraphRunner)
     cache.clear()
-    executor.answer_prepared([executor.prepare(_request(_events(16), QUESTIONS))])
-    group = [executor.prepare(_request(_events(3, "z"), OTHER)),  # plain, short
-             executor.prepare(_request(_events(16), OTHER))]  # a hit
+    executor.answer_prepared([executor.prepare(_request(events(16), QUESTIONS))])
+    group = [executor.prepare(_request(events(3, "z"), OTHER)),  # plain, short
+             executor.prepare(_request(events(16), OTHER))]  # a hit
     assert len(group[0].encoding.input_ids) % 64  # its segment ends off a chunk boundary
     paths = runner.prefix_paths.copy()
     output = runner.run_staged(executor.stage(group)[1])
     assert [row.reused_tokens > 0 for row in output.rows] == [False, True]
     assert runner.prefix_paths - paths == {"graphed": 1}
     for prepared, row in zip(group, output.rows, strict=True):
-        want = _uncached(executor, prepared)
+        want = uncached_probabilities(executor, prepared)
         assert max(abs(a - b) for a, b in zip(row.probabilities, want, strict=True)) <= BOUND
 
 
@@ -132,12 +123,12 @@ def test_an_agent_loop_reuses_each_turn_through_the_buckets(
     cache.clear()
     reused = []
     for turn in range(3):
-        prepared = executor.prepare(_request(_events(14 + 4 * turn), QUESTIONS))
+        prepared = executor.prepare(_request(events(14 + 4 * turn), QUESTIONS))
         [answer] = executor.answer_prepared([prepared])
         assert answer.prefix is not None
         reused.append(answer.prefix.reused_tokens)
         got = list(json.loads(answer.body)["answers"]["decide"]["probabilities"].values())
-        want = _uncached(executor, prepared)
+        want = uncached_probabilities(executor, prepared)
         assert max(abs(p - w) for p, w in zip(got, want, strict=True)) <= 1e-4 + BOUND
     assert reused[0] == 0 and 0 < reused[1] < reused[2]
 
@@ -152,10 +143,10 @@ def test_what_the_buckets_record_never_syncs(executor: NativeExecutor,
     cache = executor.runner.prefix_cache
     assert cache is not None
     cache.clear()
-    executor.answer_prepared([executor.prepare(_request(_events(16), QUESTIONS))])
-    group = [executor.prepare(_request(_events(16), OTHER)),
-             executor.prepare(_request(_events(14, "z"), QUESTIONS)),
-             executor.prepare(_request(_events(2, "w"), OTHER))]
+    executor.answer_prepared([executor.prepare(_request(events(16), QUESTIONS))])
+    group = [executor.prepare(_request(events(16), OTHER)),
+             executor.prepare(_request(events(14, "z"), QUESTIONS)),
+             executor.prepare(_request(events(2, "w"), OTHER))]
     executor.runner.run_staged(executor.stage(group)[1])
     assert mode.operations > 0
 
@@ -238,12 +229,12 @@ def test_buckets_fall_back_to_the_plain_forward_if_the_stateful_one_fails(
     cache = PrefixCache(1 << 30)
     runner = ModelRunner(executor.backbone, executor.head, executor.pad_id, graphs=graphs,
                          layout="packed", prefix_cache=cache)
-    prepared = executor.prepare(_request(_events(16), QUESTIONS))
+    prepared = executor.prepare(_request(events(16), QUESTIONS))
     staged = runner.stage([prepared.encoding],
                           cache_keys=[executor.prefix_key(prepared.encoding)])
     [row] = runner.run_staged(staged).rows
     assert runner.prefix_paths == {"eager": 1} and cache.blocks
-    want = _uncached(executor, prepared)
+    want = uncached_probabilities(executor, prepared)
     assert max(abs(a - b) for a, b in zip(row.probabilities, want, strict=True)) <= BOUND
 
 
@@ -256,14 +247,14 @@ def test_a_variant_continues_its_own_prefix_through_the_buckets(
     graphs = built.runner.graphs
     assert isinstance(graphs, PackedGraphRunner) and graphs.selection is not None
     graphs.build_all()
-    first = built.prepare(_request(_events(16), QUESTIONS, model="tiny-alpha"))
+    first = built.prepare(_request(events(16), QUESTIONS, model="tiny-alpha"))
     assert first.slot != 0
     built.answer_prepared([first])
-    group = [built.prepare(_request(_events(16), OTHER, model="tiny-alpha")),
-             built.prepare(_request(_events(16), OTHER))]  # the base: its own (no) prefix
+    group = [built.prepare(_request(events(16), OTHER, model="tiny-alpha")),
+             built.prepare(_request(events(16), OTHER))]  # the base: its own (no) prefix
     output = built.runner.run_staged(built.stage(group)[1])
     assert [row.reused_tokens > 0 for row in output.rows] == [True, False]
     assert built.runner.prefix_paths["graphed"] >= 2
     for prepared, row in zip(group, output.rows, strict=True):
-        want = _uncached(built, prepared)
+        want = uncached_probabilities(built, prepared)
         assert max(abs(a - b) for a, b in zip(row.probabilities, want, strict=True)) <= BOUND
