@@ -258,3 +258,28 @@ def test_a_variant_continues_its_own_prefix_through_the_buckets(
     for prepared, row in zip(group, output.rows, strict=True):
         want = uncached_probabilities(built, prepared)
         assert max(abs(a - b) for a, b in zip(row.probabilities, want, strict=True)) <= BOUND
+
+
+def test_a_stack_without_attention_layers_stores_and_reuses_through_the_buckets(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two Gated DeltaNet layers and no attention layer (the benchmarks' small shape cut to two
+    layers): a round then has no keys to place in the key buffers, and the warm-up's
+    store-then-reuse through the buckets must still run (it raised IndexError)."""
+    import importlib
+
+    from benchlib.flash_model import LOADER_MODULE, InMemoryModel
+    from clef_protocol.options import RequestLimits
+    from clef_worker.assembly import assemble_snapshot
+    from clef_worker.demo import ensure_demo_snapshot
+
+    model = InMemoryModel("small", layers=2)
+    loader = importlib.import_module(LOADER_MODULE)
+    monkeypatch.setattr(loader, "load_backbone", model.load_backbone)
+    monkeypatch.setattr(loader, "load_head", model.load_head)
+    executor = assemble_snapshot(
+        ensure_demo_snapshot(), variant="clef-flash", device="cpu", dtype="float32",
+        gdn_prefill="auto", short_conv="auto", limits=RequestLimits(max_length=1024),
+        demo=True, media="off", cuda_graphs="on", max_batch_tokens=2048)
+    assert model.parameters  # the in-memory stack, not the demo snapshot's
+    executor.warm_up()  # stores a prefix, then reuses it, through the packed buckets
+    assert executor.runner.prefix_paths["graphed"] >= 1

@@ -166,6 +166,8 @@ def _run_round(graphs: PackedGraphRunner, active: Sequence[tuple[Member, tuple[i
         for buffer, parts in ((states.keys, member.keys), (states.values, member.values)):
             at, targets, sources = key_at, [], []
             for part in parts:
+                if not part:  # a stack without attention layers keeps no keys
+                    continue
                 rows = part[0].shape[0]
                 targets += list(buffer[:, at:at + rows].unbind(0))
                 sources += part
