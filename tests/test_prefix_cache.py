@@ -36,7 +36,7 @@ from clef_worker.starting import verdict_store
 from clef_worker.starting.check_probes import PROBES
 from clef_worker.starting.self_check import run_self_check
 from tests.doubles import break_suffix_positions
-from tests.prefix_helpers import events, uncached_probabilities
+from tests.prefix_helpers import agent_loop, events, uncached_probabilities
 
 # Every answer within the golden bound of the uncached forward (fp32 on CPU).
 BOUND = 1.5e-4
@@ -282,18 +282,7 @@ def test_an_agent_loop_reuses_its_previous_turn_and_answers_as_uncached(
         executor: NativeExecutor) -> None:
     """A state growing turn by turn: each turn reuses up to the previous turn's state end, and
     every answer is the uncached one within the bound; the response frame's `prefix` counts."""
-    cache = executor.runner.prefix_cache
-    assert cache is not None
-    cache.clear()
-    reused = []
-    for turn in range(3):
-        prepared = executor.prepare(_request(events(14 + 4 * turn), QUESTIONS))
-        [answer] = executor.answer_prepared([prepared])
-        assert answer.prefix is not None
-        reused.append(answer.prefix.reused_tokens)
-        got = json.loads(answer.body)["answers"]["decide"]["probabilities"]
-        want = uncached_probabilities(executor, prepared)
-        assert max(abs(p - w) for p, w in zip(got.values(), want, strict=True)) <= 1e-4 + BOUND
+    reused, answer = agent_loop(executor, QUESTIONS, 1e-4 + BOUND)
     assert reused[0] == 0 and 0 < reused[1] < reused[2]
     assert answer.prefix is not None
     assert answer.prefix.tokens_reused >= reused[1] + reused[2]

@@ -34,7 +34,7 @@ from clef_worker.serving.prefix.cache import (
 )
 from clef_worker.serving.prefix.graphed import Member, batches
 from clef_worker.serving.runner import ModelRunner
-from tests.prefix_helpers import events, uncached_probabilities
+from tests.prefix_helpers import agent_loop, events, uncached_probabilities
 
 BOUND = PROBABILITY_TOLERANCE
 QUESTIONS = {"decide": {"type": "choice", "criteria": {"a": "approve", "b": "block"}}}
@@ -118,18 +118,7 @@ def test_a_hit_behind_a_member_of_any_length_reads_its_own_cached_keys(
 
 def test_an_agent_loop_reuses_each_turn_through_the_buckets(
         executor: NativeExecutor, no_eager: None) -> None:
-    cache = executor.runner.prefix_cache
-    assert cache is not None
-    cache.clear()
-    reused = []
-    for turn in range(3):
-        prepared = executor.prepare(_request(events(14 + 4 * turn), QUESTIONS))
-        [answer] = executor.answer_prepared([prepared])
-        assert answer.prefix is not None
-        reused.append(answer.prefix.reused_tokens)
-        got = list(json.loads(answer.body)["answers"]["decide"]["probabilities"].values())
-        want = uncached_probabilities(executor, prepared)
-        assert max(abs(p - w) for p, w in zip(got, want, strict=True)) <= 1e-4 + BOUND
+    reused, _ = agent_loop(executor, QUESTIONS, 1e-4 + BOUND)
     assert reused[0] == 0 and 0 < reused[1] < reused[2]
 
 
