@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import builtins
 import importlib
+import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 # The fla modules whose kernels call `.to()` on a `range` loop's index.
@@ -67,3 +68,11 @@ def prepare() -> None:
         raise SystemExit("fla was imported before the harness: its kernels are not interpreted")
     equal_autotune_timings()
     interpreted_loops()
+
+
+def run_harness(measure: Callable[[], dict[str, Any]]) -> int:
+    """A harness process's whole main: the interpreter prepared, `measure` run, its result
+    printed as one JSON line for the test that started the process to read."""
+    prepare()
+    print(json.dumps(measure()))
+    return 0

@@ -24,14 +24,13 @@ because the interpreter runs every program instance in Python.
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from benchlib.triton_interpreter import (
-    prepare,
+    run_harness,
 )
 
 KEY_HEADS, VALUE_HEADS, HEAD_DIM, CONV_WIDTH = 1, 2, 16, 4
@@ -157,9 +156,7 @@ def measure() -> dict[str, Any]:
 
 
 def main() -> int:
-    prepare()
-    print(json.dumps(measure()))
-    return 0
+    return run_harness(measure)
 
 
 if __name__ == "__main__":

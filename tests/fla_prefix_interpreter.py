@@ -9,11 +9,10 @@ are `tests/fla_interpreter.py`'s (why a process of its own is said there).
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
-from benchlib.triton_interpreter import prepare
+from benchlib.triton_interpreter import run_harness
 from tests.fla_interpreter import HEAD_DIM, KEY_HEADS, VALUE_HEADS, inputs
 
 # Two sequences in one call: the first continues from a cached state and is cut at two points
@@ -56,9 +55,7 @@ def measure() -> dict[str, Any]:
 
 
 def main() -> int:
-    prepare()
-    print(json.dumps(measure()))
-    return 0
+    return run_harness(measure)
 
 
 if __name__ == "__main__":

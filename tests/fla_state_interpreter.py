@@ -9,11 +9,10 @@ harness fixes are `tests/fla_interpreter.py`'s.
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
-from benchlib.triton_interpreter import prepare
+from benchlib.triton_interpreter import run_harness
 from tests.fla_interpreter import CONV_WIDTH, HEAD_DIM, KEY_HEADS, VALUE_HEADS, inputs
 
 # A sequence continuing from a state that ends at a point (64 tokens: its final state is the
@@ -90,9 +89,7 @@ def run_without_tail(values: Any, weight: Any, bias: Any, layout: Any, tails: An
 
 
 def main() -> int:
-    prepare()
-    print(json.dumps(measure()))
-    return 0
+    return run_harness(measure)
 
 
 if __name__ == "__main__":

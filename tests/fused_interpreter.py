@@ -13,12 +13,11 @@ swapped) against the same forward with the torch set.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from benchlib.triton_interpreter import prepare
+from benchlib.triton_interpreter import run_harness
 
 TOKENS = 37  # not a multiple of any block size: the kernels' masks are exercised
 LENGTHS = (23, 1, 40)  # one packed row of three sequences for the whole forward
@@ -142,9 +141,7 @@ def measure() -> dict[str, Any]:
 
 
 def main() -> int:
-    prepare()
-    print(json.dumps(measure()))
-    return 0
+    return run_harness(measure)
 
 
 if __name__ == "__main__":
