@@ -76,3 +76,18 @@ def run_harness(measure: Callable[[], dict[str, Any]]) -> int:
     prepare()
     print(json.dumps(measure()))
     return 0
+
+
+def harness_result(module: str, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Run the harness `module` (`python -m module`) in a process of its own with the
+    interpreter on, and return the JSON line its `run_harness` printed."""
+    import subprocess
+
+    from benchlib.paths import REPO
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", module], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout_s, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result

@@ -10,15 +10,11 @@ can land one step either side)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
-from benchlib.paths import REPO
+from benchlib.triton_interpreter import harness_result
 
 FLOAT32_BOUND = 1e-5
 BFLOAT16_STEPS = 2 ** -7
@@ -28,12 +24,7 @@ OPS = ("norm", "norm_residual", "head_norm", "gated_norm", "rotary", "decay", "m
 
 @pytest.fixture(scope="module")
 def measured() -> dict[str, Any]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "tests.fused_interpreter"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return harness_result("tests.fused_interpreter")
 
 
 def test_every_op_was_measured_with_flas_kernels(measured: dict[str, Any]) -> None:

@@ -12,15 +12,11 @@ chunkings of the same recurrence: about 1e-7 measured), 1e-5.
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
-from benchlib.paths import REPO
+from benchlib.triton_interpreter import harness_result
 from tests.fla_interpreter import MIXES, STATIC_SEQUENCES, STATIC_TOKENS
 
 BOUND = 1e-5
@@ -29,12 +25,7 @@ FLA_CHUNK = 64
 
 @pytest.fixture(scope="module")
 def measured() -> dict[str, Any]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "tests.fla_interpreter"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return harness_result("tests.fla_interpreter")
 
 
 def expected_chunk_indices(offsets: list[int]) -> list[list[int]]:

@@ -6,27 +6,18 @@ runs them in a process of its own). Bound: the packed varlen kernels' (float32).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
-from benchlib.paths import REPO
+from benchlib.triton_interpreter import harness_result
 
 BOUND = 1e-5
 
 
 @pytest.fixture(scope="module")
 def measured() -> dict[str, Any]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "tests.fla_state_interpreter"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return harness_result("tests.fla_state_interpreter")
 
 
 def test_fla_from_state_rows_matches_the_torch_kernels(measured: dict[str, Any]) -> None:
